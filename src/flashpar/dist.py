@@ -1,0 +1,129 @@
+"""Process groups, device meshes, timeouts and cross-rank input checks.
+
+Everything that takes ``group=`` accepts ``None`` (the default world group), a
+``torch.distributed.ProcessGroup`` or a one-dimensional ``DeviceMesh``.  Nothing
+here keeps module-level parallel state: callers pass groups explicitly.
+
+Cross-rank check: a rank can validate only its own tensors.  Inputs that must
+agree across ranks (feature sizes, trailing dims, dtype, mode) are compared by
+one small all-gather of integer metadata, so that a mismatch raises the same
+clear error on every rank instead of hanging in a point-to-point wait.  A rank
+whose local validation failed still takes part in that all-gather with an error
+flag, so its peers raise too rather than waiting for data that never comes.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Default limit for every wait of an overlapped op (seconds)."""
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """The resolved group of one call: the process group, its size and this rank's index in it."""
+
+    group: dist.ProcessGroup | None
+    world_size: int
+    rank: int
+
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of ``group_rank`` (P2P calls take global ranks)."""
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+
+def resolve_group(group=None) -> GroupInfo:
+    """Turn ``None`` / ProcessGroup / 1-D DeviceMesh into a :class:`GroupInfo`.
+
+    Without an initialised default group, ``group=None`` means a single process
+    (world size 1), so every op also runs in a plain script.
+    """
+    if group is not None and group.__class__.__name__ == "DeviceMesh":
+        if group.ndim != 1:
+            raise ValueError(
+                f"a DeviceMesh passed as group must be 1-D, got mesh dims {group.mesh_dim_names or group.ndim}; "
+                "pass a sub-mesh such as mesh['tp']"
+            )
+        group = group.get_group()
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return GroupInfo(None, 1, 0)
+        return GroupInfo(None, dist.get_world_size(), dist.get_rank())
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be None, a ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}")
+    return GroupInfo(group, dist.get_world_size(group), dist.get_rank(group))
+
+
+def as_timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(seconds))
+
+
+_DTYPE_CODES = {
+    torch.float32: 1,
+    torch.float64: 2,
+    torch.bfloat16: 3,
+    torch.float16: 4,
+}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPE_CODES.get(dtype, 99)
+
+
+META_WIDTH = 24
+
+
+def exchange_metadata(
+    info: GroupInfo,
+    values: list[int],
+    *,
+    device: torch.device,
+    op_name: str,
+    local_error: BaseException | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> torch.Tensor:
+    """All-gather one small int64 vector per rank; returns ``[world_size, len(values)]``.
+
+    ``local_error``: this rank's own validation failure.  It is raised here after
+    the exchange, and every other rank raises a ``RuntimeError`` naming this rank,
+    so a bad input on one rank never leaves its peers waiting.
+    """
+    if len(values) > META_WIDTH:
+        raise ValueError(f"{op_name}: {len(values)} metadata values exceed the fixed width {META_WIDTH}")
+    flag = 0 if local_error is None else 1
+    # Fixed width: ranks whose tensors differ in rank (ndim) still exchange equal-sized rows.
+    padded = [*values, *([-1] * (META_WIDTH - len(values)))]
+    mine = torch.tensor([flag, len(values), *padded], dtype=torch.int64, device=device)
+    if info.world_size == 1:
+        if local_error is not None:
+            raise local_error
+        return mine[2 : 2 + len(values)].unsqueeze(0)
+    flat = torch.empty(info.world_size * mine.numel(), dtype=torch.int64, device=device)
+    work = all_gather_single(flat, mine, group=info.group, async_op=True)
+    try:
+        work.wait(as_timedelta(timeout_s))
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"{op_name}: rank {info.rank} timed out after {timeout_s:.0f}s in the cross-rank shape check; "
+            "a peer did not call the same op (a rank died or took another code path)"
+        ) from err
+    table = flat.view(info.world_size, -1).cpu()
+    if local_error is not None:
+        raise local_error
+    bad = [r for r in range(info.world_size) if int(table[r, 0]) != 0]
+    if bad:
+        raise RuntimeError(f"{op_name}: rank(s) {bad} rejected their input (see the error raised there)")
+    if int(table[:, 1].min()) != int(table[:, 1].max()):
+        raise RuntimeError(f"{op_name}: ranks disagree on the number of input dimensions: {table[:, 1].tolist()}")
+    return table[:, 2 : 2 + len(values)]

@@ -1,0 +1,279 @@
+"""Runs a :class:`~flashpar.overlap.schedule.Schedule` with torch.distributed.
+
+One executor for every op and mode: the schedule says what to do, the op supplies
+
+* *buffers*: named tensors that pieces resolve to (see :class:`Buffers`), and
+* *kernels*: one function per gemm name that computes the rows of a piece,
+  writing straight into its slice of the output (``torch.mm(..., out=view)``).
+
+Communication goes through a :class:`~flashpar.overlap.lane.Lane`: exchanges are
+batches of ``isend``/``irecv`` (``batch_isend_irecv``), collectives are
+``all_gather_into_tensor`` / ``reduce_scatter_tensor`` / ``all_reduce`` with
+``async_op=True``.  Nothing in this file blocks between posting a transfer and
+the compute meant to hide it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flashpar.dist import GroupInfo, all_gather_single, reduce_scatter_single
+from flashpar.overlap.lane import Lane
+from flashpar.overlap.schedule import ALL, Add, Collective, Compute, Exchange, Piece, Schedule, Wait
+
+
+@dataclass(frozen=True)
+class RowSpace:
+    """Rows of a sequence-sharded 2-D view: rank ``j`` owns ``split_sizes[j]`` sequence positions,
+    each ``row_width`` rows of the flattened ``[s * prod(mid_dims), features]`` matrix."""
+
+    split_sizes: tuple[int, ...]
+    row_width: int
+
+    @functools.cached_property
+    def offsets(self) -> tuple[int, ...]:
+        out, acc = [], 0
+        for s in self.split_sizes:
+            out.append(acc)
+            acc += s
+        return tuple(out)
+
+    @property
+    def total(self) -> int:
+        return sum(self.split_sizes) * self.row_width
+
+    def block_len(self, j: int) -> int:
+        return self.split_sizes[j] * self.row_width
+
+    def rel(self, piece: Piece) -> tuple[int, int]:
+        """Rows of ``piece`` relative to the start of its block."""
+        s = self.split_sizes[piece.block]
+        lo = s * piece.chunk // piece.chunks
+        hi = s * (piece.chunk + 1) // piece.chunks
+        return lo * self.row_width, hi * self.row_width
+
+    def rows(self, piece: Piece) -> tuple[int, int]:
+        """Global rows of ``piece``."""
+        if piece.block == ALL:
+            return 0, self.total
+        lo, hi = self.rel(piece)
+        base = self.offsets[piece.block] * self.row_width
+        return base + lo, base + hi
+
+    def max_chunk(self, chunk: int, chunks: int) -> int:
+        return max(self.rel(Piece(j, chunk, chunks))[1] - self.rel(Piece(j, chunk, chunks))[0]
+                   for j in range(len(self.split_sizes)))
+
+
+class Buffers:
+    """Named tensors of one call; ``view(name, piece, peer)`` resolves a piece to rows.
+
+    Kinds (registered by the op):
+    * ``full``: ``[total, F]`` in global row order; the local block may live in another
+      tensor (``local=``, e.g. the input shard, so it is never copied).
+    * ``local``: ``[s_r rows, F]``, pieces of this rank's block (the reduce-scatter output).
+    * ``per_peer``: one ``local``-shaped tensor per peer (received partials).
+    * ``per_block``: one tensor per block, allocated on first use (partials to send).
+    * ``scratch``: ``[max block rows, F]``, pieces at block-relative rows (ring accumulators).
+    Collectives may land a piece elsewhere (a padded slab): ``land`` overrides the lookup.
+    """
+
+    def __init__(self, rows: RowSpace, rank: int, *, dtype: torch.dtype, device: torch.device) -> None:
+        self.rows, self.rank, self.dtype, self.device = rows, rank, dtype, device
+        self._kind: dict[str, str] = {}
+        self._t: dict[str, object] = {}
+        self._local: dict[str, torch.Tensor] = {}
+        self._width: dict[str, int] = {}
+        self._landed: dict[tuple[str, int, int, int], torch.Tensor] = {}
+
+    def empty(self, n_rows: int, width: int) -> torch.Tensor:
+        return torch.empty(n_rows, width, dtype=self.dtype, device=self.device)
+
+    def add_full(self, name: str, tensor: torch.Tensor | None, width: int, local: torch.Tensor | None = None):
+        self._kind[name], self._width[name] = "full", width
+        self._t[name] = tensor if tensor is not None else self.empty(self.rows.total, width)
+        if local is not None:
+            self._local[name] = local
+        return self._t[name]
+
+    def add_local(self, name: str, tensor: torch.Tensor) -> None:
+        self._kind[name], self._t[name], self._width[name] = "local", tensor, tensor.shape[1]
+
+    def add_lazy(self, name: str, kind: str, width: int) -> None:
+        """``per_peer`` / ``per_block`` / ``scratch`` buffers, allocated when first viewed."""
+        self._kind[name], self._t[name], self._width[name] = kind, {}, width
+
+    def add_slabs(self, name: str, chunks: int, width: int) -> None:
+        """Per-slice send slabs ``{name}{c}`` of ``[N * pad_c, F]`` (padded blocks, rank-major) for
+        slice-mode reduce-scatter; pieces of ``name`` land in their block's rows of slab ``c``."""
+        n = len(self.rows.split_sizes)
+        self._width[name] = width
+        for c in range(chunks):
+            pad = self.rows.max_chunk(c, chunks)
+            slab = self.empty(n * pad, width)
+            self._t[f"{name}{c}"] = slab
+            for j in range(n):
+                lo, hi = self.rows.rel(Piece(j, c, chunks))
+                self.land(name, Piece(j, c, chunks), slab[j * pad : j * pad + hi - lo])
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._t[name]  # type: ignore[return-value]
+
+    def width(self, name: str) -> int:
+        return self._width[name]
+
+    def land(self, name: str, piece: Piece, view: torch.Tensor) -> None:
+        self._landed[(name, piece.block, piece.chunk, piece.chunks)] = view
+
+    def view(self, name: str, piece: Piece, peer: int = -1) -> torch.Tensor:
+        landed = self._landed.get((name, piece.block, piece.chunk, piece.chunks))
+        if landed is not None:
+            return landed
+        kind, t = self._kind[name], self._t[name]
+        if kind == "full":
+            if piece.block == self.rank and name in self._local:
+                lo, hi = self.rows.rel(piece)
+                return self._local[name][lo:hi]
+            lo, hi = self.rows.rows(piece)
+            return t[lo:hi]  # type: ignore[index]
+        if piece.block == ALL:
+            return t  # type: ignore[return-value]
+        lo, hi = self.rows.rel(piece)
+        if kind == "local":
+            return t[lo:hi]  # type: ignore[index]
+        key = {"per_peer": peer, "per_block": piece.block, "scratch": 0}[kind]
+        store: dict = t  # type: ignore[assignment]
+        if key not in store:
+            n = self.rows.block_len(self.rank if kind == "per_peer" else piece.block)
+            if kind == "scratch":
+                n = max(self.rows.block_len(j) for j in range(len(self.rows.split_sizes)))
+            store[key] = self.empty(n, self._width[name])
+        return store[key][lo:hi]
+
+
+Kernel = Callable[[Compute], None]
+
+
+def run_schedule(
+    schedule: Schedule,
+    buffers: Buffers,
+    kernels: dict[str, Kernel],
+    info: GroupInfo,
+    *,
+    op_name: str,
+    timeout_s: float,
+) -> None:
+    """Run ``schedule``'s steps: compute on this thread, transfers on the lane."""
+    lane = Lane(op_name, info.rank, timeout_s=timeout_s, threaded=buffers.device.type != "cuda")
+    try:
+        for step in schedule.steps:
+            if isinstance(step, Compute):
+                if _nonempty(buffers.rows, step.piece):
+                    kernels[step.gemm](step)
+            elif isinstance(step, Wait):
+                lane.wait(step.id)
+            elif isinstance(step, Add):
+                if _nonempty(buffers.rows, step.piece):
+                    buffers.view(step.dst, step.piece).add_(buffers.view(step.src, step.piece, step.peer))
+            elif isinstance(step, Exchange):
+                _submit_exchange(lane, step, buffers, info)
+            elif isinstance(step, Collective):
+                _submit_collective(lane, step, buffers, info)
+            else:  # pragma: no cover - the schedule vocabulary is closed
+                raise TypeError(f"unknown step {step!r}")
+        lane.close()
+    except BaseException:
+        lane.stop()
+        raise
+
+
+def _nonempty(rows: RowSpace, piece: Piece) -> bool:
+    lo, hi = rows.rows(piece)
+    return hi > lo
+
+
+def _submit_exchange(lane: Lane, step: Exchange, buffers: Buffers, info: GroupInfo) -> None:
+    ops = []
+    for kind, transfers in ((dist.isend, step.sends), (dist.irecv, step.recvs)):
+        for t in transfers:
+            view = buffers.view(t.buffer, t.piece, t.peer)
+            if view.numel():
+                ops.append(dist.P2POp(kind, view, info.global_rank(t.peer), info.group))
+    sends = [f"send {t.buffer} to rank {t.peer}" for t in step.sends]
+    what = "exchange " + ", ".join(sends + [f"recv {t.buffer} from rank {t.peer}" for t in step.recvs])
+    lane.submit(step.id, functools.partial(_post_p2p, ops), what)
+
+
+def _post_p2p(ops: list) -> list:
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _submit_collective(lane: Lane, step: Collective, buffers: Buffers, info: GroupInfo) -> None:
+    """Collectives over chunk ``c`` of every block; uneven blocks are padded to the largest."""
+    rows, n, r = buffers.rows, info.world_size, info.rank
+    c, k = step.chunk, step.chunks
+    what = f"{step.kind} of {step.src} (slice {c}/{k}) over {n} ranks"
+    if step.kind == "all_reduce":
+        fn = functools.partial(_async, dist.all_reduce, buffers.tensor(step.src), group=info.group)
+        lane.submit(step.id, fn, what)
+        return
+    width = buffers.width(step.src)
+    pad = rows.max_chunk(c, k)
+    even = all(rows.rel(Piece(j, c, k))[1] - rows.rel(Piece(j, c, k))[0] == pad for j in range(n))
+    if step.kind == "all_gather":
+        if even and k == 1:
+            slab = buffers.tensor(step.dst)  # rank-major gather is the global row order
+            local = buffers.view(step.src, Piece(r))
+        else:
+            slab = buffers.empty(n * pad, width)
+            local = buffers.view(step.src, Piece(r, c, k))
+            if not even:
+                padded = buffers.empty(pad, width)
+                padded[: local.shape[0]].copy_(local)
+                local = padded
+            for j in range(n):
+                lo, hi = rows.rel(Piece(j, c, k))
+                buffers.land(step.dst, Piece(j, c, k), slab[j * pad : j * pad + hi - lo])
+            if k == 1:  # 'none' on uneven blocks: compact into global row order once it has arrived
+                after = functools.partial(_compact, slab, buffers, step.dst, pad, n)
+                fn = functools.partial(_async, all_gather_single, slab, local, group=info.group)
+                lane.submit(step.id, fn, what, after_done=after)
+                return
+        fn = functools.partial(_async, all_gather_single, slab, local, group=info.group)
+        lane.submit(step.id, fn, what)
+        return
+    # reduce_scatter: src is the full partial ('none') or a per-slice slab ('slice')
+    out = buffers.view(step.dst, Piece(r, c, k))
+    if step.src == "full" and even:
+        slab = buffers.tensor("full")
+    elif step.src == "full":
+        slab = buffers.empty(n * pad, width)
+        for j in range(n):
+            lo, hi = rows.rows(Piece(j))
+            slab[j * pad : j * pad + hi - lo].copy_(buffers.tensor("full")[lo:hi])
+    else:
+        slab = buffers.tensor(f"{step.src}{c}")
+    target = out if out.shape[0] == pad else buffers.empty(pad, width)
+    after = None if target is out else functools.partial(_copy_rows, out, target)
+    fn = functools.partial(_async, reduce_scatter_single, target, slab, group=info.group)
+    lane.submit(step.id, fn, what, after_done=after)
+
+
+def _async(collective, *args, group) -> list:
+    return [collective(*args, group=group, async_op=True)]
+
+
+def _copy_rows(out: torch.Tensor, padded: torch.Tensor) -> None:
+    out.copy_(padded[: out.shape[0]])
+
+
+def _compact(slab: torch.Tensor, buffers: Buffers, name: str, pad: int, n: int) -> None:
+    full = buffers.tensor(name)
+    for j in range(n):
+        lo, hi = buffers.rows.rows(Piece(j))
+        full[lo:hi].copy_(slab[j * pad : j * pad + hi - lo])

@@ -1,0 +1,117 @@
+"""Sequence-parallel linear layers (Megatron conventions) built on the overlapped ops.
+
+    ColumnParallelLinear:  x_shard [s/N, ..., in]  -> y [s, ..., out/N]     (w_col [out/N, in])
+    RowParallelLinear:     x [s, ..., in/N]        -> y_shard [s/N, ..., out] (w_row [out, in/N])
+
+A column-parallel layer followed by a row-parallel one is the tensor-parallel MLP
+(or attention) block: the activations between them are feature-sharded and
+sequence-complete, those outside are sequence-sharded.  ``from_linear(linear,
+group)`` shards a full ``nn.Linear`` so a converted model can be checked against
+its unsharded self.  The row-parallel bias is replicated; its gradient is the
+full (all-reduced) gradient on every rank, so replicas never drift.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from flashpar.dist import DEFAULT_TIMEOUT_S, resolve_group
+from flashpar.overlap.ops import all_gather_matmul, matmul_reduce_scatter
+
+
+def _shard_len(total: int, n: int, what: str) -> int:
+    if total % n:
+        raise ValueError(f"{what} = {total} is not divisible by the tensor-parallel size {n}")
+    return total // n
+
+
+def _init_like_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
+    """nn.Linear's initialisation, with the fan-in of the full (unsharded) layer."""
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    nn.init.uniform_(weight, -bound, bound)  # = kaiming_uniform_(a=sqrt(5)) of nn.Linear
+    if bias is not None:
+        nn.init.uniform_(bias, -bound, bound)
+
+
+class _ParallelLinear(nn.Module):
+    def __init__(self, group, mode: str, chunks: int | None, timeout_s: float) -> None:
+        super().__init__()
+        self.group = group
+        self.mode = mode
+        self.chunks = chunks
+        self.timeout_s = timeout_s
+        info = resolve_group(group)
+        self.tp_size, self.tp_rank = info.world_size, info.rank
+
+    def extra_repr(self) -> str:
+        w = self.weight
+        return f"weight={tuple(w.shape)}, bias={self.bias is not None}, tp={self.tp_size}, mode={self.mode}"
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = all_gather(x_shard) @ w_col^T + b_col``; output features sharded over the group."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
+                 mode: str = "flash", chunks: int | None = None, save_gathered: bool = False,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, device=None, dtype=None) -> None:
+        super().__init__(group, mode, chunks, timeout_s)
+        out_local = _shard_len(out_features, self.tp_size, "out_features")
+        self.in_features, self.out_features = in_features, out_features
+        self.save_gathered = save_gathered
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_local, in_features, **kw))
+        self.bias = nn.Parameter(torch.empty(out_local, **kw)) if bias else None
+        _init_like_linear(self.weight.data, self.bias.data if bias else None, in_features)
+
+    def forward(self, x_shard: torch.Tensor, *, split_sizes: list[int] | None = None) -> torch.Tensor:
+        return all_gather_matmul(x_shard, self.weight, self.bias, group=self.group, mode=self.mode,
+                                 chunks=self.chunks, split_sizes=split_sizes, save_gathered=self.save_gathered,
+                                 timeout_s=self.timeout_s)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **kwargs) -> ColumnParallelLinear:
+        """This rank's rows of ``linear.weight`` (and ``linear.bias``)."""
+        mod = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
+                  device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        n = mod.weight.shape[0]
+        lo = mod.tp_rank * n
+        with torch.no_grad():
+            mod.weight.copy_(linear.weight[lo : lo + n])
+            if linear.bias is not None:
+                mod.bias.copy_(linear.bias[lo : lo + n])
+        return mod
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y_shard = reduce_scatter(x @ w_row^T) + b``; input features sharded, bias replicated."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
+                 mode: str = "flash", chunks: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 device=None, dtype=None) -> None:
+        super().__init__(group, mode, chunks, timeout_s)
+        in_local = _shard_len(in_features, self.tp_size, "in_features")
+        self.in_features, self.out_features = in_features, out_features
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, in_local, **kw))
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+        _init_like_linear(self.weight.data, self.bias.data if bias else None, in_features)
+
+    def forward(self, x: torch.Tensor, *, split_sizes: list[int] | None = None) -> torch.Tensor:
+        return matmul_reduce_scatter(x, self.weight, self.bias, group=self.group, mode=self.mode,
+                                     chunks=self.chunks, split_sizes=split_sizes, timeout_s=self.timeout_s)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **kwargs) -> RowParallelLinear:
+        """This rank's columns of ``linear.weight``; the bias is copied whole."""
+        mod = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
+                  device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        n = mod.weight.shape[1]
+        lo = mod.tp_rank * n
+        with torch.no_grad():
+            mod.weight.copy_(linear.weight[:, lo : lo + n])
+            if linear.bias is not None:
+                mod.bias.copy_(linear.bias)
+        return mod

@@ -1,0 +1,140 @@
+"""Times a schedule's step list with the hardware cost model, and picks a mode for ``auto``.
+
+Two agents, as in the executor: the main agent runs computes, waits and adds in
+order; the lane runs each submitted item after the previous one.
+
+    exchange  = latency + max(bytes sent, bytes received) / link   (full duplex)
+    all_gather / reduce_scatter of b bytes per rank = (N - 1) (latency + b / link)  (ring algorithm)
+    all_reduce of b bytes = 2 (N - 1) (latency + b / (N link))
+    time      = when both agents are done
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flashpar.cost import Hardware, load
+from flashpar.overlap.executor import RowSpace
+from flashpar.overlap.schedule import (
+    Add,
+    Collective,
+    Compute,
+    Exchange,
+    Piece,
+    Schedule,
+    Wait,
+    build_schedule,
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One op call: ``rows`` of the gathered/full side, the GEMM dims, element size."""
+
+    rows: RowSpace
+    gemm_dims: dict  # gemm name -> (k, n): flops = 2 * rows * k * n
+    widths: dict  # buffer name -> features per row
+    elem_bytes: int
+
+
+@dataclass(frozen=True)
+class Timing:
+    total: float
+    compute: float  # sum of the compute steps: the time with no communication at all
+    comm: float  # sum of the lane items: the time with no compute at all
+
+
+def simulate(schedule: Schedule, shape: Shape, hw: Hardware) -> Timing:
+    rows, n = shape.rows, schedule.world_size
+    t_main = t_lane = 0.0
+    done: dict[int, float] = {}
+    compute = comm = 0.0
+
+    def nbytes(buffer: str, piece: Piece) -> float:
+        lo, hi = rows.rows(piece)
+        return (hi - lo) * shape.widths.get(buffer, 0) * shape.elem_bytes
+
+    for step in schedule.steps:
+        if isinstance(step, Compute):
+            lo, hi = rows.rows(step.piece)
+            k, m = shape.gemm_dims[step.gemm]
+            dt = hw.gemm_time(hi - lo, k, m)
+            t_main += dt
+            compute += dt
+        elif isinstance(step, Add):
+            lo, hi = rows.rows(step.piece)
+            dt = hw.memory_time(3 * (hi - lo) * shape.widths.get(step.dst, 0) * shape.elem_bytes)
+            t_main += dt
+            compute += dt
+        elif isinstance(step, Wait):
+            t_main = max(t_main, done[step.id])
+        else:
+            if isinstance(step, Exchange):
+                sent = sum(nbytes(t.buffer, t.piece) for t in step.sends)
+                recv = sum(nbytes(t.buffer, t.piece) for t in step.recvs)
+                dt = hw.transfer_time(max(sent, recv))
+            else:
+                dt = _collective_time(step, rows, shape, hw, n)
+            t_lane = max(t_main, t_lane) + dt
+            done[step.id] = t_lane
+            comm += dt
+    return Timing(max(t_main, t_lane), compute, comm)
+
+
+def _collective_time(step: Collective, rows: RowSpace, shape: Shape, hw: Hardware, n: int) -> float:
+    width = shape.widths.get(step.src, 0)
+    if step.kind == "all_reduce":
+        b = width * shape.elem_bytes
+        return 2 * (n - 1) * (hw.link_latency_s + b / (n * hw.link_bytes_per_s))
+    b = rows.max_chunk(step.chunk, step.chunks) * width * shape.elem_bytes
+    return (n - 1) * hw.transfer_time(b)
+
+
+def op_shapes(op: str, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int) -> dict[str, Shape]:
+    """Forward and backward :class:`Shape` of ``op`` on equal blocks of a ``rows``-row sequence.
+
+    ``ag_matmul``: weight ``[n_out, n_in]`` (this rank's columns); ``matmul_rs``: weight ``[n_out, n_in]``
+    (this rank's input features)."""
+    space = RowSpace(tuple([max(rows // n, 1)] * n), 1)
+    if op == "ag_matmul":
+        fwd = Shape(space, {"y": (n_in, n_out)}, {"x": n_in}, elem_bytes)
+        bwd = Shape(space, {"p": (n_out, n_in), "gw": (n_out, n_in)},
+                    {"x": n_in, "send": n_in, "recv": n_in, "full": n_in, "slab": n_in, "acc0": n_in, "acc1": n_in,
+                     "accin0": n_in, "accin1": n_in, "y": n_in}, elem_bytes)
+        return {"ag_matmul": fwd, "ag_matmul_bwd": bwd}
+    fwd = Shape(space, {"p": (n_in, n_out)},
+                {"send": n_out, "recv": n_out, "full": n_out, "slab": n_out, "acc0": n_out, "acc1": n_out,
+                 "accin0": n_out, "accin1": n_out, "y": n_out}, elem_bytes)
+    bwd = Shape(space, {"gx": (n_out, n_in), "gw": (n_out, n_in)}, {"g": n_out, "gb": n_out}, elem_bytes)
+    return {"matmul_rs": fwd, "matmul_rs_bwd": bwd}
+
+
+CANDIDATES = (("none", 1), ("flash", 1), ("flash", 2), ("flash", 4))
+AUTO_MARGIN = 0.9
+"""``auto`` leaves ``none`` only for a predicted gain of more than 10%: the model is rough,
+and a wrong switch to a decomposed schedule at small M is the costly mistake."""
+
+
+def predict(op: str, mode: str, chunks: int, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int,
+            hw: Hardware) -> dict[str, Timing]:
+    """Predicted forward and backward timings of ``op`` in ``mode`` (rank 0's schedule; equal blocks)."""
+    out = {}
+    for name, shape in op_shapes(op, n, rows, n_in, n_out, elem_bytes).items():
+        extra = {"grad_bias": True} if name == "matmul_rs_bwd" else {}
+        out[name] = simulate(build_schedule(name, mode, n, 0, chunks=chunks, **extra), shape, hw)
+    return out
+
+
+def choose_mode(op: str, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int, device_type: str,
+                hw: Hardware | None = None) -> tuple[str, int]:
+    """The (mode, chunks) with the least predicted forward + backward time."""
+    hw = hw or load(device_type)
+    scored = []
+    for mode, chunks in CANDIDATES:
+        t = sum(v.total for v in predict(op, mode, chunks, n, rows, n_in, n_out, elem_bytes, hw).values())
+        scored.append((t, mode, chunks))
+    base = scored[0][0]
+    best = min(scored)
+    if best[1] != "none" and best[0] < AUTO_MARGIN * base:
+        return best[1], best[2]
+    return "none", 1

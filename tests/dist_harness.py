@@ -1,0 +1,73 @@
+"""Run a function on N gloo ranks in spawned processes and collect each rank's return value.
+
+One spawn per world size runs many cases (process start-up dominates on 2 cores);
+results come back through a queue, and a rank's exception comes back with its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # N ranks share 2 cores
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = 240.0) -> list:
+    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each in its own process."""
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    errors = []
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(out) + len(errors) < world_size:
+        if time.monotonic() > deadline:
+            break
+        if results.empty():
+            if not any(p.is_alive() for p in procs) and results.empty():
+                break
+            time.sleep(0.02)
+            continue
+        rank, status, value = results.get()
+        if status == "ok":
+            out[rank] = value
+        else:
+            errors.append(f"rank {rank}:\n{value}")
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    if len(out) < world_size:
+        raise RuntimeError(f"only ranks {sorted(out)} of {world_size} reported within {timeout}s")
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,155 @@
+"""Cases for the overlapped TP-SP ops, run inside each rank of a gloo group (see test_overlap_ops.py).
+
+Every case builds the full tensors from one seed on every rank, runs the
+distributed op on this rank's shards, and compares output and gradients with a
+float64 single-process reference on the full tensors.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flashpar.overlap import all_gather_matmul, matmul_reduce_scatter
+
+# fp32: unit roundoff 6e-8; the reductions here are at most a few hundred terms long, so
+# summation-order differences stay below ~1e-6 relative.  1e-5 leaves a 10x margin while a
+# missing, duplicated or misplaced block gives an O(1) error.
+FP32_TOL = 1e-5
+# bf16: unit roundoff 3.9e-3; the output is rounded once and reduce-scatter partials are added in
+# bf16 (up to N - 1 more roundings), so errors of a few u are expected; 3e-2 still catches any
+# wrong block (O(1)).
+BF16_TOL = 3e-2
+
+MODES = [("flash", 1), ("flash", 2), ("ring", 1), ("ring", 2), ("slice", 2), ("slice", 3), ("none", None),
+         ("auto", None)]
+UNEVEN = {1: [5], 2: [3, 6], 3: [4, 1, 3], 4: [3, 0, 5, 2]}
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str  # "ag" | "rs"
+    mode: str
+    chunks: int | None
+    uneven: bool
+    bias: bool
+    mid: tuple[int, ...]
+    dtype: str = "float32"
+    save_gathered: bool = False
+    pass_split: bool = True
+
+    @property
+    def id(self) -> str:
+        parts = [self.op, self.mode, f"k{self.chunks}", "uneven" if self.uneven else "even",
+                 "bias" if self.bias else "nobias", f"mid{'x'.join(map(str, self.mid)) or '-'}", self.dtype]
+        if self.save_gathered:
+            parts.append("saved")
+        if self.uneven and not self.pass_split:
+            parts.append("exchanged")
+        return "-".join(parts)
+
+
+def all_cases() -> list[Case]:
+    cases = []
+    for op in ("ag", "rs"):
+        for i, (mode, k) in enumerate(MODES):
+            cases.append(Case(op, mode, k, uneven=False, bias=True, mid=()))
+            cases.append(Case(op, mode, k, uneven=True, bias=i % 2 == 0, mid=(2,), pass_split=op == "rs" or i % 2 == 0))
+        for mode, k in (("flash", 1), ("none", None)):
+            cases.append(Case(op, mode, k, uneven=False, bias=True, mid=(), dtype="bfloat16"))
+    for mode, k in (("flash", 2), ("ring", 1), ("slice", 2), ("none", None)):
+        cases.append(Case("ag", mode, k, uneven=False, bias=True, mid=(2,), save_gathered=True))
+    return cases
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.detach().double(), ref.detach().double()
+    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _sizes(case: Case, n: int) -> list[int]:
+    return UNEVEN[n] if case.uneven else [4] * n
+
+
+def run_case(case: Case, rank: int, n: int, *, group=None) -> str | None:
+    """None if every output and gradient matches the reference, else a description of the mismatch."""
+    dtype = getattr(torch, case.dtype)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    sizes = _sizes(case, n)
+    S, off = sum(sizes), sum(sizes[:rank])
+    feat_in, feat_out = 8, 6  # per-rank shard of the sharded feature dim
+    gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()))  # same on every rank
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    if case.op == "ag":
+        x_full, w_full = rand(S, *case.mid, feat_in), rand(feat_out * n, feat_in)
+        cols = slice(rank * feat_out, (rank + 1) * feat_out)
+        b_full = rand(feat_out * n) if case.bias else None
+        gy_full = rand(S, *case.mid, feat_out * n)
+        x = x_full[off : off + sizes[rank]].clone().requires_grad_()
+        w = w_full[cols].clone().requires_grad_()
+        b = b_full[cols].clone().requires_grad_() if case.bias else None
+        split = sizes if (case.uneven and case.pass_split) else None
+        y = all_gather_matmul(x, w, b, group=group, mode=case.mode, chunks=case.chunks, split_sizes=split,
+                              save_gathered=case.save_gathered)
+        y.backward(gy_full[..., cols])
+        expect_y = lambda ref: ref[..., cols]  # noqa: E731
+        expect_x = lambda g: g[off : off + sizes[rank]]  # noqa: E731
+        expect_w = lambda g: g[cols]  # noqa: E731
+        expect_b = lambda g: g[cols]  # noqa: E731
+    else:
+        x_full, w_full = rand(S, *case.mid, feat_in * n), rand(feat_out, feat_in * n)
+        cols = slice(rank * feat_in, (rank + 1) * feat_in)
+        b_full = rand(feat_out) if case.bias else None
+        gy_full = rand(S, *case.mid, feat_out)
+        x = x_full[..., cols].clone().requires_grad_()
+        w = w_full[:, cols].clone().requires_grad_()
+        b = b_full.clone().requires_grad_() if case.bias else None
+        split = sizes if case.uneven else None
+        y = matmul_reduce_scatter(x, w, b, group=group, mode=case.mode, chunks=case.chunks, split_sizes=split)
+        y.backward(gy_full[off : off + sizes[rank]])
+        expect_y = lambda ref: ref[off : off + sizes[rank]]  # noqa: E731
+        expect_x = lambda g: g[..., cols]  # noqa: E731
+        expect_w = lambda g: g[:, cols]  # noqa: E731
+        expect_b = lambda g: g  # noqa: E731
+
+    # float64 reference on the full tensors
+    xr = x_full.double().requires_grad_()
+    wr = w_full.double().requires_grad_()
+    br = b_full.double().requires_grad_() if case.bias else None
+    yr = F.linear(xr, wr, br)
+    yr.backward(gy_full.double())
+
+    checks = [("y", y, expect_y(yr.detach())), ("grad_x", x.grad, expect_x(xr.grad)),
+              ("grad_w", w.grad, expect_w(wr.grad))]
+    if case.bias:
+        checks.append(("grad_b", b.grad, expect_b(br.grad)))
+    problems = []
+    for name, got, ref in checks:
+        if got is None:
+            problems.append(f"{name} missing")
+            continue
+        if tuple(got.shape) != tuple(ref.shape):
+            problems.append(f"{name} shape {tuple(got.shape)} != {tuple(ref.shape)}")
+            continue
+        if got.dtype != dtype:
+            problems.append(f"{name} dtype {got.dtype} != {dtype}")
+        err = _rel(got, ref) if ref.numel() else 0.0
+        if not err <= tol:
+            problems.append(f"{name} rel err {err:.3g} > {tol}")
+    return "; ".join(problems) or None
+
+
+def run_all(rank: int, n: int, cases: list[Case]) -> dict[str, str | None]:
+    out = {}
+    for c in cases:
+        try:
+            out[c.id] = run_case(c, rank, n)
+        except Exception as err:  # noqa: BLE001 - reported as this case's failure
+            out[c.id] = f"raised {type(err).__name__}: {err}"
+    return out
