@@ -38,6 +38,11 @@ def test_parse_rate_rejects(bad: str) -> None:
         parse_rate(bad)
 
 
+def _netns_list() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
 # rank 0 sends NBYTES to rank 1; rank 1 prints the seconds the receive took.  A tiny warm-up
 # message first, so the timed transfer does not include gloo's connection setup.
 _SEND_RECV = textwrap.dedent("""
@@ -68,8 +73,7 @@ def test_shaped_links_throughput_and_teardown() -> None:
     rate = "200mbit"
     with EmulatedLinks(2, rate) as links:
         names = [links.netns(0), links.netns(1), links.hub]
-        assert set(names) <= set(subprocess.run(["ip", "netns", "list"], capture_output=True,
-                                                text=True).stdout.split())  # fmt: skip
+        assert set(names) <= set(_netns_list())
         procs = launch_ranks(2, [sys.executable, "-c", _SEND_RECV], links=links, timeout=60)
     seconds = float(procs[1].stdout.split("SECONDS")[1].split()[0])
     measured = 5_000_000 / seconds
@@ -79,8 +83,7 @@ def test_shaped_links_throughput_and_teardown() -> None:
     # transfer run ahead, and a busy 2-core box (gloo threads, other tests) can only slow it down.
     # Unshaped veths run at several GB/s, i.e. >100x the rate, so this still proves the shaping is real.
     assert 0.4 * parse_rate(rate) < measured < 1.3 * parse_rate(rate), f"{measured / 1e6:.1f} MB/s"
-    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert not any(name in left for name in names), left
+    assert not set(names) & set(_netns_list())
 
 
 def test_launch_ranks_names_failing_rank() -> None:
@@ -97,9 +100,8 @@ def test_launch_ranks_names_failing_rank() -> None:
 
 
 def test_launch_ranks_loopback_env() -> None:
-    prog = (
-        "import os; print(*(os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'LOCAL_RANK', 'X')))"
-    )
+    keys = ["RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK", "X"]
+    prog = f"import os; print(*(os.environ[k] for k in {keys!r}))"
     procs = launch_ranks(3, [sys.executable, "-c", prog], env={"X": "x"}, timeout=30)
     assert [p.stdout.split() for p in procs] == [[str(r), "3", "127.0.0.1", str(r), "x"] for r in range(3)]
 
@@ -133,8 +135,7 @@ def test_signal_tears_down(sig: signal.Signals) -> None:
         assert len(names) == 3
         proc.send_signal(sig)
         assert proc.wait(timeout=10) != 0
-    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert not any(name in left for name in names), left
+    assert not set(names) & set(_netns_list())
 
 
 def test_launch_ranks_timeout() -> None:

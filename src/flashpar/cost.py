@@ -14,8 +14,11 @@ returns the stored values where they exist, the defaults elsewhere.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -58,8 +61,24 @@ def default_path() -> Path:
     return Path(base) / "flashpar" / "hardware.json"
 
 
+_IN_USE: contextvars.ContextVar[Hardware | None] = contextvars.ContextVar("flashpar_hardware", default=None)
+
+
+@contextlib.contextmanager
+def use(hardware: Hardware) -> Iterator[None]:
+    """Within this block, :func:`load` returns ``hardware`` (e.g. values just measured on an emulated link)."""
+    token = _IN_USE.set(hardware)
+    try:
+        yield
+    finally:
+        _IN_USE.reset(token)
+
+
 def load(device_type: str = "cpu", path: str | os.PathLike | None = None) -> Hardware:
-    """Stored calibration for ``device_type`` if there is one, else the defaults."""
+    """The hardware in :func:`use`, else the stored calibration for ``device_type``, else the defaults."""
+    in_use = _IN_USE.get()
+    if in_use is not None and path is None:
+        return in_use
     fallback = DEFAULTS.get(device_type, DEFAULTS["cpu"])
     p = Path(path) if path is not None else default_path()
     try:

@@ -15,8 +15,10 @@ the compute meant to hide it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -158,6 +160,22 @@ class Buffers:
 
 Kernel = Callable[[Compute], None]
 
+_ONLY: contextvars.ContextVar[str | None] = contextvars.ContextVar("flashpar_overlap_only", default=None)
+
+
+@contextlib.contextmanager
+def only(part: str) -> Iterator[None]:
+    """Benchmarks: run only the ``"compute"`` steps (no transfers) or only the ``"comm"`` steps
+    (transfers of the same sizes, in the same order, no GEMMs) of every schedule in this block.
+    Results are meaningless inside it; times are the compute-only / communication-only baselines."""
+    if part not in ("compute", "comm"):
+        raise ValueError(f"only() takes 'compute' or 'comm', got {part!r}")
+    token = _ONLY.set(part)
+    try:
+        yield
+    finally:
+        _ONLY.reset(token)
+
 
 def run_schedule(
     schedule: Schedule,
@@ -169,9 +187,14 @@ def run_schedule(
     timeout_s: float,
 ) -> None:
     """Run ``schedule``'s steps: compute on this thread, transfers on the lane."""
-    lane = Lane(op_name, info.rank, timeout_s=timeout_s, threaded=buffers.device.type != "cuda")
+    # 'none' has nothing to overlap: its collective is posted and waited for on this thread.
+    threaded = buffers.device.type != "cuda" and schedule.mode != "none"
+    lane = Lane(op_name, info.rank, timeout_s=timeout_s, threaded=threaded)
+    skip = {"compute": (Exchange, Collective, Wait), "comm": (Compute, Add)}.get(_ONLY.get(), ())
     try:
         for step in schedule.steps:
+            if isinstance(step, skip):
+                continue
             if isinstance(step, Compute):
                 if _nonempty(buffers.rows, step.piece):
                     kernels[step.gemm](step)
@@ -188,7 +211,7 @@ def run_schedule(
                 raise TypeError(f"unknown step {step!r}")
         lane.close()
     except BaseException:
-        lane.stop()
+        lane.abort()
         raise
 
 

@@ -11,6 +11,8 @@ issued in order execute in order.
   and takes the next.  gloo would otherwise run every posted transfer at once,
   splitting the link between peers so that all peer blocks arrive together at
   the end, which is exactly the exposed tail the flash schedule exists to avoid.
+  One worker thread per calling thread is started on first use and reused by
+  every later op (starting a thread per call costs about a millisecond here).
 * CUDA (NCCL): items are posted directly; NCCL orders them on its stream and
   ``Work.wait`` makes the compute stream wait, without blocking the host.
 
@@ -35,6 +37,34 @@ class LaneError(RuntimeError):
     pass
 
 
+class _Worker:
+    """A daemon thread that runs (lane, item, fn) jobs in order."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="flashpar-lane", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        with torch.no_grad():  # grad mode is per thread; the buffers are written under no_grad
+            while True:
+                lane, item, fn = self.jobs.get()
+                lane._execute(item, fn)
+
+
+_workers: dict[int, _Worker] = {}
+_workers_lock = threading.Lock()
+
+
+def _worker_for_this_thread() -> _Worker:
+    key = threading.get_ident()
+    with _workers_lock:
+        worker = _workers.get(key)
+        if worker is None or not worker.thread.is_alive():
+            worker = _workers[key] = _Worker()
+        return worker
+
+
 class Lane:
     def __init__(self, op_name: str, rank: int, *, timeout_s: float, threaded: bool) -> None:
         self.op_name = op_name
@@ -47,36 +77,21 @@ class Lane:
         self._after: dict[int, Callable[[], None] | None] = {}
         self._error: BaseException | None = None
         self._error_item: int | None = None
-        self._queue: queue.SimpleQueue | None = None
-        self._thread: threading.Thread | None = None
+        self._aborted = False
+        self._worker: _Worker | None = None
 
     def _fail_message(self, item: int, what: str) -> str:
         return f"{self.op_name}: rank {self.rank}: lane item #{item} ({what}) failed"
 
-    def _start(self) -> None:
-        self._queue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._worker, name=f"flashpar-lane-{self.op_name}", daemon=True)
-        self._thread.start()
-
-    def _worker(self) -> None:
-        assert self._queue is not None
-        with torch.no_grad():  # grad mode is per thread; the buffers are written under no_grad
-            self._work_loop()
-
-    def _work_loop(self) -> None:
-        assert self._queue is not None
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            item, fn = job
-            if self._error is None:
-                try:
-                    for work in fn():
-                        work.wait(as_timedelta(self.timeout_s))
-                except BaseException as err:  # noqa: BLE001 - handed to the main thread
-                    self._error, self._error_item = err, item
-            self._done[item].set()
+    def _execute(self, item: int, fn: LaneFn) -> None:
+        """Worker thread: post and complete one item (skipped after a failure or an abort)."""
+        if self._error is None and not self._aborted:
+            try:
+                for work in fn():
+                    work.wait(as_timedelta(self.timeout_s))
+            except BaseException as err:  # noqa: BLE001 - handed to the main thread
+                self._error, self._error_item = err, item
+        self._done[item].set()
 
     def submit(self, item: int, fn: LaneFn, what: str, after_done: Callable[[], None] | None = None) -> None:
         """Queue ``fn`` (posts work, returns handles); ``after_done`` runs on the main thread at ``wait``."""
@@ -89,10 +104,9 @@ class Lane:
             except BaseException as err:
                 raise LaneError(self._fail_message(item, what) + f": {err}") from err
             return
-        if self._thread is None:
-            self._start()
-        assert self._queue is not None
-        self._queue.put((item, fn))
+        if self._worker is None:
+            self._worker = _worker_for_this_thread()
+        self._worker.jobs.put((self, item, fn))
 
     def wait(self, item: int) -> None:
         what = self._what[item]
@@ -116,16 +130,10 @@ class Lane:
             after()
 
     def close(self) -> None:
-        """Wait for every item (running ``after_done`` callbacks) and stop the worker."""
-        try:
-            for item in list(self._after):
-                self.wait(item)
-        finally:
-            self.stop()
+        """Wait for every item, running the ``after_done`` callbacks."""
+        for item in list(self._after):
+            self.wait(item)
 
-    def stop(self) -> None:
-        """Stop the worker after the items already queued (used on error paths: no waiting here)."""
-        if self._thread is not None:
-            assert self._queue is not None
-            self._queue.put(None)
-            self._thread = None
+    def abort(self) -> None:
+        """Error path: items of this lane not yet posted are skipped (no waiting here)."""
+        self._aborted = True

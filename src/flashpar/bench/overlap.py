@@ -1,0 +1,304 @@
+"""``flashpar bench overlap``: every mode of the TP-SP ops side by side, in one run, on the same shapes.
+
+The parent process starts N gloo ranks (each in its own network namespace behind
+a rate-limited link with ``--link-rate``, on loopback otherwise) running
+:func:`worker`.  The worker
+
+1. calibrates GEMM rate and link (:mod:`flashpar.bench.calibrate`), rank 0's values for all;
+2. sizes the shapes: for a target communication/compute ratio the feature dim that sets the
+   GEMM work is solved from the calibration (``--ratio``), plus a small-M shape;
+3. runs, round by round with the order of the variants rotated, each variant three ways:
+   overlapped, compute-only and communication-only (:func:`flashpar.overlap.executor.only`),
+   forward and backward timed separately after a barrier;
+4. reports medians over rounds of the slowest rank's time.
+
+Columns: ``compute``, ``comm``, ``overlapped``, ``ideal = max(compute, comm)``,
+``ovl/ideal``, ``exposed = overlapped - compute``, ``ovl/bound`` with the decomposed bound
+``max(C, M + C / (N k))`` for flash and ring (one peer's sub-block of compute must follow
+the last transfer), and ``vs none`` = overlapped / overlapped of ``none``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+VARIANTS = (("none", None), ("slice", 4), ("ring", 1), ("flash", 1), ("flash", 4), ("auto", None))
+DEFAULT_RATIO = {2: 0.4, 3: 0.5, 4: 0.6}
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    name: str
+    op: str  # "ag" | "rs"
+    seq_local: int
+    n_in: int  # features of this rank's weight input side
+    n_out: int  # features of this rank's weight output side
+    target_ratio: float | None = None
+
+    def describe(self, n: int) -> str:
+        if self.op == "ag":
+            dims = f"x[{self.seq_local * n}/{n}, {self.n_in}] @ w[{self.n_out}, {self.n_in}]^T"
+        else:
+            dims = f"x[{self.seq_local * n}, {self.n_in}] @ w[{self.n_out}, {self.n_in}]^T -> scatter"
+        ratio = f", comm/compute target {self.target_ratio}" if self.target_ratio else ""
+        return f"{self.name}: {'all_gather_matmul' if self.op == 'ag' else 'matmul_reduce_scatter'} {dims}{ratio}"
+
+
+# ----------------------------------------------------------------------------------------------
+# worker (one per rank)
+
+
+def _size_shapes(hw, n: int, ratio: float, seq_local: int, width: int, elem: int) -> list[BenchShape]:
+    """Solve the GEMM's free feature dim so that forward comm / compute is about ``ratio``."""
+    rows = seq_local * n
+    comm = (n - 1) * hw.transfer_time(seq_local * width * elem)  # one block to/from each peer
+
+    def free_dim(target: float) -> int:
+        per_feature = 2.0 * width * (rows + hw.half_rows) / hw.flops
+        return max(16, int(round((comm / target - hw.gemm_overhead_s) / per_feature / 16)) * 16)
+
+    shapes = []
+    for label, r in (("hidden", ratio), ("comm-heavy", 1.5)):
+        d = free_dim(r)
+        shapes.append(BenchShape(f"ag-{label}", "ag", seq_local, width, d, r))
+        shapes.append(BenchShape(f"rs-{label}", "rs", seq_local, d, width, r))
+    small = max(1, 16 // n)
+    shapes.append(BenchShape("ag-small-M", "ag", small, 512, 512))
+    shapes.append(BenchShape("rs-small-M", "rs", small, 512, 512))
+    return shapes
+
+
+def _measure(shape: BenchShape, mode: str, chunks, kind: str, n: int, dtype, reps: int,
+             group=None) -> tuple[float, float]:
+    """Mean forward and backward seconds of this rank over ``reps`` back-to-back calls (few-ms ops are
+    repeated so that timer and barrier noise do not swamp them)."""
+    import torch
+    import torch.distributed as dist
+
+    from flashpar.overlap import all_gather_matmul, matmul_reduce_scatter
+    from flashpar.overlap.executor import only
+
+    rows = shape.seq_local if shape.op == "ag" else shape.seq_local * n
+    x = torch.randn(rows, shape.n_in, dtype=dtype, requires_grad=True)
+    w = torch.randn(shape.n_out, shape.n_in, dtype=dtype, requires_grad=True)
+    op = all_gather_matmul if shape.op == "ag" else matmul_reduce_scatter
+    g_rows = shape.seq_local * n if shape.op == "ag" else shape.seq_local
+    grad_y = torch.randn(g_rows, shape.n_out, dtype=dtype)
+    ctx = only(kind) if kind != "overlapped" else _null()
+    with ctx:
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        ys = [op(x, w, group=group, mode=mode, chunks=chunks, check=False) for _ in range(reps)]
+        t_fwd = time.perf_counter() - t0
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        for y in ys:
+            y.backward(grad_y)
+        t_bwd = time.perf_counter() - t0
+    return t_fwd / reps, t_bwd / reps
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def worker(config: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from flashpar import cost
+    from flashpar.bench.calibrate import calibrate
+    from flashpar.overlap.simulate import choose_mode, predict
+
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(config["threads"])
+    torch.manual_seed(rank)
+    dtype = getattr(torch, config["dtype"])
+    elem = torch.empty((), dtype=dtype).element_size()
+    hw = calibrate(dtype=dtype)
+    if config["calibrate"] and rank == 0:
+        path = cost.save(hw, "cpu")
+        print(f"calibration stored in {path}", flush=True)
+    shapes = _size_shapes(hw, n, config["ratio"], config["seq_local"], config["width"], elem)
+    variants = [tuple(v) for v in config["variants"]]
+    samples: dict[tuple, list] = {}
+    reps = {}
+    for shape in shapes:
+        op = "ag_matmul" if shape.op == "ag" else "matmul_rs"
+        t_none = predict(op, "none", 1, n, shape.seq_local * n, shape.n_in, shape.n_out, elem, hw)[op].total
+        reps[shape.name] = max(1, min(50, int(0.05 / max(t_none, 1e-6))))
+    with cost.use(hw):
+        for rnd in range(config["rounds"]):
+            for shape in shapes:
+                order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]
+                for mode, chunks in order:
+                    for kind in ("overlapped", "compute", "comm"):
+                        t = _measure(shape, mode, chunks, kind, n, dtype, reps[shape.name])
+                        samples.setdefault((shape.name, mode, chunks, kind), []).append(t)
+    gathered = [None] * n
+    dist.all_gather_object(gathered, samples)
+    if rank == 0:
+        report = {"world_size": n, "link_rate": config["link_rate"], "dtype": config["dtype"],
+                  "threads": config["threads"], "rounds": config["rounds"], "hardware": hw.__dict__, "shapes": []}
+        for shape in shapes:
+            entry = {"shape": shape.__dict__, "describe": shape.describe(n), "reps": reps[shape.name], "modes": []}
+            op = "ag_matmul" if shape.op == "ag" else "matmul_rs"
+            rows = shape.seq_local * n
+            auto_pick = choose_mode(op, n, rows, shape.n_in, shape.n_out, elem, "cpu", hw)
+            for mode, chunks in variants:
+                row = {"mode": mode, "chunks": chunks}
+                if mode == "auto":
+                    row["picked"] = f"{auto_pick[0]}(k={auto_pick[1]})"
+                for d, direction in enumerate(("forward", "backward")):
+                    med = {}
+                    for kind in ("overlapped", "compute", "comm"):
+                        per_round = [max(gathered[r][(shape.name, mode, chunks, kind)][i][d] for r in range(n))
+                                     for i in range(config["rounds"])]
+                        med[kind] = statistics.median(per_round)
+                    row[direction] = _figures(med, n, mode, chunks)
+                pm, pk = auto_pick if mode == "auto" else (mode, chunks or 1)
+                pred = predict(op, pm, pk, n, rows, shape.n_in, shape.n_out, elem, hw)
+                row["predicted"] = {k: v.total for k, v in pred.items()}
+                entry["modes"].append(row)
+            none = next(m for m in entry["modes"] if m["mode"] == "none")
+            for m in entry["modes"]:
+                for direction in ("forward", "backward"):
+                    m[direction]["vs_none"] = m[direction]["overlapped"] / none[direction]["overlapped"]
+            report["shapes"].append(entry)
+        with open(config["out"], "w") as f:
+            json.dump(report, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _figures(med: dict, n: int, mode: str, chunks) -> dict:
+    c, m, o = med["compute"], med["comm"], med["overlapped"]
+    ideal = max(c, m)
+    fig = {"compute": c, "comm": m, "overlapped": o, "ideal": ideal, "ovl_ideal": o / ideal, "exposed": o - c}
+    if mode in ("flash", "ring"):
+        bound = max(c, m + c / (n * (chunks or 1)))
+        fig["bound"] = bound
+        fig["ovl_bound"] = o / bound
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# parent
+
+
+def format_report(report: dict) -> str:
+    n = report["world_size"]
+    lines = [f"== N={n} ranks, link {report['link_rate']}, {report['dtype']}, {report['threads']} thread(s)/rank, "
+             f"median of {report['rounds']} rounds (slowest rank), times in ms =="]
+    hw = report["hardware"]
+    lines.append(f"calibration: GEMM {hw['flops'] / 1e9:.1f} GFLOP/s, link {hw['link_bytes_per_s'] / 1e6:.1f} MB/s, "
+                 f"latency {hw['link_latency_s'] * 1e6:.0f} us")
+    head = f"{'mode':<12}{'dir':<5}{'compute':>9}{'comm':>9}{'overlap':>9}{'ideal':>9}{'ovl/ideal':>10}" \
+           f"{'exposed':>9}{'ovl/bound':>10}{'vs none':>9}{'model':>8}"
+    for entry in report["shapes"]:
+        lines.append("")
+        lines.append(entry["describe"])
+        lines.append(head)
+        for m in entry["modes"]:
+            label = m["mode"] + (f"(k={m['chunks']})" if m["chunks"] else "")
+            if m["mode"] == "auto":
+                label = f"auto>{m['picked'].split('(')[0]}"
+            for direction, short, pkey in (("forward", "fwd", 0), ("backward", "bwd", 1)):
+                f = m[direction]
+                bound = f"{f['ovl_bound']:>10.2f}" if "ovl_bound" in f else f"{'-':>10}"
+                model = list(m["predicted"].values())[pkey] * 1e3
+                lines.append(f"{label:<12}{short:<5}{f['compute'] * 1e3:>9.2f}{f['comm'] * 1e3:>9.2f}"
+                             f"{f['overlapped'] * 1e3:>9.2f}{f['ideal'] * 1e3:>9.2f}{f['ovl_ideal']:>10.2f}"
+                             f"{f['exposed'] * 1e3:>9.2f}{bound}{f['vs_none']:>9.2f}{model:>8.2f}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", default="2", help="comma-separated world sizes, e.g. 2,4 (default 2)")
+    p.add_argument("--link-rate", default="1gbit",
+                   help="emulated per-rank link (tc rate, e.g. 1gbit); 'none' = loopback (default 1gbit)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--ratio", type=float, default=None,
+                   help="target forward comm/compute of the 'hidden' shapes (default 0.4 at N=2, 0.6 at N=4)")
+    p.add_argument("--seq-local", type=int, default=512, help="sequence rows per rank")
+    p.add_argument("--width", type=int, default=1024, help="features of the communicated tensor")
+    p.add_argument("--modes", default=None,
+                   help="variants as mode[:chunks], comma-separated (default none,slice:4,ring:1,flash:1,flash:4,auto)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--calibrate", action="store_true", help="store the measured calibration for mode='auto'")
+    p.add_argument("--json", default=None, help="write the results (all world sizes) to this JSON file")
+    p.add_argument("--timeout", type=float, default=1800.0)
+
+
+def _parse_variants(text: str | None) -> list[tuple[str, int | None]]:
+    if not text:
+        return list(VARIANTS)
+    out = []
+    for item in text.split(","):
+        mode, _, k = item.strip().partition(":")
+        out.append((mode, int(k) if k else None))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from flashpar.bench.netlink import EmulatedLinks, launch_ranks, links_available
+
+    sizes = [int(v) for v in str(args.nproc).split(",") if v.strip()]
+    if any(s < 2 for s in sizes):
+        print("flashpar bench overlap: --nproc needs world sizes >= 2", file=sys.stderr)
+        return 2
+    variants = _parse_variants(args.modes)
+    rate = None if str(args.link_rate).lower() in ("none", "loopback", "") else args.link_rate
+    if rate is not None:
+        ok, why = links_available()
+        if not ok:
+            print(f"emulated links unavailable ({why}); skipping the link emulation, running on loopback, "
+                  "where communication is nearly free and overlap cannot show", flush=True)
+            rate = None
+    reports = []
+    for n in sizes:
+        with tempfile.TemporaryDirectory(prefix="flashpar-bench-") as tmp:
+            out = os.path.join(tmp, "report.json")
+            config = {"threads": args.threads, "dtype": args.dtype, "calibrate": args.calibrate, "out": out,
+                      "ratio": args.ratio or DEFAULT_RATIO.get(n, 0.6), "seq_local": args.seq_local,
+                      "width": args.width, "rounds": args.rounds, "variants": variants,
+                      "link_rate": rate or "loopback"}
+            argv = [sys.executable, "-m", "flashpar.bench.overlap", "--worker", json.dumps(config)]
+            print(f"running N={n} on {rate or 'loopback'} ...", flush=True)
+            if rate is not None:
+                with EmulatedLinks(n, rate) as links:
+                    launch_ranks(n, argv, links=links, timeout=args.timeout)
+            else:
+                launch_ranks(n, argv, timeout=args.timeout)
+            with open(out) as f:
+                report = json.load(f)
+        report["command"] = " ".join(["flashpar bench overlap", *sys.argv[3:]]) if len(sys.argv) > 2 else ""
+        reports.append(report)
+        print(format_report(report), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(reports, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        worker(json.loads(sys.argv[2]))
+    else:
+        parser = argparse.ArgumentParser(prog="flashpar bench overlap")
+        add_arguments(parser)
+        sys.exit(run(parser.parse_args()))

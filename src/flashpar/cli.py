@@ -1,0 +1,26 @@
+"""``flashpar`` command line: ``flashpar bench overlap ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flashpar.bench import overlap as bench_overlap
+
+    parser = argparse.ArgumentParser(prog="flashpar", description="flashpar: overlapped tensor/sequence parallelism")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="benchmarks that compare alternatives side by side")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    ov = bench_sub.add_parser("overlap", help="all overlap modes of all_gather_matmul / matmul_reduce_scatter")
+    bench_overlap.add_arguments(ov)
+    args = parser.parse_args(argv)
+    if args.command == "bench" and args.bench == "overlap":
+        return bench_overlap.run(args)
+    parser.error("unknown command")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

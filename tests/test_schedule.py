@@ -1,0 +1,171 @@
+"""Properties of the pure schedules, for every (N, rank) in one process."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from flashpar.overlap.schedule import (
+    ALL,
+    Add,
+    Collective,
+    Compute,
+    Exchange,
+    Piece,
+    Wait,
+    build_schedule,
+    peer_order,
+)
+
+SIZES = [1, 2, 3, 4, 5]
+OPS = ["ag_matmul", "matmul_rs", "ag_matmul_bwd", "matmul_rs_bwd"]
+
+
+def _all(op, mode, n, k=1, **kw):
+    return [build_schedule(op, mode, n, r, chunks=k, **kw) for r in range(n)]
+
+
+def _local(schedule):
+    """The local block; a group of one computes everything as one piece."""
+    return Piece(schedule.rank) if schedule.world_size > 1 else Piece(ALL)
+
+
+def _p2p_messages(schedules):
+    """Multiset of (src, dst, buffer-piece) for sends and (src, dst, piece) for receives."""
+    sends, recvs = collections.Counter(), collections.Counter()
+    for s in schedules:
+        for item in s.lane_items():
+            if isinstance(item, Exchange):
+                for t in item.sends:
+                    sends[(s.rank, t.peer, t.piece)] += 1
+                for t in item.recvs:
+                    recvs[(t.peer, s.rank, t.piece)] += 1
+    return sends, recvs
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("k", [1, 3])
+def test_flash_all_gather_is_local_first_and_each_block_arrives_once(n, k):
+    for s in _all("ag_matmul", "flash", n, k):
+        computes = s.computes()
+        assert computes[0].piece == _local(s), "the local shard is computed first"
+        assert not any(isinstance(st, Wait) for st in s.steps[: s.steps.index(computes[0])]), \
+            "nothing waits before the local piece"
+        remote = [c.piece for c in computes[1:]]
+        assert sorted(remote, key=lambda p: (p.block, p.chunk)) == sorted(
+            (Piece(j, c, k) for j in range(n) if j != s.rank for c in range(k)), key=lambda p: (p.block, p.chunk))
+    sends, recvs = _p2p_messages(_all("ag_matmul", "flash", n, k))
+    assert sends == recvs, "every message sent is received, by the right peer, exactly once"
+    assert all(v == 1 for v in sends.values())
+    # direct transfers: a rank only ever sends its own block (no forwarding)
+    assert all(piece.block == src for (src, _dst, piece) in sends)
+    assert len(sends) == n * (n - 1) * k
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("k", [1, 2])
+def test_flash_reduce_scatter_is_local_last(n, k):
+    for s in _all("matmul_rs", "flash", n, k):
+        partials = [c for c in s.computes() if c.gemm == "p"]
+        assert partials[-1].piece == _local(s) and partials[-1].dst == "y", "the local block is computed last"
+        assert all(c.piece.block != s.rank for c in partials[:-1])
+        # each peer block is sent right after it was computed
+        steps = list(s.steps)
+        for c in partials[:-1]:
+            nxt = steps[steps.index(c) + 1]
+            assert isinstance(nxt, Exchange) and nxt.sends[0].piece == c.piece and nxt.sends[0].peer == c.piece.block
+        adds = [st for st in s.steps if isinstance(st, Add)]
+        assert len(adds) == (n - 1) * k and all(st.dst == "y" for st in adds)
+        assert steps.index(partials[-1]) < steps.index(adds[0]) if adds else True
+    sends, recvs = _p2p_messages(_all("matmul_rs", "flash", n, k))
+    assert collections.Counter({(a, b, p): v for (a, b, p), v in sends.items()}) == recvs
+    assert all(v == 1 for v in sends.values())
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_exchange_t_is_a_permutation(n):
+    """In exchange t every rank sends to one peer and receives from one: no link carries two flows."""
+    scheds = _all("ag_matmul", "flash", n)
+    per_step = collections.defaultdict(list)
+    for s in scheds:
+        for i, item in enumerate(s.lane_items()):
+            per_step[i].append((s.rank, item.sends[0].peer, item.recvs[0].peer))
+    for entries in per_step.values():
+        assert sorted(dst for _, dst, _ in entries) == list(range(n))
+        for src, dst, _ in entries:
+            assert (dst, src) in {(d, f) for d, _, f in entries}  # dst receives from src in the same step
+    assert [t for t, _ in peer_order(n, 0)] == list(range(1, n))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_only_talks_to_neighbours_and_forwards(n):
+    for op in ("ag_matmul", "matmul_rs"):
+        for s in _all(op, "ring", n):
+            for item in s.lane_items():
+                assert all(t.peer == (s.rank + 1) % n for t in item.sends)
+                assert all(t.peer == (s.rank - 1) % n for t in item.recvs)
+    sends, recvs = _p2p_messages(_all("ag_matmul", "ring", n))
+    assert sends == recvs
+    assert any(piece.block != src for (src, _, piece) in sends) or n == 2, "ring forwards peers' blocks"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_slice_and_none_use_collectives_only(n):
+    for op in OPS:
+        for mode, k in (("slice", 3), ("none", 1)):
+            for s in _all(op, mode, n, k):
+                items = s.lane_items()
+                assert items and all(isinstance(i, Collective) for i in items)
+    s = build_schedule("ag_matmul", "slice", n, 0, chunks=3)
+    first_wait = next(i for i, st in enumerate(s.steps) if isinstance(st, Wait))
+    assert not any(isinstance(st, Compute) for st in s.steps[:first_wait]), "slice: the first gather is exposed"
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("mode", ["flash", "ring", "slice", "none"])
+@pytest.mark.parametrize("n", SIZES)
+def test_every_lane_item_is_waited_and_every_row_is_computed(op, mode, n):
+    for s in _all(op, mode, n, 2):
+        ids = {i.id for i in s.lane_items()}
+        waited = {st.id for st in s.steps if isinstance(st, Wait)}
+        if op == "matmul_rs" and mode == "ring":
+            waited |= ids  # ring waits on the last item per chunk; the lane is sequential
+        assert ids <= waited | {i.id for i in s.lane_items() if isinstance(i, Exchange) and not i.recvs}
+        main = [c for c in s.computes() if c.gemm in ("y", "p", "gx")]
+        covered = collections.Counter()
+        for c in main:
+            if c.piece.block == ALL and c.piece.chunks == 1:
+                covered.update((j, cc, 2) for j in range(n) for cc in range(2))
+            elif c.piece.chunks == 1:
+                covered.update((c.piece.block, cc, 2) for cc in range(2))
+            else:
+                covered[(c.piece.block, c.piece.chunk, c.piece.chunks)] += 1
+        assert set(covered) == {(j, cc, 2) for j in range(n) for cc in range(2)}
+        assert all(v == 1 for v in covered.values()), f"{op}/{mode} computes some rows twice"
+
+
+def test_backward_gradient_flags():
+    s = build_schedule("ag_matmul_bwd", "flash", 3, 1, grad_input=False, grad_weight=True)
+    assert {c.gemm for c in s.computes()} == {"gw"}
+    s = build_schedule("ag_matmul_bwd", "flash", 3, 1, grad_input=True, grad_weight=False)
+    assert {c.gemm for c in s.computes()} == {"p"}
+    assert not any(t.buffer == "x" for i in s.lane_items() for t in i.sends), "no re-gather without grad_W"
+    s = build_schedule("ag_matmul_bwd", "flash", 3, 1, regather=False)
+    assert not any(t.buffer == "x" for i in s.lane_items() for t in i.sends)
+    s = build_schedule("matmul_rs_bwd", "flash", 3, 1, grad_bias=True)
+    first = s.lane_items()[0]
+    assert isinstance(first, Collective) and first.kind == "all_reduce", "bias all-reduce goes first"
+
+
+@pytest.mark.parametrize("bad", [dict(op="x"), dict(mode="y"), dict(world_size=2, rank=2), dict(chunks=0)])
+def test_bad_arguments_are_named(bad):
+    kw = dict(op="ag_matmul", mode="flash", world_size=2, rank=0) | bad
+    chunks = kw.pop("chunks", 1)
+    with pytest.raises(ValueError):
+        build_schedule(kw["op"], kw["mode"], kw["world_size"], kw["rank"], chunks=chunks)
+
+
+def test_describe_is_printable():
+    text = build_schedule("matmul_rs", "flash", 2, 0, chunks=2).describe()
+    assert "exchange" in text and "compute p" in text and "add y" in text
