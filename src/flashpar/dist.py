@@ -69,6 +69,41 @@ def as_timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(seconds))
 
 
+_UPWARD_GROUPS: dict[object, tuple[object, dist.ProcessGroup]] = {}
+
+
+def p2p_group(info: GroupInfo, src: int, dst: int, *, op_name: str = "p2p", timeout_s: float = DEFAULT_TIMEOUT_S):
+    """The process group that carries a point-to-point message from group rank ``src`` to ``dst``.
+
+    gloo sends both directions between two ranks over one TCP connection, and a swap
+    (r -> p while p -> r, as in every exchange at N = 2) then runs at about half the link
+    rate.  On gloo, messages to a higher rank therefore travel on a twin group of the same
+    ranks (its own connections), messages to a lower rank on the group itself.  The twin is
+    created once per group, the first time all its members run a point-to-point schedule.
+    NCCL (and a group of one) use the group itself.
+    """
+    if src > dst or info.world_size == 1:
+        return info.group
+    key = info.group if info.group is not None else "world"
+    entry = _UPWARD_GROUPS.get(id(key))
+    if entry is None or entry[0] is not key:
+        if dist.get_backend(info.group) != "gloo":
+            entry = (key, info.group)
+        else:
+            ranks = [info.global_rank(r) for r in range(info.world_size)]
+            try:
+                twin = dist.new_group(ranks, timeout=as_timedelta(timeout_s), use_local_synchronization=True)
+            except RuntimeError as err:
+                others = ", ".join(f"rank {p}" for p in range(info.world_size) if p != info.rank)
+                raise RuntimeError(
+                    f"{op_name}: rank {info.rank}: creating the twin gloo group for point-to-point transfers timed "
+                    f"out after {timeout_s:.0f}s: not all of {others} joined (died or took another code path)"
+                ) from err
+            entry = (key, twin)
+        _UPWARD_GROUPS[id(key)] = entry
+    return entry[1]
+
+
 _DTYPE_CODES = {
     torch.float32: 1,
     torch.float64: 2,

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from flashpar.cost import DEFAULTS, Hardware
+from flashpar.dist import p2p_group, resolve_group
 
 
 def _median_time(fn, repeats: int, *, barrier: bool = False) -> float:
@@ -67,8 +68,10 @@ def measure_link(group=None, *, small: int = 16 << 10, large: int = 4 << 20, rep
         recv = torch.empty(nbytes, dtype=torch.uint8)
 
         def run():
-            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, to, group),
-                                             dist.P2POp(dist.irecv, recv, frm, group)]):
+            info = resolve_group(group)
+            works = [dist.isend(send, to, group=p2p_group(info, r, (r + 1) % n)),
+                     dist.irecv(recv, frm, group=p2p_group(info, (r - 1) % n, r))]
+            for w in works:
                 w.wait()
         return run
 

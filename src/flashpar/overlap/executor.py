@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from flashpar.dist import GroupInfo, all_gather_single, reduce_scatter_single
+from flashpar.dist import GroupInfo, all_gather_single, p2p_group, reduce_scatter_single
 from flashpar.overlap.lane import Lane
 from flashpar.overlap.schedule import ALL, Add, Collective, Compute, Exchange, Piece, Schedule, Wait
 
@@ -226,14 +226,18 @@ def _submit_exchange(lane: Lane, step: Exchange, buffers: Buffers, info: GroupIn
         for t in transfers:
             view = buffers.view(t.buffer, t.piece, t.peer)
             if view.numel():
-                ops.append(dist.P2POp(kind, view, info.global_rank(t.peer), info.group))
+                src, dst = (info.rank, t.peer) if kind is dist.isend else (t.peer, info.rank)
+                group = p2p_group(info, src, dst, op_name=lane.op_name, timeout_s=lane.timeout_s)
+                ops.append(dist.P2POp(kind, view, info.global_rank(t.peer), group))
     sends = [f"send {t.buffer} to rank {t.peer}" for t in step.sends]
     what = "exchange " + ", ".join(sends + [f"recv {t.buffer} from rank {t.peer}" for t in step.recvs])
     lane.submit(step.id, functools.partial(_post_p2p, ops), what)
 
 
 def _post_p2p(ops: list) -> list:
-    return dist.batch_isend_irecv(ops) if ops else []
+    if len({id(op.group) for op in ops}) == 1:
+        return dist.batch_isend_irecv(ops)
+    return [op.op(op.tensor, op.peer, group=op.group) for op in ops]  # batches take one group only
 
 
 def _submit_collective(lane: Lane, step: Collective, buffers: Buffers, info: GroupInfo) -> None:
