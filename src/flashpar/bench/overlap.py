@@ -132,6 +132,7 @@ def worker(config: dict) -> None:
         path = cost.save(hw, "cpu")
         print(f"calibration stored in {path}", flush=True)
     shapes = _size_shapes(hw, n, config["ratio"], config["seq_local"], config["width"], elem)
+    shapes = [s for s in shapes if s.name.split("-", 1)[1] in config["shapes"]]
     variants = [tuple(v) for v in config["variants"]]
     samples: dict[tuple, list] = {}
     reps = {}
@@ -236,6 +237,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=1024, help="features of the communicated tensor")
     p.add_argument("--modes", default=None,
                    help="variants as mode[:chunks], comma-separated (default none,slice:4,ring:1,flash:1,flash:4,auto)")
+    p.add_argument("--shapes", default="hidden,comm-heavy,small-M",
+                   help="which shape families to run: hidden, comm-heavy, small-M (default all)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--calibrate", action="store_true", help="store the measured calibration for mode='auto'")
@@ -275,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
             config = {"threads": args.threads, "dtype": args.dtype, "calibrate": args.calibrate, "out": out,
                       "ratio": args.ratio or DEFAULT_RATIO.get(n, 0.6), "seq_local": args.seq_local,
                       "width": args.width, "rounds": args.rounds, "variants": variants,
-                      "link_rate": rate or "loopback"}
+                      "link_rate": rate or "loopback", "shapes": args.shapes.split(",")}
             argv = [sys.executable, "-m", "flashpar.bench.overlap", "--worker", json.dumps(config)]
             print(f"running N={n} on {rate or 'loopback'} ...", flush=True)
             if rate is not None:

@@ -221,20 +221,25 @@ def _nonempty(rows: RowSpace, piece: Piece) -> bool:
 
 
 def _submit_exchange(lane: Lane, step: Exchange, buffers: Buffers, info: GroupInfo) -> None:
-    ops = []
-    for kind, transfers in ((dist.isend, step.sends), (dist.irecv, step.recvs)):
+    sends, recvs = [], []
+    for kind, transfers, ops in ((dist.isend, step.sends, sends), (dist.irecv, step.recvs, recvs)):
         for t in transfers:
             view = buffers.view(t.buffer, t.piece, t.peer)
             if view.numel():
                 src, dst = (info.rank, t.peer) if kind is dist.isend else (t.peer, info.rank)
                 group = p2p_group(info, src, dst, op_name=lane.op_name, timeout_s=lane.timeout_s)
                 ops.append(dist.P2POp(kind, view, info.global_rank(t.peer), group))
-    sends = [f"send {t.buffer} to rank {t.peer}" for t in step.sends]
-    what = "exchange " + ", ".join(sends + [f"recv {t.buffer} from rank {t.peer}" for t in step.recvs])
-    lane.submit(step.id, functools.partial(_post_p2p, ops), what)
+    what = "exchange " + ", ".join([f"send {t.buffer} to rank {t.peer}" for t in step.sends]
+                                   + [f"recv {t.buffer} from rank {t.peer}" for t in step.recvs])
+    if step.early_recv and lane.threaded:
+        lane.submit(step.id, functools.partial(_post_p2p, sends), what, post_now=functools.partial(_post_p2p, recvs))
+    else:
+        lane.submit(step.id, functools.partial(_post_p2p, sends + recvs), what)
 
 
 def _post_p2p(ops: list) -> list:
+    if not ops:
+        return []
     if len({id(op.group) for op in ops}) == 1:
         return dist.batch_isend_irecv(ops)
     return [op.op(op.tensor, op.peer, group=op.group) for op in ops]  # batches take one group only

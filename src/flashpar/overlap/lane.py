@@ -73,7 +73,7 @@ class Lane:
         self.threaded = threaded
         self._done: dict[int, threading.Event] = {}
         self._what: dict[int, str] = {}
-        self._works: dict[int, list] = {}
+        self._works: dict[int, list] = {}  # handles waited for by the main thread
         self._after: dict[int, Callable[[], None] | None] = {}
         self._error: BaseException | None = None
         self._error_item: int | None = None
@@ -93,14 +93,24 @@ class Lane:
                 self._error, self._error_item = err, item
         self._done[item].set()
 
-    def submit(self, item: int, fn: LaneFn, what: str, after_done: Callable[[], None] | None = None) -> None:
-        """Queue ``fn`` (posts work, returns handles); ``after_done`` runs on the main thread at ``wait``."""
+    def submit(self, item: int, fn: LaneFn, what: str, after_done: Callable[[], None] | None = None,
+               post_now: LaneFn | None = None) -> None:
+        """Queue ``fn`` (posts work, returns handles); ``after_done`` runs on the main thread at ``wait``.
+
+        ``post_now``: work posted right away, outside the lane's sequence (early receives); its
+        handles are waited for at ``wait(item)`` too.
+        """
         self._done[item] = threading.Event()
         self._what[item] = what
         self._after[item] = after_done
+        if post_now is not None:
+            try:
+                self._works[item] = post_now()
+            except BaseException as err:
+                raise LaneError(self._fail_message(item, what) + f": {err}") from err
         if not self.threaded:
             try:
-                self._works[item] = fn()
+                self._works[item] = self._works.get(item, []) + fn()
             except BaseException as err:
                 raise LaneError(self._fail_message(item, what) + f": {err}") from err
             return
@@ -119,12 +129,11 @@ class Lane:
                 raise LaneError(
                     f"{self._fail_message(failed, self._what.get(failed, what))}: {self._error}"
                 ) from self._error
-        else:
-            try:
-                for work in self._works.pop(item, []):
-                    work.wait(as_timedelta(self.timeout_s))
-            except BaseException as err:
-                raise LaneError(self._fail_message(item, what) + f": {err}") from err
+        try:
+            for work in self._works.pop(item, []):
+                work.wait(as_timedelta(self.timeout_s))
+        except BaseException as err:
+            raise LaneError(self._fail_message(item, what) + f": {err}") from err
         after = self._after.pop(item, None)
         if after is not None:
             after()

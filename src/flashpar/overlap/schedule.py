@@ -77,11 +77,19 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Exchange:
-    """Lane item: post ``sends`` and ``recvs`` together, complete all before the next item."""
+    """Lane item: post ``sends`` and ``recvs`` together, complete all before the next item.
+
+    ``early_recv``: the receives are posted as soon as the item is submitted and are not part
+    of the lane's sequence (only the sends are); the item's ``Wait`` waits for both.  Flash
+    uses it: a rank's sends then never queue behind a peer that is late to send, and arrival
+    order is still set by each sender's sequential lane.  The ring cannot: it forwards what
+    it received, so its receives must complete in lane order.
+    """
 
     id: int
     sends: tuple[Transfer, ...]
     recvs: tuple[Transfer, ...]
+    early_recv: bool = False
 
 
 @dataclass(frozen=True)
@@ -172,8 +180,8 @@ class _Builder:
         self.steps: list[Step] = []
         self.next_id = 0
 
-    def exchange(self, sends: list[Transfer], recvs: list[Transfer]) -> int:
-        self.steps.append(Exchange(self.next_id, tuple(sends), tuple(recvs)))
+    def exchange(self, sends: list[Transfer], recvs: list[Transfer], early_recv: bool = False) -> int:
+        self.steps.append(Exchange(self.next_id, tuple(sends), tuple(recvs), early_recv))
         self.next_id += 1
         return self.next_id - 1
 
@@ -271,7 +279,8 @@ def _all_gather(b: _Builder, mode: str, n: int, r: int, k: int, gemms, *, src: s
                 sends = [Transfer((r + 1) % n, src, Piece((r - t + 1) % n, c, k))]
                 frm = (r - 1) % n
             block = (r - t) % n
-            items.append((b.exchange(sends, [Transfer(frm, src, Piece(block, c, k))]), Piece(block, c, k)))
+            item = b.exchange(sends, [Transfer(frm, src, Piece(block, c, k))], early_recv=mode == "flash")
+            items.append((item, Piece(block, c, k)))
     b.compute(gemms, Piece(r), src)  # local first: needs no communication
     for item, piece in items:
         b.wait(item)
@@ -298,7 +307,7 @@ def _reduce_scatter(b: _Builder, mode: str, n: int, r: int, k: int, *, extra, ga
                     sends = [Transfer((r + 1) % n, "x", Piece((r - t + 1) % n, c, k))]
                     frm = (r - 1) % n
                 piece = Piece((r - t) % n, c, k)
-                x_items.append((b.exchange(sends, [Transfer(frm, "x", piece)]), piece))
+                x_items.append((b.exchange(sends, [Transfer(frm, "x", piece)], early_recv=mode == "flash"), piece))
     elif gather_x:  # slice / none: collectives of x first
         slices = k if mode == "slice" else 1
         x_items = [(b.collective("all_gather", "x", "x", c, slices), Piece(ALL, c, slices)) for c in range(slices)]
@@ -342,7 +351,7 @@ def _reduce_scatter(b: _Builder, mode: str, n: int, r: int, k: int, *, extra, ga
             for c in range(k):
                 b.compute(("p",), Piece(to, c, k), "a", "send")
                 sends = [Transfer(to, "send", Piece(to, c, k))]
-                item = b.exchange(sends, [Transfer(frm, "recv", Piece(r, c, k))])
+                item = b.exchange(sends, [Transfer(frm, "recv", Piece(r, c, k))], early_recv=True)
                 recvs.append((item, Piece(r, c, k), frm, "recv"))
         extra_terms()
         b.compute(("p",), Piece(r), "a", "y")  # local last: covers the last sends
