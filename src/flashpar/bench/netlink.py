@@ -269,6 +269,9 @@ class EmulatedLinks:
             _run(f"ip -n {hub} link set dev {port} addrgenmode none up")
             _run(f"ip -n {ns} addr add {self.addresses[r]}/24 dev {nic}")
             _run(f"ip -n {ns} link set dev {nic} addrgenmode none up")
+            # a link between accelerators has no TCP slow start after idle: do not restart each
+            # transfer from a small congestion window (a per-namespace setting)
+            _run(f"ip netns exec {ns} sysctl -q -w net.ipv4.tcp_slow_start_after_idle=0")
             _run(f"tc -n {ns} qdisc add dev {nic} root {tbf}")  # rank egress
             if self.delay is None:  # rank ingress
                 _run(f"tc -n {hub} qdisc add dev {port} root {tbf}")

@@ -220,6 +220,13 @@ def _nonempty(rows: RowSpace, piece: Piece) -> bool:
     return hi > lo
 
 
+# Message channels: a send of one buffer lands in the peer's buffer of the same channel.  gloo matches
+# a receive to a send by (peer, tag) in posting order; when gathers and reduce-scatters share a lane
+# with different sequencing, their receives from one peer may be posted out of order, so each
+# channel has its own tag.  (NCCL ignores tags; there every transfer is posted in schedule order.)
+_TAGS = {"x": 1, "g": 2, "send": 3, "recv": 3, "acc0": 4, "acc1": 4, "accin0": 4, "accin1": 4}
+
+
 def _submit_exchange(lane: Lane, step: Exchange, buffers: Buffers, info: GroupInfo) -> None:
     sends, recvs = [], []
     for kind, transfers, ops in ((dist.isend, step.sends, sends), (dist.irecv, step.recvs, recvs)):
@@ -228,13 +235,14 @@ def _submit_exchange(lane: Lane, step: Exchange, buffers: Buffers, info: GroupIn
             if view.numel():
                 src, dst = (info.rank, t.peer) if kind is dist.isend else (t.peer, info.rank)
                 group = p2p_group(info, src, dst, op_name=lane.op_name, timeout_s=lane.timeout_s)
-                ops.append(dist.P2POp(kind, view, info.global_rank(t.peer), group))
+                ops.append(dist.P2POp(kind, view, info.global_rank(t.peer), group, tag=_TAGS[t.buffer]))
     what = "exchange " + ", ".join([f"send {t.buffer} to rank {t.peer}" for t in step.sends]
                                    + [f"recv {t.buffer} from rank {t.peer}" for t in step.recvs])
-    if step.early_recv and lane.threaded:
-        lane.submit(step.id, functools.partial(_post_p2p, sends), what, post_now=functools.partial(_post_p2p, recvs))
-    else:
+    if step.sequenced == "both" or not lane.threaded:
         lane.submit(step.id, functools.partial(_post_p2p, sends + recvs), what)
+    else:
+        in_lane, now = (sends, recvs) if step.sequenced == "sends" else (recvs, sends)
+        lane.submit(step.id, functools.partial(_post_p2p, in_lane), what, post_now=functools.partial(_post_p2p, now))
 
 
 def _post_p2p(ops: list) -> list:
@@ -242,7 +250,7 @@ def _post_p2p(ops: list) -> list:
         return []
     if len({id(op.group) for op in ops}) == 1:
         return dist.batch_isend_irecv(ops)
-    return [op.op(op.tensor, op.peer, group=op.group) for op in ops]  # batches take one group only
+    return [op.op(op.tensor, op.peer, group=op.group, tag=op.tag) for op in ops]  # batches take one group only
 
 
 def _submit_collective(lane: Lane, step: Collective, buffers: Buffers, info: GroupInfo) -> None:

@@ -50,6 +50,12 @@ from dataclasses import dataclass, field
 ALL = -1
 """``Piece.block`` value meaning every row of the tensor."""
 
+# Flash lanes: a gather sequences its receives (blocks arrive one at a time, in the order the
+# GEMM needs them, whatever the skew between ranks); a reduce-scatter sequences its sends
+# (each partial leaves as soon as it is computed, the receiver needs them only at the end).
+GATHER_SEQUENCE = "recvs"
+SCATTER_SEQUENCE = "sends"
+
 OPS = ("ag_matmul", "matmul_rs", "ag_matmul_bwd", "matmul_rs_bwd")
 MODES = ("flash", "ring", "slice", "none")
 
@@ -79,17 +85,17 @@ class Transfer:
 class Exchange:
     """Lane item: post ``sends`` and ``recvs`` together, complete all before the next item.
 
-    ``early_recv``: the receives are posted as soon as the item is submitted and are not part
-    of the lane's sequence (only the sends are); the item's ``Wait`` waits for both.  Flash
-    uses it: a rank's sends then never queue behind a peer that is late to send, and arrival
-    order is still set by each sender's sequential lane.  The ring cannot: it forwards what
-    it received, so its receives must complete in lane order.
+    ``sequenced``: which transfers the lane runs in order: ``"both"`` (each item completes
+    before the next), ``"sends"`` (receives are posted at submission) or ``"recvs"`` (sends are
+    posted at submission; gloo and NCCL move a message only once its receive is posted, so the
+    receiver then admits one sender at a time).  The ring must use ``"both"``: it forwards what
+    it received.
     """
 
     id: int
     sends: tuple[Transfer, ...]
     recvs: tuple[Transfer, ...]
-    early_recv: bool = False
+    sequenced: str = "both"
 
 
 @dataclass(frozen=True)
@@ -180,8 +186,8 @@ class _Builder:
         self.steps: list[Step] = []
         self.next_id = 0
 
-    def exchange(self, sends: list[Transfer], recvs: list[Transfer], early_recv: bool = False) -> int:
-        self.steps.append(Exchange(self.next_id, tuple(sends), tuple(recvs), early_recv))
+    def exchange(self, sends: list[Transfer], recvs: list[Transfer], sequenced: str = "both") -> int:
+        self.steps.append(Exchange(self.next_id, tuple(sends), tuple(recvs), sequenced))
         self.next_id += 1
         return self.next_id - 1
 
@@ -279,7 +285,8 @@ def _all_gather(b: _Builder, mode: str, n: int, r: int, k: int, gemms, *, src: s
                 sends = [Transfer((r + 1) % n, src, Piece((r - t + 1) % n, c, k))]
                 frm = (r - 1) % n
             block = (r - t) % n
-            item = b.exchange(sends, [Transfer(frm, src, Piece(block, c, k))], early_recv=mode == "flash")
+            seq = GATHER_SEQUENCE if mode == "flash" else "both"
+            item = b.exchange(sends, [Transfer(frm, src, Piece(block, c, k))], sequenced=seq)
             items.append((item, Piece(block, c, k)))
     b.compute(gemms, Piece(r), src)  # local first: needs no communication
     for item, piece in items:
@@ -307,7 +314,8 @@ def _reduce_scatter(b: _Builder, mode: str, n: int, r: int, k: int, *, extra, ga
                     sends = [Transfer((r + 1) % n, "x", Piece((r - t + 1) % n, c, k))]
                     frm = (r - 1) % n
                 piece = Piece((r - t) % n, c, k)
-                x_items.append((b.exchange(sends, [Transfer(frm, "x", piece)], early_recv=mode == "flash"), piece))
+                seq = GATHER_SEQUENCE if mode == "flash" else "both"
+                x_items.append((b.exchange(sends, [Transfer(frm, "x", piece)], sequenced=seq), piece))
     elif gather_x:  # slice / none: collectives of x first
         slices = k if mode == "slice" else 1
         x_items = [(b.collective("all_gather", "x", "x", c, slices), Piece(ALL, c, slices)) for c in range(slices)]
@@ -351,7 +359,7 @@ def _reduce_scatter(b: _Builder, mode: str, n: int, r: int, k: int, *, extra, ga
             for c in range(k):
                 b.compute(("p",), Piece(to, c, k), "a", "send")
                 sends = [Transfer(to, "send", Piece(to, c, k))]
-                item = b.exchange(sends, [Transfer(frm, "recv", Piece(r, c, k))], early_recv=True)
+                item = b.exchange(sends, [Transfer(frm, "recv", Piece(r, c, k))], sequenced=SCATTER_SEQUENCE)
                 recvs.append((item, Piece(r, c, k), frm, "recv"))
         extra_terms()
         b.compute(("p",), Piece(r), "a", "y")  # local last: covers the last sends
