@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -82,8 +83,8 @@ def load(device_type: str = "cpu", path: str | os.PathLike | None = None) -> Har
     fallback = DEFAULTS.get(device_type, DEFAULTS["cpu"])
     p = Path(path) if path is not None else default_path()
     try:
-        stored = json.loads(p.read_text()).get(device_type)
-    except (OSError, ValueError):
+        stored = _read(str(p), p.stat().st_mtime_ns).get(device_type)
+    except (OSError, ValueError, AttributeError):
         return fallback
     if not isinstance(stored, dict):
         return fallback
@@ -92,6 +93,12 @@ def load(device_type: str = "cpu", path: str | os.PathLike | None = None) -> Har
         return Hardware(**{**asdict(fallback), **{k: float(v) for k, v in stored.items() if k in names}})
     except (TypeError, ValueError):
         return fallback
+
+
+@functools.lru_cache(maxsize=8)
+def _read(path: str, mtime_ns: int) -> dict:
+    """The stored file, parsed once per modification (``auto`` consults it on every call)."""
+    return json.loads(Path(path).read_text())
 
 
 def save(hardware: Hardware, device_type: str = "cpu", path: str | os.PathLike | None = None) -> Path:

@@ -82,6 +82,32 @@ def measure_link(group=None, *, small: int = 16 << 10, large: int = 4 << 20, rep
     return bw, latency
 
 
+def measure_schedule_overheads(group, dtype: torch.dtype) -> tuple[float, float]:
+    """(seconds per GEMM piece, seconds per lane item) that the executor adds on top of the kernels
+    and the wire: dispatch, views and bookkeeping per piece; the hand-off to the lane and back per
+    transfer.  Measured on a tiny all_gather_matmul, compute-only flash(k=4) vs none for the piece,
+    communication-only flash(k=1) for the item.  Decomposition pays these per piece, which is what
+    makes it lose at small M."""
+    from flashpar.overlap import all_gather_matmul
+    from flashpar.overlap.executor import only
+
+    n = dist.get_world_size(group)
+    x, w = torch.randn(4, 64, dtype=dtype), torch.randn(64, 64, dtype=dtype)
+    calls = 20
+
+    def per_call(part: str, mode: str, chunks: int) -> float:
+        def run():
+            with only(part):
+                for _ in range(calls):
+                    all_gather_matmul(x, w, group=group, mode=mode, chunks=chunks, check=False)
+        run()  # warm-up
+        return _median_time(run, 5, barrier=True) / calls
+
+    piece = (per_call("compute", "flash", 4) - per_call("compute", "none", 1)) / ((n - 1) * 4)
+    item = per_call("comm", "flash", 1) / (n - 1)
+    return max(piece, 0.0), item
+
+
 def measure_memory(dtype: torch.dtype) -> float:
     a = torch.randn(1 << 20, dtype=dtype)
     b = torch.randn(1 << 20, dtype=dtype)
@@ -94,6 +120,9 @@ def calibrate(group=None, *, k: int = 1024, n: int = 512, dtype: torch.dtype = t
     flops, half_rows, overhead = measure_gemm(k, n, dtype)
     bw, latency = measure_link(group)
     mem = measure_memory(dtype)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        piece, item = measure_schedule_overheads(group, dtype)
+        overhead, latency = max(overhead, piece), max(latency, item)
     hw = [Hardware(flops, half_rows, overhead, bw, latency, mem)]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.broadcast_object_list(hw, src=dist.get_global_rank(group, 0) if group else 0, group=group)

@@ -241,7 +241,7 @@ def _submit_exchange(lane: Lane, step: Exchange, buffers: Buffers, info: GroupIn
     if step.sequenced == "both" or not lane.threaded:
         lane.submit(step.id, functools.partial(_post_p2p, sends + recvs), what)
     else:
-        in_lane, now = (sends, recvs) if step.sequenced == "sends" else (recvs, sends)
+        in_lane, now = {"sends": (sends, recvs), "recvs": (recvs, sends), "none": ([], sends + recvs)}[step.sequenced]
         lane.submit(step.id, functools.partial(_post_p2p, in_lane), what, post_now=functools.partial(_post_p2p, now))
 
 

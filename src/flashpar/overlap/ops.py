@@ -164,7 +164,8 @@ def _prepare(op_name, info, x, weight, bias, mode, chunks, split_sizes, check, t
             feat = weight.shape[1] if gather_side else weight.shape[0]
             values = [seq_local, x.dim(), feat, dtype_code(x.dtype), int(bias is not None),
                       MODE_CHOICES.index(mode), x.shape[0], MODES.index(chosen), k, *mid_shape]
-        table = exchange_metadata(info, values, device=x.device, op_name=op_name, local_error=error,
+        device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+        table = exchange_metadata(info, values, device=device, op_name=op_name, local_error=error,
                                   timeout_s=timeout_s)
         _compare_ranks(op_name, table, gather_side, sizes)
         chosen, k = MODES[int(table[0, 7])], int(table[0, 8])  # 'auto': rank 0's pick binds every rank

@@ -11,6 +11,7 @@ order; the lane runs each submitted item after the previous one.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from flashpar.cost import Hardware, load
@@ -127,8 +128,12 @@ def predict(op: str, mode: str, chunks: int, n: int, rows: int, n_in: int, n_out
 
 def choose_mode(op: str, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int, device_type: str,
                 hw: Hardware | None = None) -> tuple[str, int]:
-    """The (mode, chunks) with the least predicted forward + backward time."""
-    hw = hw or load(device_type)
+    """The (mode, chunks) with the least predicted forward + backward time (memoised per shape)."""
+    return _choose(op, n, rows, n_in, n_out, elem_bytes, hw or load(device_type))
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose(op: str, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int, hw: Hardware) -> tuple[str, int]:
     scored = []
     for mode, chunks in CANDIDATES:
         t = sum(v.total for v in predict(op, mode, chunks, n, rows, n_in, n_out, elem_bytes, hw).values())

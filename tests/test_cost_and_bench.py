@@ -1,0 +1,94 @@
+"""Cost model, simulator, 'auto' choice, stored calibration, and a smoke run of `flashpar bench overlap`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flashpar import cost
+from flashpar.cost import Hardware
+from flashpar.overlap.schedule import build_schedule
+from flashpar.overlap.simulate import choose_mode, op_shapes, predict, simulate
+
+# A clean machine for the simulator: 1 TFLOP/s, no small-M penalty, 1 GB/s link, no latency.
+HW = Hardware(flops=1e12, half_rows=0, gemm_overhead_s=0, link_bytes_per_s=1e9, link_latency_s=0,
+              memory_bytes_per_s=1e15)
+
+
+def _times(mode, n, rows, n_in, n_out, chunks=1, hw=HW, op="ag_matmul"):
+    return predict(op, mode, chunks, n, rows, n_in, n_out, 4, hw)[op]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_flash_hides_communication_inside_the_window(n):
+    # comm/compute = (N-1)/N * 4 bytes * flops / (2 n_out link) = 0.5, inside (N-1)/N: flash is
+    # compute-bound, none pays compute + comm
+    rows, n_in = 4096, 1024
+    n_out = int((n - 1) / n * 4000)
+    flash, none = _times("flash", n, rows, n_in, n_out), _times("none", n, rows, n_in, n_out)
+    assert flash.total == pytest.approx(flash.compute, rel=1e-6)
+    assert none.total == pytest.approx(none.compute + none.comm, rel=1e-6)
+    assert flash.comm == pytest.approx(none.comm, rel=1e-6)
+
+
+def test_slice_exposes_its_first_slice_and_flash_meets_the_decomposed_bound():
+    n, rows, n_in, n_out = 4, 4096, 1024, 64  # communication-bound
+    s = _times("slice", n, rows, n_in, n_out, chunks=4)
+    assert s.total > max(s.compute, s.comm) * 1.01
+    for k in (1, 2, 4):
+        f = _times("flash", n, rows, n_in, n_out, chunks=k)
+        assert f.total == pytest.approx(max(f.compute, f.comm + f.compute / (n * k)), rel=1e-6)
+
+
+def test_reduce_scatter_local_last_covers_the_last_send():
+    n, rows, n_in, n_out = 4, 4096, 3000, 256  # comm/compute = 0.5 (see above, with n_in)
+    f = _times("flash", n, rows, n_in, n_out, op="matmul_rs")
+    assert f.comm < f.compute
+    assert f.total == pytest.approx(f.compute, rel=1e-3)  # + the adds of the received partials
+
+
+def test_auto_prefers_none_at_small_m_and_flash_at_large_m():
+    cpu = cost.DEFAULTS["cpu"]
+    assert choose_mode("ag_matmul", 4, 16, 512, 512, 4, "cpu", cpu) == ("none", 1)
+    mode, _ = choose_mode("ag_matmul", 4, 8192, 1024, 1024, 4, "cpu", cpu)
+    assert mode == "flash"
+
+
+def test_simulate_counts_every_lane_item():
+    shapes = op_shapes("matmul_rs", 3, 300, 16, 16, 4)
+    sched = build_schedule("matmul_rs_bwd", "ring", 3, 0, grad_bias=True)
+    t = simulate(sched, shapes["matmul_rs_bwd"], HW)
+    assert t.comm > 0 and t.compute > 0 and t.total >= max(t.comm, t.compute)
+
+
+def test_calibration_round_trip(tmp_path):
+    path = tmp_path / "hw.json"
+    assert cost.load("cpu", path) == cost.DEFAULTS["cpu"]
+    mine = Hardware(1e11, 8, 1e-5, 2e8, 5e-5, 2e10)
+    cost.save(mine, "cpu", path)
+    cost.save(cost.DEFAULTS["cuda"], "cuda", path)
+    assert cost.load("cpu", path) == mine and cost.load("cuda", path) == cost.DEFAULTS["cuda"]
+    path.write_text("{not json")
+    assert cost.load("cpu", path) == cost.DEFAULTS["cpu"]
+    with cost.use(mine):
+        assert cost.load("cpu") == mine
+
+
+def test_bench_overlap_smoke(tmp_path):
+    """The benchmark command end to end on loopback with tiny shapes (timings are not checked)."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "flashpar.cli", "bench", "overlap", "--nproc", "2", "--link-rate", "none",
+           "--rounds", "1", "--seq-local", "16", "--width", "32", "--shapes", "small-M",
+           "--modes", "none,flash:2,auto", "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "ovl/ideal" in res.stdout and "auto>" in res.stdout
+    report = json.loads(out.read_text())[0]
+    assert report["world_size"] == 2
+    names = {e["shape"]["name"] for e in report["shapes"]}
+    assert names == {"ag-small-M", "rs-small-M"}
+    row = report["shapes"][0]["modes"][1]
+    assert row["mode"] == "flash" and {"compute", "comm", "overlapped", "ideal", "bound"} <= set(row["forward"])
