@@ -46,6 +46,9 @@ def error_cases(rank: int, n: int) -> dict[str, str]:
         out["dtype_differs"] = _outcome(lambda: all_gather_matmul(xd, wd))
         rows = 5 if rank == 0 else 4
         out["split_sizes_wrong"] = _outcome(lambda: all_gather_matmul(torch.randn(rows, 8), w, split_sizes=[4] * n))
+        split = [4] * n if rank else [5] + [4] * (n - 2) + [3]  # each adds up to 4n; they disagree
+        out["rs_split_differs"] = _outcome(
+            lambda: matmul_reduce_scatter(torch.randn(4 * n, 8), torch.randn(5, 8), split_sizes=split))
         out["rs_seq_differs"] = _outcome(
             lambda: matmul_reduce_scatter(torch.randn(4 * n + (n if rank == 0 else 0), 8), torch.randn(5, 8)))
     # the group is still healthy after all of the above

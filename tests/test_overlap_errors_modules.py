@@ -47,6 +47,7 @@ def test_cross_rank_mismatches_raise_everywhere(errors):
         assert out["mid_shape_differs"].startswith("RuntimeError") and "middle shape" in out["mid_shape_differs"]
         assert out["dtype_differs"].startswith("RuntimeError") and "dtype" in out["dtype_differs"]
         assert "rank(s) [0]" in out["split_sizes_wrong"] or r == 0, out["split_sizes_wrong"]
+        assert out["rs_split_differs"].startswith("RuntimeError") and "split_sizes" in out["rs_split_differs"]
         assert out["rs_seq_differs"].startswith(("RuntimeError", "ValueError")), out["rs_seq_differs"]
     assert per_rank[0]["split_sizes_wrong"].startswith("ValueError")
 

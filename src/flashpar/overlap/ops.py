@@ -225,9 +225,9 @@ def _compare_ranks(op_name: str, table: torch.Tensor, gather_side: bool, sizes: 
         if len(set(values)) > 1:
             name = _COLUMN_NAMES[col] if col < len(_COLUMN_NAMES) else f"dim {col - 8} of the middle shape"
             raise RuntimeError(f"{op_name}: ranks disagree on {name}: {values} (rank order)")
-    if gather_side and sizes is not None and table[:, 0].tolist() != sizes:
-        raise RuntimeError(f"{op_name}: split_sizes {sizes} differ from the ranks' actual lengths "
-                           f"{table[:, 0].tolist()}")
+    if sizes is not None and table[:, 0].tolist() != sizes:
+        what = "the ranks' actual lengths" if gather_side else "the split the ranks were given"
+        raise RuntimeError(f"{op_name}: split_sizes {sizes} differ from {what} {table[:, 0].tolist()}")
 
 
 def _choose_mode(op_name, mode, chunks, n, total_seq, mid_shape, x, weight) -> tuple[str, int]:

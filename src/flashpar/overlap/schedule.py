@@ -266,6 +266,25 @@ def peer_order(world_size: int, rank: int) -> list[tuple[int, int]]:
     return [((rank + t) % n, (rank - t) % n) for t in range(1, n)]
 
 
+def _gather_exchanges(b: _Builder, mode: str, n: int, r: int, k: int, buf: str) -> list[tuple[int, Piece]]:
+    """The exchanges of a point-to-point all-gather of ``buf``; returns (lane item, arriving piece).
+
+    Exchange ``(t, c)`` brings chunk ``c`` of block ``r - t``: flash sends its own block straight to
+    ``r + t``; ring forwards to ``r + 1`` the block it received in the previous exchange.
+    """
+    items = []
+    for t, (to, frm) in enumerate(peer_order(n, r), start=1):
+        for c in range(k):
+            if mode == "flash":
+                sends, seq = [Transfer(to, buf, Piece(r, c, k))], GATHER_SEQUENCE
+            else:
+                sends, seq = [Transfer((r + 1) % n, buf, Piece((r - t + 1) % n, c, k))], "both"
+                frm = (r - 1) % n
+            piece = Piece((r - t) % n, c, k)
+            items.append((b.exchange(sends, [Transfer(frm, buf, piece)], sequenced=seq), piece))
+    return items
+
+
 def _all_gather(b: _Builder, mode: str, n: int, r: int, k: int, gemms, *, src: str) -> None:
     """All-gather of ``src`` feeding ``gemms`` per arriving piece (local piece first)."""
     if n == 1 or mode == "none":
@@ -280,18 +299,7 @@ def _all_gather(b: _Builder, mode: str, n: int, r: int, k: int, gemms, *, src: s
             for j in [r] + [frm for _, frm in peer_order(n, r)]:
                 b.compute(gemms, Piece(j, c, k), src)
         return
-    items = []
-    for t, (to, frm) in enumerate(peer_order(n, r), start=1):
-        for c in range(k):
-            if mode == "flash":
-                sends = [Transfer(to, src, Piece(r, c, k))]
-            else:  # ring: forward the block received in the previous exchange to the right neighbour
-                sends = [Transfer((r + 1) % n, src, Piece((r - t + 1) % n, c, k))]
-                frm = (r - 1) % n
-            block = (r - t) % n
-            seq = GATHER_SEQUENCE if mode == "flash" else "both"
-            item = b.exchange(sends, [Transfer(frm, src, Piece(block, c, k))], sequenced=seq)
-            items.append((item, Piece(block, c, k)))
+    items = _gather_exchanges(b, mode, n, r, k, src)
     b.compute(gemms, Piece(r), src)  # local first: needs no communication
     for item, piece in items:
         b.wait(item)
@@ -310,16 +318,7 @@ def _reduce_scatter(b: _Builder, mode: str, n: int, r: int, k: int, *, extra, ga
         return
     x_items: list[tuple[int, Piece]] = []
     if gather_x and mode in ("flash", "ring"):
-        for t, (to, frm) in enumerate(peer_order(n, r), start=1):
-            for c in range(k):
-                if mode == "flash":
-                    sends = [Transfer(to, "x", Piece(r, c, k))]
-                else:
-                    sends = [Transfer((r + 1) % n, "x", Piece((r - t + 1) % n, c, k))]
-                    frm = (r - 1) % n
-                piece = Piece((r - t) % n, c, k)
-                seq = GATHER_SEQUENCE if mode == "flash" else "both"
-                x_items.append((b.exchange(sends, [Transfer(frm, "x", piece)], sequenced=seq), piece))
+        x_items = _gather_exchanges(b, mode, n, r, k, "x")
     elif gather_x:  # slice / none: collectives of x first
         slices = k if mode == "slice" else 1
         x_items = [(b.collective("all_gather", "x", "x", c, slices), Piece(ALL, c, slices)) for c in range(slices)]
@@ -357,19 +356,19 @@ def _reduce_scatter(b: _Builder, mode: str, n: int, r: int, k: int, *, extra, ga
         for item in items:
             b.wait(item)
         return
-    recvs: list[tuple[int, Piece, int, str]] = []
     if mode == "flash":
+        recvs: list[tuple[int, Piece, int]] = []
         for to, frm in peer_order(n, r):
             for c in range(k):
                 b.compute(("p",), Piece(to, c, k), "a", "send")
                 sends = [Transfer(to, "send", Piece(to, c, k))]
                 item = b.exchange(sends, [Transfer(frm, "recv", Piece(r, c, k))], sequenced=SCATTER_SEQUENCE)
-                recvs.append((item, Piece(r, c, k), frm, "recv"))
+                recvs.append((item, Piece(r, c, k), frm))
         extra_terms()
         b.compute(("p",), Piece(r), "a", "y")  # local last: covers the last sends
-        for item, piece, frm, buf in recvs:
+        for item, piece, frm in recvs:
             b.wait(item)
-            b.steps.append(Add("y", buf, piece, frm))
+            b.steps.append(Add("y", "recv", piece, frm))
         return
     # ring: the block for rank d starts at d + 1, gathers one partial per hop, ends at d.
     last: dict[int, int] = {}
