@@ -46,6 +46,21 @@ class _ParallelLinear(nn.Module):
         info = resolve_group(group)
         self.tp_size, self.tp_rank = info.world_size, info.rank
 
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **kwargs):
+        """The same layer sharded over ``group``: this rank's part of ``linear``'s weight and bias."""
+        mod = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
+                  device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        weight, bias = mod._shard_of(linear)
+        with torch.no_grad():
+            mod.weight.copy_(weight)
+            if bias is not None:
+                mod.bias.copy_(bias)
+        return mod
+
+    def _shard_of(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
     def extra_repr(self) -> str:
         w = self.weight
         return f"weight={tuple(w.shape)}, bias={self.bias is not None}, tp={self.tp_size}, mode={self.mode}"
@@ -71,18 +86,11 @@ class ColumnParallelLinear(_ParallelLinear):
                                  chunks=self.chunks, split_sizes=split_sizes, save_gathered=self.save_gathered,
                                  timeout_s=self.timeout_s)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, **kwargs) -> ColumnParallelLinear:
+    def _shard_of(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's rows of ``linear.weight`` (and ``linear.bias``)."""
-        mod = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
-                  device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
-        n = mod.weight.shape[0]
-        lo = mod.tp_rank * n
-        with torch.no_grad():
-            mod.weight.copy_(linear.weight[lo : lo + n])
-            if linear.bias is not None:
-                mod.bias.copy_(linear.bias[lo : lo + n])
-        return mod
+        n = self.weight.shape[0]
+        rows = slice(self.tp_rank * n, (self.tp_rank + 1) * n)
+        return linear.weight[rows], (linear.bias[rows] if linear.bias is not None else None)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -103,15 +111,7 @@ class RowParallelLinear(_ParallelLinear):
         return matmul_reduce_scatter(x, self.weight, self.bias, group=self.group, mode=self.mode,
                                      chunks=self.chunks, split_sizes=split_sizes, timeout_s=self.timeout_s)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, **kwargs) -> RowParallelLinear:
-        """This rank's columns of ``linear.weight``; the bias is copied whole."""
-        mod = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
-                  device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
-        n = mod.weight.shape[1]
-        lo = mod.tp_rank * n
-        with torch.no_grad():
-            mod.weight.copy_(linear.weight[:, lo : lo + n])
-            if linear.bias is not None:
-                mod.bias.copy_(linear.bias)
-        return mod
+    def _shard_of(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's columns of ``linear.weight``; the bias whole (it is replicated)."""
+        n = self.weight.shape[1]
+        return linear.weight[:, self.tp_rank * n : (self.tp_rank + 1) * n], linear.bias
