@@ -1,8 +1,9 @@
 """Process groups, device meshes, timeouts and cross-rank input checks.
 
 Everything that takes ``group=`` accepts ``None`` (the default world group), a
-``torch.distributed.ProcessGroup`` or a one-dimensional ``DeviceMesh``.  Nothing
-here keeps module-level parallel state: callers pass groups explicitly.
+``torch.distributed.ProcessGroup`` or a one-dimensional ``DeviceMesh``.  Callers
+pass groups explicitly; the only module-level state is a cache of twin gloo groups
+for point-to-point transfers (:func:`p2p_group`), keyed by the group they shadow.
 
 Cross-rank check: a rank can validate only its own tensors.  Inputs that must
 agree across ranks (feature sizes, trailing dims, dtype, mode) are compared by
@@ -69,7 +70,7 @@ def as_timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(seconds))
 
 
-_UPWARD_GROUPS: dict[object, tuple[object, dist.ProcessGroup]] = {}
+_UPWARD_GROUPS: dict[int, tuple[object, dist.ProcessGroup]] = {}
 
 
 def p2p_group(info: GroupInfo, src: int, dst: int, *, op_name: str = "p2p", timeout_s: float = DEFAULT_TIMEOUT_S):
@@ -84,7 +85,7 @@ def p2p_group(info: GroupInfo, src: int, dst: int, *, op_name: str = "p2p", time
     """
     if src > dst or info.world_size == 1:
         return info.group
-    key = info.group if info.group is not None else "world"
+    key = info.group if info.group is not None else dist.group.WORLD  # a re-initialised world is a new key
     entry = _UPWARD_GROUPS.get(id(key))
     if entry is None or entry[0] is not key:
         if dist.get_backend(info.group) != "gloo":

@@ -7,9 +7,9 @@ One executor for every op and mode: the schedule says what to do, the op supplie
   writing straight into its slice of the output (``torch.mm(..., out=view)``).
 
 Communication goes through a :class:`~flashpar.overlap.lane.Lane`: exchanges are
-batches of ``isend``/``irecv`` (``batch_isend_irecv``), collectives are
-``all_gather_into_tensor`` / ``reduce_scatter_tensor`` / ``all_reduce`` with
-``async_op=True``.  Nothing in this file blocks between posting a transfer and
+``isend``/``irecv`` (batched with ``batch_isend_irecv`` where they share a group),
+collectives are ``all_gather_single`` / ``reduce_scatter_single`` / ``all_reduce``
+with ``async_op=True``.  Nothing in this file blocks between posting a transfer and
 the compute meant to hide it.
 """
 
