@@ -5,8 +5,8 @@ a rate-limited link with ``--link-rate``, on loopback otherwise) running
 :func:`worker`.  The worker
 
 1. calibrates GEMM rate and link (:mod:`flashpar.bench.calibrate`), rank 0's values for all;
-2. sizes the shapes: for a target communication/compute ratio the feature dim that sets the
-   GEMM work is solved from the calibration (``--ratio``), plus a small-M shape;
+2. sizes the shapes: for a target communication/compute ratio (``--ratio``) the feature dim that
+   sets the GEMM work is scaled from a measured probe, plus a small-M shape;
 3. runs, round by round with the order of the variants rotated, each variant three ways:
    overlapped, compute-only and communication-only (:func:`flashpar.overlap.executor.only`),
    forward and backward timed separately after a barrier;
@@ -55,20 +55,33 @@ class BenchShape:
 # worker (one per rank)
 
 
-def _size_shapes(hw, n: int, ratio: float, seq_local: int, width: int, elem: int) -> list[BenchShape]:
-    """Solve the GEMM's free feature dim so that forward comm / compute is about ``ratio``."""
-    rows = seq_local * n
-    comm = (n - 1) * hw.transfer_time(seq_local * width * elem)  # one block to/from each peer
+def _size_shapes(n: int, ratio: float, seq_local: int, width: int, dtype) -> list[BenchShape]:
+    """Shapes whose forward communication / compute is about ``ratio`` (and 1.5 for comm-heavy).
 
-    def free_dim(target: float) -> int:
-        per_feature = 2.0 * width * (rows + hw.half_rows) / hw.flops
-        return max(16, int(round((comm / target - hw.gemm_overhead_s) / per_feature / 16)) * 16)
+    The communicated block ``[seq_local, width]`` fixes the communication; the GEMM's other feature
+    dim (the free dim) sets the compute and nothing else.  Both are measured on a probe shape with
+    the flash schedule, forward only (communication-only and compute-only, slowest rank), and the
+    free dim is scaled so that compute = communication / ratio.
+    """
+    import torch
+    import torch.distributed as dist
 
+    probe = 512
     shapes = []
-    for label, r in (("hidden", ratio), ("comm-heavy", 1.5)):
-        d = free_dim(r)
-        shapes.append(BenchShape(f"ag-{label}", "ag", seq_local, width, d, r))
-        shapes.append(BenchShape(f"rs-{label}", "rs", seq_local, d, width, r))
+    for op in ("ag", "rs"):
+        probe_shape = BenchShape("probe", op, seq_local, width, probe) if op == "ag" else \
+            BenchShape("probe", op, seq_local, probe, width)
+        times = []
+        for kind in ("comm", "compute"):
+            samples = [_measure(probe_shape, "flash", 1, kind, n, dtype, 1)[0] for _ in range(4)]
+            times.append(statistics.median(samples[1:]))  # the first call warms up
+        t = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # every rank sizes the same shapes
+        comm, compute_per_unit = float(t[0]), float(t[1]) / probe
+        for label, r in (("hidden", ratio), ("comm-heavy", 1.5)):
+            d = max(16, int(round(comm / r / compute_per_unit / 16)) * 16)
+            shapes.append(BenchShape(f"{op}-{label}", op, seq_local, width, d, r) if op == "ag" else
+                          BenchShape(f"{op}-{label}", op, seq_local, d, width, r))
     small = max(1, 16 // n)
     shapes.append(BenchShape("ag-small-M", "ag", small, 512, 512))
     shapes.append(BenchShape("rs-small-M", "rs", small, 512, 512))
@@ -131,7 +144,7 @@ def worker(config: dict) -> None:
     if config["calibrate"] and rank == 0:
         path = cost.save(hw, "cpu")
         print(f"calibration stored in {path}", flush=True)
-    shapes = _size_shapes(hw, n, config["ratio"], config["seq_local"], config["width"], elem)
+    shapes = _size_shapes(n, config["ratio"], config["seq_local"], config["width"], dtype)
     shapes = [s for s in shapes if s.name.split("-", 1)[1] in config["shapes"]]
     variants = [tuple(v) for v in config["variants"]]
     samples: dict[tuple, list] = {}
