@@ -97,8 +97,8 @@ class Lane:
                post_now: LaneFn | None = None) -> None:
         """Queue ``fn`` (posts work, returns handles); ``after_done`` runs on the main thread at ``wait``.
 
-        ``post_now``: work posted right away, outside the lane's sequence (early receives); its
-        handles are waited for at ``wait(item)`` too.
+        ``post_now``: work posted right away, outside the lane's sequence (the unsequenced side of
+        an exchange, see ``Exchange.sequenced``); its handles are waited for at ``wait(item)`` too.
         """
         self._done[item] = threading.Event()
         self._what[item] = what
