@@ -21,6 +21,7 @@ the last transfer), and ``vs none`` = overlapped / overlapped of ``none``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -104,7 +105,7 @@ def _measure(shape: BenchShape, mode: str, chunks, kind: str, n: int, dtype, rep
     op = all_gather_matmul if shape.op == "ag" else matmul_reduce_scatter
     g_rows = shape.seq_local * n if shape.op == "ag" else shape.seq_local
     grad_y = torch.randn(g_rows, shape.n_out, dtype=dtype)
-    ctx = only(kind) if kind != "overlapped" else _null()
+    ctx = only(kind) if kind != "overlapped" else contextlib.nullcontext()
     with ctx:
         dist.barrier(group)
         t0 = time.perf_counter()
@@ -116,14 +117,6 @@ def _measure(shape: BenchShape, mode: str, chunks, kind: str, n: int, dtype, rep
             y.backward(grad_y)
         t_bwd = time.perf_counter() - t0
     return t_fwd / reps, t_bwd / reps
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 def worker(config: dict) -> None:
