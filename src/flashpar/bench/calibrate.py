@@ -57,20 +57,19 @@ def measure_gemm(k: int, n: int, dtype: torch.dtype, *, repeats: int = 5) -> tup
 
 def measure_link(group=None, *, small: int = 16 << 10, large: int = 4 << 20, repeats: int = 5) -> tuple[float, float]:
     """(bytes_per_s, latency_s) of one rank's link, from pairwise exchanges with neighbours."""
-    n, r = dist.get_world_size(group), dist.get_rank(group)
+    info = resolve_group(group)
+    n, r = info.world_size, info.rank
     if n == 1:
         return DEFAULTS["cpu"].link_bytes_per_s, DEFAULTS["cpu"].link_latency_s
-    to = dist.get_global_rank(group, (r + 1) % n) if group else (r + 1) % n
-    frm = dist.get_global_rank(group, (r - 1) % n) if group else (r - 1) % n
+    to, frm = info.global_rank((r + 1) % n), info.global_rank((r - 1) % n)
+    send_group, recv_group = p2p_group(info, r, (r + 1) % n), p2p_group(info, (r - 1) % n, r)
 
     def exchange(nbytes: int):
         send = torch.empty(nbytes, dtype=torch.uint8)
         recv = torch.empty(nbytes, dtype=torch.uint8)
 
         def run():
-            info = resolve_group(group)
-            works = [dist.isend(send, to, group=p2p_group(info, r, (r + 1) % n)),
-                     dist.irecv(recv, frm, group=p2p_group(info, (r - 1) % n, r))]
+            works = [dist.isend(send, to, group=send_group), dist.irecv(recv, frm, group=recv_group)]
             for w in works:
                 w.wait()
         return run

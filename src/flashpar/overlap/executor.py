@@ -123,6 +123,19 @@ class Buffers:
                 lo, hi = self.rows.rel(Piece(j, c, chunks))
                 self.land(name, Piece(j, c, chunks), slab[j * pad : j * pad + hi - lo])
 
+    def materialize(self, name: str, chunks: int) -> torch.Tensor:
+        """The ``full`` buffer ``name`` in global row order: copies in every piece (of ``chunks`` per
+        block) whose view lives elsewhere (the local shard, a collective's slab); the rest is in place."""
+        full = self.tensor(name)
+        for j in range(len(self.rows.split_sizes)):
+            for c in range(chunks):
+                piece = Piece(j, c, chunks)
+                lo, hi = self.rows.rows(piece)
+                src = self.view(name, piece)
+                if hi > lo and src.data_ptr() != full[lo:hi].data_ptr():
+                    full[lo:hi].copy_(src)
+        return full
+
     def tensor(self, name: str) -> torch.Tensor:
         return self._t[name]  # type: ignore[return-value]
 
@@ -280,7 +293,7 @@ def _submit_collective(lane: Lane, step: Collective, buffers: Buffers, info: Gro
                 lo, hi = rows.rel(Piece(j, c, k))
                 buffers.land(step.dst, Piece(j, c, k), slab[j * pad : j * pad + hi - lo])
             if k == 1:  # 'none' on uneven blocks: compact into global row order once it has arrived
-                after = functools.partial(_compact, slab, buffers, step.dst, pad, n)
+                after = functools.partial(buffers.materialize, step.dst, 1)
                 fn = functools.partial(_async, all_gather_single, slab, local, group=info.group)
                 lane.submit(step.id, fn, what, after_done=after)
                 return
@@ -310,10 +323,3 @@ def _async(collective, *args, group) -> list:
 
 def _copy_rows(out: torch.Tensor, padded: torch.Tensor) -> None:
     out.copy_(padded[: out.shape[0]])
-
-
-def _compact(slab: torch.Tensor, buffers: Buffers, name: str, pad: int, n: int) -> None:
-    full = buffers.tensor(name)
-    for j in range(n):
-        lo, hi = buffers.rows.rows(Piece(j))
-        full[lo:hi].copy_(slab[j * pad : j * pad + hi - lo])

@@ -65,7 +65,7 @@ import torch
 
 from flashpar.dist import DEFAULT_TIMEOUT_S, GroupInfo, dtype_code, exchange_metadata, resolve_group
 from flashpar.overlap.executor import Buffers, RowSpace, run_schedule
-from flashpar.overlap.schedule import MODES, Compute, Piece, build_schedule
+from flashpar.overlap.schedule import MODES, Compute, build_schedule
 
 MODE_CHOICES = (*MODES, "auto")
 DEFAULT_CHUNKS = {"flash": 1, "ring": 1, "slice": 4, "none": 1}
@@ -288,20 +288,6 @@ def _run(call: Call, schedule, buffers: Buffers, kernels) -> None:
     run_schedule(schedule, buffers, kernels, call.info, op_name=call.op_name, timeout_s=call.timeout_s)
 
 
-def _materialize(buffers: Buffers, name: str, call: Call) -> torch.Tensor:
-    """The gathered ``name`` in global row order (copies only pieces that landed elsewhere)."""
-    full = buffers.tensor(name)
-    k = call.chunks if call.mode in ("flash", "ring", "slice") else 1
-    for j in range(call.info.world_size):
-        for c in range(k):
-            piece = Piece(j, c, k)
-            lo, hi = buffers.rows.rows(piece)
-            src = buffers.view(name, piece)
-            if hi > lo and src.data_ptr() != full[lo:hi].data_ptr():
-                full[lo:hi].copy_(src)
-    return full
-
-
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, call: Call):
@@ -322,7 +308,7 @@ class _AllGatherMatmul(torch.autograd.Function):
 
         schedule = build_schedule("ag_matmul", call.mode, info.world_size, info.rank, chunks=call.chunks)
         _run(call, schedule, buffers, {"y": gemm_y})
-        keep = _materialize(buffers, "x", call) if call.save_gathered and info.world_size > 1 else x2
+        keep = buffers.materialize("x", schedule.chunks) if call.save_gathered and info.world_size > 1 else x2
         ctx.save_for_backward(keep, weight)
         ctx.call, ctx.has_bias, ctx.x_shape = call, bias is not None, x.shape
         return y.view(rows.total // rows.row_width, *call.mid_shape, weight.shape[0])
