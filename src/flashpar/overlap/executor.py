@@ -79,7 +79,7 @@ class Buffers:
     * ``full``: ``[total, F]`` in global row order; the local block may live in another
       tensor (``local=``, e.g. the input shard, so it is never copied).
     * ``local``: ``[s_r rows, F]``, pieces of this rank's block (the reduce-scatter output).
-    * ``per_peer``: one ``local``-shaped tensor per peer (received partials).
+    * ``per_peer``: one ``local``-shaped tensor per peer (received partials, all-to-all pieces).
     * ``per_block``: one tensor per block, allocated on first use (partials to send).
     * ``scratch``: ``[max block rows, F]``, pieces at block-relative rows (ring accumulators).
     Collectives may land a piece elsewhere (a padded slab): ``land`` overrides the lookup.
@@ -91,7 +91,8 @@ class Buffers:
         self._t: dict[str, object] = {}
         self._local: dict[str, torch.Tensor] = {}
         self._width: dict[str, int] = {}
-        self._landed: dict[tuple[str, int, int, int], torch.Tensor] = {}
+        self._landed: dict[tuple[str, int, int, int, int], torch.Tensor] = {}
+        self._slabs: dict[tuple[str, int], torch.Tensor] = {}
 
     def empty(self, n_rows: int, width: int) -> torch.Tensor:
         return torch.empty(n_rows, width, dtype=self.dtype, device=self.device)
@@ -123,6 +124,23 @@ class Buffers:
                 lo, hi = self.rows.rel(Piece(j, c, chunks))
                 self.land(name, Piece(j, c, chunks), slab[j * pad : j * pad + hi - lo])
 
+    def add_peer_slabs(self, name: str, chunks: int) -> None:
+        """All-to-all: the ``per_peer`` pieces ``(rank, c)`` of every peer land in one slab ``[N * rows_c, F]``
+        (peer-major), so a collective sends or receives slice ``c`` without a copy."""
+        n = len(self.rows.split_sizes)
+        for c in range(chunks):
+            piece = Piece(self.rank, c, chunks)
+            lo, hi = self.rows.rel(piece)
+            slab = self._slabs[(name, c)] = self.empty(n * (hi - lo), self._width[name])
+            for j in range(n):
+                self.land(name, piece, slab[j * (hi - lo) : (j + 1) * (hi - lo)], peer=j)
+
+    def slab(self, name: str, chunk: int) -> torch.Tensor | None:
+        return self._slabs.get((name, chunk))
+
+    def kind(self, name: str) -> str:
+        return self._kind[name]
+
     def materialize(self, name: str, chunks: int) -> torch.Tensor:
         """The ``full`` buffer ``name`` in global row order: copies in every piece (of ``chunks`` per
         block) whose view lives elsewhere (the local shard, a collective's slab); the rest is in place."""
@@ -142,14 +160,14 @@ class Buffers:
     def width(self, name: str) -> int:
         return self._width[name]
 
-    def land(self, name: str, piece: Piece, view: torch.Tensor) -> None:
-        self._landed[(name, piece.block, piece.chunk, piece.chunks)] = view
+    def land(self, name: str, piece: Piece, view: torch.Tensor, peer: int = -1) -> None:
+        self._landed[(name, piece.block, piece.chunk, piece.chunks, peer)] = view
 
     def view(self, name: str, piece: Piece, peer: int = -1) -> torch.Tensor:
-        landed = self._landed.get((name, piece.block, piece.chunk, piece.chunks))
+        kind, t = self._kind.get(name), self._t.get(name)
+        landed = self._landed.get((name, piece.block, piece.chunk, piece.chunks, peer if kind == "per_peer" else -1))
         if landed is not None:
             return landed
-        kind, t = self._kind[name], self._t[name]
         if kind == "full":
             if piece.block == self.rank and name in self._local:
                 lo, hi = self.rows.rel(piece)
@@ -237,7 +255,7 @@ def _nonempty(rows: RowSpace, piece: Piece) -> bool:
 # a receive to a send by (peer, tag) in posting order; when gathers and reduce-scatters share a lane
 # with different sequencing, their receives from one peer may be posted out of order, so each
 # channel has its own tag.  (NCCL ignores tags; there every transfer is posted in schedule order.)
-_TAGS = {"x": 1, "g": 2, "send": 3, "recv": 3, "acc0": 4, "acc1": 4, "accin0": 4, "accin1": 4}
+_TAGS = {"x": 1, "g": 2, "send": 3, "recv": 3, "in": 3, "out": 3, "acc0": 4, "acc1": 4, "accin0": 4, "accin1": 4}
 
 
 def _submit_exchange(lane: Lane, step: Exchange, buffers: Buffers, info: GroupInfo) -> None:
@@ -274,6 +292,9 @@ def _submit_collective(lane: Lane, step: Collective, buffers: Buffers, info: Gro
     if step.kind == "all_reduce":
         fn = functools.partial(_async, dist.all_reduce, buffers.tensor(step.src), group=info.group)
         lane.submit(step.id, fn, what)
+        return
+    if step.kind == "all_to_all":
+        _submit_all_to_all(lane, step, buffers, info)
         return
     width = buffers.width(step.src)
     pad = rows.max_chunk(c, k)
@@ -315,6 +336,41 @@ def _submit_collective(lane: Lane, step: Collective, buffers: Buffers, info: Gro
     after = None if target is out else functools.partial(_copy_rows, out, target)
     fn = functools.partial(_async, reduce_scatter_single, target, slab, group=info.group)
     lane.submit(step.id, fn, what, after_done=after)
+
+
+def _submit_all_to_all(lane: Lane, step: Collective, buffers: Buffers, info: GroupInfo) -> None:
+    """Slice ``c`` of an all-to-all: the ``src`` piece for rank ``j`` lands in rank ``j``'s ``dst``.
+
+    A ``per_peer`` buffer's pieces are ``(rank, c)`` of peer ``j`` (see ``Buffers.add_peer_slabs``); a
+    ``full`` buffer's are ``(j, c)``, contiguous in rank order only when ``chunks == 1``.  Elsewhere
+    the input is copied into a slab and the output copied out of one when the slice has arrived.
+    """
+    n, r, c, k = info.world_size, info.rank, step.chunk, step.chunks
+
+    def pieces(name: str) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        if buffers.kind(name) == "per_peer":
+            return buffers.slab(name, c), [buffers.view(name, Piece(r, c, k), peer=j) for j in range(n)]
+        views = [buffers.view(name, Piece(j, c, k)) for j in range(n)]
+        return (buffers.tensor(name) if k == 1 else None), views
+
+    src_slab, src_views = pieces(step.src)
+    dst_slab, dst_views = pieces(step.dst)
+    if src_slab is None:
+        src_slab = torch.cat(src_views)
+    after = None
+    if dst_slab is None:
+        dst_slab = buffers.empty(sum(v.shape[0] for v in dst_views), buffers.width(step.dst))
+        after = functools.partial(_scatter_rows, dst_views, dst_slab)
+    fn = functools.partial(_async, dist.all_to_all_single, dst_slab, src_slab,
+                           [v.shape[0] for v in dst_views], [v.shape[0] for v in src_views], group=info.group)
+    lane.submit(step.id, fn, f"all_to_all of {step.src} (slice {c}/{k}) over {n} ranks", after_done=after)
+
+
+def _scatter_rows(views: list[torch.Tensor], slab: torch.Tensor) -> None:
+    lo = 0
+    for v in views:
+        v.copy_(slab[lo : lo + v.shape[0]])
+        lo += v.shape[0]
 
 
 def _async(collective, *args, group) -> list:

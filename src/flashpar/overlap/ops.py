@@ -59,30 +59,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 
-from flashpar.dist import DEFAULT_TIMEOUT_S, GroupInfo, dtype_code, exchange_metadata, resolve_group
-from flashpar.overlap.executor import Buffers, RowSpace, run_schedule
-from flashpar.overlap.schedule import MODES, Compute, build_schedule
-
-MODE_CHOICES = (*MODES, "auto")
-DEFAULT_CHUNKS = {"flash": 1, "ring": 1, "slice": 4, "none": 1}
-
-
-@dataclass(frozen=True)
-class Call:
-    """Everything one op call resolved before running: group, mode, row layout."""
-
-    op_name: str
-    info: GroupInfo
-    mode: str
-    chunks: int
-    rows: RowSpace
-    mid_shape: tuple[int, ...]
-    timeout_s: float
-    save_gathered: bool = False
+from flashpar.dist import DEFAULT_TIMEOUT_S, GroupInfo, dtype_code, resolve_group
+from flashpar.overlap.call import (
+    DEFAULT_CHUNKS,
+    MODE_CHOICES,
+    Call,
+    check_mode,
+    check_split,
+    check_tensors,
+    mid_named,
+    row_space,
+    settle,
+)
+from flashpar.overlap.executor import Buffers, run_schedule
+from flashpar.overlap.schedule import Compute, build_schedule
 
 
 def all_gather_matmul(
@@ -144,90 +137,44 @@ def _prepare(op_name, info, x, weight, bias, mode, chunks, split_sizes, check, t
     try:
         _validate_local(op_name, n, r, x, weight, bias, mode, chunks, split_sizes, gather_side)
     except (ValueError, TypeError) as err:
-        if not check or n == 1:
-            raise
         error = err
-    mid_shape, seq_local, chosen, k = (), 0, "none", 1
+    mid_shape, local_len, named, chosen = (), 0, [], ("none", 1)
     if error is None:
         mid_shape = tuple(x.shape[1:-1])
         if gather_side:
-            seq_local = x.shape[0]
-            total = seq_local * n if split_sizes is None else sum(split_sizes)
+            local_len = x.shape[0]
+            total = local_len * n if split_sizes is None else sum(split_sizes)
         else:
             total = x.shape[0]
-            seq_local = split_sizes[r] if split_sizes is not None else total // n
-        chosen, k = _choose_mode(op_name, mode, chunks, n, total, mid_shape, x, weight)
-    sizes = list(split_sizes) if split_sizes is not None else None
-    if check and n > 1:
-        values = [0] * 9  # a rank that rejected its input only reports the rejection
-        if error is None:
-            feat = weight.shape[1] if gather_side else weight.shape[0]
-            values = [seq_local, x.dim(), feat, dtype_code(x.dtype), int(bias is not None),
-                      MODE_CHOICES.index(mode), x.shape[0], MODES.index(chosen), k, *mid_shape]
-        device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-        table = exchange_metadata(info, values, device=device, op_name=op_name, local_error=error,
-                                  timeout_s=timeout_s)
-        _compare_ranks(op_name, table, gather_side, sizes)
-        chosen, k = MODES[int(table[0, 7])], int(table[0, 8])  # 'auto': rank 0's pick binds every rank
-        if gather_side and sizes is None:
-            sizes = [int(v) for v in table[:, 0]]
-    if sizes is None:
-        seq = x.shape[0]
-        sizes = [seq] * n if gather_side else [seq // n] * n
-    return Call(op_name, info, chosen, k, RowSpace(tuple(sizes), math.prod(mid_shape)), mid_shape, timeout_s)
+            local_len = split_sizes[r] if split_sizes is not None else total // n
+        chosen = _choose_mode(op_name, mode, chunks, n, total, mid_shape, x, weight)
+        feat = weight.shape[1] if gather_side else weight.shape[0]
+        named = [("ndim", x.dim()), ("features", feat), ("dtype", dtype_code(x.dtype)),
+                 ("bias present", int(bias is not None)), ("mode", MODE_CHOICES.index(mode))]
+        named += [] if gather_side else [("sequence length", x.shape[0])]
+        named += mid_named(mid_shape)
+    device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+    sizes, chosen_mode, k = settle(op_name, info, error=error, local_len=local_len, named=named, mode=mode,
+                                   chosen=chosen, split_sizes=split_sizes, local_sizes=gather_side, check=check,
+                                   device=device, timeout_s=timeout_s)
+    return Call(op_name, info, chosen_mode, k, row_space(sizes, mid_shape), mid_shape, timeout_s)
 
 
 def _validate_local(op_name, n, r, x, weight, bias, mode, chunks, split_sizes, gather_side) -> None:
-    if mode not in MODE_CHOICES:
-        raise ValueError(f"{op_name}: unknown mode {mode!r}; expected one of {MODE_CHOICES}")
-    if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
-        raise ValueError(f"{op_name}: chunks must be a positive int, got {chunks!r}")
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise TypeError(f"{op_name}: x and weight must be tensors")
+    check_mode(op_name, mode, chunks)
+    check_tensors(op_name, {"x": x, "weight": weight, "bias": bias})
     if x.dim() < 2 or weight.dim() != 2:
         raise ValueError(f"{op_name}: x must be [s, ..., in] and weight [out, in]; got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"{op_name}: input features {x.shape[-1]} of x {tuple(x.shape)} do not match weight "
                          f"{tuple(weight.shape)} (expects {weight.shape[1]})")
-    tensors = {"x": x, "weight": weight} | ({"bias": bias} if bias is not None else {})
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"{op_name}: tensors are on different devices: {devices}")
-    dtypes = {name: t.dtype for name, t in tensors.items()}
-    if len(set(dtypes.values())) > 1:
-        raise ValueError(f"{op_name}: tensors have different dtypes: {dtypes}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"{op_name}: bias shape {tuple(bias.shape)} does not match weight rows {weight.shape[0]}")
-    if split_sizes is not None:
-        sizes = list(split_sizes)
-        if len(sizes) != n or any((not isinstance(s, int)) or s < 0 for s in sizes):
-            raise ValueError(f"{op_name}: split_sizes {sizes} must be {n} non-negative ints (one per rank)")
-        if gather_side and sizes[r] != x.shape[0]:
-            raise ValueError(f"{op_name}: split_sizes[{r}] = {sizes[r]} but this rank's x has {x.shape[0]} rows")
-        if not gather_side and sum(sizes) != x.shape[0]:
-            raise ValueError(f"{op_name}: split_sizes {sizes} add up to {sum(sizes)}, not to the {x.shape[0]} "
-                             "sequence rows of x")
-    elif not gather_side and x.shape[0] % n:
-        raise ValueError(f"{op_name}: sequence length {x.shape[0]} is not divisible by the group size {n}; "
-                         "pass split_sizes=")
-
-
-_COLUMN_NAMES = ("local length", "ndim", "features", "dtype", "bias present", "mode", "sequence length")
-
-
-def _compare_ranks(op_name: str, table: torch.Tensor, gather_side: bool, sizes: list[int] | None) -> None:
-    """Raise on every rank if shapes that must agree differ (the table is identical everywhere)."""
-    must_agree = [1, 2, 3, 4, 5] + ([] if gather_side else [6])
-    cols = must_agree + list(range(9, table.shape[1]))
-    for col in cols:
-        values = table[:, col].tolist()
-        if len(set(values)) > 1:
-            name = _COLUMN_NAMES[col] if col < len(_COLUMN_NAMES) else f"dim {col - 8} of the middle shape"
-            raise RuntimeError(f"{op_name}: ranks disagree on {name}: {values} (rank order)")
-    if sizes is not None and table[:, 0].tolist() != sizes:
-        what = "the ranks' actual lengths" if gather_side else "the split the ranks were given"
-        raise RuntimeError(f"{op_name}: split_sizes {sizes} differ from {what} {table[:, 0].tolist()}")
+    if gather_side:
+        check_split(op_name, split_sizes, n, r, local=x.shape[0], what="sequence rows")
+    else:
+        check_split(op_name, split_sizes, n, r, total=x.shape[0], what="sequence length")
 
 
 def _choose_mode(op_name, mode, chunks, n, total_seq, mid_shape, x, weight) -> tuple[str, int]:

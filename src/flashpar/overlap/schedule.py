@@ -36,12 +36,29 @@ Ops
                     (``grad_W += grad_y_j^T @ x_j``); the bias gradient is all-reduced
                     first (item ``gb``).
 
+All-to-all ops (Ulysses).  Rank ``j`` owns token block ``j`` and head group ``j``;
+``Compute.peer`` names the head group (the other end) a piece belongs to.
+
+``matmul_a2a``      GEMM then all-to-all, local block last: gemm ``p`` computes this rank's
+                    tokens for head group ``j`` (buffer ``a`` -> ``send`` of peer ``j``), sent
+                    as soon as computed; received blocks land in ``out[block i]``.
+``a2a_matmul``      all-to-all then GEMM, local block first: ``in[block j]`` goes to rank ``j``;
+                    the piece of head group ``j`` arrives in ``recv`` of peer ``j`` and feeds
+                    gemm ``y`` (a sum over head groups).
+``matmul_a2a_bwd``  backward of ``matmul_a2a``: the ``a2a_matmul`` pattern with gemms ``gx``
+                    and ``gw`` per arriving piece, then (``reduce_weight``) an all-reduce of
+                    ``gw`` over the group.
+``a2a_matmul_bwd``  backward of ``a2a_matmul``: the ``matmul_a2a`` pattern, with gemm ``gw``
+                    (on the pieces the forward received, no communication) just before the
+                    local block; ``reduce_weight`` all-reduces ``gw`` behind that local block.
+
 Modes
 -----
 ``flash``  point-to-point per peer, local-first (all-gather) / local-last (reduce-scatter).
 ``ring``   neighbour ring: all-gather forwards blocks, reduce-scatter accumulates and forwards.
 ``slice``  ``chunks`` slices, each slice one async collective; first (AG) or last (RS) exposed.
 ``none``   one blocking collective and one GEMM.
+All-to-all ops have no ``ring`` (forwarding an all-to-all around a ring multiplies its bytes).
 """
 
 from __future__ import annotations
@@ -60,7 +77,9 @@ GATHER_SEQUENCE = "recvs"
 SCATTER_SEQUENCE = "none"
 
 OPS = ("ag_matmul", "matmul_rs", "ag_matmul_bwd", "matmul_rs_bwd")
+A2A_OPS = ("matmul_a2a", "a2a_matmul", "matmul_a2a_bwd", "a2a_matmul_bwd")
 MODES = ("flash", "ring", "slice", "none")
+A2A_MODES = ("flash", "slice", "none")
 
 
 @dataclass(frozen=True)
@@ -107,7 +126,8 @@ class Collective:
     """Lane item: one collective on chunk ``chunk`` of ``chunks`` of every block.
 
     ``kind``: ``all_gather`` (``src`` -> ``dst``), ``reduce_scatter`` (``src`` -> ``dst``),
-    ``all_reduce`` (in place on ``src``).
+    ``all_to_all`` (``src`` piece of peer ``j`` -> ``dst`` of rank ``j``), ``all_reduce`` (in
+    place on ``src``).
     """
 
     id: int
@@ -120,12 +140,15 @@ class Collective:
 
 @dataclass(frozen=True)
 class Compute:
-    """Main: gemm ``gemm`` on the rows of ``piece``, reading ``src``, writing ``dst``."""
+    """Main: gemm ``gemm`` on the rows of ``piece``, reading ``src``, writing ``dst``.
+
+    ``peer``: the head group of an all-to-all piece (-1 elsewhere)."""
 
     gemm: str
     piece: Piece
     src: str
     dst: str
+    peer: int = -1
 
 
 @dataclass(frozen=True)
@@ -179,7 +202,8 @@ def _describe(step: Step) -> str:
     if isinstance(step, Collective):
         return f"lane#{step.id} {step.kind} {step.src}->{step.dst} slice {step.chunk}/{step.chunks}"
     if isinstance(step, Compute):
-        return f"compute {step.gemm}[{pc(step.piece)}] {step.src}->{step.dst}"
+        group = f" g{step.peer}" if step.peer >= 0 else ""
+        return f"compute {step.gemm}[{pc(step.piece)}{group}] {step.src}->{step.dst}"
     if isinstance(step, Wait):
         return f"wait lane#{step.id}"
     return f"add {step.dst}[{pc(step.piece)}] += {step.src}(r{step.peer})"
@@ -200,10 +224,11 @@ class _Builder:
         self.next_id += 1
         return self.next_id - 1
 
-    def compute(self, gemms: tuple[str, ...], piece: Piece, src: str, dst: str | None = None) -> None:
+    def compute(self, gemms: tuple[str, ...], piece: Piece, src: str, dst: str | None = None,
+                peer: int = -1) -> None:
         """``dst=None``: each gemm writes its own output buffer, named like the gemm."""
         for g in gemms:
-            self.steps.append(Compute(g, piece, src, dst or g))
+            self.steps.append(Compute(g, piece, src, dst or g, peer))
 
     def wait(self, item: int) -> None:
         self.steps.append(Wait(item))
@@ -220,6 +245,7 @@ def build_schedule(
     grad_weight: bool = True,
     grad_bias: bool = False,
     regather: bool = True,
+    reduce_weight: bool = False,
 ) -> Schedule:
     """The step list of ``rank`` for ``op`` in ``mode``.
 
@@ -227,15 +253,13 @@ def build_schedule(
     ``grad_input`` / ``grad_weight`` / ``grad_bias``: which gradients a backward op computes.
     ``regather``: ``ag_matmul_bwd`` gathers ``x`` again (True) or reads the gathered copy saved
     by the forward (False).
+    ``reduce_weight``: all-to-all backward ops all-reduce ``gw`` over the group.
     """
+    if op in A2A_OPS:
+        return _a2a_schedule(op, mode, world_size, rank, chunks, grad_input, grad_weight, reduce_weight)
     if op not in OPS:
-        raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in a group of size {world_size}")
-    if chunks < 1:
-        raise ValueError(f"chunks must be >= 1, got {chunks}")
+        raise ValueError(f"unknown op {op!r}; expected one of {OPS + A2A_OPS}")
+    _check(mode, MODES, world_size, rank, chunks)
     n, r = world_size, rank
     b = _Builder()
     if op == "ag_matmul":
@@ -258,6 +282,102 @@ def build_schedule(
             b.compute(("gw",), WHOLE, "x")
     steps = tuple(b.steps)
     return Schedule(op, mode, n, r, chunks if mode in ("flash", "ring", "slice") else 1, steps)
+
+
+def _check(mode: str, modes: tuple[str, ...], world_size: int, rank: int, chunks: int) -> None:
+    if mode not in modes:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {modes}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a group of size {world_size}")
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+
+
+def _a2a_schedule(op, mode, n, r, k, grad_input, grad_weight, reduce_weight) -> Schedule:
+    _check(mode, A2A_MODES, n, r, k)
+    k = k if mode in ("flash", "slice") else 1
+    b = _Builder()
+    reduce = reduce_weight and grad_weight and n > 1
+    if op == "matmul_a2a":
+        _a2a_scatter(b, mode, n, r, k, extra=False, reduce=False)
+    elif op == "a2a_matmul":
+        _a2a_gather(b, mode, n, r, k, ("y",))
+    elif op == "matmul_a2a_bwd":
+        gemms = tuple(g for g, need in (("gx", grad_input), ("gw", grad_weight)) if need)
+        if gemms:
+            _a2a_gather(b, mode, n, r, k, gemms)
+        if reduce:
+            b.wait(b.collective("all_reduce", "gw", "gw"))
+    elif grad_input:  # a2a_matmul_bwd
+        _a2a_scatter(b, mode, n, r, k, extra=grad_weight, reduce=reduce)
+    elif grad_weight:
+        for j in range(n):
+            b.compute(("gw",), Piece(r), "saved", peer=j)
+        if reduce:
+            b.wait(b.collective("all_reduce", "gw", "gw"))
+    return Schedule(op, mode, n, r, k, tuple(b.steps))
+
+
+def _a2a_scatter(b: _Builder, mode: str, n: int, r: int, k: int, *, extra: bool, reduce: bool) -> None:
+    """GEMM then all-to-all (local block last).  Piece ``(r, c)`` of head group ``j`` goes to rank ``j``
+    (buffer ``send`` of peer ``j``) and lands there in ``out[block r]``.  ``extra``: gemm ``gw`` on the
+    forward's received pieces (``saved``, one per group) before the local block; ``reduce``: then an
+    all-reduce of ``gw``, hidden behind the local block."""
+    others = [to for to, _ in peer_order(n, r)]
+    items = []
+
+    def weight_terms() -> None:
+        if extra:
+            for j in [r, *others]:
+                b.compute(("gw",), Piece(r), "saved", peer=j)
+        if reduce:
+            items.append(b.collective("all_reduce", "gw", "gw"))
+
+    if n == 1:
+        b.compute(("p",), WHOLE, "a", "out", peer=r)
+        weight_terms()
+        return
+    if mode == "flash":
+        for to, frm in peer_order(n, r):
+            for c in range(k):
+                b.compute(("p",), Piece(r, c, k), "a", "send", peer=to)
+                sends = [Transfer(to, "send", Piece(r, c, k))]
+                items.append(b.exchange(sends, [Transfer(frm, "out", Piece(frm, c, k))], sequenced=SCATTER_SEQUENCE))
+        weight_terms()
+        b.compute(("p",), Piece(r), "a", "out", peer=r)  # local last: covers the last sends
+    else:  # slice / none: every group's slice c (this rank's own included) in one collective
+        for c in range(k):
+            for j in [*others, r]:
+                b.compute(("p",), Piece(r, c, k), "a", "send", peer=j)
+            items.append(b.collective("all_to_all", "send", "out", c, k))
+        weight_terms()
+    for item in items:
+        b.wait(item)
+
+
+def _a2a_gather(b: _Builder, mode: str, n: int, r: int, k: int, gemms: tuple[str, ...]) -> None:
+    """All-to-all then GEMM (local block first): ``in[block j]`` goes to rank ``j``; head group ``j``'s
+    piece of this rank's tokens arrives in ``recv`` of peer ``j`` and feeds ``gemms``."""
+    if n == 1:
+        b.compute(gemms, WHOLE, "in", peer=r)
+        return
+    if mode == "flash":
+        items = []
+        for to, frm in peer_order(n, r):
+            for c in range(k):
+                sends = [Transfer(to, "in", Piece(to, c, k))]
+                item = b.exchange(sends, [Transfer(frm, "recv", Piece(r, c, k))], sequenced=GATHER_SEQUENCE)
+                items.append((item, frm, c))
+        b.compute(gemms, Piece(r), "in", peer=r)  # local first: needs no communication
+        for item, frm, c in items:
+            b.wait(item)
+            b.compute(gemms, Piece(r, c, k), "recv", peer=frm)
+        return
+    items = [b.collective("all_to_all", "in", "recv", c, k) for c in range(k)]
+    for c, item in enumerate(items):
+        b.wait(item)
+        for j in [r] + [frm for _, frm in peer_order(n, r)]:
+            b.compute(gemms, Piece(r, c, k), "recv", peer=j)
 
 
 def peer_order(world_size: int, rank: int) -> list[tuple[int, int]]:

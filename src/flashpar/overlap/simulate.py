@@ -5,6 +5,7 @@ order; the lane runs each submitted item after the previous one.
 
     exchange  = latency + max(bytes sent, bytes received) / link   (full duplex)
     all_gather / reduce_scatter of b bytes per rank = (N - 1) (latency + b / link)  (ring algorithm)
+    all_to_all with b bytes per peer = (N - 1) (latency + b / link)  (pairwise exchange)
     all_reduce of b bytes = 2 (N - 1) (latency + b / (N link))
     time      = when both agents are done
 """
@@ -92,22 +93,39 @@ def _collective_time(step: Collective, rows: RowSpace, shape: Shape, hw: Hardwar
 
 
 def op_shapes(op: str, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int) -> dict[str, Shape]:
-    """Forward and backward :class:`Shape` of ``op`` on equal blocks of a ``rows``-row sequence.
+    """Forward and backward :class:`Shape` of ``op`` on equal blocks, keyed by schedule op.
 
-    ``ag_matmul``: weight ``[n_out, n_in]`` (this rank's columns); ``matmul_rs``: weight ``[n_out, n_in]``
-    (this rank's input features)."""
+    ``ag_matmul``: ``rows`` sequence rows, weight ``[n_out, n_in]`` (this rank's columns).
+    ``matmul_rs``: ``rows`` sequence rows, weight ``[n_out, n_in]`` (this rank's input features).
+    ``sharded``: ``rows`` tokens on this rank, full weight ``[n_out, n_in]`` gathered by output rows.
+    ``matmul_a2a``: ``rows`` sequence rows, ``n_out`` features per head group.
+    ``a2a_matmul``: ``rows`` sequence rows, ``n_in`` features per head group, ``n_out`` outputs.
+    """
     space = RowSpace(tuple([max(rows // n, 1)] * n), 1)
+    if op == "sharded":
+        out_space = RowSpace(tuple([max(n_out // n, 1)] * n), 1)
+        fwd = Shape(out_space, {"y": (n_in, rows)}, {"x": n_in}, elem_bytes)
+        bwd = Shape(out_space, {"p": (rows, n_in), "gw": (rows, n_in)}, dict.fromkeys(_REDUCE_BUFFERS, n_in),
+                    elem_bytes)
+        return {"ag_matmul": fwd, "ag_matmul_bwd": bwd}
+    if op == "matmul_a2a":
+        fwd = Shape(space, {"p": (n_in, n_out)}, {"send": n_out, "out": n_out}, elem_bytes)
+        bwd = Shape(space, {"gx": (n_out, n_in), "gw": (n_out, n_in)}, {"in": n_out, "recv": n_out}, elem_bytes)
+        return {"matmul_a2a": fwd, "matmul_a2a_bwd": bwd}
+    if op == "a2a_matmul":
+        fwd = Shape(space, {"y": (n_in, n_out)}, {"in": n_in, "recv": n_in}, elem_bytes)
+        bwd = Shape(space, {"p": (n_out, n_in), "gw": (n_out, n_in)}, {"send": n_in, "out": n_in}, elem_bytes)
+        return {"a2a_matmul": fwd, "a2a_matmul_bwd": bwd}
     if op == "ag_matmul":
         fwd = Shape(space, {"y": (n_in, n_out)}, {"x": n_in}, elem_bytes)
-        bwd = Shape(space, {"p": (n_out, n_in), "gw": (n_out, n_in)},
-                    {"x": n_in, "send": n_in, "recv": n_in, "full": n_in, "slab": n_in, "acc0": n_in, "acc1": n_in,
-                     "accin0": n_in, "accin1": n_in, "y": n_in}, elem_bytes)
+        bwd = Shape(space, {"p": (n_out, n_in), "gw": (n_out, n_in)}, dict.fromkeys(_REDUCE_BUFFERS, n_in), elem_bytes)
         return {"ag_matmul": fwd, "ag_matmul_bwd": bwd}
-    fwd = Shape(space, {"p": (n_in, n_out)},
-                {"send": n_out, "recv": n_out, "full": n_out, "slab": n_out, "acc0": n_out, "acc1": n_out,
-                 "accin0": n_out, "accin1": n_out, "y": n_out}, elem_bytes)
+    fwd = Shape(space, {"p": (n_in, n_out)}, dict.fromkeys(_REDUCE_BUFFERS, n_out), elem_bytes)
     bwd = Shape(space, {"gx": (n_out, n_in), "gw": (n_out, n_in)}, {"g": n_out, "gb": n_out}, elem_bytes)
     return {"matmul_rs": fwd, "matmul_rs_bwd": bwd}
+
+
+_REDUCE_BUFFERS = ("x", "send", "recv", "full", "slab", "acc0", "acc1", "accin0", "accin1", "y")
 
 
 CANDIDATES = (("none", 1), ("flash", 1), ("flash", 2), ("flash", 4))

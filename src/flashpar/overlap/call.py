@@ -1,0 +1,120 @@
+"""What every overlapped op resolves before it runs: local checks, the cross-rank agreement, the mode.
+
+A rank can check only its own tensors (``check_*``, raised before any communication).
+What must agree across ranks (features, dtype, requested mode, block lengths) is
+settled by :func:`settle`: one small all-gather of integer metadata, after which every
+rank raises the same clear error or runs the same schedule.  A rank whose own check
+failed still joins that all-gather with an error flag, so its peers raise instead of
+waiting for data that never comes.  With ``mode="auto"`` rank 0's pick binds every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flashpar.dist import GroupInfo, exchange_metadata
+from flashpar.overlap.executor import RowSpace
+from flashpar.overlap.schedule import MODES
+
+MODE_CHOICES = (*MODES, "auto")
+DEFAULT_CHUNKS = {"flash": 1, "ring": 1, "slice": 4, "none": 1}
+
+
+@dataclass(frozen=True)
+class Call:
+    """Everything one op call resolved before running: group, mode, row layout."""
+
+    op_name: str
+    info: GroupInfo
+    mode: str
+    chunks: int
+    rows: RowSpace
+    mid_shape: tuple[int, ...]
+    timeout_s: float
+    save_gathered: bool = False
+    reduce_weight: bool = False
+
+
+def check_mode(op_name: str, mode, chunks, choices: tuple[str, ...] = MODE_CHOICES) -> None:
+    if mode not in choices:
+        hint = " ('ring' forwards every block around the ring: not meaningful for all-to-all)" \
+            if mode == "ring" else ""
+        raise ValueError(f"{op_name}: unknown mode {mode!r}; expected one of {choices}{hint}")
+    if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(f"{op_name}: chunks must be a positive int, got {chunks!r}")
+
+
+def check_tensors(op_name: str, tensors: dict[str, torch.Tensor | None]) -> None:
+    """Present tensors are tensors, on one device, of one dtype."""
+    present = {name: t for name, t in tensors.items() if t is not None}
+    bad = [name for name, t in present.items() if not isinstance(t, torch.Tensor)]
+    if bad:
+        raise TypeError(f"{op_name}: {', '.join(bad)} must be tensors")
+    devices = {name: t.device for name, t in present.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"{op_name}: tensors are on different devices: {devices}")
+    dtypes = {name: t.dtype for name, t in present.items()}
+    if len(set(dtypes.values())) > 1:
+        raise ValueError(f"{op_name}: tensors have different dtypes: {dtypes}")
+
+
+def check_split(op_name: str, split_sizes, n: int, r: int, *, local: int | None = None,
+                total: int | None = None, what: str = "rows") -> None:
+    """``split_sizes``: ``n`` non-negative ints; entry ``r`` equal to ``local``, or summing to ``total``."""
+    if split_sizes is None:
+        if total is not None and total % n:
+            raise ValueError(f"{op_name}: {what} {total} is not divisible by the group size {n}; pass split_sizes=")
+        return
+    sizes = list(split_sizes)
+    if len(sizes) != n or any((not isinstance(s, int)) or s < 0 for s in sizes):
+        raise ValueError(f"{op_name}: split_sizes {sizes} must be {n} non-negative ints (one per rank)")
+    if local is not None and sizes[r] != local:
+        raise ValueError(f"{op_name}: split_sizes[{r}] = {sizes[r]} but this rank has {local} {what}")
+    if total is not None and sum(sizes) != total:
+        raise ValueError(f"{op_name}: split_sizes {sizes} add up to {sum(sizes)}, not to the {total} {what}")
+
+
+def settle(op_name: str, info: GroupInfo, *, error: BaseException | None, local_len: int,
+           named: list[tuple[str, int]], mode: str, chosen: tuple[str, int], split_sizes, local_sizes: bool,
+           check: bool, device, timeout_s: float) -> tuple[tuple[int, ...], str, int]:
+    """Agree on the call across ranks; returns (block lengths, mode, chunks).
+
+    ``named``: (what, value) pairs every rank must share.  ``local_sizes``: the block lengths are
+    the ranks' own ``local_len`` (they are exchanged when ``split_sizes`` is omitted); otherwise
+    ``split_sizes`` (or equal blocks of ``local_len * n`` rows... given by the caller) is checked
+    to be the same list everywhere.
+    """
+    n = info.world_size
+    if error is not None and (not check or n == 1):
+        raise error
+    mode_name, k = chosen
+    sizes = list(split_sizes) if split_sizes is not None else None
+    if check and n > 1:
+        values = [] if error is not None else [local_len, MODES.index(mode_name), k, *(v for _, v in named)]
+        table = exchange_metadata(info, values, device=device, op_name=op_name, local_error=error,
+                                  timeout_s=timeout_s)
+        for col, (what, _) in enumerate(named, start=3):
+            column = table[:, col].tolist()
+            if len(set(column)) > 1:
+                raise RuntimeError(f"{op_name}: ranks disagree on {what}: {column} (rank order)")
+        lengths = table[:, 0].tolist()
+        if sizes is not None and lengths != sizes:
+            whose = "the ranks' actual lengths" if local_sizes else "the split the ranks were given"
+            raise RuntimeError(f"{op_name}: split_sizes {sizes} differ from {whose} {lengths}")
+        mode_name, k = MODES[int(table[0, 1])], int(table[0, 2])  # 'auto': rank 0's pick binds every rank
+        if sizes is None and local_sizes:
+            sizes = lengths
+    if sizes is None:
+        sizes = [local_len] * n
+    return tuple(sizes), mode_name, k
+
+
+def mid_named(mid_shape: tuple[int, ...]) -> list[tuple[str, int]]:
+    return [(f"dim {i + 1} of the middle shape", d) for i, d in enumerate(mid_shape)]
+
+
+def row_space(sizes: tuple[int, ...], mid_shape: tuple[int, ...]) -> RowSpace:
+    return RowSpace(sizes, math.prod(mid_shape))
