@@ -1,0 +1,313 @@
+"""All-to-all fused with the projections around Ulysses attention.
+
+Notation: ``N`` ranks; rank ``i`` holds token block ``T_i`` (``s_i`` tokens, ``S = sum s_i``)
+before and after attention and head group ``i`` during it.  Weights are replicated.
+
+matmul_all_to_all (QKV projection, then sequence -> head sharding)
+------------------------------------------------------------------
+    forward   out_r[T_i]  = x_i @ W_r^T + b_r      computed on rank i, sent to rank r
+    backward  grad_x_i    = sum_g grad_out_g[T_i] @ W_g                all-to-all + GEMM
+              grad_W_g    = sum_i grad_out_g[T_i]^T @ x_i               (rank i's term on rank i)
+``W_g`` are rows ``[g w, (g + 1) w)`` of ``weight [N w, in]``: the caller lays the weight out by
+head group.  Forward (flash): each peer's piece is computed and sent at once, the own head
+group last, so its GEMM covers the last send.  Backward (flash): local term first, then one
+term per arriving head group.
+
+all_to_all_matmul (head -> sequence sharding, then the output projection)
+-------------------------------------------------------------------------
+    forward   y_i         = sum_g o_g[T_i] @ Wo_g^T + b        o_g[T_i] sent by rank g to rank i
+    backward  grad_o_g[T_i] = grad_y_i @ Wo_g                   computed on rank i, sent to rank g
+              grad_Wo_g   = sum_i grad_y_i^T @ o_g[T_i]         from the pieces the forward received
+``Wo_g`` are columns ``[g u, (g + 1) u)`` of ``weight [out, N u]``.  Forward (flash): the own
+head group's term first while the others arrive.  Backward (flash): peers' pieces first,
+each sent when computed, then the weight-gradient GEMMs (no communication), the local piece
+last.
+
+Weight gradients are this rank's terms (its tokens), as for any replicated parameter under
+data parallelism; ``reduce_weight_grad=True`` all-reduces them (sum) over the group inside the
+backward, so every rank holds the gradient of the whole sequence.
+
+Modes: flash | slice | none | auto (``ring`` does not apply to an all-to-all).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flashpar.dist import DEFAULT_TIMEOUT_S, dtype_code, resolve_group
+from flashpar.overlap.call import (
+    DEFAULT_CHUNKS,
+    Call,
+    check_mode,
+    check_split,
+    check_tensors,
+    mid_named,
+    row_space,
+    settle,
+)
+from flashpar.overlap.executor import Buffers, run_schedule
+from flashpar.overlap.ops import _gathered
+from flashpar.overlap.schedule import A2A_MODES, Compute, Piece, build_schedule
+
+A2A_MODE_CHOICES = (*A2A_MODES, "auto")
+
+
+def matmul_all_to_all(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    group=None,
+    mode: str = "flash",
+    chunks: int | None = None,
+    split_sizes: list[int] | None = None,
+    reduce_weight_grad: bool = False,
+    check: bool = True,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> torch.Tensor:
+    """``all_to_all(F.linear(x, weight, bias))`` from sequence to head-group sharding, overlapped.
+
+    x ``[s_r, ..., in]`` (this rank's tokens), weight ``[N w, in]`` (rows grouped by head group),
+    bias ``[N w]``; returns ``[S, ..., w]``: every token, this rank's head group.
+    """
+    return _call(_MatmulAllToAll, "matmul_all_to_all", x, weight, bias, group, mode, chunks, split_sizes,
+                 reduce_weight_grad, check, timeout_s)
+
+
+def all_to_all_matmul(
+    o: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    group=None,
+    mode: str = "flash",
+    chunks: int | None = None,
+    split_sizes: list[int] | None = None,
+    reduce_weight_grad: bool = False,
+    check: bool = True,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> torch.Tensor:
+    """``F.linear(all_to_all(o), weight, bias)`` from head-group to sequence sharding, overlapped.
+
+    o ``[S, ..., u]`` (every token, this rank's head group), weight ``[out, N u]`` (columns grouped by
+    head group), bias ``[out]``; returns ``[s_r, ..., out]``.  ``split_sizes``: tokens per rank
+    (equal blocks when omitted).
+    """
+    return _call(_AllToAllMatmul, "all_to_all_matmul", o, weight, bias, group, mode, chunks, split_sizes,
+                 reduce_weight_grad, check, timeout_s)
+
+
+def _call(fn, op_name, x, weight, bias, group, mode, chunks, split_sizes, reduce_weight_grad, check, timeout_s):
+    info = resolve_group(group)
+    n, r = info.world_size, info.rank
+    scatter_side = fn is _MatmulAllToAll  # tokens per rank come from x; otherwise from split_sizes
+    error = None
+    mid_shape, local_len, named, chosen = (), 0, [], ("none", 1)
+    try:
+        check_mode(op_name, mode, chunks, A2A_MODE_CHOICES)
+        check_tensors(op_name, {"x": x, "weight": weight, "bias": bias})
+        _check_shapes(op_name, n, x, weight, bias, scatter_side)
+        if scatter_side:
+            check_split(op_name, split_sizes, n, r, local=x.shape[0], what="tokens")
+            local_len = x.shape[0]
+        else:
+            check_split(op_name, split_sizes, n, r, total=x.shape[0], what="tokens")
+            local_len = split_sizes[r] if split_sizes is not None else x.shape[0] // n
+        mid_shape = tuple(x.shape[1:-1])
+        chosen = _choose(mode, chunks, n, x, weight, scatter_side, local_len)
+        named = [("ndim", x.dim()), ("features", x.shape[-1]), ("weight rows", weight.shape[0]),
+                 ("weight columns", weight.shape[1]), ("dtype", dtype_code(x.dtype)),
+                 ("bias present", int(bias is not None)), ("mode", A2A_MODE_CHOICES.index(mode))]
+        named += [] if scatter_side else [("sequence length", x.shape[0])]
+        named += mid_named(mid_shape)
+    except (ValueError, TypeError) as err:
+        error = err
+    device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+    sizes, chosen_mode, k = settle(op_name, info, error=error, local_len=local_len, named=named, mode=mode,
+                                   chosen=chosen, split_sizes=split_sizes, local_sizes=scatter_side, check=check,
+                                   device=device, timeout_s=timeout_s)
+    call = Call(op_name, info, chosen_mode, k, row_space(sizes, mid_shape), mid_shape, timeout_s,
+                reduce_weight=reduce_weight_grad)
+    return fn.apply(x, weight, bias, call)
+
+
+def _check_shapes(op_name, n, x, weight, bias, scatter_side) -> None:
+    if x.dim() < 2 or weight.dim() != 2:
+        raise ValueError(f"{op_name}: the input must be [tokens, ..., features] and the weight 2-D; got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    if scatter_side:
+        if x.shape[-1] != weight.shape[1] or weight.shape[0] % n:
+            raise ValueError(f"{op_name}: weight {tuple(weight.shape)} must be [N * w, {x.shape[-1]}] (N = {n} head "
+                             f"groups of w rows) for x {tuple(x.shape)}")
+        bias_len = weight.shape[0]
+    else:
+        if weight.shape[1] != n * x.shape[-1]:
+            raise ValueError(f"{op_name}: weight {tuple(weight.shape)} must have N * u = {n} * {x.shape[-1]} input "
+                             f"columns for o {tuple(x.shape)} (u features per head group)")
+        bias_len = weight.shape[0]
+    if bias is not None and tuple(bias.shape) != (bias_len,):
+        raise ValueError(f"{op_name}: bias {tuple(bias.shape)} must be [{bias_len}]")
+
+
+def _choose(mode, chunks, n, x, weight, scatter_side, local_len) -> tuple[str, int]:
+    if n == 1:
+        return "none", 1
+    if mode != "auto":
+        return mode, chunks or DEFAULT_CHUNKS[mode]
+    from flashpar.overlap.simulate import choose_mode
+
+    rows = local_len * n * math.prod(x.shape[1:-1])
+    if scatter_side:
+        args = ("matmul_a2a", n, rows, weight.shape[1], weight.shape[0] // n)
+    else:
+        args = ("a2a_matmul", n, rows, x.shape[-1], weight.shape[0])
+    return choose_mode(*args, x.element_size(), x.device.type)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def _peer_buffer(buffers: Buffers, name: str, call: Call, width: int) -> None:
+    """A ``per_peer`` buffer; slice / none modes receive or send it through one slab per slice."""
+    buffers.add_lazy(name, "per_peer", width)
+    if call.mode in ("slice", "none") and call.info.world_size > 1:
+        buffers.add_peer_slabs(name, call.chunks)
+
+
+def _peer_rows(buffers: Buffers, name: str, rank: int, peer: int, chunks: int) -> torch.Tensor:
+    """Every row of ``name``'s piece of ``peer`` (one allocation, or slices of slabs joined)."""
+    if chunks == 1 or buffers.slab(name, 0) is None:
+        return buffers.view(name, Piece(rank), peer=peer)
+    return torch.cat([buffers.view(name, Piece(rank, c, chunks), peer=peer) for c in range(chunks)])
+
+
+def _run(call: Call, op: str, buffers: Buffers, kernels, **flags) -> None:
+    info = call.info
+    schedule = build_schedule(op, call.mode, info.world_size, info.rank, chunks=call.chunks,
+                              reduce_weight=call.reduce_weight, **flags)
+    run_schedule(schedule, buffers, kernels, info, op_name=call.op_name, timeout_s=call.timeout_s)
+
+
+def _grad_with_bias_column(rows: int, cols: int, bias, like: torch.Tensor) -> torch.Tensor:
+    """Weight gradient ``[rows, cols]`` with the bias gradient as one more column (one all-reduce for both)."""
+    return torch.zeros(rows, cols + (bias is not None), dtype=like.dtype, device=like.device)
+
+
+def _cols(group: int, width: int) -> slice:
+    """Columns (or rows) of head group ``group`` in a layout of ``width`` per group."""
+    return slice(group * width, (group + 1) * width)
+
+
+class _MatmulAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, call: Call):
+        info, rows, r = call.info, call.rows, call.info.rank
+        w = weight.shape[0] // info.world_size
+        x2 = _flat(x)
+        buffers = Buffers(rows, r, dtype=x.dtype, device=x.device)
+        _gathered(buffers, "a", x2, info, x2.shape[1])
+        _peer_buffer(buffers, "send", call, w)
+        out = buffers.add_full("out", None, w)
+
+        def gemm_p(step: Compute) -> None:
+            g = _cols(step.peer, w)
+            dst, src = buffers.view(step.dst, step.piece, step.peer), buffers.view("a", step.piece)
+            if bias is None:
+                torch.mm(src, weight[g].t(), out=dst)
+            else:
+                torch.addmm(bias[g], src, weight[g].t(), out=dst)
+
+        _run(call, "matmul_a2a", buffers, {"p": gemm_p})
+        ctx.save_for_backward(x2, weight)
+        ctx.call, ctx.has_bias, ctx.x_shape = call, bias is not None, x.shape
+        return out.view(rows.total // rows.row_width, *call.mid_shape, w)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        call: Call = ctx.call
+        info, rows, r = call.info, call.rows, call.info.rank
+        x2, weight = ctx.saved_tensors
+        w, n_in = weight.shape[0] // info.world_size, weight.shape[1]
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        g2 = _flat(grad_out)
+        buffers = Buffers(rows, r, dtype=g2.dtype, device=g2.device)
+        buffers.add_full("in", g2, w)
+        _peer_buffer(buffers, "recv", call, w)
+        grad_x = torch.zeros_like(x2) if need_x else None
+        grad_w = _grad_with_bias_column(weight.shape[0], n_in, True if ctx.has_bias else None, g2)
+        buffers.add_local("gw", grad_w)
+
+        def gemm_gx(step: Compute) -> None:
+            lo, hi = rows.rel(step.piece)
+            grad_x[lo:hi].addmm_(buffers.view(step.src, step.piece, step.peer), weight[_cols(step.peer, w)])
+
+        def gemm_gw(step: Compute) -> None:
+            lo, hi = rows.rel(step.piece)
+            g_piece = buffers.view(step.src, step.piece, step.peer)
+            block = grad_w[_cols(step.peer, w)]
+            block[:, :n_in].addmm_(g_piece.t(), x2[lo:hi])
+            if ctx.has_bias:
+                block[:, n_in].add_(g_piece.sum(0))
+
+        _run(call, "matmul_a2a_bwd", buffers, {"gx": gemm_gx, "gw": gemm_gw}, grad_input=need_x,
+             grad_weight=need_w or (need_b and ctx.has_bias))
+        return (grad_x.view(ctx.x_shape) if need_x else None, grad_w[:, :n_in] if need_w else None,
+                grad_w[:, n_in] if need_b and ctx.has_bias else None, None)
+
+
+class _AllToAllMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, o, weight, bias, call: Call):
+        rows, r, n = call.rows, call.info.rank, call.info.world_size
+        u = o.shape[-1]
+        o2 = _flat(o)
+        buffers = Buffers(rows, r, dtype=o.dtype, device=o.device)
+        buffers.add_full("in", o2, u)
+        _peer_buffer(buffers, "recv", call, u)
+        y = torch.zeros(rows.block_len(r), weight.shape[0], dtype=o.dtype, device=o.device)
+        if bias is not None:
+            y.add_(bias)
+
+        def gemm_y(step: Compute) -> None:
+            lo, hi = rows.rel(step.piece)
+            y[lo:hi].addmm_(buffers.view(step.src, step.piece, step.peer), weight[:, _cols(step.peer, u)].t())
+
+        _run(call, "a2a_matmul", buffers, {"y": gemm_y})
+        # the weight gradient needs every head group's piece of this rank's tokens
+        pieces = [o2[slice(*rows.rows(Piece(r)))] if j == r else _peer_rows(buffers, "recv", r, j, call.chunks)
+                  for j in range(n)]
+        ctx.save_for_backward(weight, *pieces)
+        ctx.call, ctx.has_bias, ctx.o_shape = call, bias is not None, o.shape
+        return y.view(rows.split_sizes[r], *call.mid_shape, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        call: Call = ctx.call
+        info, rows, r, n = call.info, call.rows, call.info.rank, call.info.world_size
+        weight, *pieces = ctx.saved_tensors
+        u = weight.shape[1] // n
+        need_o, need_w, need_b = ctx.needs_input_grad[:3]
+        g2 = _flat(grad_y)
+        buffers = Buffers(rows, r, dtype=g2.dtype, device=g2.device)
+        _gathered(buffers, "a", g2, info, g2.shape[1])
+        _peer_buffer(buffers, "send", call, u)
+        grad_o = buffers.add_full("out", None, u) if need_o else None
+        grad_w = _grad_with_bias_column(weight.shape[0], n * u, True if ctx.has_bias else None, g2)
+        buffers.add_local("gw", grad_w)
+        if ctx.has_bias:
+            torch.sum(g2, dim=0, out=grad_w[:, n * u])
+
+        def gemm_p(step: Compute) -> None:
+            torch.mm(buffers.view("a", step.piece), weight[:, _cols(step.peer, u)],
+                     out=buffers.view(step.dst, step.piece, step.peer))
+
+        def gemm_gw(step: Compute) -> None:
+            torch.mm(g2.t(), pieces[step.peer], out=grad_w[:, _cols(step.peer, u)])
+
+        _run(call, "a2a_matmul_bwd", buffers, {"p": gemm_p, "gw": gemm_gw}, grad_input=need_o,
+             grad_weight=need_w or (need_b and ctx.has_bias))
+        return (grad_o.view(ctx.o_shape) if need_o else None, grad_w[:, : n * u] if need_w else None,
+                grad_w[:, n * u] if need_b and ctx.has_bias else None, None)

@@ -1,0 +1,194 @@
+"""Per-rank bodies of the all-to-all (Ulysses) op tests, run by dist_harness.run_ranks.
+
+Every rank builds the full tensors from one seed; the reference is float64 on the full
+sequence and all heads.  Rank r's share: tokens T_r (contiguous, sizes ``split``) before
+and after attention, head group r (columns [r w, (r + 1) w)) during it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashpar.overlap.a2a import all_to_all_matmul, matmul_all_to_all
+
+# fp32: each output is one dot product of <= 24 terms, each weight-gradient entry a sum over
+# <= 40 tokens; order differences stay ~1e-6 relative, 1e-5 leaves margin; a misplaced block is O(1).
+FP32_TOL = 1e-5
+BF16_TOL = 3e-2  # bf16 unit roundoff 3.9e-3, a few roundings (inputs, products, partial sums)
+UNEVEN = {1: [5], 2: [3, 6], 3: [4, 1, 3], 4: [3, 0, 5, 2]}
+
+
+@dataclass(frozen=True)
+class A2ACase:
+    op: str  # "qkv" (matmul_all_to_all) | "out" (all_to_all_matmul)
+    mode: str
+    chunks: int | None
+    uneven: bool = False
+    bias: bool = True
+    mid: tuple[int, ...] = ()
+    reduce: bool = False
+    dtype: str = "float32"
+    pass_split: bool = True
+
+    @property
+    def id(self) -> str:
+        return "-".join([self.op, self.mode, f"k{self.chunks}", "uneven" if self.uneven else "even",
+                         "bias" if self.bias else "nobias", f"mid{'x'.join(map(str, self.mid)) or '-'}",
+                         "reduce" if self.reduce else "local", self.dtype] + ([] if self.pass_split else ["exch"]))
+
+
+MODES = [("flash", 1), ("flash", 2), ("slice", 2), ("slice", 1), ("none", None), ("auto", None)]
+
+
+def a2a_cases() -> list[A2ACase]:
+    cases = []
+    for op in ("qkv", "out"):
+        for i, (mode, k) in enumerate(MODES):
+            cases.append(A2ACase(op, mode, k, reduce=True))
+            cases.append(A2ACase(op, mode, k, uneven=True, bias=i % 2 == 1, mid=(2,), pass_split=op == "out" or i % 2))
+        cases.append(A2ACase(op, "flash", 2, uneven=True, dtype="bfloat16"))
+    return cases
+
+
+def _rel(got, ref) -> float:
+    ref = ref.detach()
+    return float((got.detach().double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def run_a2a_cases(rank: int, n: int, cases: list[A2ACase]) -> dict[str, str | None]:
+    return {case.id: _one(rank, n, case) for case in cases}
+
+
+def _one(rank: int, n: int, case: A2ACase) -> str | None:
+    split = UNEVEN[n] if case.uneven else [3] * n
+    lo, hi = sum(split[:rank]), sum(split[: rank + 1])
+    s_total, feat, per_group = sum(split), 5, 3
+    dtype = getattr(torch, case.dtype)
+    gen = torch.Generator().manual_seed(7)
+    if case.op == "qkv":  # x [S, in] -> out [S, N w]
+        width_in, width_out, cols_in = feat, n * per_group, slice(None)
+        cols_out = slice(rank * per_group, (rank + 1) * per_group)
+    else:  # o [S, N u] -> y [S, out]
+        width_in, width_out, cols_in = n * per_group, feat, slice(rank * per_group, (rank + 1) * per_group)
+        cols_out = slice(None)
+    x_full = torch.randn(s_total, *case.mid, width_in, dtype=torch.float64, generator=gen)
+    w_full = torch.randn(width_out, width_in, dtype=torch.float64, generator=gen)
+    b_full = torch.randn(width_out, dtype=torch.float64, generator=gen) if case.bias else None
+    gy_full = torch.randn(s_total, *case.mid, width_out, dtype=torch.float64, generator=gen)
+    xr = x_full.clone().requires_grad_()
+    wr = w_full.clone().requires_grad_()
+    br = b_full.clone().requires_grad_() if case.bias else None
+    y_full = torch.nn.functional.linear(xr, wr, br)
+    w = w_full.to(dtype).requires_grad_()
+    b = b_full.to(dtype).requires_grad_() if case.bias else None
+    split_arg = split if case.pass_split else None
+    kw = {"mode": case.mode, "chunks": case.chunks, "split_sizes": split_arg, "reduce_weight_grad": case.reduce}
+    if case.op == "qkv":
+        x = x_full[lo:hi].to(dtype).requires_grad_()
+        y = matmul_all_to_all(x, w, b, **kw)
+        y.backward(gy_full[..., cols_out].to(dtype))
+        y_ref, gy_mine = y_full[..., cols_out], gy_full[..., cols_out]
+        grad_x_ref_rows = slice(lo, hi)
+    else:
+        x = x_full[..., cols_in].to(dtype).requires_grad_()
+        y = all_to_all_matmul(x, w, b, **kw)
+        y.backward(gy_full[lo:hi].to(dtype))
+        y_ref, gy_mine = y_full[lo:hi], gy_full[lo:hi]
+        grad_x_ref_rows = slice(None)
+    del gy_mine
+    # weight gradients: the whole sequence with reduce, else this rank's tokens only
+    token_rows = slice(None) if case.reduce else slice(lo, hi)
+    gy_w = gy_full[token_rows].reshape(-1, width_out)
+    gw_ref = gy_w.t() @ x_full[token_rows].reshape(-1, width_in)
+    gb_ref = gy_w.sum(0)
+    y_full.backward(gy_full)
+    grad_x_ref = xr.grad[grad_x_ref_rows][..., cols_in]
+    pairs = {"y": (y, y_ref), "grad_in": (x.grad, grad_x_ref), "grad_w": (w.grad, gw_ref)}
+    if case.bias:
+        pairs["grad_b"] = (b.grad, gb_ref)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    bad = [f"{name}: rel err {_rel(got, ref):.3g}" for name, (got, ref) in pairs.items()
+           if got is None or got.shape != ref.shape or not _rel(got, ref) <= tol]
+    return "; ".join(bad) or None
+
+
+def reference_attention(x, q_proj, k_proj, v_proj, o_proj, heads, kv_heads, positions=None, theta=10000.0):
+    """Plain causal attention of the full sequence ``x [S, hidden]``: explicit scores, mask, softmax."""
+    from flashpar.overlap.ulysses import rotate
+
+    s = x.shape[0]
+    d = q_proj.out_features // heads
+    q = q_proj(x).view(s, heads, d).transpose(0, 1)
+    k = k_proj(x).view(s, kv_heads, d).transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+    v = v_proj(x).view(s, kv_heads, d).transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+    if positions is not None:
+        q, k = rotate(q, positions, theta), rotate(k, positions, theta)
+    scores = q @ k.transpose(1, 2) / d**0.5
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    return o_proj((scores.softmax(-1) @ v).transpose(0, 1).reshape(s, heads * d))
+
+
+def attention_cases(rank: int, n: int) -> dict[str, str | None]:
+    """UlyssesAttention vs reference_attention in float64, for head layouts that fit ``n`` ranks."""
+    layouts = {1: [(4, 4), (4, 1)], 2: [(4, 4), (4, 2), (4, 1)], 3: [(6, 3), (3, 1), (6, 6)],
+               4: [(4, 4), (8, 2), (4, 1)]}[n]
+    out = {}
+    for i, (heads, kv_heads) in enumerate(layouts):
+        for mode, k in (("flash", 1), ("flash", 2), ("slice", 2), ("none", None), ("auto", None)):
+            uneven = i % 2 == 1
+            rope = "local" if mode == "flash" and k == 2 else ("full" if i == 0 else None)
+            out[f"h{heads}-kv{kv_heads}-{mode}-k{k}-rope{rope}-{'uneven' if uneven else 'even'}"] = _attention(
+                rank, n, heads, kv_heads, mode, k, uneven, rope, bias=i == 0)
+    return out
+
+
+def _attention(rank, n, heads, kv_heads, mode, k, uneven, rope, bias) -> str | None:
+    from torch import nn
+
+    from flashpar.overlap import UlyssesAttention
+
+    hidden, d = 8, 4
+    split = UNEVEN[n] if uneven else [4] * n
+    lo, hi = sum(split[:rank]), sum(split[: rank + 1])
+    torch.manual_seed(3)
+    projs = [nn.Linear(hidden, heads * d, bias=bias), nn.Linear(hidden, kv_heads * d, bias=bias),
+             nn.Linear(hidden, kv_heads * d, bias=bias), nn.Linear(heads * d, hidden, bias=bias)]
+    x_full = torch.randn(sum(split), hidden, dtype=torch.float64)
+    gy = torch.randn(sum(split), hidden, dtype=torch.float64)
+    positions = torch.randperm(sum(split)) if rope else None  # arbitrary (e.g. per-document) positions
+    attn = UlyssesAttention.from_linears(*projs, heads, kv_heads, mode=mode, chunks=k)
+    x = x_full[lo:hi].float().requires_grad_()
+    pos_arg = None if rope is None else (positions if rope == "full" else positions[lo:hi])
+    y = attn(x, position_ids=pos_arg, split_sizes=split if uneven else None)
+    y.backward(gy[lo:hi].float())
+    ref = [p.double() for p in projs]
+    xr = x_full.clone().requires_grad_()
+    yr = reference_attention(xr, *ref, heads, kv_heads, positions)
+    yr.backward(gy)
+    pairs = {"y": (y, yr[lo:hi]), "grad_x": (x.grad, xr.grad[lo:hi])}
+    for name, mine, theirs in zip("qkvo", (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj), ref, strict=True):
+        pairs[f"{name}_proj.weight"] = (mine.weight.grad, theirs.weight.grad)
+        if bias:
+            pairs[f"{name}_proj.bias"] = (mine.bias.grad, theirs.bias.grad)
+    bad = [f"{name}: rel err {_rel(got, r):.3g}" for name, (got, r) in pairs.items()
+           if got is None or not _rel(got, r) <= FP32_TOL]
+    return "; ".join(bad) or None
+
+
+def attention_errors(rank: int, n: int) -> dict[str, str]:
+    from flashpar.overlap import UlyssesAttention
+    from overlap_workers import _outcome
+
+    o = torch.randn(4 * n, 3)
+    feat = 7 if rank == n - 1 else 8  # consistent on each rank, different across ranks
+    out = {"features_differ": _outcome(lambda: matmul_all_to_all(torch.randn(4, feat), torch.randn(3 * n, feat)))}
+    return out | {
+        "heads_not_divisible": _outcome(lambda: UlyssesAttention(8, n + 1, 1, head_dim=4)),
+        "kv_heads_not_divisible": _outcome(lambda: UlyssesAttention(8, n * (n + 1), n + 1, head_dim=4)),
+        "kv_heads_not_dividing": _outcome(lambda: UlyssesAttention(8, 12, 3, head_dim=4)),
+        "ring_rejected": _outcome(lambda: matmul_all_to_all(torch.randn(4, 8), torch.randn(3 * n, 8), mode="ring")),
+        "weight_columns": _outcome(lambda: all_to_all_matmul(o, torch.randn(5, 3 * n + 1))),
+        "weight_rows": _outcome(lambda: matmul_all_to_all(torch.randn(4, 8), torch.randn(3 * n + 1, 8))),
+    }
