@@ -140,7 +140,7 @@ def attention_cases(rank: int, n: int) -> dict[str, str | None]:
             uneven = i % 2 == 1
             rope = "local" if mode == "flash" and k == 2 else ("full" if i == 0 else None)
             out[f"h{heads}-kv{kv_heads}-{mode}-k{k}-rope{rope}-{'uneven' if uneven else 'even'}"] = _attention(
-                rank, n, heads, kv_heads, mode, k, uneven, rope, bias=i == 0)
+                rank, n, heads, kv_heads, mode, k, uneven, rope, bias=i != 1)
     return out
 
 
@@ -172,8 +172,17 @@ def _attention(rank, n, heads, kv_heads, mode, k, uneven, rope, bias) -> str | N
         pairs[f"{name}_proj.weight"] = (mine.weight.grad, theirs.weight.grad)
         if bias:
             pairs[f"{name}_proj.bias"] = (mine.bias.grad, theirs.bias.grad)
-    bad = [f"{name}: rel err {_rel(got, r):.3g}" for name, (got, r) in pairs.items()
-           if got is None or not _rel(got, r) <= FP32_TOL]
+    # Some exact gradients vanish (without rotary embeddings, k_proj.bias shifts every key of a query
+    # alike, which softmax ignores): fp32 then leaves the rounding noise of terms that cancel, about
+    # 1e-7 of the terms' size, not of the zero result.  Errors are therefore relative to the larger of
+    # the reference's norm and 1e-2 of the layer's largest gradient norm (a wrong block is still O(1)).
+    floor = 1e-2 * max(float(r.detach().norm()) for _, r in pairs.values())
+    bad = []
+    for name, (got, r) in pairs.items():
+        err = float((got.detach().double() - r.detach()).norm()) / max(float(r.detach().norm()), floor) \
+            if got is not None else float("inf")
+        if not err <= FP32_TOL:
+            bad.append(f"{name}: rel err {err:.3g}")
     return "; ".join(bad) or None
 
 

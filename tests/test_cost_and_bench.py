@@ -57,6 +57,20 @@ def test_auto_prefers_none_at_small_m_and_flash_at_large_m():
     assert mode == "flash"
 
 
+@pytest.mark.parametrize("op", ["sharded", "matmul_a2a", "a2a_matmul"])
+def test_fsdp_and_ulysses_flash_meet_the_decomposed_bound(op):
+    n = 4
+    for n_free in (4096, 64):  # communication inside the window, then communication-bound
+        rows, n_in, n_out = (n_free, 1024, 1024) if op == "sharded" else (4096, 1024, n_free)
+        if op == "a2a_matmul":
+            n_in, n_out = n_free, 1024
+        t = predict(op, "flash", 2, n, rows, n_in, n_out, 4, HW)
+        fwd = next(iter(t.values()))
+        assert fwd.total == pytest.approx(max(fwd.compute, fwd.comm + fwd.compute / (n * 2)), rel=0.02), (op, n_free)
+        none = predict(op, "none", 1, n, rows, n_in, n_out, 4, HW)
+        assert next(iter(none.values())).total == pytest.approx(fwd.compute + fwd.comm, rel=0.02)
+
+
 def test_simulate_counts_every_lane_item():
     shapes = op_shapes("matmul_rs", 3, 300, 16, 16, 4)
     sched = build_schedule("matmul_rs_bwd", "ring", 3, 0, grad_bias=True)
@@ -81,14 +95,17 @@ def test_bench_overlap_smoke(tmp_path):
     """The benchmark command end to end on loopback with tiny shapes (timings are not checked)."""
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "flashpar.cli", "bench", "overlap", "--nproc", "2", "--link-rate", "none",
-           "--rounds", "1", "--seq-local", "16", "--width", "32", "--shapes", "small-M",
-           "--modes", "none,flash:2,auto", "--json", str(out)]
+           "--rounds", "1", "--seq-local", "16", "--width", "32", "--shapes", "small-M", "--ops", "ag,fsdp,qkv",
+           "--modes", "none,ring:1,flash:2,auto", "--json", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "ovl/ideal" in res.stdout and "auto>" in res.stdout
     report = json.loads(out.read_text())[0]
     assert report["world_size"] == 2
-    names = {e["shape"]["name"] for e in report["shapes"]}
-    assert names == {"ag-small-M", "rs-small-M"}
-    row = report["shapes"][0]["modes"][1]
+    entries = {e["shape"]["name"]: e for e in report["shapes"]}
+    assert set(entries) == {"ag-small-M", "fsdp-small-M", "qkv-small-M"}
+    modes = {name: [m["mode"] for m in e["modes"]] for name, e in entries.items()}
+    assert modes["fsdp-small-M"] == ["none", "ring", "flash", "auto"]
+    assert modes["qkv-small-M"] == ["none", "flash", "auto"], "ring does not apply to an all-to-all"
+    row = entries["ag-small-M"]["modes"][2]
     assert row["mode"] == "flash" and {"compute", "comm", "overlapped", "ideal", "bound"} <= set(row["forward"])

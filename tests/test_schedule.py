@@ -169,3 +169,69 @@ def test_bad_arguments_are_named(bad):
 def test_describe_is_printable():
     text = build_schedule("matmul_rs", "flash", 2, 0, chunks=2).describe()
     assert "exchange" in text and "compute p" in text and "add y" in text
+
+
+# ---- all-to-all (Ulysses) schedules -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("k", [1, 2])
+def test_flash_matmul_a2a_sends_each_head_group_once_and_computes_the_own_group_last(n, k):
+    scheds = _all("matmul_a2a", "flash", n, k)
+    for s in scheds:
+        p = [c for c in s.computes() if c.gemm == "p"]
+        assert p[-1].peer == s.rank and p[-1].dst == "out", "the own head group is computed last, in place"
+        assert all(c.peer != s.rank and c.dst == "send" for c in p[:-1])
+        steps = list(s.steps)
+        for c in p[:-1]:  # sent right after it was computed, to the head group's rank
+            nxt = steps[steps.index(c) + 1]
+            assert isinstance(nxt, Exchange) and nxt.sends[0].peer == c.peer and nxt.sends[0].piece == c.piece
+        assert sorted((c.peer, c.piece.chunk) for c in p[:-1]) == sorted(
+            (j, c) for j in range(n) if j != s.rank for c in range(k))
+    sends, recvs = _p2p_messages(scheds)
+    # rank i sends piece (i, c) of its tokens; its peer receives it as block i of 'out'
+    assert sends == recvs and all(v == 1 for v in sends.values()) and len(sends) == n * (n - 1) * k
+    assert all(piece.block == src for (src, _dst, piece) in sends)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("k", [1, 3])
+def test_flash_a2a_matmul_is_local_first_and_sums_every_head_group_once(n, k):
+    for op in ("a2a_matmul", "matmul_a2a_bwd"):
+        scheds = _all(op, "flash", n, k)
+        for s in scheds:
+            gemm = "y" if op == "a2a_matmul" else "gx"
+            terms = [c for c in s.computes() if c.gemm == gemm]
+            assert terms[0].peer == s.rank and terms[0].src == "in", "the own head group first"
+            assert not any(isinstance(st, Wait) for st in s.steps[: s.steps.index(terms[0])])
+            rows = collections.Counter((c.peer, c.piece.chunk if c.piece.chunks > 1 else None) for c in terms[1:])
+            assert set(rows) == {(j, c if k > 1 else None) for j in range(n) if j != s.rank for c in range(k)}
+            assert all(v == 1 for v in rows.values())
+        sends, recvs = _p2p_messages(scheds)
+        # rank i sends block j of its head group's tokens to rank j, which receives it as its piece (j, c)
+        assert sends == recvs and all(v == 1 for v in sends.values()) and len(sends) == n * (n - 1) * k
+        assert all(piece.block == dst for (_src, dst, piece) in sends)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_a2a_backward_weight_terms_cover_the_local_block_and_reduce_last(n):
+    for mode in ("flash", "slice", "none"):
+        s = build_schedule("a2a_matmul_bwd", mode, n, 0, chunks=2, reduce_weight=True)
+        gw = [c for c in s.computes() if c.gemm == "gw"]
+        assert sorted(c.peer for c in gw) == list(range(n)) and all(c.src == "saved" for c in gw)
+        reduces = [i for i in s.lane_items() if isinstance(i, Collective) and i.kind == "all_reduce"]
+        assert len(reduces) == (n > 1)
+        if mode == "flash" and n > 1:  # the all-reduce is posted before the own block's GEMM, which hides it
+            local = [c for c in s.computes() if c.gemm == "p"][-1]
+            assert s.steps.index(reduces[0]) < s.steps.index(local)
+        s = build_schedule("matmul_a2a_bwd", mode, n, 0, chunks=2, reduce_weight=True)
+        assert (s.steps[-1] == Wait(s.lane_items()[-1].id)) if n > 1 else not s.lane_items()
+
+
+def test_a2a_modes_and_collectives():
+    with pytest.raises(ValueError, match="unknown mode 'ring'"):
+        build_schedule("matmul_a2a", "ring", 2, 0)
+    for op in ("matmul_a2a", "a2a_matmul"):
+        for mode, k in (("slice", 3), ("none", 1)):
+            items = build_schedule(op, mode, 3, 1, chunks=k).lane_items()
+            assert len(items) == k and all(isinstance(i, Collective) and i.kind == "all_to_all" for i in items)

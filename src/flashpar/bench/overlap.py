@@ -1,11 +1,14 @@
-"""``flashpar bench overlap``: every mode of the TP-SP ops side by side, in one run, on the same shapes.
+"""``flashpar bench overlap``: every mode of every overlapped op side by side, in one run, on the same shapes.
+
+Ops (``--ops``, see :mod:`flashpar.bench.overlap_ops`): the tensor+sequence-parallel pair
+(``ag``, ``rs``), the sharded data-parallel linear (``fsdp``) and the Ulysses pair (``qkv``, ``out``).
 
 The parent process starts N gloo ranks (each in its own network namespace behind
 a rate-limited link with ``--link-rate``, on loopback otherwise) running
 :func:`worker`.  The worker
 
 1. calibrates GEMM rate and link (:mod:`flashpar.bench.calibrate`), rank 0's values for all;
-2. sizes the shapes: for a target communication/compute ratio (``--ratio``) the feature dim that
+2. sizes the shapes: for a target communication/compute ratio (``--ratio``) the free dim that
    sets the GEMM work is scaled from a measured probe, plus a small-M shape;
 3. runs, round by round with the order of the variants rotated, each variant three ways:
    overlapped, compute-only and communication-only (:func:`flashpar.overlap.executor.only`),
@@ -28,50 +31,32 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+
+from flashpar.bench.overlap_ops import OP_KEYS, BenchShape, make_call, modes_for, with_free
 
 VARIANTS = (("none", None), ("slice", 4), ("ring", 1), ("flash", 1), ("flash", 4), ("auto", None))
 DEFAULT_RATIO = {2: 0.4, 3: 0.5, 4: 0.6}
-
-
-@dataclass(frozen=True)
-class BenchShape:
-    name: str
-    op: str  # "ag" | "rs"
-    seq_local: int
-    n_in: int  # features of this rank's weight input side
-    n_out: int  # features of this rank's weight output side
-    target_ratio: float | None = None
-
-    def describe(self, n: int) -> str:
-        if self.op == "ag":
-            dims = f"x[{self.seq_local * n}/{n}, {self.n_in}] @ w[{self.n_out}, {self.n_in}]^T"
-        else:
-            dims = f"x[{self.seq_local * n}, {self.n_in}] @ w[{self.n_out}, {self.n_in}]^T -> scatter"
-        ratio = f", comm/compute target {self.target_ratio}" if self.target_ratio else ""
-        return f"{self.name}: {'all_gather_matmul' if self.op == 'ag' else 'matmul_reduce_scatter'} {dims}{ratio}"
 
 
 # ----------------------------------------------------------------------------------------------
 # worker (one per rank)
 
 
-def _size_shapes(n: int, ratio: float, seq_local: int, width: int, dtype) -> list[BenchShape]:
+def _size_shapes(n: int, ratio: float, seq_local: int, width: int, ops: list[str], dtype) -> list[BenchShape]:
     """Shapes whose forward communication / compute is about ``ratio`` (and 1.5 for comm-heavy).
 
-    The communicated block ``[seq_local, width]`` fixes the communication; the GEMM's other feature
-    dim (the free dim) sets the compute and nothing else.  Both are measured on a probe shape with
-    the flash schedule, forward only (communication-only and compute-only, slowest rank), and the
-    free dim is scaled so that compute = communication / ratio.
+    The communicated block fixes the communication; the free dim (see :mod:`flashpar.bench.overlap_ops`)
+    sets the compute and nothing else.  Both are measured on a probe shape with the flash schedule,
+    forward only (communication-only and compute-only, slowest rank), and the free dim is scaled so
+    that compute = communication / ratio.
     """
     import torch
     import torch.distributed as dist
 
     probe = 512
     shapes = []
-    for op in ("ag", "rs"):
-        probe_shape = BenchShape("probe", op, seq_local, width, probe) if op == "ag" else \
-            BenchShape("probe", op, seq_local, probe, width)
+    for op in ops:
+        probe_shape = with_free(op, "probe", seq_local, width, probe)
         times = []
         for kind in ("comm", "compute"):
             samples = [_measure(probe_shape, "flash", 1, kind, n, dtype, 1)[0] for _ in range(4)]
@@ -81,30 +66,31 @@ def _size_shapes(n: int, ratio: float, seq_local: int, width: int, dtype) -> lis
         comm, compute_per_unit = float(t[0]), float(t[1]) / probe
         for label, r in (("hidden", ratio), ("comm-heavy", 1.5)):
             d = max(16, int(round(comm / r / compute_per_unit / 16)) * 16)
-            shapes.append(BenchShape(f"{op}-{label}", op, seq_local, width, d, r) if op == "ag" else
-                          BenchShape(f"{op}-{label}", op, seq_local, d, width, r))
-    small = max(1, 16 // n)
-    shapes.append(BenchShape("ag-small-M", "ag", small, 512, 512))
-    shapes.append(BenchShape("rs-small-M", "rs", small, 512, 512))
+            shapes.append(with_free(op, f"{op}-{label}", seq_local, width, d, r))
     return shapes
+
+
+def _shapes(n: int, config: dict, dtype) -> list[BenchShape]:
+    """The shape families of ``config["shapes"]``: probe-sized hidden / comm-heavy, and small-M (16 rows
+    over all ranks, 512 x 512 weights: latency-bound, where ``auto`` should keep ``none``)."""
+    families, ops = config["shapes"], config["ops"]
+    shapes = []
+    if set(families) - {"small-M"}:
+        shapes += _size_shapes(n, config["ratio"], config["seq_local"], config["width"], ops, dtype)
+    small = max(1, 16 // n)
+    shapes += [with_free(op, f"{op}-small-M", small, 512, small if op == "fsdp" else 512) for op in ops]
+    return [s for s in shapes if s.name.split("-", 1)[1] in families]
 
 
 def _measure(shape: BenchShape, mode: str, chunks, kind: str, n: int, dtype, reps: int,
              group=None) -> tuple[float, float]:
     """Mean forward and backward seconds of this rank over ``reps`` back-to-back calls (few-ms ops are
     repeated so that timer and barrier noise do not swamp them)."""
-    import torch
     import torch.distributed as dist
 
-    from flashpar.overlap import all_gather_matmul, matmul_reduce_scatter
     from flashpar.overlap.executor import only
 
-    rows = shape.seq_local if shape.op == "ag" else shape.seq_local * n
-    x = torch.randn(rows, shape.n_in, dtype=dtype, requires_grad=True)
-    w = torch.randn(shape.n_out, shape.n_in, dtype=dtype, requires_grad=True)
-    op = all_gather_matmul if shape.op == "ag" else matmul_reduce_scatter
-    g_rows = shape.seq_local * n if shape.op == "ag" else shape.seq_local
-    grad_y = torch.randn(g_rows, shape.n_out, dtype=dtype)
+    op, x, w, grad_y = make_call(shape, n, dtype)
     ctx = only(kind) if kind != "overlapped" else contextlib.nullcontext()
     with ctx:
         dist.barrier(group)
@@ -137,21 +123,21 @@ def worker(config: dict) -> None:
     if config["calibrate"] and rank == 0:
         path = cost.save(hw, "cpu")
         print(f"calibration stored in {path}", flush=True)
-    shapes = _size_shapes(n, config["ratio"], config["seq_local"], config["width"], dtype)
-    shapes = [s for s in shapes if s.name.split("-", 1)[1] in config["shapes"]]
+    shapes = _shapes(n, config, dtype)
     variants = [tuple(v) for v in config["variants"]]
     samples: dict[tuple, list] = {}
     reps, rounds = {}, {}
     for shape in shapes:
-        op = "ag_matmul" if shape.op == "ag" else "matmul_rs"
-        t_none = predict(op, "none", 1, n, shape.seq_local * n, shape.n_in, shape.n_out, elem, hw)[op].total
+        sim_op, *dims = shape.sim_args(n)
+        t_none = list(predict(sim_op, "none", 1, n, *dims, elem, hw).values())[0].total
         reps[shape.name] = max(1, min(50, int(0.05 / max(t_none, 1e-6))))
         # millisecond ops are at the mercy of scheduler noise on a shared box: 4x the rounds (still cheap)
         rounds[shape.name] = config["rounds"] * (4 if t_none < 5e-3 else 1)
     with cost.use(hw):
         for rnd in range(max(rounds.values(), default=0)):
             for shape in (s for s in shapes if rnd < rounds[s.name]):
-                order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]
+                mine = modes_for(shape.op, variants)
+                order = mine[rnd % len(mine):] + mine[: rnd % len(mine)]
                 for mode, chunks in order:
                     for kind in ("overlapped", "compute", "comm"):
                         t = _measure(shape, mode, chunks, kind, n, dtype, reps[shape.name])
@@ -164,10 +150,9 @@ def worker(config: dict) -> None:
         for shape in shapes:
             entry = {"shape": shape.__dict__, "describe": shape.describe(n), "reps": reps[shape.name],
                      "rounds": rounds[shape.name], "modes": []}
-            op = "ag_matmul" if shape.op == "ag" else "matmul_rs"
-            rows = shape.seq_local * n
-            auto_pick = choose_mode(op, n, rows, shape.n_in, shape.n_out, elem, "cpu", hw)
-            for mode, chunks in variants:
+            sim_op, *dims = shape.sim_args(n)
+            auto_pick = choose_mode(sim_op, n, *dims, elem, "cpu", hw)
+            for mode, chunks in modes_for(shape.op, variants):
                 row = {"mode": mode, "chunks": chunks}
                 if mode == "auto":
                     row["picked"] = f"{auto_pick[0]}(k={auto_pick[1]})"
@@ -179,13 +164,14 @@ def worker(config: dict) -> None:
                         med[kind] = statistics.median(per_round)
                     row[direction] = _figures(med, n, mode, chunks)
                 pm, pk = auto_pick if mode == "auto" else (mode, chunks or 1)
-                pred = predict(op, pm, pk, n, rows, shape.n_in, shape.n_out, elem, hw)
+                pred = predict(sim_op, pm, pk, n, *dims, elem, hw)
                 row["predicted"] = {k: v.total for k, v in pred.items()}
                 entry["modes"].append(row)
-            none = next(m for m in entry["modes"] if m["mode"] == "none")
+            none = next((m for m in entry["modes"] if m["mode"] == "none"), None)
             for m in entry["modes"]:
                 for direction in ("forward", "backward"):
-                    m[direction]["vs_none"] = m[direction]["overlapped"] / none[direction]["overlapped"]
+                    base = none[direction]["overlapped"] if none else float("nan")
+                    m[direction]["vs_none"] = m[direction]["overlapped"] / base
             report["shapes"].append(entry)
         with open(config["out"], "w") as f:
             json.dump(report, f, indent=1)
@@ -246,6 +232,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=1024, help="features of the communicated tensor")
     p.add_argument("--modes", default=None,
                    help="variants as mode[:chunks], comma-separated (default none,slice:4,ring:1,flash:1,flash:4,auto)")
+    p.add_argument("--ops", default=",".join(OP_KEYS),
+                   help="ops to compare: ag, rs (tensor parallel), fsdp (sharded data parallel), qkv, out "
+                        "(Ulysses all-to-all) (default all)")
     p.add_argument("--shapes", default="hidden,comm-heavy,small-M",
                    help="which shape families to run: hidden, comm-heavy, small-M (default all)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -273,6 +262,11 @@ def run(args: argparse.Namespace) -> int:
         print("flashpar bench overlap: --nproc needs world sizes >= 2", file=sys.stderr)
         return 2
     variants = _parse_variants(args.modes)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    unknown = [o for o in ops if o not in OP_KEYS]
+    if unknown:
+        print(f"flashpar bench overlap: unknown --ops {unknown}; expected some of {OP_KEYS}", file=sys.stderr)
+        return 2
     rate = None if str(args.link_rate).lower() in ("none", "loopback", "") else args.link_rate
     if rate is not None:
         ok, why = links_available()
@@ -287,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
             config = {"threads": args.threads, "dtype": args.dtype, "calibrate": args.calibrate, "out": out,
                       "ratio": args.ratio or DEFAULT_RATIO.get(n, 0.6), "seq_local": args.seq_local,
                       "width": args.width, "rounds": args.rounds, "variants": variants,
-                      "link_rate": rate or "loopback", "shapes": args.shapes.split(",")}
+                      "link_rate": rate or "loopback", "shapes": args.shapes.split(","), "ops": ops}
             argv = [sys.executable, "-m", "flashpar.bench.overlap", "--worker", json.dumps(config)]
             print(f"running N={n} on {rate or 'loopback'} ...", flush=True)
             if rate is not None:

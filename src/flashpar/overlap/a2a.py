@@ -38,17 +38,17 @@ import torch
 
 from flashpar.dist import DEFAULT_TIMEOUT_S, dtype_code, resolve_group
 from flashpar.overlap.call import (
-    DEFAULT_CHUNKS,
     Call,
     check_mode,
     check_split,
     check_tensors,
     mid_named,
+    pick_mode,
     row_space,
     settle,
 )
 from flashpar.overlap.executor import Buffers, run_schedule
-from flashpar.overlap.ops import _gathered
+from flashpar.overlap.ops import _flat, _gathered
 from flashpar.overlap.schedule import A2A_MODES, Compute, Piece, build_schedule
 
 A2A_MODE_CHOICES = (*A2A_MODES, "auto")
@@ -116,7 +116,11 @@ def _call(fn, op_name, x, weight, bias, group, mode, chunks, split_sizes, reduce
             check_split(op_name, split_sizes, n, r, total=x.shape[0], what="tokens")
             local_len = split_sizes[r] if split_sizes is not None else x.shape[0] // n
         mid_shape = tuple(x.shape[1:-1])
-        chosen = _choose(mode, chunks, n, x, weight, scatter_side, local_len)
+        rows = local_len * n * math.prod(mid_shape)
+        if scatter_side:
+            chosen = pick_mode(mode, chunks, n, "matmul_a2a", rows, weight.shape[1], weight.shape[0] // n, x)
+        else:
+            chosen = pick_mode(mode, chunks, n, "a2a_matmul", rows, x.shape[-1], weight.shape[0], x)
         named = [("ndim", x.dim()), ("features", x.shape[-1]), ("weight rows", weight.shape[0]),
                  ("weight columns", weight.shape[1]), ("dtype", dtype_code(x.dtype)),
                  ("bias present", int(bias is not None)), ("mode", A2A_MODE_CHOICES.index(mode))]
@@ -141,33 +145,11 @@ def _check_shapes(op_name, n, x, weight, bias, scatter_side) -> None:
         if x.shape[-1] != weight.shape[1] or weight.shape[0] % n:
             raise ValueError(f"{op_name}: weight {tuple(weight.shape)} must be [N * w, {x.shape[-1]}] (N = {n} head "
                              f"groups of w rows) for x {tuple(x.shape)}")
-        bias_len = weight.shape[0]
-    else:
-        if weight.shape[1] != n * x.shape[-1]:
-            raise ValueError(f"{op_name}: weight {tuple(weight.shape)} must have N * u = {n} * {x.shape[-1]} input "
-                             f"columns for o {tuple(x.shape)} (u features per head group)")
-        bias_len = weight.shape[0]
-    if bias is not None and tuple(bias.shape) != (bias_len,):
-        raise ValueError(f"{op_name}: bias {tuple(bias.shape)} must be [{bias_len}]")
-
-
-def _choose(mode, chunks, n, x, weight, scatter_side, local_len) -> tuple[str, int]:
-    if n == 1:
-        return "none", 1
-    if mode != "auto":
-        return mode, chunks or DEFAULT_CHUNKS[mode]
-    from flashpar.overlap.simulate import choose_mode
-
-    rows = local_len * n * math.prod(x.shape[1:-1])
-    if scatter_side:
-        args = ("matmul_a2a", n, rows, weight.shape[1], weight.shape[0] // n)
-    else:
-        args = ("a2a_matmul", n, rows, x.shape[-1], weight.shape[0])
-    return choose_mode(*args, x.element_size(), x.device.type)
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1]).contiguous()
+    elif weight.shape[1] != n * x.shape[-1]:
+        raise ValueError(f"{op_name}: weight {tuple(weight.shape)} must have N * u = {n} * {x.shape[-1]} input "
+                         f"columns for o {tuple(x.shape)} (u features per head group)")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{op_name}: bias {tuple(bias.shape)} must be [{weight.shape[0]}]")
 
 
 def _peer_buffer(buffers: Buffers, name: str, call: Call, width: int) -> None:
@@ -191,9 +173,9 @@ def _run(call: Call, op: str, buffers: Buffers, kernels, **flags) -> None:
     run_schedule(schedule, buffers, kernels, info, op_name=call.op_name, timeout_s=call.timeout_s)
 
 
-def _grad_with_bias_column(rows: int, cols: int, bias, like: torch.Tensor) -> torch.Tensor:
+def _grad_with_bias_column(rows: int, cols: int, with_bias: bool, like: torch.Tensor) -> torch.Tensor:
     """Weight gradient ``[rows, cols]`` with the bias gradient as one more column (one all-reduce for both)."""
-    return torch.zeros(rows, cols + (bias is not None), dtype=like.dtype, device=like.device)
+    return torch.zeros(rows, cols + int(with_bias), dtype=like.dtype, device=like.device)
 
 
 def _cols(group: int, width: int) -> slice:
@@ -237,7 +219,7 @@ class _MatmulAllToAll(torch.autograd.Function):
         buffers.add_full("in", g2, w)
         _peer_buffer(buffers, "recv", call, w)
         grad_x = torch.zeros_like(x2) if need_x else None
-        grad_w = _grad_with_bias_column(weight.shape[0], n_in, True if ctx.has_bias else None, g2)
+        grad_w = _grad_with_bias_column(weight.shape[0], n_in, ctx.has_bias, g2)
         buffers.add_local("gw", grad_w)
 
         def gemm_gx(step: Compute) -> None:
@@ -295,7 +277,7 @@ class _AllToAllMatmul(torch.autograd.Function):
         _gathered(buffers, "a", g2, info, g2.shape[1])
         _peer_buffer(buffers, "send", call, u)
         grad_o = buffers.add_full("out", None, u) if need_o else None
-        grad_w = _grad_with_bias_column(weight.shape[0], n * u, True if ctx.has_bias else None, g2)
+        grad_w = _grad_with_bias_column(weight.shape[0], n * u, ctx.has_bias, g2)
         buffers.add_local("gw", grad_w)
         if ctx.has_bias:
             torch.sum(g2, dim=0, out=grad_w[:, n * u])

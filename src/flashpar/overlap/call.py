@@ -82,10 +82,11 @@ def settle(op_name: str, info: GroupInfo, *, error: BaseException | None, local_
            check: bool, device, timeout_s: float) -> tuple[tuple[int, ...], str, int]:
     """Agree on the call across ranks; returns (block lengths, mode, chunks).
 
-    ``named``: (what, value) pairs every rank must share.  ``local_sizes``: the block lengths are
-    the ranks' own ``local_len`` (they are exchanged when ``split_sizes`` is omitted); otherwise
-    ``split_sizes`` (or equal blocks of ``local_len * n`` rows... given by the caller) is checked
-    to be the same list everywhere.
+    ``named``: (what, value) pairs every rank must share.  ``chosen``: this rank's (mode, chunks)
+    pick; rank 0's binds.  ``local_len``: this rank's block length.  ``local_sizes=True``: the
+    block lengths are the ranks' own lengths (exchanged when ``split_sizes`` is omitted, checked
+    against it otherwise); ``False``: ``split_sizes`` (or equal blocks of ``local_len``) was given
+    to every rank and must be the same list everywhere.  ``check=False`` skips the exchange.
     """
     n = info.world_size
     if error is not None and (not check or n == 1):
@@ -110,6 +111,19 @@ def settle(op_name: str, info: GroupInfo, *, error: BaseException | None, local_
     if sizes is None:
         sizes = [local_len] * n
     return tuple(sizes), mode_name, k
+
+
+def pick_mode(mode: str, chunks: int | None, n: int, sim_op: str, rows: int, n_in: int, n_out: int,
+              x: torch.Tensor) -> tuple[str, int]:
+    """This rank's (mode, chunks): a group of one runs ``none``; ``auto`` asks the cost model for
+    ``sim_op`` on ``rows`` x (``n_in`` -> ``n_out``) (see :func:`flashpar.overlap.simulate.op_shapes`)."""
+    if n == 1:
+        return "none", 1
+    if mode != "auto":
+        return mode, chunks or DEFAULT_CHUNKS[mode]
+    from flashpar.overlap.simulate import choose_mode  # cost model: only needed for 'auto'
+
+    return choose_mode(sim_op, n, rows, n_in, n_out, x.element_size(), x.device.type)
 
 
 def mid_named(mid_shape: tuple[int, ...]) -> list[tuple[str, int]]:

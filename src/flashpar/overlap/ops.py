@@ -64,13 +64,13 @@ import torch
 
 from flashpar.dist import DEFAULT_TIMEOUT_S, GroupInfo, dtype_code, resolve_group
 from flashpar.overlap.call import (
-    DEFAULT_CHUNKS,
     MODE_CHOICES,
     Call,
     check_mode,
     check_split,
     check_tensors,
     mid_named,
+    pick_mode,
     row_space,
     settle,
 )
@@ -147,7 +147,9 @@ def _prepare(op_name, info, x, weight, bias, mode, chunks, split_sizes, check, t
         else:
             total = x.shape[0]
             local_len = split_sizes[r] if split_sizes is not None else total // n
-        chosen = _choose_mode(op_name, mode, chunks, n, total, mid_shape, x, weight)
+        sim_op = "ag_matmul" if gather_side else "matmul_rs"
+        rows = total * math.prod(mid_shape)
+        chosen = pick_mode(mode, chunks, n, sim_op, rows, weight.shape[1], weight.shape[0], x)
         feat = weight.shape[1] if gather_side else weight.shape[0]
         named = [("ndim", x.dim()), ("features", feat), ("dtype", dtype_code(x.dtype)),
                  ("bias present", int(bias is not None)), ("mode", MODE_CHOICES.index(mode))]
@@ -175,18 +177,6 @@ def _validate_local(op_name, n, r, x, weight, bias, mode, chunks, split_sizes, g
         check_split(op_name, split_sizes, n, r, local=x.shape[0], what="sequence rows")
     else:
         check_split(op_name, split_sizes, n, r, total=x.shape[0], what="sequence length")
-
-
-def _choose_mode(op_name, mode, chunks, n, total_seq, mid_shape, x, weight) -> tuple[str, int]:
-    if n == 1:
-        return "none", 1
-    if mode != "auto":
-        return mode, chunks or DEFAULT_CHUNKS[mode]
-    from flashpar.overlap.simulate import choose_mode  # cost model: only needed for 'auto'
-
-    op = "ag_matmul" if op_name == "all_gather_matmul" else "matmul_rs"
-    rows = total_seq * math.prod(mid_shape)
-    return choose_mode(op, n, rows, weight.shape[1], weight.shape[0], x.element_size(), x.device.type)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from flashpar.dist import DEFAULT_TIMEOUT_S, dtype_code, resolve_group
-from flashpar.overlap.call import DEFAULT_CHUNKS, MODE_CHOICES, Call, check_mode, check_split, check_tensors, settle
+from flashpar.overlap.call import MODE_CHOICES, Call, check_mode, check_split, check_tensors, pick_mode, settle
 from flashpar.overlap.executor import Buffers, RowSpace, run_schedule
 from flashpar.overlap.modules import _init_like_linear
 from flashpar.overlap.ops import _gathered, _reduce_buffers
@@ -75,7 +75,8 @@ def sharded_linear(
                              f"{weight.shape[0]} rows")
         check_split(OP_NAME, split_sizes, n, r, local=weight.shape[0], what="output rows")
         out_total = sum(split_sizes) if split_sizes is not None else weight.shape[0] * n
-        chosen = _choose(mode, chunks, n, x, weight, out_total)
+        tokens = max(x.numel() // max(x.shape[-1], 1), 1)
+        chosen = pick_mode(mode, chunks, n, "sharded", tokens, weight.shape[1], out_total, x)
         named = [("in features", weight.shape[1]), ("dtype", dtype_code(x.dtype)),
                  ("bias present", int(bias is not None)), ("mode", MODE_CHOICES.index(mode))]
     except (ValueError, TypeError) as err:
@@ -86,17 +87,6 @@ def sharded_linear(
                                    check=check, device=device, timeout_s=timeout_s)
     call = Call(OP_NAME, info, chosen_mode, k, RowSpace(sizes, 1), (), timeout_s)
     return _ShardedLinear.apply(x, weight, bias, call)
-
-
-def _choose(mode, chunks, n, x, weight, out_total) -> tuple[str, int]:
-    if n == 1:
-        return "none", 1
-    if mode != "auto":
-        return mode, chunks or DEFAULT_CHUNKS[mode]
-    from flashpar.overlap.simulate import choose_mode
-
-    tokens = x.numel() // max(x.shape[-1], 1)
-    return choose_mode("sharded", n, max(tokens, 1), weight.shape[1], out_total, x.element_size(), x.device.type)
 
 
 def _with_bias_column(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
