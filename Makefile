@@ -23,7 +23,8 @@ lint: setup
 test: lint
 	$(PY) -m pytest
 
-# The main job, on a small default: every overlap mode side by side at TP=2 on an emulated 1 Gbit/s link.
+# The main job, on a small default: every overlapped op (TP, sharded DP, Ulysses) and mode side by side
+# at N=2 on an emulated 1 Gbit/s link (about 4 minutes).
 run: setup
 	$(VENV)/bin/flashpar bench overlap --nproc 2 --link-rate 1gbit --rounds 3
 
