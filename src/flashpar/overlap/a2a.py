@@ -129,7 +129,7 @@ def _call(fn, op_name, x, weight, bias, group, mode, chunks, split_sizes, reduce
     except (ValueError, TypeError) as err:
         error = err
     device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-    sizes, chosen_mode, k = settle(op_name, info, error=error, local_len=local_len, named=named, mode=mode,
+    sizes, chosen_mode, k = settle(op_name, info, error=error, local_len=local_len, named=named,
                                    chosen=chosen, split_sizes=split_sizes, local_sizes=scatter_side, check=check,
                                    device=device, timeout_s=timeout_s)
     call = Call(op_name, info, chosen_mode, k, row_space(sizes, mid_shape), mid_shape, timeout_s,

@@ -78,7 +78,7 @@ def check_split(op_name: str, split_sizes, n: int, r: int, *, local: int | None 
 
 
 def settle(op_name: str, info: GroupInfo, *, error: BaseException | None, local_len: int,
-           named: list[tuple[str, int]], mode: str, chosen: tuple[str, int], split_sizes, local_sizes: bool,
+           named: list[tuple[str, int]], chosen: tuple[str, int], split_sizes, local_sizes: bool,
            check: bool, device, timeout_s: float) -> tuple[tuple[int, ...], str, int]:
     """Agree on the call across ranks; returns (block lengths, mode, chunks).
 

@@ -156,7 +156,7 @@ def _prepare(op_name, info, x, weight, bias, mode, chunks, split_sizes, check, t
         named += [] if gather_side else [("sequence length", x.shape[0])]
         named += mid_named(mid_shape)
     device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-    sizes, chosen_mode, k = settle(op_name, info, error=error, local_len=local_len, named=named, mode=mode,
+    sizes, chosen_mode, k = settle(op_name, info, error=error, local_len=local_len, named=named,
                                    chosen=chosen, split_sizes=split_sizes, local_sizes=gather_side, check=check,
                                    device=device, timeout_s=timeout_s)
     return Call(op_name, info, chosen_mode, k, row_space(sizes, mid_shape), mid_shape, timeout_s)

@@ -83,7 +83,7 @@ def sharded_linear(
         error = err
     device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
     sizes, chosen_mode, k = settle(OP_NAME, info, error=error, local_len=weight.shape[0] if error is None else 0,
-                                   named=named, mode=mode, chosen=chosen, split_sizes=split_sizes, local_sizes=True,
+                                   named=named, chosen=chosen, split_sizes=split_sizes, local_sizes=True,
                                    check=check, device=device, timeout_s=timeout_s)
     call = Call(OP_NAME, info, chosen_mode, k, RowSpace(sizes, 1), (), timeout_s)
     return _ShardedLinear.apply(x, weight, bias, call)
