@@ -1,0 +1,58 @@
+"""FlashCP: context parallelism for packed documents under a causal document mask.
+
+``plan(doc_lens, cp_size, strategy=...)`` decides which tokens each rank holds and which K/V it
+receives (:class:`CPPlan`); it is pure and deterministic, needs no process group and runs in a
+data-loader worker.  Strategies: ``flashcp`` (the hybrid search) and the baselines
+``contiguous``, ``headtail``, ``per_doc``, ``per_doc_aware``, ``torch_per_doc``, ``whole_doc``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from flashpar.cp import flashcp as _flashcp
+from flashpar.cp import strategies as _strategies
+from flashpar.cp.cost import CostModel
+from flashpar.cp.plan import CPPlan
+
+STRATEGIES = ("contiguous", "headtail", "per_doc", "per_doc_aware", "torch_per_doc", "whole_doc", "flashcp")
+COMM = {"contiguous": "all", "headtail": "all", "per_doc": "all", "torch_per_doc": "all",
+        "per_doc_aware": "aware", "whole_doc": "aware", "flashcp": "aware"}
+
+
+def plan(doc_lens, cp_size: int, *, strategy: str = "flashcp", cost: CostModel | None = None,
+         token_slack: float = 0.05) -> CPPlan:
+    """Plan one packed sequence of documents of ``doc_lens`` tokens over ``cp_size`` ranks."""
+    lens = _check(doc_lens, cp_size, strategy, token_slack)
+    cost = cost or CostModel()
+    t0 = time.perf_counter()
+    if strategy == "flashcp":
+        placement = _flashcp.flashcp(lens, cp_size, cost, token_slack)
+    elif strategy == "whole_doc":
+        placement = _flashcp.whole_doc(lens, cp_size, cost, token_slack)
+    else:
+        fn = {"contiguous": _strategies.contiguous, "headtail": _strategies.headtail,
+              "per_doc": _strategies.per_doc, "per_doc_aware": _strategies.per_doc,
+              "torch_per_doc": _strategies.torch_per_doc}[strategy]
+        placement = fn(lens, cp_size)
+    elapsed = time.perf_counter() - t0
+    return CPPlan(cp_size, tuple(lens), strategy, placement.frozen(), COMM[strategy], cost, token_slack, elapsed)
+
+
+def _check(doc_lens, cp_size, strategy, token_slack) -> list[int]:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+    if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
+        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    lens = list(doc_lens)
+    if not lens:
+        raise ValueError("doc_lens is empty: a packed sequence needs at least one document")
+    bad = [(i, v) for i, v in enumerate(lens) if not isinstance(v, int) or isinstance(v, bool) or v <= 0]
+    if bad:
+        raise ValueError(f"doc_lens must be positive ints; bad entries (index, value): {bad[:5]}")
+    if not token_slack >= 0:
+        raise ValueError(f"token_slack must be >= 0, got {token_slack!r}")
+    return lens
+
+
+__all__ = ["COMM", "CPPlan", "CostModel", "STRATEGIES", "plan"]

@@ -1,0 +1,158 @@
+"""FlashCP's hybrid placement: Whole-Doc where a document fits, head-tail over the smallest group of
+ranks that keeps the balance where it does not, chosen by a heuristic search scored by the cost model.
+
+One candidate is a greedy pass over the documents, longest first (largest-first bin packing),
+with two knobs: ``tol`` (how far above the mean a rank's compute may go) and ``force`` (how
+many of the longest documents are split even where they would fit whole):
+
+    for each document d (longest first):
+        Whole-Doc: the least-loaded rank r with tokens_r + L_d <= cap and load_r + w(d) <= (1 + tol) W
+        otherwise sub-group: the smallest g in 2..N such that head-tail over the g least-loaded ranks
+            keeps every member under both bounds (g = N is Per-Doc; a group of 1 is Whole-Doc)
+        otherwise Per-Doc over all N ranks
+
+``W`` is the mean compute per rank and ``cap = (1 + token_slack) T / N``.  A sub-group keeps the
+document's K/V inside the group: member ``i`` of ``g`` receives ``(2g - 2 - i) L / 2g`` tokens, so
+smaller groups send less.  The search scores candidates within the token cap by the estimated
+step time (max over ranks of ``max(compute, comm + remote compute)``), then by K/V bytes.  The
+placements of the baselines are candidates too, with sharding-aware communication, so the plan
+is never estimated slower than any baseline.  With attention work alone
+(``CostModel(linear=False)``) balance comes first (see ``_pick``).
+"""
+
+from __future__ import annotations
+
+from flashpar.cp.cost import CostModel
+from flashpar.cp.plan import causal_pairs, doc_starts_of, rank_figures
+from flashpar.cp.strategies import Placement, chunk_bounds, contiguous, headtail, per_doc, torch_per_doc
+
+TOLERANCES = (0.0, 0.02, 0.05)
+FORCED = (0, 1)
+SHARES = (1.0, 0.7, 0.45, 0.25)
+
+
+def token_cap(doc_lens: list[int], n: int, token_slack: float) -> int:
+    total = sum(doc_lens)
+    return max(-(-total // n), int((1 + token_slack) * total / n))
+
+
+class _Greedy:
+    """The greedy pass (see the module docstring), with per-(length, group) shares cached."""
+
+    def __init__(self, doc_lens: list[int], n: int, cost: CostModel, cap: int) -> None:
+        self.lens, self.n, self.cost, self.cap = doc_lens, n, cost, cap
+        self.starts = doc_starts_of(doc_lens)
+        self.order = sorted(range(len(doc_lens)), key=lambda d: (-doc_lens[d], d))
+        self._shares: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
+        self.mean = sum(self.whole(L) for L in doc_lens) / n
+
+    def whole(self, length: int) -> float:
+        return self.cost.linear_time(length) + self.cost.attn_time(causal_pairs(0, length, 0), length, length)
+
+    def shares(self, length: int, g: int) -> tuple[list[float], list[int]]:
+        """Compute and tokens of each member of a head-tail group of ``g`` over one document."""
+        key = (length, g)
+        if g == 1:
+            return [self.whole(length)], [length]
+        if key not in self._shares:
+            b = chunk_bounds(0, length, 2 * g)
+            work, toks = [], []
+            for i in range(g):
+                pieces = ((b[i], b[i + 1]), (b[2 * g - 1 - i], b[2 * g - i]))
+                t = sum(self.cost.attn_time(causal_pairs(x, y, 0), y - x, y) for x, y in pieces if y > x)
+                n_tok = sum(y - x for x, y in pieces)
+                work.append(t + self.cost.linear_time(n_tok))
+                toks.append(n_tok)
+            self._shares[key] = (work, toks)
+        return self._shares[key]
+
+    def _group(self, length: int, by_load: list[int], load, toks, limit: float, share: float) -> list[int] | None:
+        """The smallest head-tail group (2..N least-loaded ranks) whose members all stay under ``limit`` and
+        the token cap, each taking at most ``share`` of a rank's mean compute."""
+        for g in range(2, self.n + 1):
+            work, tok = self.shares(length, g)
+            if max(work) > share * self.mean and g < self.n:
+                continue
+            members = sorted(by_load[:g])
+            if all(load[r] + work[i] <= limit and toks[r] + tok[i] <= self.cap for i, r in enumerate(members)):
+                return members
+        return None
+
+    def calibrate(self) -> None:
+        """Re-base the mean compute on a first placement (cutting documents costs kernel efficiency)."""
+        p = self.run(0.0, 0)
+        fig = rank_figures(p.segments, self.lens, self.starts, self.cost, "aware")
+        self.mean = max(self.mean, sum(fig.compute) / self.n)
+
+    def run(self, tol: float, force: int, share: float = 1.0, subgroups: bool = True) -> Placement:
+        n, cap = self.n, self.cap
+        limit = (1 + tol) * self.mean
+        load, toks = [0.0] * n, [0] * n
+        p = Placement(n)
+        for k, d in enumerate(self.order):
+            length, start = self.lens[d], self.starts[d]
+            if k >= force:
+                w = self.whole(length)
+                fits = [r for r in range(n) if toks[r] + length <= cap and load[r] + w <= limit]
+                if fits:  # the rank with the most room left in both work and tokens
+                    r = min(fits, key=lambda r: (max(load[r] / limit, toks[r] / cap), load[r], r))
+                    p.add(r, start, start + length)
+                    load[r] += w
+                    toks[r] += length
+                    continue
+            by_load = sorted(range(n), key=lambda r: (load[r], toks[r], r))
+            group = self._group(length, by_load, load, toks, limit, share) if subgroups else None
+            if group is None and k >= force:  # over the work bound: whole on the least-loaded rank with room
+                room = [r for r in by_load if toks[r] + length <= cap]
+                group = room[:1] or None
+            if group is None and subgroups:  # tokens alone
+                group = self._group(length, by_load, load, toks, float("inf"), float("inf"))
+            group = group or list(range(n))  # Per-Doc over every rank
+            work, tok = self.shares(length, len(group))
+            p.headtail(group, start, length)
+            for i, r in enumerate(group):
+                load[r] += work[i]
+                toks[r] += tok[i]
+        for segs in p.segments:
+            segs.sort()
+        return p
+
+
+def whole_doc(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) -> Placement:
+    """Baseline: Whole-Doc wherever a document fits under the token cap, Per-Doc for the rest."""
+    return _Greedy(doc_lens, n, cost, token_cap(doc_lens, n, token_slack)).run(float("inf"), 0, subgroups=False)
+
+
+def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) -> Placement:
+    cap = token_cap(doc_lens, n, token_slack)
+    greedy = _Greedy(doc_lens, n, cost, cap)
+    starts = doc_starts_of(doc_lens)
+    greedy.calibrate()
+    candidates = [greedy.run(tol, force, share) for share in SHARES for force in FORCED for tol in TOLERANCES]
+    candidates += [greedy.run(float("inf"), 0, subgroups=False)]
+    candidates += [f(doc_lens, n) for f in (per_doc, headtail, contiguous, torch_per_doc)]
+
+    figs = [rank_figures(p.segments, doc_lens, starts, cost, "aware") for p in candidates]
+    return candidates[_pick(figs, cap, balance_first=not cost.linear)]
+
+
+BALANCE = 0.02
+"""Compute imbalance (max / mean) a candidate may have and still compete on estimated step time."""
+
+
+def _pick(figs, cap: int, balance_first: bool) -> int:
+    """The candidate with the least estimated step time, then K/V tokens received, among those within the
+    token cap (all, if none is).  ``balance_first`` (attention work alone, ``CostModel(linear=False)``):
+    only candidates whose compute imbalance is within ``BALANCE`` (or 0.5% of the best reached) compete;
+    without linear work to hide it, K/V traffic would otherwise outweigh balance, which is what the
+    attention-only comparison is about."""
+    def imbalance(f) -> float:
+        mean = sum(f.compute) / len(f.compute)
+        return max(f.compute) / mean if mean > 0 else 1.0
+
+    idx = [i for i, f in enumerate(figs) if max(f.tokens) <= cap] or list(range(len(figs)))
+    pool = idx
+    if balance_first:
+        budget = max(1 + BALANCE, 1.005 * min(imbalance(figs[i]) for i in idx))
+        pool = [i for i in idx if imbalance(figs[i]) <= budget]
+    return min(pool, key=lambda i: (max(figs[i].time), sum(figs[i].recv_tokens), i))

@@ -1,0 +1,234 @@
+"""``CPPlan``: which tokens of a packed sequence each context-parallel rank holds, and what it receives.
+
+A plan is data: for every rank, the global token ranges it holds (``segments``, in the rank's
+local order; a range never crosses a document boundary) and how K/V travels (``comm``):
+
+* ``"aware"``: sharding-aware.  A rank receives exactly the keys its queries attend to under
+  the causal document mask, from the rank that holds them: for each document it holds part of,
+  the keys ``[doc start, end of its last piece)`` that it does not hold itself.
+* ``"all"``: every rank receives every other rank's K/V (ring passing or all-gather), as
+  context parallelism without document awareness does.
+
+Everything else (local indices, position and document ids, receive lists, statistics) is
+derived, so a plan serialises to a few numbers per piece and runs in a data-loader worker.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from flashpar.cp.cost import CostModel
+
+Segment = tuple[int, int]
+
+
+def doc_starts_of(doc_lens) -> list[int]:
+    out, acc = [], 0
+    for n in doc_lens:
+        out.append(acc)
+        acc += n
+    return out
+
+
+def causal_pairs(a: int, b: int, s: int) -> int:
+    """Pairs (q, k) with ``q`` in ``[a, b)`` and key ``k`` in ``[s, q]`` (document starting at ``s``)."""
+    return (b - a) * (a + b - 2 * s + 1) // 2
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """Per-rank work and traffic, from the cost model (times in seconds)."""
+
+    tokens: list[int]
+    attn_pairs: list[int]
+    recv_tokens: list[int]
+    compute: list[float]  # linear + all attention
+    remote: list[float]  # attention whose keys come from other ranks
+    comm: list[float]
+    time: list[float]  # max(compute, comm + remote)
+
+
+def rank_figures(segments, doc_lens, doc_starts, cost: CostModel, comm: str) -> RankFigures:
+    """Work and traffic of every rank of a placement (the planner scores candidates with this)."""
+    n = len(segments)
+    total = sum(doc_lens)
+    fig = RankFigures([0] * n, [0] * n, [0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
+    for r, segs in enumerate(segments):
+        tokens = pairs = recv = 0
+        local_t = remote_t = 0.0
+        held_doc, held_before, last_end, doc_start = -1, 0, 0, 0
+        for a, b in sorted(segs):
+            d = bisect.bisect_right(doc_starts, a) - 1
+            if d != held_doc:  # a new document: close the previous one
+                recv += (last_end - doc_start) - held_before if held_doc >= 0 else 0
+                held_doc, held_before, doc_start = d, 0, doc_starts[d]
+            length = b - a
+            p = causal_pairs(a, b, doc_start)
+            local_p = length * held_before + length * (length + 1) // 2
+            t = cost.attn_time(p, length, b - doc_start)
+            local_t += t * local_p / p
+            remote_t += t * (p - local_p) / p
+            tokens += length
+            pairs += p
+            held_before += length
+            last_end = b
+        if held_doc >= 0:
+            recv += (last_end - doc_start) - held_before
+        if comm == "all":
+            recv = total - tokens
+        fig.tokens[r], fig.attn_pairs[r], fig.recv_tokens[r] = tokens, pairs, recv
+        fig.compute[r] = cost.linear_time(tokens) + local_t + remote_t
+        fig.remote[r] = remote_t
+        fig.comm[r] = cost.comm_time(recv)
+        fig.time[r] = max(fig.compute[r], fig.comm[r] + remote_t)
+    return fig
+
+
+@dataclass(frozen=True)
+class CPPlan:
+    cp_size: int
+    doc_lens: tuple[int, ...]
+    strategy: str
+    segments: tuple[tuple[Segment, ...], ...]  # per rank, in local order
+    comm: str  # "aware" | "all"
+    cost: CostModel = field(default_factory=CostModel)
+    token_slack: float = 0.05
+    planning_s: float = field(default=0.0, compare=False)
+
+    # ------------------------------------------------------------------------------------------
+    # what a rank holds
+
+    @property
+    def doc_starts(self) -> list[int]:
+        return doc_starts_of(self.doc_lens)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.doc_lens)
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.cp_size:
+            raise ValueError(f"rank {rank} is not in a plan for cp_size {self.cp_size}")
+
+    def local_indices(self, rank: int) -> torch.Tensor:
+        """Global token positions held by ``rank``, in its local order (LongTensor)."""
+        self._check_rank(rank)
+        parts = [torch.arange(a, b, dtype=torch.long) for a, b in self.segments[rank]]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+
+    def doc_ids(self, rank: int) -> torch.Tensor:
+        """Document index of every local token."""
+        self._check_rank(rank)
+        starts = self.doc_starts
+        parts = [torch.full((b - a,), bisect.bisect_right(starts, a) - 1, dtype=torch.long)
+                 for a, b in self.segments[rank]]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+
+    def position_ids(self, rank: int) -> torch.Tensor:
+        """Position of every local token inside its document (for rotary embeddings)."""
+        self._check_rank(rank)
+        starts = self.doc_starts
+        parts = [torch.arange(a, b, dtype=torch.long) - starts[bisect.bisect_right(starts, a) - 1]
+                 for a, b in self.segments[rank]]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+
+    # ------------------------------------------------------------------------------------------
+    # what a rank receives
+
+    def _owners(self) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """Every held range of every rank as (start, end, rank), sorted: a partition of the sequence."""
+        ranges = sorted((a, b, r) for r, segs in enumerate(self.segments) for a, b in segs)
+        return [a for a, _, _ in ranges], ranges
+
+    def kv_recv(self, rank: int) -> list[tuple[int, int, int]]:
+        """``(src_rank, start, end)`` global token ranges whose K/V ``rank`` receives, in token order."""
+        self._check_rank(rank)
+        starts, ranges = self._owners()
+        if self.comm == "all":
+            out = [(r, a, b) for a, b, r in ranges if r != rank]
+        else:
+            out = []
+            for x, y in self._needed(rank):
+                i = max(bisect.bisect_right(starts, x) - 1, 0)
+                while i < len(ranges) and ranges[i][0] < y:
+                    a, b, r = ranges[i]
+                    lo, hi = max(a, x), min(b, y)
+                    if hi > lo and r != rank:
+                        out.append((r, lo, hi))
+                    i += 1
+        merged: list[tuple[int, int, int]] = []
+        for r, a, b in out:
+            if merged and merged[-1][0] == r and merged[-1][2] == a:
+                merged[-1] = (r, merged[-1][1], b)
+            else:
+                merged.append((r, a, b))
+        return merged
+
+    def _needed(self, rank: int) -> list[tuple[int, int]]:
+        """Key ranges ``rank`` needs and does not hold: per document, ``[start, last end)`` minus its pieces."""
+        starts = self.doc_starts
+        by_doc: dict[int, list[Segment]] = {}
+        for a, b in self.segments[rank]:
+            by_doc.setdefault(bisect.bisect_right(starts, a) - 1, []).append((a, b))
+        gaps = []
+        for d, segs in sorted(by_doc.items()):
+            cursor = starts[d]
+            for a, b in sorted(segs):
+                if a > cursor:
+                    gaps.append((cursor, a))
+                cursor = max(cursor, b)
+        return gaps
+
+    # ------------------------------------------------------------------------------------------
+    # statistics and serialisation
+
+    def figures(self) -> RankFigures:
+        return rank_figures(self.segments, self.doc_lens, self.doc_starts, self.cost, self.comm)
+
+    def stats(self) -> dict:
+        """Per-rank lists and plan-wide scalars (see the README for each name)."""
+        n = self.cp_size
+        fig = self.figures()
+        kv = self.cost.kv_bytes_per_token
+        recv_bytes = [t * kv for t in fig.recv_tokens]
+        send_tokens = [0] * n
+        for r in range(n):
+            for src, a, b in self.kv_recv(r):
+                send_tokens[src] += b - a
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        ratio = lambda xs: max(xs) / mean(xs) if mean(xs) > 0 else 1.0  # noqa: E731
+        others = [self.total_tokens - t for t in fig.tokens]  # what an all-gather would bring each rank
+        return {
+            "attn_pairs": fig.attn_pairs,
+            "tokens": fig.tokens,
+            "kv_recv_bytes": recv_bytes,
+            "kv_send_bytes": [t * kv for t in send_tokens],
+            "est_time": fig.time,
+            "compute": fig.compute,
+            "compute_imbalance": ratio(fig.compute),
+            "attn_imbalance": ratio(fig.attn_pairs),
+            "token_imbalance": ratio(fig.tokens),
+            "total_kv_bytes": sum(recv_bytes),
+            "max_kv_bytes": max(recv_bytes),
+            "kv_worst_frac": max((t / o if o else 0.0) for t, o in zip(fig.recv_tokens, others, strict=True)),
+            "est_step_time": max(fig.time),
+            "planning_s": self.planning_s,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "cp_size": self.cp_size, "doc_lens": list(self.doc_lens), "strategy": self.strategy, "comm": self.comm,
+            "token_slack": self.token_slack, "cost": self.cost.to_dict(),
+            "segments": [[list(s) for s in segs] for segs in self.segments],
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> CPPlan:
+        d = json.loads(text)
+        return cls(d["cp_size"], tuple(d["doc_lens"]), d["strategy"],
+                   tuple(tuple((a, b) for a, b in segs) for segs in d["segments"]), d["comm"],
+                   CostModel(**d["cost"]), d["token_slack"])

@@ -1,0 +1,134 @@
+"""Placements of the baselines: which global token ranges each rank holds.
+
+    contiguous     the packed sequence cut into N equal pieces; ring / all-gather K/V
+    headtail       2N chunks of the whole sequence, rank r takes chunks r and 2N-1-r
+                   (Megatron / TransformerEngine); ring K/V passing
+    per_doc        every document cut into 2N chunks, head-tail (Llama 3); all-gather K/V
+    per_doc_aware  the same placement with sharding-aware K/V
+    torch_per_doc  torch 2.13's _PerDocumentHeadTailLoadBalancer layout cut into N contiguous
+                   shards: a peer row, not a model
+    whole_doc      documents that fit under the token cap whole (largest first, on the least
+                   loaded rank with room), Per-Doc for the rest; sharding-aware K/V
+
+Chunk ``i`` of ``2g`` of a range ``[s, s + L)`` is ``[s + L i // 2g, s + L (i + 1) // 2g)``: a document
+shorter than ``2g`` tokens has empty chunks, and no token is ever dropped.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from flashpar.cp.plan import doc_starts_of
+
+
+def chunk_bounds(start: int, length: int, parts: int) -> list[int]:
+    return [start + length * i // parts for i in range(parts + 1)]
+
+
+class Placement:
+    """Per-rank segment lists under construction (empty ranges are skipped)."""
+
+    def __init__(self, n: int) -> None:
+        self.segments: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+
+    def add(self, rank: int, a: int, b: int) -> None:
+        if b > a:
+            self.segments[rank].append((a, b))
+
+    def add_split(self, rank: int, a: int, b: int, doc_starts: list[int]) -> None:
+        """``[a, b)`` cut at document boundaries."""
+        i = bisect.bisect_right(doc_starts, a)
+        for cut in doc_starts[i:]:
+            if cut >= b:
+                break
+            self.add(rank, a, cut)
+            a = cut
+        self.add(rank, a, b)
+
+    def headtail(self, ranks: list[int], start: int, length: int) -> None:
+        """``[start, start + length)`` (one document) head-tail over ``ranks``: rank ``i`` of the group
+        takes chunks ``i`` and ``2g - 1 - i`` of ``2g``."""
+        g = len(ranks)
+        if g == 1:
+            self.add(ranks[0], start, start + length)
+            return
+        bounds = chunk_bounds(start, length, 2 * g)
+        for i, r in enumerate(ranks):
+            self.add(r, bounds[i], bounds[i + 1])
+            self.add(r, bounds[2 * g - 1 - i], bounds[2 * g - i])
+
+    def frozen(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        return tuple(tuple(segs) for segs in self.segments)
+
+
+def contiguous(doc_lens: list[int], n: int) -> Placement:
+    starts = doc_starts_of(doc_lens)
+    bounds = chunk_bounds(0, sum(doc_lens), n)
+    p = Placement(n)
+    for r in range(n):
+        p.add_split(r, bounds[r], bounds[r + 1], starts)
+    return p
+
+
+def headtail(doc_lens: list[int], n: int) -> Placement:
+    starts = doc_starts_of(doc_lens)
+    bounds = chunk_bounds(0, sum(doc_lens), 2 * n)
+    p = Placement(n)
+    for r in range(n):
+        p.add_split(r, bounds[r], bounds[r + 1], starts)
+        p.add_split(r, bounds[2 * n - 1 - r], bounds[2 * n - r], starts)
+    return p
+
+
+def per_doc(doc_lens: list[int], n: int) -> Placement:
+    p = Placement(n)
+    for s, length in zip(doc_starts_of(doc_lens), doc_lens, strict=True):
+        p.headtail(list(range(n)), s, length)
+    for segs in p.segments:
+        segs.sort()
+    return p
+
+
+def torch_per_doc(doc_lens: list[int], n: int) -> Placement:
+    """torch's per-document head-tail order (per document, per rank: head chunk, tail chunk), cut into
+    N contiguous shards of the rearranged sequence.  Where every length is a multiple of 2N the
+    order comes from torch's own class; elsewhere the same rule with uneven chunks."""
+    starts = doc_starts_of(doc_lens)
+    first = set(starts)
+    bounds = chunk_bounds(0, sum(doc_lens), n)
+    p = Placement(n)
+    pos = 0  # position in the rearranged sequence
+    for a, b in _torch_order(doc_lens, n, first):
+        while a < b:
+            r = bisect.bisect_right(bounds, pos) - 1
+            take = min(b - a, bounds[r + 1] - pos)
+            segs = p.segments[r]
+            if segs and segs[-1][1] == a and a not in first:
+                segs[-1] = (segs[-1][0], a + take)  # continues the previous range of this document
+            else:
+                p.add(r, a, a + take)
+            a, pos = a + take, pos + take
+    return p
+
+
+def _torch_order(doc_lens: list[int], n: int, first: set[int]) -> list[tuple[int, int]]:
+    """The rearranged sequence as runs of global positions (a run never crosses a document start)."""
+    if all(length % (2 * n) == 0 for length in doc_lens):
+        from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+            _PerDocumentHeadTailLoadBalancer,
+        )
+
+        idx = _PerDocumentHeadTailLoadBalancer([list(doc_lens)], n, "cpu")._generate_indices()[0].tolist()
+        runs: list[tuple[int, int]] = []
+        for i in idx:
+            if runs and runs[-1][1] == i and i not in first:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+        return runs
+    order = []
+    for s, length in zip(doc_starts_of(doc_lens), doc_lens, strict=True):
+        b = chunk_bounds(s, length, 2 * n)
+        for r in range(n):
+            order += [(b[r], b[r + 1]), (b[2 * n - 1 - r], b[2 * n - r])]
+    return [(a, e) for a, e in order if e > a]
