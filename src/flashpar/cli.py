@@ -1,4 +1,4 @@
-"""``flashpar`` command line: ``flashpar bench overlap ...``."""
+"""``flashpar`` command line: ``flashpar bench overlap ...``, ``flashpar plan ...``."""
 
 from __future__ import annotations
 
@@ -8,14 +8,20 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from flashpar.bench import overlap as bench_overlap
+    from flashpar.cp import cli as plan_cli
 
-    parser = argparse.ArgumentParser(prog="flashpar", description="flashpar: overlapped tensor/sequence parallelism")
+    parser = argparse.ArgumentParser(prog="flashpar",
+                                     description="flashpar: overlapped parallelism and context-parallel planning")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="benchmarks that compare alternatives side by side")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     ov = bench_sub.add_parser("overlap", help="all overlap modes of all_gather_matmul / matmul_reduce_scatter")
     bench_overlap.add_arguments(ov)
+    pl = sub.add_parser("plan", help="plan context parallelism for packed documents, every strategy side by side")
+    plan_cli.add_arguments(pl)
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return plan_cli.run(args)
     if args.command == "bench" and args.bench == "overlap":
         return bench_overlap.run(args)
     parser.error("unknown command")

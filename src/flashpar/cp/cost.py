@@ -23,6 +23,7 @@ on a GPU.  Defaults: a Llama-3-8B layer (hidden 4096, FFN 14336, 32 heads, 8 kv 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 
@@ -42,11 +43,11 @@ class CostModel:
     attn_half: float = 256.0  # query / key length at which a kernel runs at half its plateau
     linear_eff: float = 0.7  # fraction of ``flops`` the linear layers reach
 
-    @property
+    @functools.cached_property
     def flops_per_pair(self) -> float:
         return 4.0 * self.heads * self.head_dim * self.layers
 
-    @property
+    @functools.cached_property
     def flops_per_token(self) -> float:
         if not self.linear:
             return 0.0
@@ -55,7 +56,7 @@ class CostModel:
         mlp = 3 * self.hidden * self.ffn
         return 2.0 * (qkv + out + mlp) * self.layers
 
-    @property
+    @functools.cached_property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.kv_heads * self.head_dim * self.dtype_bytes * self.layers
 

@@ -89,16 +89,16 @@ def per_doc(doc_lens: list[int], n: int) -> Placement:
     return p
 
 
-def torch_per_doc(doc_lens: list[int], n: int) -> Placement:
+def torch_per_doc(doc_lens: list[int], n: int, use_torch: bool = True) -> Placement:
     """torch's per-document head-tail order (per document, per rank: head chunk, tail chunk), cut into
-    N contiguous shards of the rearranged sequence.  Where every length is a multiple of 2N the
-    order comes from torch's own class; elsewhere the same rule with uneven chunks."""
+    N contiguous shards of the rearranged sequence.  Where every length is a multiple of 2N (and
+    ``use_torch``) the order comes from torch's own class; elsewhere the same rule with uneven chunks."""
     starts = doc_starts_of(doc_lens)
     first = set(starts)
     bounds = chunk_bounds(0, sum(doc_lens), n)
     p = Placement(n)
     pos = 0  # position in the rearranged sequence
-    for a, b in _torch_order(doc_lens, n, first):
+    for a, b in _torch_order(doc_lens, n, first, use_torch):
         while a < b:
             r = bisect.bisect_right(bounds, pos) - 1
             take = min(b - a, bounds[r + 1] - pos)
@@ -111,9 +111,9 @@ def torch_per_doc(doc_lens: list[int], n: int) -> Placement:
     return p
 
 
-def _torch_order(doc_lens: list[int], n: int, first: set[int]) -> list[tuple[int, int]]:
+def _torch_order(doc_lens: list[int], n: int, first: set[int], use_torch: bool) -> list[tuple[int, int]]:
     """The rearranged sequence as runs of global positions (a run never crosses a document start)."""
-    if all(length % (2 * n) == 0 for length in doc_lens):
+    if use_torch and all(length % (2 * n) == 0 for length in doc_lens):
         from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
             _PerDocumentHeadTailLoadBalancer,
         )
