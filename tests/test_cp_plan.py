@@ -144,3 +144,42 @@ def test_pack_splits_documents_at_boundaries_and_drops_the_partial_tail():
     assert pack([5, 7, 2, 9], 6) == [[5, 1], [6], [2, 4]]
     with pytest.raises(ValueError):
         pack([3], 0)
+
+
+def test_corpus_documents_are_real_bytes_and_lengths_match():
+    from flashpar.corpus import VOCAB_SIZE, document_lengths, documents
+
+    docs = list(documents(limit=5))
+    assert len(docs) == 5 and document_lengths(limit=5) == [t.numel() for _, t in docs]
+    name, tokens = docs[0]
+    assert name.endswith(".py") and tokens.dtype == torch.long and int(tokens.max()) < VOCAB_SIZE
+    assert len(document_lengths()) > 300 and max(document_lengths()) > 100_000  # long-tailed
+
+
+def test_read_lengths_formats_and_errors(tmp_path):
+    from flashpar.cp.lengths import read_lengths
+
+    (tmp_path / "a.txt").write_text("3\n5\n\n7\n")
+    (tmp_path / "b.json").write_text("[4, 6]")
+    (tmp_path / "bad.txt").write_text("3\n0\n")
+    assert read_lengths(tmp_path / "a.txt") == [3, 5, 7] and read_lengths(tmp_path / "b.json") == [4, 6]
+    with pytest.raises(ValueError, match="positive"):
+        read_lengths(tmp_path / "bad.txt")
+
+
+def test_plan_cli_side_by_side(tmp_path):
+    import subprocess
+    import sys
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in [900, 30, 4000, 120, 77, 2500, 60, 3100, 15, 700] * 3))
+    out = tmp_path / "plan.json"
+    cmd = [sys.executable, "-m", "flashpar.cli", "plan", "--lengths", str(lengths), "--cp", "4", "--tokens", "4096",
+           "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "flashcp" in res.stdout and "x headtail" in res.stdout
+    summary = json.loads(out.read_text())
+    assert summary["packs"] == 8 and set(summary["summary"]) == set(STRATEGIES)
+    bad = subprocess.run([*cmd[:-2], "--strategy", "ring"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown strategy 'ring'" in bad.stderr

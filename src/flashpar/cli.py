@@ -8,6 +8,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from flashpar.bench import overlap as bench_overlap
+    from flashpar.bench import plan_targets
     from flashpar.cp import cli as plan_cli
 
     parser = argparse.ArgumentParser(prog="flashpar",
@@ -17,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     ov = bench_sub.add_parser("overlap", help="all overlap modes of all_gather_matmul / matmul_reduce_scatter")
     bench_overlap.add_arguments(ov)
+    bp = bench_sub.add_parser("plan", help="the FlashCP planner against its targets on real document lengths")
+    plan_targets.add_arguments(bp)
     pl = sub.add_parser("plan", help="plan context parallelism for packed documents, every strategy side by side")
     plan_cli.add_arguments(pl)
     args = parser.parse_args(argv)
@@ -24,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         return plan_cli.run(args)
     if args.command == "bench" and args.bench == "overlap":
         return bench_overlap.run(args)
+    if args.command == "bench" and args.bench == "plan":
+        return plan_targets.run(args)
     parser.error("unknown command")
     return 2
 

@@ -86,10 +86,12 @@ class _Greedy:
         for g in self.sizes:
             if g < first:
                 continue
+            if load[by_load[g - 1]] >= limit:  # this member, and every larger group's, is already full
+                return None
             work, tok = self.shares(length, g)
             if max(work) > share * self.mean and g < self.n:
                 continue
-            members = sorted(by_load[:g])
+            members = by_load[:g]  # member i takes chunks i and 2g - 1 - i
             if all(load[r] + work[i] <= limit and toks[r] + tok[i] <= self.cap for i, r in enumerate(members)):
                 return members
         return None
@@ -104,6 +106,7 @@ class _Greedy:
         n, cap = self.n, self.cap
         limit = (1 + tol) * self.mean
         load, toks = [0.0] * n, [0] * n
+        wholes: list[list[tuple[float, int, int]]] = [[] for _ in range(n)]  # (compute, length, start) per rank
         p = Placement(n)
         for k, d in enumerate(self.order):
             length, start = self.lens[d], self.starts[d]
@@ -118,7 +121,7 @@ class _Greedy:
                         if key < best:
                             r, best = q, key
                 if r >= 0:
-                    p.add(r, start, start + length)
+                    wholes[r].append((w, length, start))
                     load[r] += w
                     toks[r] += length
                     continue
@@ -129,15 +132,52 @@ class _Greedy:
                 group = room[:1] or None
             if group is None and subgroups:  # tokens alone
                 group = self._group(length, by_load, load, toks, float("inf"), float("inf"))
-            group = group or list(range(n))  # Per-Doc over every rank
+            group = group or by_load  # Per-Doc over every rank
+            if len(group) == 1:
+                wholes[group[0]].append((self.whole(length), length, start))
+            else:
+                p.headtail(group, start, length)
             work, tok = self.shares(length, len(group))
-            p.headtail(group, start, length)
             for i, r in enumerate(group):
                 load[r] += work[i]
                 toks[r] += tok[i]
+        self._refine(wholes, load, toks)
+        for r, docs in enumerate(wholes):
+            for _, length, start in docs:
+                p.add(r, start, start + length)
         for segs in p.segments:
             segs.sort()
         return p
+
+    def _refine(self, wholes, load, toks) -> None:
+        """Lower the busiest rank by moving one of its Whole-Doc documents to the least busy rank, or by
+        swapping one for a lighter one there (no K/V cost: whole documents need none), while the peak drops."""
+        n, cap = self.n, self.cap
+        for _ in range(2 * sum(map(len, wholes))):
+            hi = max(range(n), key=load.__getitem__)
+            lo = min(range(n), key=load.__getitem__)
+            best, best_peak = None, load[hi] - 1e-12 * abs(load[hi])
+            for i, (wa, la, _) in enumerate(wholes[hi]):
+                options = [(None, 0.0, 0)] + [(j, wb, lb) for j, (wb, lb, _) in enumerate(wholes[lo])]
+                for j, wb, lb in options:
+                    if toks[lo] + la - lb > cap or toks[hi] - la + lb > cap:
+                        continue
+                    peak = max(load[hi] - wa + wb, load[lo] + wa - wb)
+                    if peak < best_peak:
+                        best, best_peak = (i, j), peak
+            if best is None:
+                return
+            i, j = best
+            a = wholes[hi].pop(i)
+            b = wholes[lo].pop(j) if j is not None else None
+            wholes[lo].append(a)
+            if b is not None:
+                wholes[hi].append(b)
+            wb, lb = (b[0], b[1]) if b is not None else (0.0, 0)
+            load[hi] += wb - a[0]
+            load[lo] += a[0] - wb
+            toks[hi] += lb - a[1]
+            toks[lo] += a[1] - lb
 
 
 def whole_doc(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) -> Placement:
