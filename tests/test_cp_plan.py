@@ -111,7 +111,12 @@ def test_torch_layout_matches_torchs_own_class_and_is_unbalanced():
     assert max(s) / min(s) == pytest.approx(237824 / 90368) and max(s) / min(s) > 2.6
     per_doc = plan([256, 768], 2, strategy="per_doc").stats()["attn_pairs"]
     assert per_doc[0] == per_doc[1]
-    # off multiples of 2N the same rule runs without torch's class: still a permutation
+    # our rule gives exactly torch's layout where torch's class applies ...
+    from flashpar.cp.strategies import torch_per_doc
+
+    for lens, n in (([256, 768], 2), ([64, 128, 32], 4), ([48] * 3, 3)):
+        assert torch_per_doc(lens, n, use_torch=False).frozen() == torch_per_doc(lens, n).frozen()
+    # ... and runs off multiples of 2N, where the class refuses: still a permutation
     p = plan([255, 770, 3], 2, strategy="torch_per_doc")
     assert sorted(torch.cat([p.local_indices(r) for r in range(2)]).tolist()) == list(range(1028))
 
