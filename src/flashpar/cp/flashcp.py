@@ -9,7 +9,7 @@ many of the longest documents are split even where they would fit whole):
         Whole-Doc: the least-loaded rank r with tokens_r + L_d <= cap and load_r + w(d) <= (1 + tol) W
         otherwise sub-group: the smallest g in 2..N such that head-tail over the g least-loaded ranks
             keeps every member under both bounds (g = N is Per-Doc; a group of 1 is Whole-Doc)
-        otherwise Per-Doc over all N ranks
+        otherwise consecutive pieces sized by each rank's token room (the cap always holds)
 
 ``W`` is the mean compute per rank and ``cap = (1 + token_slack) T / N``.  A sub-group keeps the
 document's K/V inside the group: member ``i`` of ``g`` receives ``(2g - 2 - i) L / 2g`` tokens, so
@@ -102,6 +102,19 @@ class _Greedy:
         fig = rank_figures(p.segments, self.lens, self.starts, self.cost, "aware")
         self.mean = max(self.mean, sum(fig.compute) / self.n)
 
+    def _cut_by_room(self, p: Placement, by_load: list[int], load, toks, start: int, length: int) -> None:
+        """Last resort: consecutive pieces of the document, each as large as a rank's token room (least-loaded
+        ranks first), so the token cap holds; the rank of a later piece receives the earlier ones' K/V."""
+        a, end = start, start + length
+        for r in by_load:
+            b = end if r == by_load[-1] else min(end, a + max(self.cap - toks[r], 0))
+            if b > a:
+                p.add(r, a, b)
+                load[r] += self.cost.linear_time(b - a) + self.cost.attn_time(causal_pairs(a, b, start), b - a,
+                                                                                 b - start)
+                toks[r] += b - a
+                a = b
+
     def run(self, tol: float, force: int, share: float = 1.0, subgroups: bool = True) -> Placement:
         n, cap = self.n, self.cap
         limit = (1 + tol) * self.mean
@@ -132,7 +145,10 @@ class _Greedy:
                 group = room[:1] or None
             if group is None and subgroups:  # tokens alone
                 group = self._group(length, by_load, load, toks, float("inf"), float("inf"))
-            group = group or by_load  # Per-Doc over every rank
+            if group is None and subgroups:  # no group has token room: cut it by the room each rank has left
+                self._cut_by_room(p, by_load, load, toks, start, length)
+                continue
+            group = group or by_load  # Per-Doc over every rank (the whole_doc baseline)
             if len(group) == 1:
                 wholes[group[0]].append((self.whole(length), length, start))
             else:
