@@ -95,6 +95,8 @@ class _Greedy:
                 continue
             members = by_load[:g]  # member i takes chunks i and 2g - 1 - i
             if all(load[r] + work[i] <= limit and toks[r] + tok[i] <= self.cap for i, r in enumerate(members)):
+                if share < math.inf:
+                    self.peak_share = max(self.peak_share, max(work) / self.mean)
                 return members
         return None
 
@@ -120,6 +122,7 @@ class _Greedy:
     def run(self, tol: float, force: int, share: float = 1.0, subgroups: bool = True) -> Placement:
         n, cap = self.n, self.cap
         limit = (1 + tol) * self.mean
+        self.peak_share = 0.0  # the largest share of the mean any split member took (see flashcp())
         load, toks = [0.0] * n, [0] * n
         wholes: list[list[tuple[float, int, int]]] = [[] for _ in range(n)]  # (compute, length, start) per rank
         p = Placement(n)
@@ -211,7 +214,14 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
     greedy.calibrate()
     # beyond 16 ranks a pass costs O(N) per document: a smaller grid keeps 1M tokens at N=64 near 200 ms
     forced, tolerances = (FORCED, TOLERANCES) if n <= 16 else (FORCED[:1], TOLERANCES[:2])
-    candidates = [greedy.run(tol, force, share) for share in SHARES for force in forced for tol in tolerances]
+    candidates, peak = [], {}
+    for share in SHARES:  # a pass whose splits all stayed under a smaller share equals that share's pass
+        for force in forced:
+            for tol in tolerances:
+                if peak.get((force, tol), math.inf) <= share:
+                    continue
+                candidates.append(greedy.run(tol, force, share))
+                peak[(force, tol)] = greedy.peak_share
     candidates += [greedy.run(float("inf"), 0, subgroups=False)]
     candidates += [f(doc_lens, n) for f in (per_doc, headtail, contiguous)] + [torch_per_doc(doc_lens, n, False)]
 
