@@ -2,14 +2,20 @@
 ranks that keeps the balance where it does not, chosen by a heuristic search scored by the cost model.
 
 One candidate is a greedy pass over the documents, longest first (largest-first bin packing),
-with two knobs: ``tol`` (how far above the mean a rank's compute may go) and ``force`` (how
-many of the longest documents are split even where they would fit whole):
+with three knobs: ``tol`` (how far above the mean a rank's compute may go), ``share`` (the largest
+part of a rank's mean compute one member of a split document may take: smaller shares spread long
+documents wider, which leaves room for short ones everywhere) and ``force`` (how many of the
+longest documents are split even where they would fit whole):
 
     for each document d (longest first):
-        Whole-Doc: the least-loaded rank r with tokens_r + L_d <= cap and load_r + w(d) <= (1 + tol) W
-        otherwise sub-group: the smallest g in 2..N such that head-tail over the g least-loaded ranks
-            keeps every member under both bounds (g = N is Per-Doc; a group of 1 is Whole-Doc)
+        Whole-Doc: among the ranks r with tokens_r + L_d <= cap and load_r + w(d) <= (1 + tol) W,
+            the one with the most room left in both (min of max(load / bound, tokens / cap))
+        otherwise sub-group: the smallest g (2..8, then about 1.25x apart, and N) such that head-tail
+            over the g least-loaded ranks keeps every member under both bounds and ``share``
+            (g = N is Per-Doc; a group of 1 is Whole-Doc)
+        otherwise whole on the least-loaded rank with token room, or a group by tokens alone
         otherwise consecutive pieces sized by each rank's token room (the cap always holds)
+    then move or swap whole documents between the busiest and the least busy rank while the peak drops
 
 ``W`` is the mean compute per rank and ``cap = (1 + token_slack) T / N``.  A sub-group keeps the
 document's K/V inside the group: member ``i`` of ``g`` receives ``(2g - 2 - i) L / 2g`` tokens, so
@@ -18,7 +24,7 @@ step time (max over ranks of ``max(compute, comm + remote compute)``), then by K
 placements of the baselines are candidates too, with sharding-aware communication, so the plan
 is never estimated slower than any baseline.  With attention work alone
 (``CostModel(linear=False)``) the greedy balances causal pairs (no efficiency curve) and balance
-comes first (see ``_pick``).
+comes first (see ``_pick``); there a better-balanced plan may be estimated slower.
 """
 
 from __future__ import annotations
