@@ -229,7 +229,9 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
                 candidates.append(greedy.run(tol, force, share))
                 peak[(force, tol)] = greedy.peak_share
     candidates += [greedy.run(float("inf"), 0, subgroups=False)]
-    candidates += [f(doc_lens, n) for f in (per_doc, headtail, contiguous)] + [torch_per_doc(doc_lens, n, False)]
+    candidates += [f(doc_lens, n) for f in (per_doc, headtail, contiguous)]
+    if n <= 16:  # cutting every document into 2N pieces twice over is the costliest candidate at large N
+        candidates.append(torch_per_doc(doc_lens, n, False))
 
     unique = list({p.frozen(): p for p in reversed(candidates)}.values())[::-1]  # knobs often agree
     figs = [rank_figures(p.segments, doc_lens, starts, cost, "aware") for p in unique]
