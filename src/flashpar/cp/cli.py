@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             p = plan(doc_lens, args.cp, strategy=s, cost=cost)
             per_pack[s].append(p.stats())
             plans[s] = p
-    summary = _summarize(per_pack, len(packs))
+    summary = _summarize(per_pack)
     print(_table(summary, args, len(packs), sum(map(len, packs))))
     if args.json:
         with open(args.json, "w") as f:
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _summarize(per_pack: dict, n_packs: int) -> dict:
+def _summarize(per_pack: dict) -> dict:
     base = {b: per_pack.get(b) for b in ("headtail", "per_doc")}
     out = {}
     for s, stats in per_pack.items():

@@ -16,6 +16,7 @@ derived, so a plan serialises to a few numbers per piece and runs in a data-load
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 from dataclasses import dataclass, field
 
@@ -102,7 +103,7 @@ class CPPlan:
     # ------------------------------------------------------------------------------------------
     # what a rank holds
 
-    @property
+    @functools.cached_property
     def doc_starts(self) -> list[int]:
         return doc_starts_of(self.doc_lens)
 
@@ -130,15 +131,12 @@ class CPPlan:
 
     def position_ids(self, rank: int) -> torch.Tensor:
         """Position of every local token inside its document (for rotary embeddings)."""
-        self._check_rank(rank)
-        starts = self.doc_starts
-        parts = [torch.arange(a, b, dtype=torch.long) - starts[bisect.bisect_right(starts, a) - 1]
-                 for a, b in self.segments[rank]]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+        return self.local_indices(rank) - torch.tensor(self.doc_starts, dtype=torch.long)[self.doc_ids(rank)]
 
     # ------------------------------------------------------------------------------------------
     # what a rank receives
 
+    @functools.cached_property
     def _owners(self) -> tuple[list[int], list[tuple[int, int, int]]]:
         """Every held range of every rank as (start, end, rank), sorted: a partition of the sequence."""
         ranges = sorted((a, b, r) for r, segs in enumerate(self.segments) for a, b in segs)
@@ -147,7 +145,7 @@ class CPPlan:
     def kv_recv(self, rank: int) -> list[tuple[int, int, int]]:
         """``(src_rank, start, end)`` global token ranges whose K/V ``rank`` receives, in token order."""
         self._check_rank(rank)
-        starts, ranges = self._owners()
+        starts, ranges = self._owners  # computed once per plan, shared by every rank's query
         if self.comm == "all":
             out = [(r, a, b) for a, b, r in ranges if r != rank]
         else:
