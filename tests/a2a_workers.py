@@ -31,12 +31,14 @@ class A2ACase:
     reduce: bool = False
     dtype: str = "float32"
     pass_split: bool = True
+    train_weight: bool = True
 
     @property
     def id(self) -> str:
         return "-".join([self.op, self.mode, f"k{self.chunks}", "uneven" if self.uneven else "even",
                          "bias" if self.bias else "nobias", f"mid{'x'.join(map(str, self.mid)) or '-'}",
-                         "reduce" if self.reduce else "local", self.dtype] + ([] if self.pass_split else ["exch"]))
+                         "reduce" if self.reduce else "local", self.dtype] + ([] if self.pass_split else ["exch"])
+                        + ([] if self.train_weight else ["frozen"]))
 
 
 MODES = [("flash", 1), ("flash", 2), ("slice", 2), ("slice", 1), ("none", None), ("auto", None)]
@@ -49,6 +51,7 @@ def a2a_cases() -> list[A2ACase]:
             cases.append(A2ACase(op, mode, k, reduce=True))
             cases.append(A2ACase(op, mode, k, uneven=True, bias=i % 2 == 1, mid=(2,), pass_split=op == "out" or i % 2))
         cases.append(A2ACase(op, "flash", 2, uneven=True, dtype="bfloat16"))
+        cases.append(A2ACase(op, "flash", 2, uneven=True, reduce=True, train_weight=False))  # input grad only
     return cases
 
 
@@ -81,8 +84,8 @@ def _one(rank: int, n: int, case: A2ACase) -> str | None:
     wr = w_full.clone().requires_grad_()
     br = b_full.clone().requires_grad_() if case.bias else None
     y_full = torch.nn.functional.linear(xr, wr, br)
-    w = w_full.to(dtype).requires_grad_()
-    b = b_full.to(dtype).requires_grad_() if case.bias else None
+    w = w_full.to(dtype).requires_grad_(case.train_weight)
+    b = b_full.to(dtype).requires_grad_(case.train_weight) if case.bias else None
     split_arg = split if case.pass_split else None
     kw = {"mode": case.mode, "chunks": case.chunks, "split_sizes": split_arg, "reduce_weight_grad": case.reduce}
     if case.op == "qkv":
@@ -105,8 +108,10 @@ def _one(rank: int, n: int, case: A2ACase) -> str | None:
     gb_ref = gy_w.sum(0)
     y_full.backward(gy_full)
     grad_x_ref = xr.grad[grad_x_ref_rows][..., cols_in]
-    pairs = {"y": (y, y_ref), "grad_in": (x.grad, grad_x_ref), "grad_w": (w.grad, gw_ref)}
-    if case.bias:
+    pairs = {"y": (y, y_ref), "grad_in": (x.grad, grad_x_ref)}
+    if case.train_weight:
+        pairs["grad_w"] = (w.grad, gw_ref)
+    if case.bias and case.train_weight:
         pairs["grad_b"] = (b.grad, gb_ref)
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     bad = [f"{name}: rel err {_rel(got, ref):.3g}" for name, (got, ref) in pairs.items()

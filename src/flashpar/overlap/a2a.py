@@ -173,9 +173,15 @@ def _run(call: Call, op: str, buffers: Buffers, kernels, **flags) -> None:
     run_schedule(schedule, buffers, kernels, info, op_name=call.op_name, timeout_s=call.timeout_s)
 
 
-def _grad_with_bias_column(rows: int, cols: int, with_bias: bool, like: torch.Tensor) -> torch.Tensor:
-    """Weight gradient ``[rows, cols]`` with the bias gradient as one more column (one all-reduce for both)."""
-    return torch.zeros(rows, cols + int(with_bias), dtype=like.dtype, device=like.device)
+def _weight_grad(buffers: Buffers, rows: int, cols: int, with_bias: bool, wanted: bool,
+                 like: torch.Tensor) -> torch.Tensor | None:
+    """The weight gradient ``[rows, cols]`` with the bias gradient as one more column (one all-reduce for
+    both), registered as buffer ``gw``; ``None`` when no weight or bias gradient is wanted."""
+    if not wanted:
+        return None
+    grad = torch.zeros(rows, cols + int(with_bias), dtype=like.dtype, device=like.device)
+    buffers.add_local("gw", grad)
+    return grad
 
 
 def _cols(group: int, width: int) -> slice:
@@ -219,8 +225,8 @@ class _MatmulAllToAll(torch.autograd.Function):
         buffers.add_full("in", g2, w)
         _peer_buffer(buffers, "recv", call, w)
         grad_x = torch.zeros_like(x2) if need_x else None
-        grad_w = _grad_with_bias_column(weight.shape[0], n_in, ctx.has_bias, g2)
-        buffers.add_local("gw", grad_w)
+        want_w = need_w or (need_b and ctx.has_bias)
+        grad_w = _weight_grad(buffers, weight.shape[0], n_in, ctx.has_bias, want_w, g2)
 
         def gemm_gx(step: Compute) -> None:
             lo, hi = rows.rel(step.piece)
@@ -235,7 +241,7 @@ class _MatmulAllToAll(torch.autograd.Function):
                 block[:, n_in].add_(g_piece.sum(0))
 
         _run(call, "matmul_a2a_bwd", buffers, {"gx": gemm_gx, "gw": gemm_gw}, grad_input=need_x,
-             grad_weight=need_w or (need_b and ctx.has_bias))
+             grad_weight=want_w)
         return (grad_x.view(ctx.x_shape) if need_x else None, grad_w[:, :n_in] if need_w else None,
                 grad_w[:, n_in] if need_b and ctx.has_bias else None, None)
 
@@ -277,9 +283,9 @@ class _AllToAllMatmul(torch.autograd.Function):
         _gathered(buffers, "a", g2, info, g2.shape[1])
         _peer_buffer(buffers, "send", call, u)
         grad_o = buffers.add_full("out", None, u) if need_o else None
-        grad_w = _grad_with_bias_column(weight.shape[0], n * u, ctx.has_bias, g2)
-        buffers.add_local("gw", grad_w)
-        if ctx.has_bias:
+        want_w = need_w or (need_b and ctx.has_bias)
+        grad_w = _weight_grad(buffers, weight.shape[0], n * u, ctx.has_bias, want_w, g2)
+        if want_w and ctx.has_bias:
             torch.sum(g2, dim=0, out=grad_w[:, n * u])
 
         def gemm_p(step: Compute) -> None:
@@ -290,6 +296,6 @@ class _AllToAllMatmul(torch.autograd.Function):
             torch.mm(g2.t(), pieces[step.peer], out=grad_w[:, _cols(step.peer, u)])
 
         _run(call, "a2a_matmul_bwd", buffers, {"p": gemm_p, "gw": gemm_gw}, grad_input=need_o,
-             grad_weight=need_w or (need_b and ctx.has_bias))
+             grad_weight=want_w)
         return (grad_o.view(ctx.o_shape) if need_o else None, grad_w[:, : n * u] if need_w else None,
                 grad_w[:, n * u] if need_b and ctx.has_bias else None, None)
