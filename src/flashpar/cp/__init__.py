@@ -4,6 +4,8 @@
 receives (:class:`CPPlan`); it is pure and deterministic, needs no process group and runs in a
 data-loader worker.  Strategies: ``flashcp`` (the hybrid search) and the baselines
 ``contiguous``, ``headtail``, ``per_doc``, ``per_doc_aware``, ``torch_per_doc``, ``whole_doc``.
+``attention(q, k, v, plan)`` runs the plan: exact attention with the K/V exchange of its strategy
+(``attention.py``); ``shard`` / ``gather`` move whole-sequence tensors to and from its layout.
 """
 
 from __future__ import annotations
@@ -55,4 +57,8 @@ def _check(doc_lens, cp_size, strategy, token_slack) -> list[int]:
     return lens
 
 
-__all__ = ["COMM", "CPPlan", "CostModel", "STRATEGIES", "plan"]
+from flashpar.cp.attention import attention  # noqa: E402 - after plan (the executor imports CPPlan)
+from flashpar.cp.exchange import CommCounter  # noqa: E402
+from flashpar.cp.shard import gather, shard  # noqa: E402
+
+__all__ = ["COMM", "CPPlan", "CommCounter", "CostModel", "STRATEGIES", "attention", "gather", "plan", "shard"]

@@ -1,0 +1,295 @@
+"""Segment attention: output and log-sum-exp of many (query range, key range) tasks, and its backward.
+
+A task attends the query rows ``[q0, q1)`` of the local query tensor to the key rows ``[k0, k1)`` of
+one key buffer (the rank's own K/V, or what one peer sent), either
+
+* ``causal``: a square diagonal block, ``q1 - q0 == k1 - k0`` and query ``i`` sees keys ``0..i`` of
+  the block (a document's piece against itself), or
+* ``full``: every query sees every key (keys that lie before the query piece in its document).
+
+For one task, with ``S = scale * Q K^T`` (masked) and per query row
+
+    lse = log sum_k exp(S_k),        out = sum_k exp(S_k - lse) V_k.
+
+Tasks over disjoint key sets of the same query rows are merged exactly by the log-sum-exp rule
+(``merge``), so a query's attention can be assembled piece by piece as its K/V arrives.  The
+backward of one task given the *merged* ``out`` and ``lse`` of its rows (as FlashAttention's
+backward takes them) is that task's exact share of the gradient:
+
+    P = exp(S - lse),   dV = P^T dO,   dP = dO V^T,   D = rowsum(dO * out),
+    dS = P (dP - D),    dQ = scale dS K,   dK = scale dS^T Q,
+
+and the shares add up over tasks to the gradient of the whole attention.
+
+Batching: tasks of a phase with the same kind and similar lengths run as one padded batch (lengths
+rounded up on a ladder of steps at most 1.25x; above ``PAD_LIMIT`` only equal lengths share a batch),
+so many short documents make a few kernel calls, not thousands.  Padding is exact: query pads sit
+after the real queries (a causal query never sees a later key; pad outputs are dropped and pad rows
+get zero gradient input), key pads of a full task are masked with ``-inf``.
+
+Backends: ``flash`` is torch's flash attention for CPU
+(``_scaled_dot_product_flash_attention_for_cpu`` and its backward: GQA native, never a T x T mask);
+``math`` computes the same with explicit matrices per batch, on any device (the reference for tests
+and the fallback off CPU).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+PAD_LIMIT = 2048  # above this length a task is batched only with tasks of exactly its shape
+MIN_PAD = 8
+
+
+@dataclass(frozen=True)
+class Task:
+    q0: int
+    q1: int
+    buf: int  # -1: the rank's own K/V; otherwise the peer whose K/V buffer holds the keys
+    k0: int
+    k1: int
+    causal: bool
+
+
+def padded_len(n: int) -> int:
+    """``n`` rounded up to ``m 2^e`` with ``m`` in 4..8 (at most 1.25x above ``n``); exact above PAD_LIMIT."""
+    if n > PAD_LIMIT:
+        return n
+    if n <= MIN_PAD:
+        return MIN_PAD
+    e = max(0, n.bit_length() - 3)
+    return -(-n >> e) << e
+
+
+@dataclass
+class Batch:
+    """Tasks of one key buffer run by one kernel call.
+
+    Direct form (one task): ``q_span`` / ``k_span`` slices, no copies.  Padded form: the batch is
+    ``[B, Lq]`` queries and ``[B, Lk]`` keys; ``q_rows`` (local query rows) land at flat positions
+    ``q_pos`` of ``B * Lq``, ``k_rows`` (buffer rows) at ``k_pos`` of ``B * Lk``; ``key_valid`` marks the
+    real keys of a full batch with padded keys (``None``: no key is padded or the batch is causal).
+    """
+
+    causal: bool
+    buf: int
+    q_span: tuple[int, int] | None = None
+    k_span: tuple[int, int] | None = None
+    B: int = 1
+    Lq: int = 0
+    Lk: int = 0
+    q_rows: torch.Tensor | None = None
+    q_pos: torch.Tensor | None = None
+    k_rows: torch.Tensor | None = None
+    k_pos: torch.Tensor | None = None
+    key_valid: torch.Tensor | None = None
+
+    @property
+    def rows(self):
+        """Local query rows of the batch: a slice (direct) or an index tensor (padded)."""
+        return slice(*self.q_span) if self.q_span is not None else self.q_rows
+
+    @property
+    def keys(self):
+        return slice(*self.k_span) if self.k_span is not None else self.k_rows
+
+    @property
+    def pairs(self) -> int:
+        """(query, key) pairs computed, padding included."""
+        if self.q_span is not None:
+            lq, lk = self.q_span[1] - self.q_span[0], self.k_span[1] - self.k_span[0]
+            return lq * (lq + 1) // 2 if self.causal else lq * lk
+        return self.B * (self.Lq * (self.Lq + 1) // 2 if self.causal else self.Lq * self.Lk)
+
+    def to(self, device: torch.device) -> Batch:
+        if self.q_span is not None or self.q_rows.device == device:
+            return self
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Batch(self.causal, self.buf, None, None, self.B, self.Lq, self.Lk, move(self.q_rows),
+                     move(self.q_pos), move(self.k_rows), move(self.k_pos), move(self.key_valid))
+
+
+def make_batches(tasks: list[Task]) -> list[Batch]:
+    """Group one phase's tasks into batches; within a batch every query row appears at most once."""
+    groups: dict[tuple, list[Task]] = {}
+    seen: dict[tuple, int] = {}
+    for t in tasks:
+        lq, lk = padded_len(t.q1 - t.q0), padded_len(t.k1 - t.k0)
+        # layer: how many earlier tasks of this buffer and kind share these query rows
+        layer = seen.get((t.buf, t.causal, t.q0), 0)
+        seen[(t.buf, t.causal, t.q0)] = layer + 1
+        groups.setdefault((t.buf, t.causal, lq, lk, layer), []).append(t)
+    out = []
+    for (buf, causal, lq, lk, _), group in groups.items():
+        if len(group) == 1:
+            t = group[0]
+            out.append(Batch(causal, buf, (t.q0, t.q1), (t.k0, t.k1)))
+            continue
+        q_rows, q_pos, k_rows, k_pos, valid = [], [], [], [], []
+        for b, t in enumerate(group):
+            q_rows.append(torch.arange(t.q0, t.q1))
+            q_pos.append(torch.arange(b * lq, b * lq + t.q1 - t.q0))
+            k_rows.append(torch.arange(t.k0, t.k1))
+            k_pos.append(torch.arange(b * lk, b * lk + t.k1 - t.k0))
+            valid.append(torch.arange(lk) < t.k1 - t.k0)
+        key_valid = None if causal or all(t.k1 - t.k0 == lk for t in group) else torch.stack(valid)
+        out.append(Batch(causal, buf, None, None, len(group), lq, lk, torch.cat(q_rows), torch.cat(q_pos),
+                         torch.cat(k_rows), torch.cat(k_pos), key_valid))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# assembling a batch's [B, H, L, D] operands and taking its results apart
+
+
+def _pack(x: torch.Tensor, rows, pos, B: int, L: int) -> torch.Tensor:
+    """Rows ``rows`` of ``x`` ([T, H, D] or [T, H]) at flat positions ``pos`` of a zeroed [B * L, ...]."""
+    out = x.new_zeros((B * L, *x.shape[1:]))
+    out[pos] = x[rows]
+    return out
+
+
+def _bhld(x: torch.Tensor, B: int) -> torch.Tensor:
+    """[B * L, H, D] -> [B, H, L, D] (a view)."""
+    return x.view(B, -1, *x.shape[1:]).transpose(1, 2)
+
+
+def _rows_of(x: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
+    """[B, H, L, D] -> [B * L, H, D] rows at ``pos`` (all rows when ``pos`` is None)."""
+    flat = x.transpose(1, 2).reshape(-1, *x.shape[1:2], *x.shape[3:])
+    return flat if pos is None else flat[pos]
+
+
+def _lse_rows(lse: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
+    """[B, H, L] -> [B * L, H] rows at ``pos``."""
+    flat = lse.transpose(1, 2).reshape(-1, lse.shape[1])
+    return flat if pos is None else flat[pos]
+
+
+def _operands(batch: Batch, q, k, v):
+    if batch.q_span is not None:
+        qs, ks = batch.rows, batch.keys
+        return _bhld(q[qs], 1), _bhld(k[ks], 1), _bhld(v[ks], 1)
+    B = batch.B
+    return (_bhld(_pack(q, batch.q_rows, batch.q_pos, B, batch.Lq), B),
+            _bhld(_pack(k, batch.k_rows, batch.k_pos, B, batch.Lk), B),
+            _bhld(_pack(v, batch.k_rows, batch.k_pos, B, batch.Lk), B))
+
+
+def _mask(batch: Batch, dtype: torch.dtype) -> torch.Tensor | None:
+    """Additive key-padding mask [B, 1, 1, Lk] (0 for real keys, -inf for pads)."""
+    if batch.key_valid is None:
+        return None
+    m = torch.zeros(batch.key_valid.shape, dtype=dtype, device=batch.key_valid.device)
+    return m.masked_fill_(~batch.key_valid, -math.inf).view(batch.B, 1, 1, batch.Lk)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels on [B, H, L, D] operands
+
+
+def _flash_fwd(q, k, v, causal, mask, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                      scale=scale)
+
+
+def _flash_bwd(dout, q, k, v, out, lse, causal, mask, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+def _scores(q, k, causal, mask, scale):
+    """Masked ``scale Q K^T`` [B, H, Lq, Lk] in float32 or better; GQA by repeating kv heads."""
+    work = torch.promote_types(q.dtype, torch.float32)
+    g = q.shape[1] // k.shape[1]
+    s = scale * (q.to(work) @ k.to(work).repeat_interleave(g, 1).transpose(-1, -2))
+    if causal:
+        lq, lk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    if mask is not None:
+        s = s + mask.to(work)
+    return s
+
+
+def _math_fwd(q, k, v, causal, mask, scale):
+    s = _scores(q, k, causal, mask, scale)
+    lse = s.logsumexp(-1)
+    g = q.shape[1] // k.shape[1]
+    out = torch.exp(s - lse.unsqueeze(-1)) @ v.to(s.dtype).repeat_interleave(g, 1)
+    return out.to(q.dtype), lse
+
+
+def _math_bwd(dout, q, k, v, out, lse, causal, mask, scale):
+    s = _scores(q, k, causal, mask, scale)
+    work = s.dtype
+    g = q.shape[1] // k.shape[1]
+    p = torch.exp(s - lse.to(work).unsqueeze(-1))
+    do, vv = dout.to(work), v.to(work).repeat_interleave(g, 1)
+    dv = p.transpose(-1, -2) @ do
+    ds = p * (do @ vv.transpose(-1, -2) - (do * out.to(work)).sum(-1, keepdim=True))
+    dq = scale * ds @ k.to(work).repeat_interleave(g, 1)
+    dk = scale * ds.transpose(-1, -2) @ q.to(work)
+    fold = lambda x: x.unflatten(1, (k.shape[1], g)).sum(2)  # noqa: E731 - sum a kv head's query heads
+    return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
+
+
+BACKENDS = {"flash": (_flash_fwd, _flash_bwd), "math": (_math_fwd, _math_bwd)}
+
+
+def default_backend(device: torch.device) -> str:
+    return "flash" if device.type == "cpu" else "math"
+
+
+# ----------------------------------------------------------------------------------------------
+# the primitive
+
+
+def batch_forward(batch: Batch, q, k, v, scale: float, backend: str = "flash"):
+    """``(rows, out_rows [n, H, D], lse_rows [n, H])`` of one batch (``k``, ``v``: its key buffer)."""
+    qb, kb, vb = _operands(batch, q, k, v)
+    out, lse = BACKENDS[backend][0](qb, kb, vb, batch.causal, _mask(batch, q.dtype), scale)
+    return batch.rows, _rows_of(out, batch.q_pos), _lse_rows(lse, batch.q_pos)
+
+
+def batch_backward(batch: Batch, q, k, v, dout, out, lse, scale: float, backend: str = "flash"):
+    """``(dq_rows, dk_rows, dv_rows)`` of one batch given the merged ``out`` and ``lse`` of all local rows."""
+    qb, kb, vb = _operands(batch, q, k, v)
+    if batch.q_span is not None:
+        rows = batch.rows
+        do_b, o_b, l_b = _bhld(dout[rows], 1), _bhld(out[rows], 1), lse[rows].T.unsqueeze(0)
+    else:
+        B, L, rows, pos = batch.B, batch.Lq, batch.q_rows, batch.q_pos
+        do_b, o_b = _bhld(_pack(dout, rows, pos, B, L), B), _bhld(_pack(out, rows, pos, B, L), B)
+        l_b = _pack(lse, rows, pos, B, L).view(B, L, -1).transpose(1, 2)
+    dq, dk, dv = BACKENDS[backend][1](do_b.contiguous(), qb, kb, vb, o_b.contiguous(), l_b.contiguous(),
+                                      batch.causal, _mask(batch, q.dtype), scale)
+    return _rows_of(dq, batch.q_pos), _rows_of(dk, batch.k_pos), _rows_of(dv, batch.k_pos)
+
+
+def merge(acc_out: torch.Tensor, acc_lse: torch.Tensor, rows, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fold one task's ``(out, lse)`` into the running ``(acc_out, acc_lse)`` of its rows, in place:
+    ``L = logaddexp(L_acc, lse)``, ``O = O_acc exp(L_acc - L) + out exp(lse - L)``."""
+    old = acc_lse[rows]
+    new = torch.logaddexp(old, lse.to(old.dtype))
+    acc_out[rows] = (acc_out[rows] * torch.exp(old - new).unsqueeze(-1)
+                     + out.to(acc_out.dtype) * torch.exp(lse.to(old.dtype) - new).unsqueeze(-1))
+    acc_lse[rows] = new
+
+
+def segment_attention(q: torch.Tensor, bufs: dict[int, tuple[torch.Tensor, torch.Tensor]], tasks: list[Task],
+                      scale: float | None = None, backend: str | None = None):
+    """Forward of a set of tasks over key buffers ``bufs`` (``-1``: own K/V): merged ``(out, lse)`` of every
+    query row (rows no task touches get out 0 and lse -inf).  No autograd: see ``batch_backward``."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    backend = backend or default_backend(q.device)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=acc, device=q.device)
+    for batch in make_batches(tasks):
+        k, v = bufs[batch.buf]
+        rows, o, m = batch_forward(batch.to(q.device), q, k, v, scale, backend)
+        merge(out, lse, rows, o, m)
+    return out, lse

@@ -1,0 +1,154 @@
+"""What one rank of a ``CPPlan`` sends, receives and computes: transfers and attention tasks.
+
+Pure and cached per (plan, rank): a training step with a fresh plan builds it once per rank.
+
+Communication patterns, chosen by the plan's strategy:
+
+* ``p2p`` (sharding-aware plans): rank ``r`` receives exactly ``plan.kv_recv(r)``; the ranges
+  a peer needs are gathered from the local K/V and sent to it directly.
+* ``allgather`` (``per_doc``, ``torch_per_doc``): every rank's whole local K/V reaches every other
+  rank (all-gather, as point-to-point sends of the local tensors).
+* ``ring`` (``headtail``, ``contiguous``): the local K/V blocks travel around the ring, each rank
+  forwarding the block it received one step earlier (Megatron / TransformerEngine).
+
+Transfers run in ``N - 1`` steps; at step ``j`` rank ``r`` receives the K/V that originates at rank
+``r - j`` (mod N): from that rank itself (p2p, allgather) or from ``r - 1`` (ring), and sends to
+``r + j`` (p2p, allgather) or ``r + 1`` (ring).  Every rank computes from the same plan which
+steps carry data, so no sizes are exchanged.
+
+Tasks (see ``kernels.Task``): for every local query piece ``[a, b)`` of document ``d``: the causal
+block of the piece with itself, and one full task per contiguous run, in a key buffer, of the
+document's keys that end at or before ``a``.  Phase 0 holds the tasks on the rank's own K/V
+(computed while transfers are in flight); phase ``j`` those on the K/V from rank ``r - j``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from flashpar.cp.kernels import Batch, Task, make_batches
+from flashpar.cp.plan import CPPlan
+
+PATTERNS = {"contiguous": "ring", "headtail": "ring", "per_doc": "allgather", "torch_per_doc": "allgather"}
+
+
+def pattern_of(plan: CPPlan) -> str:
+    return "p2p" if plan.comm == "aware" else PATTERNS.get(plan.strategy, "allgather")
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    rank: int
+    n: int
+    pattern: str
+    tokens: int  # local tokens
+    recv: tuple[tuple[tuple[int, int], ...], ...]  # per origin rank: global ranges, in buffer order
+    send_rows: tuple[torch.Tensor | None, ...]  # per destination (p2p): local rows to send; None: all
+    phases: tuple[tuple[Batch, ...], ...]  # phase 0: own K/V; phase j: K/V from rank r - j
+
+    def origin(self, step: int) -> int:
+        """The rank whose K/V arrives at ``step`` (1 .. N-1)."""
+        return (self.rank - step) % self.n
+
+    def recv_tokens(self, origin: int) -> int:
+        return sum(b - a for a, b in self.recv[origin])
+
+    def send_tokens(self, dest: int) -> int:
+        rows = self.send_rows[dest]
+        return self.tokens if rows is None else int(rows.numel())
+
+    def step_peers(self, step: int) -> tuple[int, int]:
+        """``(send_to, recv_from)`` of forward step ``step``."""
+        if self.pattern == "ring":
+            return (self.rank + 1) % self.n, (self.rank - 1) % self.n
+        return (self.rank + step) % self.n, (self.rank - step) % self.n
+
+
+@functools.lru_cache(maxsize=64)
+def rank_layout(plan: CPPlan, rank: int) -> RankLayout:
+    n, pattern = plan.cp_size, pattern_of(plan)
+    starts = plan.doc_starts
+    doc_of = lambda a: bisect.bisect_right(starts, a) - 1  # noqa: E731
+    recv: list[tuple[tuple[int, int], ...]] = [() for _ in range(n)]
+    send_rows: list[torch.Tensor | None] = [None] * n
+    if pattern == "p2p":
+        by_src: dict[int, list[tuple[int, int]]] = {}
+        for src, a, b in plan.kv_recv(rank):
+            by_src.setdefault(src, []).append((a, b))
+        recv = [tuple(by_src.get(p, ())) for p in range(n)]
+        for dest in range(n):
+            if dest != rank:
+                wanted = [(a, b) for src, a, b in plan.kv_recv(dest) if src == rank]
+                send_rows[dest] = _local_rows(plan.segments[rank], wanted)
+    else:
+        recv = [tuple(plan.segments[p]) if p != rank else () for p in range(n)]
+    recv[rank] = ()
+
+    # key pieces per (buffer, document): (global start, global end, first buffer row), in buffer order
+    keys: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    buffers = [(-1, plan.segments[rank])] + [(p, recv[p]) for p in range(n) if p != rank]
+    for buf, ranges in buffers:
+        row = 0
+        for a, b in ranges:
+            for x, y in _split_at_docs(a, b, starts):
+                keys.setdefault((buf, doc_of(x)), []).append((x, y, row + x - a))
+            row += b - a
+    tasks: dict[int, list[Task]] = {}
+    row = 0
+    for a, b in plan.segments[rank]:
+        d = doc_of(a)
+        tasks.setdefault(-1, []).append(Task(row, row + b - a, -1, row, row + b - a, True))
+        for buf, _ in buffers:
+            for k0, k1 in _runs_before(keys.get((buf, d), ()), a):
+                tasks.setdefault(buf, []).append(Task(row, row + b - a, buf, k0, k1, False))
+        row += b - a
+    phase_bufs = [-1] + [(rank - j) % n for j in range(1, n)]
+    phases = tuple(tuple(make_batches(tasks.get(buf, []))) for buf in phase_bufs)
+    return RankLayout(rank, n, pattern, row, tuple(recv), tuple(send_rows), phases)
+
+
+def _split_at_docs(a: int, b: int, starts: list[int]):
+    i = bisect.bisect_right(starts, a)
+    for cut in starts[i:]:
+        if cut >= b:
+            break
+        yield a, cut
+        a = cut
+    yield a, b
+
+
+def _runs_before(pieces, a: int) -> list[tuple[int, int]]:
+    """Buffer row runs ``[k0, k1)`` of the pieces that end at or before global position ``a``
+    (pieces adjacent in the buffer join one run)."""
+    runs: list[tuple[int, int]] = []
+    for x, y, row in pieces:
+        if y > a:
+            continue
+        if runs and runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], row + y - x)
+        else:
+            runs.append((row, row + y - x))
+    return runs
+
+
+def _local_rows(segments, wanted: list[tuple[int, int]]) -> torch.Tensor:
+    """Local rows holding the global ranges ``wanted`` (each inside the rank's segments), in order."""
+    order = sorted(range(len(segments)), key=lambda i: segments[i][0])
+    seg_starts = [segments[i][0] for i in order]
+    offsets, row = {}, 0
+    for i, (a, b) in enumerate(segments):
+        offsets[i] = row
+        row += b - a
+    parts = []
+    for x, y in wanted:
+        while x < y:
+            j = order[bisect.bisect_right(seg_starts, x) - 1]
+            a, b = segments[j]
+            end = min(b, y)
+            parts.append(torch.arange(offsets[j] + x - a, offsets[j] + end - a))
+            x = end
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)

@@ -1,0 +1,129 @@
+"""Per-rank bodies of the context-parallel attention tests, run by dist_harness.run_ranks.
+
+Every rank builds the whole packed sequence's q, k, v and output gradient from one seed; the
+reference is float64 softmax attention on the whole sequence under the causal document mask
+(an explicit T x T mask, fine at these sizes), differentiated by autograd.  Each rank runs
+``flashpar.cp.attention`` on its shard and compares its rows of the output and of dq, dk, dv.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from flashpar.corpus import document_lengths
+from flashpar.cp import STRATEGIES, CommCounter, CostModel, attention, gather, plan, shard
+from flashpar.cp.lengths import pack
+
+# fp32: every output row is a softmax-weighted sum over <= 200 keys and every gradient entry a
+# sum over <= 200 rows; the CPU flash kernel and the merge differ from the float64 reference by
+# rounding only (~1e-6 relative); 1e-5 leaves margin, while one misplaced key block is O(1e-1).
+FP32_TOL = 1e-5
+# bf16 inputs and outputs (unit roundoff 3.9e-3); the kernel accumulates in fp32, merges and
+# gradient returns round to bf16 a few times: a few units of roundoff relative to the largest entry.
+BF16_TOL = 3e-2
+H, HKV, D = 4, 2, 8
+
+
+def length_lists(n: int) -> dict[str, list[int]]:
+    rng = random.Random(1000 + n)
+    corpus = [x for x in document_lengths(60)]
+    return {
+        "random": [rng.choice([1, 2, 3, 5, 9, 17, 33, 60]) for _ in range(12)],
+        "ones": [1] * 7 + [2 * n - 1, 1],  # documents of length 1 and shorter than 2N
+        "single": [157],  # one document spanning everything
+        "mixed": [90, 3, 5, 1, 40, 2, 7, 12],  # long documents that flashcp shards over sub-groups
+        "corpus": pack([max(1, x // 97) for x in corpus], 180)[0],  # real lengths (scaled) from the corpus
+    }
+
+
+def reference(doc_lens, q, k, v, dout, scale):
+    """float64 output and gradients on the whole sequence (explicit causal document mask)."""
+    doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens))
+    t = torch.arange(len(doc))
+    allowed = (doc[:, None] == doc[None, :]) & (t[None, :] <= t[:, None])
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    s = torch.einsum("thd,shd->hts", q, k.repeat_interleave(g, 1)) * scale
+    p = torch.softmax(s.masked_fill(~allowed, -math.inf), -1)
+    out = torch.einsum("hts,shd->thd", p, v.repeat_interleave(g, 1))
+    out.backward(dout.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max error over the reference's largest entry.  Inputs are N(0, 1), so outputs and gradients
+    are O(1); where the reference is near zero (dq and dk of one-token documents are exactly 0)
+    the error is measured against 1 instead."""
+    return float((a.double() - b).abs().max() / b.abs().max().clamp_min(1.0))
+
+
+def run_case(rank, n, doc_lens, strategy, dtype=torch.float32, heads=(H, HKV), backend=None, seed=0):
+    """This rank's relative errors and the bytes it sent; None where all is well."""
+    h, hkv = heads
+    cost = CostModel(kv_heads=hkv, head_dim=D, dtype_bytes=torch.finfo(dtype).bits // 8)
+    p = plan(doc_lens, n, strategy=strategy, cost=cost)
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(doc_lens)
+    q, dout = (torch.randn(total, h, D, generator=gen) for _ in range(2))
+    k, v = (torch.randn(total, hkv, D, generator=gen) for _ in range(2))
+    scale = 0.3
+    ref = reference(doc_lens, q, k, v, dout, scale)
+    mine = [shard(x, p, rank).to(dtype).requires_grad_() for x in (q, k, v)]
+    counter = CommCounter()
+    out = attention(*mine, p, softmax_scale=scale, counter=counter, backend=backend)
+    out.backward(shard(dout, p, rank).to(dtype))
+    got = [out.detach(), *(x.grad for x in mine)]
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    errors = {name: _rel(g, shard(r, p, rank)) for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref, strict=True)}
+    bad = {k_: e for k_, e in errors.items() if not e <= tol}
+    whole = gather(out.detach(), p)
+    if _rel(whole, ref[0]) > tol:
+        bad["gather"] = _rel(whole, ref[0])
+    stats = p.stats()
+    return {"bad": bad or None, "fwd_sent": counter.fwd_sent, "bwd_sent": counter.bwd_sent,
+            "fwd_recv": counter.fwd_recv, "plan_send": stats["kv_send_bytes"][rank],
+            "plan_recv": stats["kv_recv_bytes"][rank], "tokens": stats["tokens"]}
+
+
+def all_cases(rank, n):
+    out = {}
+    for name, lens in length_lists(n).items():
+        for strategy in STRATEGIES:
+            out[(name, strategy)] = run_case(rank, n, lens, strategy)
+    lens = length_lists(n)["random"]
+    for strategy in ("flashcp", "headtail", "per_doc"):
+        out[("random", strategy, "bf16")] = run_case(rank, n, lens, strategy, dtype=torch.bfloat16)
+        out[("random", strategy, "mha")] = run_case(rank, n, lens, strategy, heads=(2, 2))
+        out[("random", strategy, "math")] = run_case(rank, n, lens, strategy, backend="math")
+    return out
+
+
+def bad_inputs(rank, n):
+    """Each bad call must raise on every rank (returns the messages); a hang fails the harness timeout."""
+    lens = [20, 7, 1, 13]
+    p = plan(lens, n)
+    other = plan(lens, n + 1)
+    total = sum(lens)
+    q = torch.randn(total, H, D)
+    kv = torch.randn(total, HKV, D)
+    mine = shard(q, p, rank), shard(kv, p, rank)
+    cases = {
+        "tokens": lambda: attention(mine[0][1:] if rank == n - 1 else mine[0],
+                                    *(x[1:] if rank == n - 1 else x for x in (mine[1], mine[1])), p),
+        "heads": lambda: attention(shard(torch.randn(total, 3, D), p, rank), mine[1], mine[1], p),
+        "cp_size": lambda: attention(mine[0], mine[1], mine[1], other),
+        "plan": lambda: attention(*(shard(x, pl, rank) for x in (q, kv, kv)), pl)
+        if (pl := plan(lens, n, strategy="per_doc" if rank == 0 else "headtail")) else None,
+        "layout": lambda: attention(mine[0].transpose(0, 1), mine[1], mine[1], p),
+    }
+    out = {}
+    for name, call in cases.items():
+        try:
+            call()
+            out[name] = None
+        except (ValueError, RuntimeError) as err:
+            out[name] = str(err)
+    return out

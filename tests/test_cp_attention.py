@@ -1,0 +1,73 @@
+"""Context-parallel attention against a float64 whole-sequence reference on gloo at N = 1..4,
+for every planner strategy, with the bytes sent checked against the plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from cp_workers import all_cases, bad_inputs
+from dist_harness import run_ranks
+from flashpar.cp import STRATEGIES
+from flashpar.cp.layout import PATTERNS
+
+
+@pytest.fixture(scope="module")
+def results():
+    cache: dict[int, list[dict]] = {}
+
+    def get(n: int) -> list[dict]:
+        if n not in cache:
+            cache[n] = run_ranks(n, all_cases)
+        return cache[n]
+
+    return get
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_output_and_gradients_match_float64_reference(results, n):
+    per_rank = results(n)
+    assert len(per_rank[0]) == 5 * len(STRATEGIES) + 9
+    failures = {(r, case): out["bad"] for r, rank_out in enumerate(per_rank) for case, out in rank_out.items()
+                if out["bad"] is not None}
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_bytes_sent_equal_the_plan(results, n):
+    """p2p and all-gather: every rank sends exactly the plan's ``kv_send_bytes`` and, backward, returns
+    one gradient per K/V row it received.  Ring: each rank forwards every block but its successor's,
+    so per rank it sends ``total - tokens[r + 1]`` tokens; the total equals the plan's."""
+    per_rank = results(n)
+    for case in per_rank[0]:
+        rows = [rank_out[case] for rank_out in per_rank]
+        fwd, plan_send = [x["fwd_sent"] for x in rows], [x["plan_send"] for x in rows]
+        assert [x["fwd_recv"] for x in rows] == [x["plan_recv"] for x in rows], case
+        assert sum(fwd) == sum(plan_send), case
+        if PATTERNS.get(case[1]) == "ring":
+            tokens = rows[0]["tokens"]
+            per_token = sum(fwd) / max(1, (n - 1) * sum(tokens))
+            assert fwd == [(sum(tokens) - tokens[(r + 1) % n]) * per_token for r in range(n)], case
+        else:
+            assert fwd == plan_send, case
+            assert [x["bwd_sent"] for x in rows] == [x["fwd_recv"] for x in rows], case
+
+
+def test_sharding_aware_plans_send_less_than_all_gather(results):
+    per_rank = results(4)
+    total = {s: sum(r[("mixed", s)]["fwd_sent"] for r in per_rank) for s in STRATEGIES}
+    assert total["flashcp"] < total["per_doc_aware"] < total["per_doc"], total
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_bad_input_raises_on_every_rank(n):
+    per_rank = run_ranks(n, bad_inputs, timeout=120)
+    words = {"tokens": "plan gives it", "heads": "multiple of kv heads", "cp_size": f"cp_size {n + 1}",
+             "plan": "disagree on plan", "layout": "disagree on tokens"}
+    for name, word in words.items():
+        if name == "plan" and n == 1:
+            continue  # one rank cannot disagree with itself
+        for r, out in enumerate(per_rank):
+            expected = word
+            if name == "tokens" and r != n - 1:  # only the last rank's input is bad; its peers name it
+                expected = f"rank(s) [{n - 1}] rejected their input"
+            assert out[name] is not None and expected in out[name], (name, r, out[name])

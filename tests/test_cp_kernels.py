@@ -1,0 +1,157 @@
+"""Segment-attention kernels and per-rank task layouts, single process, against brute force."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from flashpar.cp import STRATEGIES, plan
+from flashpar.cp.kernels import PAD_LIMIT, Task, batch_backward, make_batches, padded_len, segment_attention
+from flashpar.cp.layout import rank_layout
+
+
+def test_padding_ladder_is_tight():
+    for n in range(1, 3000):
+        p = padded_len(n)
+        assert p >= n and (p == n if n > PAD_LIMIT else p <= max(8, 1.25 * n))
+
+
+def _random_tasks(rng: random.Random, t: int, kb: int) -> list[Task]:
+    """Causal blocks tiling [0, t), plus full tasks of some blocks over key runs of a buffer."""
+    tasks, q0 = [], 0
+    while q0 < t:
+        q1 = min(t, q0 + rng.choice([1, 2, 3, 5, 7, 7, 16]))
+        tasks.append(Task(q0, q1, -1, q0, q1, True))
+        for _ in range(rng.choice([0, 1, 1, 2])):
+            k0 = rng.randrange(kb - 8)
+            k1 = k0 + rng.randint(1, 8) if rng.random() < 0.7 else rng.randrange(k0 + 1, kb + 1)
+            tasks.append(Task(q0, q1, 0, k0, k1, False))
+        q0 = q1
+    return tasks
+
+
+def _brute(q, k, v, kb, vb, tasks, scale):
+    """float64 attention over the keys [own, buffer] each task allows (duplicates counted once per task)."""
+    t, nb = q.shape[0], kb.shape[0]
+    count = torch.zeros(t, t + nb, dtype=torch.float64)
+    for x in tasks:
+        off = 0 if x.buf == -1 else t
+        for i in range(x.q0, x.q1):
+            for j in range(x.k0, x.k1):
+                if not x.causal or j - x.k0 <= i - x.q0:
+                    count[i, off + j] += 1
+    keys, vals = torch.cat([k, kb]), torch.cat([v, vb])
+    g = q.shape[1] // k.shape[1]
+    s = torch.einsum("thd,shd->hts", q, keys.repeat_interleave(g, 1)) * scale
+    s = s + torch.log(count)  # a key allowed by two tasks counts twice, as two merged tasks count it
+    lse = s.logsumexp(-1)
+    out = torch.einsum("hts,shd->thd", torch.softmax(s, -1), vals.repeat_interleave(g, 1))
+    return out, lse.T
+
+
+@pytest.mark.parametrize("backend", ["flash", "math"])
+@pytest.mark.parametrize("seed", range(4))
+def test_segment_attention_matches_brute_force_forward_and_backward(backend, seed):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    t, nb, h, hkv, d, scale = 60, 40, 4, 2, 8, 0.4
+    q = torch.randn(t, h, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(t, hkv, d, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
+    kb, vb = (torch.randn(nb, hkv, d, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
+    tasks = _random_tasks(rng, t, nb)
+    assert any(b.key_valid is not None for b in make_batches(tasks)), "no padded full batch exercised"
+    ref_out, ref_lse = _brute(q, k, v, kb, vb, tasks, scale)
+    with torch.no_grad():
+        out, lse = segment_attention(q, {-1: (k, v), 0: (kb, vb)}, tasks, scale, backend)
+    # float64 throughout: only summation order differs (~1e-15); a wrong key is O(1)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
+    dout = torch.randn_like(out)
+    ref_out.backward(dout)
+    grads = {"q": torch.zeros_like(q), -1: [torch.zeros_like(k), torch.zeros_like(v)],
+             0: [torch.zeros_like(kb), torch.zeros_like(vb)]}
+    bufs = {-1: (k.detach(), v.detach()), 0: (kb.detach(), vb.detach())}
+    for b in make_batches(tasks):
+        dq, dk, dv = batch_backward(b, q.detach(), *bufs[b.buf], dout, out, lse, scale, backend)
+        rows = torch.arange(t)[b.rows]
+        keys = torch.arange(bufs[b.buf][0].shape[0])[b.keys]
+        grads["q"].index_add_(0, rows, dq)
+        grads[b.buf][0].index_add_(0, keys, dk)
+        grads[b.buf][1].index_add_(0, keys, dv)
+    for got, ref in ((grads["q"], q.grad), (grads[-1][0], k.grad), (grads[-1][1], v.grad),
+                     (grads[0][0], kb.grad), (grads[0][1], vb.grad)):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-11)
+
+
+def test_many_short_documents_make_few_kernel_calls():
+    tasks = []
+    for i in range(2000):
+        tasks.append(Task(i, i + 1, -1, i, i + 1, True))
+    assert len(make_batches(tasks)) == 1
+    lens = [1 + (i * 7) % 40 for i in range(500)]
+    p = plan(lens, 1, strategy="contiguous")
+    calls = sum(len(ph) for ph in rank_layout(p, 0).phases)
+    assert calls <= 20, calls  # 500 documents, at most a batch per ladder length
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_layout_tasks_cover_exactly_the_document_mask(strategy, n):
+    """Every (query, key) pair the causal document mask allows is computed exactly once, and nothing else."""
+    rng = random.Random(n * 31 + len(strategy))
+    lens = [rng.choice([1, 2, 5, 9, 20, 41]) for _ in range(9)]
+    p = plan(lens, n, strategy=strategy)
+    starts = p.doc_starts
+    doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    for r in range(n):
+        lo = rank_layout(p, r)
+        local = p.local_indices(r)
+        glob = {-1: local}
+        for origin in range(n):
+            ranges = lo.recv[origin]
+            glob[origin] = torch.cat([torch.arange(a, b) for a, b in ranges] + [torch.empty(0, dtype=torch.long)])
+        seen: dict[tuple[int, int], int] = {}
+        for phase_id, phase in enumerate(lo.phases):
+            for b in phase:
+                assert b.buf == (-1 if phase_id == 0 else lo.origin(phase_id))
+                for task in _tasks_of(b):
+                    for i in range(task[0], task[1]):
+                        for j in range(task[2], task[3]):
+                            if task[4] and j - task[2] > i - task[0]:
+                                continue
+                            key = (int(local[i]), int(glob[b.buf][j]))
+                            seen[key] = seen.get(key, 0) + 1
+        want = {(int(qi), int(kj)) for qi in local for kj in range(starts[int(doc[qi])], int(qi) + 1)}
+        assert set(seen) == want and set(seen.values()) == {1}, (strategy, n, r)
+
+
+def _tasks_of(batch):
+    """(q0, q1, k0, k1, causal) per task of a batch, padded or direct."""
+    if batch.q_span is not None:
+        return [(*batch.q_span, *batch.k_span, batch.causal)]
+    out = []
+    for b in range(batch.B):
+        qsel = (batch.q_pos >= b * batch.Lq) & (batch.q_pos < (b + 1) * batch.Lq)
+        ksel = (batch.k_pos >= b * batch.Lk) & (batch.k_pos < (b + 1) * batch.Lk)
+        qr, kr = batch.q_rows[qsel], batch.k_rows[ksel]
+        assert bool((qr.diff() == 1).all()) and bool((kr.diff() == 1).all())
+        out.append((int(qr[0]), int(qr[-1]) + 1, int(kr[0]), int(kr[-1]) + 1, batch.causal))
+    return out
+
+
+def test_merge_is_the_log_sum_exp_rule():
+    from flashpar.cp.kernels import merge
+
+    s = torch.randn(5, 3, 11, dtype=torch.float64)
+    v = torch.randn(5, 3, 11, 4, dtype=torch.float64)
+    out = torch.zeros(5, 3, 4, dtype=torch.float64)
+    lse = torch.full((5, 3), -math.inf, dtype=torch.float64)
+    for part in (slice(0, 4), slice(4, 5), slice(5, 11)):
+        sp = s[..., part]
+        lp = sp.logsumexp(-1)
+        merge(out, lse, slice(None), (torch.softmax(sp, -1).unsqueeze(-1) * v[..., part, :]).sum(-2), lp)
+    torch.testing.assert_close(lse, s.logsumexp(-1), rtol=0, atol=1e-13)
+    torch.testing.assert_close(out, (torch.softmax(s, -1).unsqueeze(-1) * v).sum(-2), rtol=0, atol=1e-13)
