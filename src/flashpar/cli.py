@@ -1,4 +1,4 @@
-"""``flashpar`` command line: ``flashpar bench overlap ...``, ``flashpar plan ...``."""
+"""``flashpar`` command line: ``flashpar bench overlap|cp|plan ...``, ``flashpar plan ...``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from flashpar.bench import cp as bench_cp
     from flashpar.bench import overlap as bench_overlap
     from flashpar.bench import plan_targets
     from flashpar.cp import cli as plan_cli
@@ -18,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     ov = bench_sub.add_parser("overlap", help="all overlap modes of all_gather_matmul / matmul_reduce_scatter")
     bench_overlap.add_arguments(ov)
+    bc = bench_sub.add_parser("cp", help="every context-parallel strategy side by side, forward and backward")
+    bench_cp.add_arguments(bc)
     bp = bench_sub.add_parser("plan", help="the FlashCP planner against its targets on real document lengths")
     plan_targets.add_arguments(bp)
     pl = sub.add_parser("plan", help="plan context parallelism for packed documents, every strategy side by side")
@@ -27,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         return plan_cli.run(args)
     if args.command == "bench" and args.bench == "overlap":
         return bench_overlap.run(args)
+    if args.command == "bench" and args.bench == "cp":
+        return bench_cp.run(args)
     if args.command == "bench" and args.bench == "plan":
         return plan_targets.run(args)
     parser.error("unknown command")

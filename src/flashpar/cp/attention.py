@@ -28,6 +28,7 @@ from flashpar.cp.exchange import CommCounter, Transfers
 from flashpar.cp.layout import RankLayout, rank_layout
 from flashpar.cp.plan import CPPlan
 from flashpar.dist import DEFAULT_TIMEOUT_S, GroupInfo, dtype_code, exchange_metadata, p2p_group, resolve_group
+from flashpar.overlap.executor import _ONLY
 from flashpar.overlap.lane import Lane
 
 OP = "cp.attention"
@@ -49,6 +50,12 @@ class _Run:
         self.timeout_s, self.counter, self.device = timeout_s, counter, device
         self.phases = [[b.to(device) for b in phase] for phase in layout.phases]
 
+    def parts(self) -> tuple[bool, bool]:
+        """(run the transfers, run the kernels): both, except inside ``flashpar.overlap.executor.only``
+        (benchmarks: compute-only or communication-only baselines; results are meaningless there)."""
+        part = _ONLY.get()
+        return self.layout.n > 1 and part != "compute", part != "comm"
+
     def lane(self, what: str) -> Lane:
         return Lane(f"{OP} {what}", self.info.rank, timeout_s=self.timeout_s, threaded=self.device.type == "cpu")
 
@@ -69,13 +76,14 @@ class _CPAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:2], -math.inf, dtype=acc, device=q.device)
         lane = run.lane("forward")
         transfers = Transfers(lo, run.info, lane, run.counter)
+        comm, compute = run.parts()
         try:
-            recv = transfers.start_forward(k, v) if lo.n > 1 else {}
+            recv = transfers.start_forward(k, v) if comm else transfers.buffers(k, v)
             bufs = {-1: (k, v), **recv}
             for j, phase in enumerate(run.phases):
-                if j > 0:
+                if j > 0 and comm:
                     lane.wait(j)
-                for batch in phase:
+                for batch in phase if compute else ():
                     rows, o, m = kernels.batch_forward(batch, q, *bufs[batch.buf], run.scale, run.backend)
                     kernels.merge(out, lse, rows, o, m)
             lane.close()
@@ -99,9 +107,10 @@ class _CPAttention(torch.autograd.Function):
         bufs = {-1: (k, v), **ctx.recv}
         lane = run.lane("backward")
         transfers = Transfers(lo, run.info, lane, run.counter)
+        comm, compute = run.parts()
 
         def phase_grads(j: int, gk: torch.Tensor, gv: torch.Tensor) -> None:
-            for batch in run.phases[j]:
+            for batch in run.phases[j] if compute else ():
                 kb, vb = bufs[batch.buf]
                 a, b, c = kernels.batch_backward(batch, q, kb, vb, dout, out, lse, run.scale, run.backend)
                 _add_rows(dq, batch.rows, a)
@@ -116,6 +125,8 @@ class _CPAttention(torch.autograd.Function):
                 gk = torch.zeros(kb.shape, dtype=acc, device=kb.device)
                 gv = torch.zeros(kb.shape[:1] + v.shape[1:], dtype=acc, device=kb.device)
                 phase_grads(j, gk, gv)
+                if not comm:
+                    continue
                 if lo.pattern == "ring" and j > 1:  # add the running sum for this block from rank r - 1
                     lane.wait(j - 1)
                     rk, rv = received.pop(j - 1)

@@ -76,16 +76,20 @@ class Transfers:
     # ------------------------------------------------------------------------------------------
     # forward
 
+    def buffers(self, k: torch.Tensor, v: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed receive buffers by origin rank."""
+        lo = self.layout
+        return {lo.origin(j): tuple(x.new_zeros((lo.recv_tokens(lo.origin(j)), *x.shape[1:])) for x in (k, v))
+                for j in range(1, lo.n)}
+
     def start_forward(self, k: torch.Tensor, v: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Post every step; returns the receive buffers by origin rank (filled when their step completes)."""
         lo, n = self.layout, self.layout.n
-        bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        bufs = self.buffers(k, v)
         steps = []
         for j in range(1, n):
             send_to, recv_from = lo.step_peers(j)
             origin = lo.origin(j)
-            rows = lo.recv_tokens(origin)
-            bufs[origin] = (k.new_empty((rows, *k.shape[1:])), v.new_empty((rows, *v.shape[1:])))
             if lo.pattern == "ring":
                 held = (k, v) if j == 1 else bufs[lo.origin(j - 1)]  # forwarded as it arrived
                 make = functools.partial(lambda t: t, held)

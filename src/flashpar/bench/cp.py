@@ -1,0 +1,314 @@
+"""``flashpar bench cp``: every context-parallel strategy side by side, forward and backward, in one run.
+
+The parent starts N gloo ranks (behind emulated rate-limited links with ``--link-rate``, as
+``flashpar bench overlap`` does; loopback otherwise).  Each rank
+
+1. calibrates: the CPU flash-attention rate forward and backward on a long and a short causal
+   block (fitting the cost model's plateau and half-efficiency length) and the link bandwidth;
+   rank 0's values go into one ``CostModel`` (attention work alone, this model's heads and dtype);
+2. packs real document lengths (``--lengths``, a list of shared/data), divided by ``--scale``
+   (default 16: 8K-token packs with the shape of 128K-token packs, which a CPU cannot run), into
+   sequences of ``--tokens`` tokens and plans every strategy with that cost model;
+3. runs, round by round with the strategies' order rotated, ``flashpar.cp.attention`` forward and
+   backward three ways: overlapped, compute-only and communication-only;
+4. reports medians over rounds of the slowest rank, summed over packs.
+
+Columns: measured step (forward + backward) and its parts, ``ideal = max(compute, comm)``,
+``ovl/ideal``; bytes sent forward (measured, all ranks); compute imbalance (the busiest rank's
+compute-only time over the mean); speedups over ``headtail`` and ``per_doc``; and the cost
+model's predictions of the step, the imbalance and the speedups beside them.  The prediction of a
+direction is ``max over ranks of max(compute, comm + compute on remote K/V)`` with that direction's
+calibrated attention rate; a step is forward + backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+from flashpar.cp import STRATEGIES
+
+KINDS = ("overlapped", "compute", "comm")
+
+
+# ----------------------------------------------------------------------------------------------
+# worker (one per rank)
+
+
+def _attn_rate(heads: int, kv_heads: int, head_dim: int, length: int, dtype) -> tuple[float, float]:
+    """(forward, backward) FLOP/s of the CPU flash kernel on one causal block of ``length`` tokens."""
+    import torch
+
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    q = torch.randn(1, heads, length, head_dim, dtype=dtype)
+    k, v = (torch.randn(1, kv_heads, length, head_dim, dtype=dtype) for _ in range(2))
+    out, lse = op(q, k, v, 0.0, True)
+    dout = torch.randn_like(out)
+    reps = max(1, 2_000_000 // (length * length))
+    times = []
+    for fn in (lambda: op(q, k, v, 0.0, True), lambda: bwd(dout, q, k, v, out, lse, 0.0, True)):
+        samples = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            samples.append((time.perf_counter() - t0) / reps)
+        times.append(statistics.median(samples))
+    flops = 4.0 * heads * head_dim * length * (length + 1) / 2
+    return flops / times[0], flops / times[1]
+
+
+def calibrate_costs(config: dict):
+    """(forward CostModel, backward CostModel) fitted on this machine; rank 0's values on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    from flashpar.bench.calibrate import measure_link
+    from flashpar.cp import CostModel
+
+    dtype = getattr(torch, config["dtype"])
+    h, hkv, d = config["heads"], config["kv_heads"], config["head_dim"]
+    long_len, short_len = 2048, 128
+    rates = [_attn_rate(h, hkv, d, n, dtype) for n in (long_len, short_len)]
+    bw, _ = measure_link()
+    values = [rates, bw]
+    dist.broadcast_object_list(values, src=0)
+    (long_f, long_b), (short_f, short_b) = values[0]
+    bw = values[1]
+    costs = []
+    for long_rate, short_rate in ((long_f, short_f), (long_b, short_b)):
+        # eff(L, L) = peak (L / (L + half))^2: solve the two measured rates for peak and half
+        ratio = (short_rate / long_rate) ** 0.5  # = short (long + half) / (long (short + half))
+        floor = short_len / long_len
+        half = short_len * (1 - ratio) / max(ratio - floor, 1e-3) if ratio < 1 else 1.0
+        peak = long_rate / (long_len / (long_len + half)) ** 2
+        costs.append(CostModel(hidden=h * d, heads=h, kv_heads=hkv, head_dim=d, layers=1,
+                               dtype_bytes=torch.empty((), dtype=dtype).element_size(), flops=peak,
+                               bandwidth=bw, linear=False, attn_peak=1.0, attn_half=half))
+    return costs[0], costs[1]
+
+
+def _packs(config: dict) -> list[list[int]]:
+    from flashpar.cp.lengths import LONG_CONTEXT_MIX, data_dir, pack, read_lengths, sample
+
+    name, scale = config["lengths"], config["scale"]
+    if name == "long-context":
+        import random
+
+        raw = sample(LONG_CONTEXT_MIX, 64 * config["packs"], random.Random(0))  # mean length > 50K
+    else:
+        raw = read_lengths(data_dir() / f"{name}.lengths")
+    lengths = [max(1, x // scale) for x in raw]
+    return pack(lengths, config["tokens"])[: config["packs"]]
+
+
+def _measure(p, q, k, v, dout, rank, kind, group=None):
+    """Seconds of this rank's forward and backward (after a barrier each), and the bytes it sent."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from flashpar.cp import CommCounter, attention, shard
+    from flashpar.overlap.executor import only
+
+    mine = [shard(x, p, rank).requires_grad_() for x in (q, k, v)]
+    grad = shard(dout, p, rank)
+    counter = CommCounter()
+    with only(kind) if kind != "overlapped" else contextlib.nullcontext():
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        out = attention(*mine, p, group=group, counter=counter, check=False)
+        t_fwd = time.perf_counter() - t0
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        out.backward(grad)
+        t_bwd = time.perf_counter() - t0
+    return t_fwd, t_bwd, counter.fwd_sent
+
+
+def predict(p, fwd_cost, bwd_cost) -> dict:
+    """The cost model's step (forward + backward, slowest rank each) and compute imbalance of plan ``p``."""
+    from flashpar.cp.plan import rank_figures
+
+    figs = [rank_figures(p.segments, p.doc_lens, p.doc_starts, c, p.comm) for c in (fwd_cost, bwd_cost)]
+    compute = [a + b for a, b in zip(figs[0].compute, figs[1].compute, strict=True)]
+    return {"step": max(figs[0].time) + max(figs[1].time), "compute": max(compute),
+            "imbalance": max(compute) / (sum(compute) / len(compute))}
+
+
+def worker(config: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from flashpar.cp import plan
+
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(config["threads"])
+    dtype = getattr(torch, config["dtype"])
+    fwd_cost, bwd_cost = calibrate_costs(config)
+    strategies = config["strategies"]
+    packs = _packs(config)
+    h, hkv, d = config["heads"], config["kv_heads"], config["head_dim"]
+    samples: dict[tuple, list] = {}
+    plans = {}
+    for i, lens in enumerate(packs):
+        gen = torch.Generator().manual_seed(i)
+        total = sum(lens)
+        q, dout = (torch.randn(total, h, d, generator=gen, dtype=dtype) for _ in range(2))
+        k, v = (torch.randn(total, hkv, d, generator=gen, dtype=dtype) for _ in range(2))
+        plans[i] = {s: plan(lens, n, strategy=s, cost=fwd_cost) for s in strategies}
+        for s in strategies:  # warm-up: layouts, twin groups, allocator
+            _measure(plans[i][s], q, k, v, dout, rank, "overlapped")
+        for rnd in range(config["rounds"]):
+            order = strategies[rnd % len(strategies):] + strategies[: rnd % len(strategies)]
+            for s in order:
+                for kind in KINDS:
+                    samples.setdefault((i, s, kind), []).append(_measure(plans[i][s], q, k, v, dout, rank, kind))
+    gathered = [None] * n
+    dist.all_gather_object(gathered, samples)
+    if rank == 0:
+        report = {"world_size": n, "config": config, "packs": [len(x) for x in packs], "tokens": config["tokens"],
+                  "fwd_cost": dataclasses.asdict(fwd_cost), "bwd_cost": dataclasses.asdict(bwd_cost), "rows": {}}
+        for s in strategies:
+            row = {k: 0.0 for k in ("overlapped", "compute", "comm", "forward", "backward", "bytes",
+                                    "pred_step", "pred_compute")}
+            imb, pred_imb = [], []
+            for i in range(len(packs)):
+                med = {}
+                for kind in KINDS:
+                    per_round = [[gathered[r][(i, s, kind)][j] for r in range(n)] for j in range(config["rounds"])]
+                    steps = [max(t[0] + t[1] for t in rr) for rr in per_round]
+                    med[kind] = statistics.median(steps)
+                    if kind == "overlapped":
+                        row["forward"] += statistics.median(max(t[0] for t in rr) for rr in per_round)
+                        row["backward"] += statistics.median(max(t[1] for t in rr) for rr in per_round)
+                        row["bytes"] += sum(t[2] for t in per_round[0])
+                    if kind == "compute":  # per rank: median over rounds of forward + backward
+                        per_rank = [statistics.median(rr[r][0] + rr[r][1] for rr in per_round) for r in range(n)]
+                        imb.append(max(per_rank) / (sum(per_rank) / n))
+                for kind in KINDS:
+                    row[kind] += med[kind]
+                pred = predict(plans[i][s], fwd_cost, bwd_cost)
+                row["pred_step"] += pred["step"]
+                row["pred_compute"] += pred["compute"]
+                pred_imb.append(pred["imbalance"])
+            row["imbalance"] = statistics.fmean(imb)
+            row["pred_imbalance"] = statistics.fmean(pred_imb)
+            report["rows"][s] = row
+        with open(config["out"], "w") as f:
+            json.dump(report, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+
+
+def format_report(report: dict) -> str:
+    rows, n = report["rows"], report["world_size"]
+    c = report["config"]
+    fc, bc = report["fwd_cost"], report["bwd_cost"]
+    lines = [
+        f"N={n}, link {c['link_rate']}, {c['lengths']} lengths / {c['scale']} packed into {report['tokens']} tokens "
+        f"({len(report['packs'])} packs, {sum(report['packs'])} documents), heads {c['heads']}/{c['kv_heads']}, "
+        f"head_dim {c['head_dim']}, {c['dtype']}, {c['rounds']} rounds, median of the slowest rank, summed over packs",
+        f"calibrated: attention {fc['flops'] / 1e9:.1f} GFLOP/s forward, {bc['flops'] / 1e9:.1f} backward "
+        f"(half efficiency at {fc['attn_half']:.0f} / {bc['attn_half']:.0f} tokens), "
+        f"link {fc['bandwidth'] / 1e6:.1f} MB/s",
+        "",
+        f"{'strategy':<15}{'step ms':>9}{'fwd':>7}{'bwd':>7}{'compute':>9}{'comm':>7}{'ovl/ideal':>10}"
+        f"{'sent MB':>9}{'imb':>6}{'x headtail':>11}{'x per_doc':>10} | {'pred ms':>8}{'imb':>6}"
+        f"{'x headtail':>11}{'x per_doc':>10}",
+    ]
+    ms = lambda x: f"{1e3 * x:.0f}"  # noqa: E731
+    for s, r in rows.items():
+        ideal = max(r["compute"], r["comm"])
+        ratio = lambda base, key, r=r: f"{rows[base][key] / r[key]:.2f}" if base in rows else "-"  # noqa: E731
+        lines.append(
+            f"{s:<15}{ms(r['overlapped']):>9}{ms(r['forward']):>7}{ms(r['backward']):>7}{ms(r['compute']):>9}"
+            f"{ms(r['comm']):>7}{r['overlapped'] / ideal:>10.2f}{r['bytes'] / 1e6:>9.1f}{r['imbalance']:>6.2f}"
+            f"{ratio('headtail', 'overlapped'):>11}{ratio('per_doc', 'overlapped'):>10} | {ms(r['pred_step']):>8}"
+            f"{r['pred_imbalance']:>6.2f}{ratio('headtail', 'pred_step'):>11}{ratio('per_doc', 'pred_step'):>10}")
+    pd = rows.get("per_doc")
+    if pd:
+        lines.append(f"per_doc communication / compute (measured, step): {pd['comm'] / pd['compute']:.2f}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
+    p.add_argument("--link-rate", default="100mbit",
+                   help="emulated per-rank link (tc rate); 'none' = loopback (default 100mbit)")
+    p.add_argument("--lengths", default="wlbllm",
+                   help="document lengths: a list of shared/data (wlbllm, prolong, python311_stdlib, spamassassin, "
+                        "sotu) or long-context (default wlbllm)")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per packed sequence (default 8192)")
+    p.add_argument("--scale", type=int, default=16,
+                   help="divide every document length by this (default 16: 8K-token packs shaped like 128K packs, "
+                        "which a 2-core CPU cannot run)")
+    p.add_argument("--packs", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--json", default=None, help="write the report to this JSON file")
+    p.add_argument("--timeout", type=float, default=3600.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from flashpar.bench.netlink import EmulatedLinks, launch_ranks, links_available
+
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or args.nproc < 2:
+        print(f"flashpar bench cp: need --nproc >= 2 and strategies from {STRATEGIES}; got {args.nproc}, {unknown}",
+              file=sys.stderr)
+        return 2
+    rate = None if str(args.link_rate).lower() in ("none", "loopback", "") else args.link_rate
+    if rate is not None:
+        ok, why = links_available()
+        if not ok:
+            print(f"emulated links unavailable ({why}); running on loopback", flush=True)
+            rate = None
+    with tempfile.TemporaryDirectory(prefix="flashpar-bench-cp-") as tmp:
+        out = os.path.join(tmp, "report.json")
+        config = {"threads": args.threads, "dtype": args.dtype, "out": out, "rounds": args.rounds,
+                  "strategies": strategies, "link_rate": rate or "loopback", "lengths": args.lengths,
+                  "tokens": args.tokens, "scale": args.scale, "packs": args.packs, "heads": args.heads,
+                  "kv_heads": args.kv_heads, "head_dim": args.head_dim}
+        argv = [sys.executable, "-m", "flashpar.bench.cp", "--worker", json.dumps(config)]
+        print(f"running N={args.nproc} on {rate or 'loopback'} ...", flush=True)
+        if rate is not None:
+            with EmulatedLinks(args.nproc, rate) as links:
+                launch_ranks(args.nproc, argv, links=links, timeout=args.timeout)
+        else:
+            launch_ranks(args.nproc, argv, timeout=args.timeout)
+        with open(out) as f:
+            report = json.load(f)
+    print(format_report(report), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        worker(json.loads(sys.argv[2]))
+    else:
+        parser = argparse.ArgumentParser(prog="flashpar bench cp")
+        add_arguments(parser)
+        sys.exit(run(parser.parse_args()))

@@ -1,0 +1,26 @@
+"""`flashpar bench cp` end to end on loopback (a smoke run: numbers are not checked, only their shape)."""
+
+from __future__ import annotations
+
+import json
+
+from flashpar.cli import main
+from flashpar.cp import STRATEGIES
+
+
+def test_bench_cp_runs_every_strategy_and_reports_measured_and_predicted(tmp_path, capsys):
+    out = tmp_path / "cp.json"
+    rc = main(["bench", "cp", "--nproc", "2", "--link-rate", "none", "--tokens", "1024", "--packs", "1",
+               "--rounds", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--json", str(out),
+               "--timeout", "300"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert list(rows) == list(STRATEGIES)
+    for row in rows.values():
+        assert row["overlapped"] > 0 and row["compute"] > 0 and row["pred_step"] > 0
+    # bytes are measured: sharding-aware plans never send more than the all-gather of per_doc
+    assert rows["flashcp"]["bytes"] <= rows["per_doc_aware"]["bytes"] <= rows["per_doc"]["bytes"]
+    assert rows["per_doc"]["bytes"] > 0
+    text = capsys.readouterr().out
+    assert "x headtail" in text and "pred ms" in text and "flashcp" in text
