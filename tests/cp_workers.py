@@ -127,3 +127,28 @@ def bad_inputs(rank, n):
         except (ValueError, RuntimeError) as err:
             out[name] = str(err)
     return out
+
+
+def subgroup_case(rank, n):
+    """Two CP groups of two ranks inside a world of four (as a (dp, cp) mesh makes them), each
+    with its own documents: the transfers must address global ranks of its own group."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = rank // 2
+    lens = [[30, 2, 17, 1, 9], [5, 44, 3]][mine]
+    out = {}
+    for strategy in ("flashcp", "per_doc_aware", "headtail", "per_doc"):
+        p = plan(lens, 2, strategy=strategy)
+        gen = torch.Generator().manual_seed(mine)
+        total = sum(lens)
+        q, dout = (torch.randn(total, H, D, generator=gen) for _ in range(2))
+        k, v = (torch.randn(total, HKV, D, generator=gen) for _ in range(2))
+        ref = reference(lens, q, k, v, dout, D**-0.5)
+        local = rank % 2
+        xs = [shard(x, p, local).requires_grad_() for x in (q, k, v)]
+        y = attention(*xs, p, group=groups[mine])
+        y.backward(shard(dout, p, local))
+        errs = [_rel(g, shard(r, p, local)) for g, r in zip([y.detach(), *(x.grad for x in xs)], ref, strict=True)]
+        out[strategy] = None if max(errs) <= FP32_TOL else errs
+    return out

@@ -71,3 +71,11 @@ def test_bad_input_raises_on_every_rank(n):
             if name == "tokens" and r != n - 1:  # only the last rank's input is bad; its peers name it
                 expected = f"rank(s) [{n - 1}] rejected their input"
             assert out[name] is not None and expected in out[name], (name, r, out[name])
+
+
+def test_cp_groups_inside_a_larger_world():
+    from cp_workers import subgroup_case
+
+    per_rank = run_ranks(4, subgroup_case)
+    failures = {(r, s): e for r, out in enumerate(per_rank) for s, e in out.items() if e is not None}
+    assert len(per_rank[0]) == 4 and not failures, failures
