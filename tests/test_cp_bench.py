@@ -24,3 +24,17 @@ def test_bench_cp_runs_every_strategy_and_reports_measured_and_predicted(tmp_pat
     assert rows["per_doc"]["bytes"] > 0
     text = capsys.readouterr().out
     assert "x headtail" in text and "pred ms" in text and "flashcp" in text
+
+
+def test_shared_cores_prediction():
+    from flashpar.bench.cp import shared_finish
+
+    assert shared_finish([3.0, 1.0], 4) == [3.0, 1.0]  # a core per rank: nothing shared
+    # equal work on 4 ranks / 2 cores is what calibration measured: unchanged
+    assert shared_finish([2.0] * 4, 2) == [2.0] * 4
+    # one busy rank alone gets a whole core, twice the calibrated (half-core) rate
+    fin = shared_finish([2.0, 0.0, 0.0, 0.0], 2)
+    assert abs(fin[0] - 1.0) < 1e-12
+    # two ranks finish first; then the other two run at a full core each
+    fin = shared_finish([1.0, 1.0, 3.0, 3.0], 2)
+    assert [round(x, 12) for x in fin] == [1.0, 1.0, 2.0, 2.0]

@@ -18,7 +18,10 @@ Columns: measured step (forward + backward) and its parts, ``ideal = max(compute
 compute-only time over the mean); speedups over ``headtail`` and ``per_doc``; and the cost
 model's predictions of the step, the imbalance and the speedups beside them.  The prediction of a
 direction is ``max over ranks of max(compute, comm + compute on remote K/V)`` with that direction's
-calibrated attention rate; a step is forward + backward.
+calibrated attention rate; a step is forward + backward.  Where the ranks share fewer cores than
+there are ranks (4 ranks on this 2-core box), compute is played under processor sharing
+(``shared_finish``): a busy rank's speed depends on how many others are busy, which compresses the
+measured imbalance; the predicted imbalance column is the model's, per rank, without it.
 """
 
 from __future__ import annotations
@@ -133,14 +136,42 @@ def _measure(p, q, k, v, dout, rank, kind, group=None):
     return t_fwd, t_bwd, counter.fwd_sent
 
 
-def predict(p, fwd_cost, bwd_cost) -> dict:
-    """The cost model's step (forward + backward, slowest rank each) and compute imbalance of plan ``p``."""
+def shared_finish(work: list[float], cores: float) -> list[float]:
+    """Finish times of ranks with compute ``work`` (seconds at the calibrated rate, which is measured
+    with every rank busy) when the N ranks share ``cores`` cores: processor sharing, each busy rank
+    running at ``min(1, cores / busy)`` of a core.  With a core per rank it returns ``work``."""
+    n = len(work)
+    if cores >= n:
+        return list(work)
+    left = {r: w * cores / n for r, w in enumerate(work)}  # seconds on a whole core
+    finish, now = [0.0] * n, 0.0
+    while left:
+        share = min(1.0, cores / len(left))
+        first = min(left, key=left.get)
+        dt = left[first] / share
+        now += dt
+        for r in list(left):
+            left[r] -= dt * share
+            if left[r] <= 1e-15:
+                finish[r] = now
+                del left[r]
+    return finish
+
+
+def predict(p, fwd_cost, bwd_cost, cores: float) -> dict:
+    """The cost model's step (forward + backward, slowest rank each) and compute imbalance of plan ``p``
+    on this box: per rank ``max(compute, comm + compute on remote K/V)``, with compute played on
+    ``cores`` shared cores (``shared_finish``; remote compute stretched alike)."""
     from flashpar.cp.plan import rank_figures
 
-    figs = [rank_figures(p.segments, p.doc_lens, p.doc_starts, c, p.comm) for c in (fwd_cost, bwd_cost)]
-    compute = [a + b for a, b in zip(figs[0].compute, figs[1].compute, strict=True)]
-    return {"step": max(figs[0].time) + max(figs[1].time), "compute": max(compute),
-            "imbalance": max(compute) / (sum(compute) / len(compute))}
+    step, compute = 0.0, [0.0] * p.cp_size
+    for cost in (fwd_cost, bwd_cost):
+        fig = rank_figures(p.segments, p.doc_lens, p.doc_starts, cost, p.comm)
+        done = shared_finish(fig.compute, cores)
+        stretch = [d / c if c > 0 else 1.0 for d, c in zip(done, fig.compute, strict=True)]
+        step += max(max(d, m + x * s) for d, m, x, s in zip(done, fig.comm, fig.remote, stretch, strict=True))
+        compute = [a + b for a, b in zip(compute, fig.compute, strict=True)]
+    return {"step": step, "compute": max(compute), "imbalance": max(compute) / (sum(compute) / len(compute))}
 
 
 def worker(config: dict) -> None:
@@ -196,7 +227,7 @@ def worker(config: dict) -> None:
                         imb.append(max(per_rank) / (sum(per_rank) / n))
                 for kind in KINDS:
                     row[kind] += med[kind]
-                pred = predict(plans[i][s], fwd_cost, bwd_cost)
+                pred = predict(plans[i][s], fwd_cost, bwd_cost, config["cores"])
                 row["pred_step"] += pred["step"]
                 row["pred_compute"] += pred["compute"]
                 pred_imb.append(pred["imbalance"])
@@ -223,7 +254,7 @@ def format_report(report: dict) -> str:
         f"head_dim {c['head_dim']}, {c['dtype']}, {c['rounds']} rounds, median of the slowest rank, summed over packs",
         f"calibrated: attention {fc['flops'] / 1e9:.1f} GFLOP/s forward, {bc['flops'] / 1e9:.1f} backward "
         f"(half efficiency at {fc['attn_half']:.0f} / {bc['attn_half']:.0f} tokens), "
-        f"link {fc['bandwidth'] / 1e6:.1f} MB/s",
+        f"link {fc['bandwidth'] / 1e6:.1f} MB/s; {c['cores']:g} cores shared by the ranks",
         "",
         f"{'strategy':<15}{'step ms':>9}{'fwd':>7}{'bwd':>7}{'compute':>9}{'comm':>7}{'ovl/ideal':>10}"
         f"{'sent MB':>9}{'imb':>6}{'x headtail':>11}{'x per_doc':>10} | {'pred ms':>8}{'imb':>6}"
@@ -246,8 +277,8 @@ def format_report(report: dict) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
-    p.add_argument("--link-rate", default="100mbit",
-                   help="emulated per-rank link (tc rate); 'none' = loopback (default 100mbit)")
+    p.add_argument("--link-rate", default="300mbit",
+                   help="emulated per-rank link (tc rate); 'none' = loopback (default 300mbit)")
     p.add_argument("--lengths", default="wlbllm",
                    help="document lengths: a list of shared/data (wlbllm, prolong, python311_stdlib, spamassassin, "
                         "sotu) or long-context (default wlbllm)")
@@ -263,6 +294,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--cores", type=float, default=None,
+                   help="cores the ranks share, for the prediction (default: this machine's)")
     p.add_argument("--json", default=None, help="write the report to this JSON file")
     p.add_argument("--timeout", type=float, default=3600.0)
 
@@ -287,7 +320,8 @@ def run(args: argparse.Namespace) -> int:
         config = {"threads": args.threads, "dtype": args.dtype, "out": out, "rounds": args.rounds,
                   "strategies": strategies, "link_rate": rate or "loopback", "lengths": args.lengths,
                   "tokens": args.tokens, "scale": args.scale, "packs": args.packs, "heads": args.heads,
-                  "kv_heads": args.kv_heads, "head_dim": args.head_dim}
+                  "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                  "cores": args.cores or len(os.sched_getaffinity(0))}
         argv = [sys.executable, "-m", "flashpar.bench.cp", "--worker", json.dumps(config)]
         print(f"running N={args.nproc} on {rate or 'loopback'} ...", flush=True)
         if rate is not None:
