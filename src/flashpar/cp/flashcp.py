@@ -13,18 +13,24 @@ longest documents are split even where they would fit whole):
         otherwise sub-group: the smallest g (2..8, then about 1.25x apart, and N) such that head-tail
             over the g least-loaded ranks keeps every member under both bounds and ``share``
             (g = N is Per-Doc; a group of 1 is Whole-Doc)
+        otherwise, if no rank has token room for it whole: unequal head-tail over the fewest ranks
+            whose room (work, tokens, ``share``) holds it, all members filled to one level of compute
+            (if all rooms together are too small, every rank with token room, to a higher level)
         otherwise whole on the least-loaded rank with token room, or a group by tokens alone
         otherwise consecutive pieces sized by each rank's token room (the cap always holds)
     then move or swap whole documents between the busiest and the least busy rank while the peak drops
 
 ``W`` is the mean compute per rank and ``cap = (1 + token_slack) T / N``.  A sub-group keeps the
 document's K/V inside the group: member ``i`` of ``g`` receives ``(2g - 2 - i) L / 2g`` tokens, so
-smaller groups send less.  The search scores candidates within the token cap by the estimated
-step time (max over ranks of ``max(compute, comm + remote compute)``), then by K/V bytes.  The
-placements of the baselines are candidates too, with sharding-aware communication, so the plan
-is never estimated slower than any baseline.  With attention work alone
-(``CostModel(linear=False)``) the greedy balances causal pairs (no efficiency curve) and balance
-comes first (see ``_pick``); there a better-balanced plan may be estimated slower.
+smaller groups send less; in unequal parts (member ``i`` takes ``s_i`` tokens, the largest parts
+the outermost pieces) it receives ``e_i - s_i`` tokens, ``e_i`` the end of its last piece (``L``
+less the tail tokens of the members before it).  The search scores candidates within the token cap
+by the estimated step time (max over ranks of ``max(compute, comm + remote compute)``): among those
+within ``TIME_TIE`` (0.2%) of the fastest, the fewest K/V bytes wins.  The placements of the
+baselines are candidates too, with sharding-aware communication, and the winner is never estimated
+slower than any of them.  With attention work alone (``CostModel(linear=False)``) the greedy
+balances causal pairs (no efficiency curve) and balance comes first (see ``_pick``); there a
+better-balanced plan may be estimated slower.
 """
 
 from __future__ import annotations
@@ -34,11 +40,12 @@ import math
 
 from flashpar.cp.cost import CostModel
 from flashpar.cp.plan import causal_pairs, doc_starts_of, rank_figures
-from flashpar.cp.strategies import Placement, chunk_bounds, contiguous, headtail, per_doc, torch_per_doc
+from flashpar.cp.strategies import Placement, chunk_bounds, contiguous, headtail, per_doc, sized_pieces, torch_per_doc
 
 TOLERANCES = (0.0, 0.02, 0.05)
 FORCED = (0, 1)
 SHARES = (1.0, 0.7, 0.45, 0.25)
+FILL_MARGIN = 0.02
 
 
 def token_cap(doc_lens: list[int], n: int, token_slack: float) -> int:
@@ -106,6 +113,72 @@ class _Greedy:
                 return members
         return None
 
+    def _fill(self, length: int, start: int, load, toks, limit: float, share: float):
+        """Unequal head-tail (``Placement.headtail_sized``) over the fewest ranks whose room holds the document,
+        each filled to the same level of compute.  Returns (members, tokens of each), or None.
+
+        Work is about proportional to tokens (``w = W_d / L_d`` per token), so rank ``r`` has room for
+        ``c_r = min((limit - load_r) / w, cap - toks_r, share W / w)`` tokens.  Ranks by ``c_r``, largest
+        first, join until ``sum c >= (1 + FILL_MARGIN) L_d``; if all of them together have too little
+        room, every rank with token room joins and the bound is lifted (``share`` dropped).  Member ``i``
+        then takes ``s_i = min((lam - load_i) / w_i, cap - toks_i, top)`` tokens, with the level ``lam``
+        such that ``sum s_i = L_d`` (bisection), once with ``w_i = w`` and once more with each member's
+        own rate from the cost model (short pieces, and pieces near the document's start, run slower)."""
+        per_tok = self.whole(length) / length
+        top = min(self.cap, share * self.mean / per_tok)
+        room = sorted(((min((limit - load[r]) / per_tok, self.cap - toks[r], top), r) for r in range(self.n)),
+                      reverse=True)
+        need, acc, k = (1 + FILL_MARGIN) * length, 0.0, 0
+        while k < len(room) and acc < need and room[k][0] >= 1:
+            acc += room[k][0]
+            k += 1
+        if acc >= need:
+            members = [r for _, r in room[:k]]
+            self.peak_share = max(self.peak_share, room[0][0] * per_tok / self.mean)
+        else:  # too little work room: lift the bound for all alike (the token cap stays)
+            members, top = [r for r in range(self.n) if toks[r] < self.cap], self.cap
+            if sum(self.cap - toks[r] for r in members) < length:
+                return None
+        sizes = self._level(length, [load[r] for r in members], [toks[r] for r in members], [per_tok] * len(members),
+                            top)
+        order = sorted(range(len(members)), key=lambda i: -sizes[i])  # largest part first: least K/V received
+        members, sizes = [members[i] for i in order], [sizes[i] for i in order]
+        nonzero = [i for i, s in enumerate(sizes) if s > 0]
+        rates = [per_tok] * len(members)
+        for i, w in zip(nonzero, self.sized_work(start, length, [sizes[i] for i in nonzero]), strict=True):
+            rates[i] = w / sizes[i]
+        sizes = self._level(length, [load[r] for r in members], [toks[r] for r in members], rates, top)
+        return [r for r, s in zip(members, sizes, strict=True) if s > 0], [s for s in sizes if s > 0]
+
+    def _level(self, length: int, load, toks, rates, top: float) -> list[int]:
+        """Integer parts ``s_i = clip((lam - load_i) / rate_i, 0, c_i)``, ``c_i = min(cap - toks_i, top)``,
+        adding up to ``length``.  Their sum is piecewise linear in ``lam``, its slope rising by ``1 / rate_i``
+        at ``load_i`` and falling back at ``load_i + rate_i c_i``: walk those points in order."""
+        caps = [max(0.0, min(self.cap - t, top)) for t in toks]
+        events = sorted([(ld, 1 / w) for ld, w in zip(load, rates, strict=True)]
+                        + [(ld + w * c, -1 / w) for ld, w, c in zip(load, rates, caps, strict=True)])
+        total, slope, lam = 0.0, 0.0, events[0][0]
+        for x, step in events:
+            if total + slope * (x - lam) >= length - 1e-6:  # (float sums: a millionth of a token is enough)
+                lam += max(0.0, length - total) / slope if slope > 0 else 0.0
+                break
+            total, lam, slope = total + slope * (x - lam), x, slope + step
+        sizes = [int(max(0.0, min((lam - ld) / w, c))) for ld, w, c in zip(load, rates, caps, strict=True)]
+        rest = length - sum(sizes)
+        for i, t in enumerate(toks):  # rounding: fewer than one token per member, where the cap allows
+            add = max(0, min(rest, self.cap - t - sizes[i]))
+            sizes[i] += add
+            rest -= add
+        return sizes
+
+    def sized_work(self, start: int, length: int, sizes: list[int]) -> list[float]:
+        """Compute of each member of an unequal head-tail split (cost model, pieces as placed)."""
+        out = []
+        for pieces in sized_pieces(sizes, start, length):
+            t = sum(self.cost.attn_time(causal_pairs(a, b, start), b - a, b - start) for a, b in pieces if b > a)
+            out.append(t + self.cost.linear_time(sum(b - a for a, b in pieces)))
+        return out
+
     def calibrate(self) -> None:
         """Re-base the mean compute on a first placement (cutting documents costs kernel efficiency)."""
         p = self.run(0.0, 0)
@@ -151,6 +224,18 @@ class _Greedy:
                     continue
             by_load = sorted(range(n), key=lambda r: (load[r], toks[r], r))
             group = self._group(length, by_load, load, toks, limit, share) if subgroups else None
+            # unequal parts only where the document fits whole on no rank (else: whole, over the bound, below)
+            cut = group is None and subgroups and length > cap - min(toks)
+            fill = self._fill(length, start, load, toks, limit, share) if cut else None
+            if fill is not None and len(fill[0]) > 1:  # unequal parts by each rank's room
+                members, sizes = fill
+                p.headtail_sized(members, sizes, start, length)
+                for r, w, t in zip(members, self.sized_work(start, length, sizes), sizes, strict=True):
+                    load[r] += w
+                    toks[r] += t
+                continue
+            if fill is not None:
+                group = fill[0]
             if group is None and k >= force:  # over the work bound: whole on the least-loaded rank with room
                 room = [r for r in by_load if toks[r] + length <= cap]
                 group = room[:1] or None
@@ -228,26 +313,33 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
                     continue
                 candidates.append(greedy.run(tol, force, share))
                 peak[(force, tol)] = greedy.peak_share
-    candidates += [greedy.run(float("inf"), 0, subgroups=False)]
-    candidates += [f(doc_lens, n) for f in (per_doc, headtail, contiguous)]
+    baselines = [greedy.run(float("inf"), 0, subgroups=False)]
+    baselines += [f(doc_lens, n) for f in (per_doc, headtail, contiguous)]
     if n <= 16:  # cutting every document into 2N pieces twice over is the costliest candidate at large N
-        candidates.append(torch_per_doc(doc_lens, n, False))
+        baselines.append(torch_per_doc(doc_lens, n, False))
 
-    unique = list({p.frozen(): p for p in reversed(candidates)}.values())[::-1]  # knobs often agree
+    unique = list({p.frozen(): p for p in reversed(candidates + baselines)}.values())[::-1]  # knobs often agree
     figs = [rank_figures(p.segments, doc_lens, starts, cost, "aware") for p in unique]
-    return unique[_pick(figs, cap, balance_first=not cost.linear)]
+    keys = {p.frozen() for p in baselines}
+    return unique[_pick(figs, cap, not cost.linear, [p.frozen() in keys for p in unique])]
 
 
 BALANCE = 0.03
 """Attention-work imbalance (max / mean) a candidate may have and still compete, attention alone."""
 
 
-def _pick(figs, cap: int, balance_first: bool) -> int:
-    """The candidate with the least estimated step time, then K/V tokens received, among those within the
-    token cap (all, if none is).  ``balance_first`` (attention work alone, ``CostModel(linear=False)``):
+TIME_TIE = 0.002
+"""Step times within this fraction of the fastest candidate's count as equal (then fewer K/V bytes win)."""
+
+
+def _pick(figs, cap: int, balance_first: bool, baseline: list[bool]) -> int:
+    """Among the candidates within the token cap (all, if none is): the fewest K/V tokens received among those
+    whose estimated step time is within ``TIME_TIE`` of the fastest and no slower than any baseline
+    (``baseline[i]``), then the least time.  ``balance_first`` (attention work alone, ``CostModel(linear=False)``):
     only candidates whose attention work (causal pairs) is within ``BALANCE`` of perfect balance (or 0.5%
-    of the best reached) compete; without linear work to hide it, K/V traffic would otherwise outweigh
-    balance, which is what the attention-only comparison is about."""
+    of the best reached) compete, and the least time wins, then the fewest K/V tokens; without linear work
+    to hide it, K/V traffic would otherwise outweigh balance, which is what the attention-only comparison
+    is about."""
     def imbalance(f) -> float:
         mean = sum(f.attn_pairs) / len(f.attn_pairs)
         return max(f.attn_pairs) / mean if mean > 0 else 1.0
@@ -257,4 +349,8 @@ def _pick(figs, cap: int, balance_first: bool) -> int:
     if balance_first:
         budget = max(1 + BALANCE, 1.005 * min(imbalance(figs[i]) for i in idx))
         pool = [i for i in idx if imbalance(figs[i]) <= budget]
-    return min(pool, key=lambda i: (max(figs[i].time), sum(figs[i].recv_tokens), i))
+        return min(pool, key=lambda i: (max(figs[i].time), sum(figs[i].recv_tokens), i))
+    fastest = min(max(figs[i].time) for i in pool)
+    bound = min([fastest * (1 + TIME_TIE)] + [max(figs[i].time) for i in pool if baseline[i]])
+    tied = [i for i in pool if max(figs[i].time) <= bound]
+    return min(tied, key=lambda i: (sum(figs[i].recv_tokens), max(figs[i].time), i))
