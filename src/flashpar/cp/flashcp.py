@@ -305,6 +305,8 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
     greedy.calibrate()
     # beyond 16 ranks a pass costs O(N) per document: a smaller grid keeps 1M tokens at N=64 near 200 ms
     forced, tolerances = (FORCED, TOLERANCES) if n <= 16 else (FORCED[:1], TOLERANCES[:2])
+    if max(doc_lens) > cap:  # the longest document fits whole nowhere: forcing it to split changes nothing
+        forced = FORCED[:1]
     candidates, peak = [], {}
     for share in SHARES:  # a pass whose splits all stayed under a smaller share equals that share's pass
         for force in forced:
