@@ -26,11 +26,11 @@ smaller groups send less; in unequal parts (member ``i`` takes ``s_i`` tokens, t
 the outermost pieces) it receives ``e_i - s_i`` tokens, ``e_i`` the end of its last piece (``L``
 less the tail tokens of the members before it).  The search scores candidates within the token cap
 by the estimated step time (max over ranks of ``max(compute, comm + remote compute)``): among those
-within ``TIME_TIE`` (0.2%) of the fastest, the fewest K/V bytes wins.  The placements of the
-baselines are candidates too, with sharding-aware communication, and the winner is never estimated
-slower than any of them.  With attention work alone (``CostModel(linear=False)``) the greedy
-balances causal pairs (no efficiency curve) and balance comes first (see ``_pick``); there a
-better-balanced plan may be estimated slower.
+within ``TIME_TIE`` (0.2%) of the fastest in step time and in peak compute, the fewest K/V bytes
+wins.  The placements of the baselines are candidates too, with sharding-aware communication, and
+the winner is never estimated slower than any of them.  With attention work alone
+(``CostModel(linear=False)``) the greedy balances causal pairs (no efficiency curve) and balance
+comes first (see ``_pick``); there a better-balanced plan may be estimated slower.
 """
 
 from __future__ import annotations
@@ -336,12 +336,13 @@ TIME_TIE = 0.002
 
 def _pick(figs, cap: int, balance_first: bool, baseline: list[bool]) -> int:
     """Among the candidates within the token cap (all, if none is): the fewest K/V tokens received among those
-    whose estimated step time is within ``TIME_TIE`` of the fastest and no slower than any baseline
-    (``baseline[i]``), then the least time.  ``balance_first`` (attention work alone, ``CostModel(linear=False)``):
-    only candidates whose attention work (causal pairs) is within ``BALANCE`` of perfect balance (or 0.5%
-    of the best reached) compete, and the least time wins, then the fewest K/V tokens; without linear work
-    to hide it, K/V traffic would otherwise outweigh balance, which is what the attention-only comparison
-    is about."""
+    whose estimated step time and peak compute are within ``TIME_TIE`` of the fastest's, and whose step time
+    is no more than any baseline's (``baseline[i]``); then the least time.
+
+    ``balance_first`` (attention work alone, ``CostModel(linear=False)``): only candidates whose attention
+    work (causal pairs) is within ``BALANCE`` of perfect balance (or 0.5% of the best reached) compete, and
+    the least time wins, then the fewest K/V tokens; without linear work to hide it, K/V traffic would
+    otherwise outweigh balance, which is what the attention-only comparison is about."""
     def imbalance(f) -> float:
         mean = sum(f.attn_pairs) / len(f.attn_pairs)
         return max(f.attn_pairs) / mean if mean > 0 else 1.0
@@ -352,7 +353,8 @@ def _pick(figs, cap: int, balance_first: bool, baseline: list[bool]) -> int:
         budget = max(1 + BALANCE, 1.005 * min(imbalance(figs[i]) for i in idx))
         pool = [i for i in idx if imbalance(figs[i]) <= budget]
         return min(pool, key=lambda i: (max(figs[i].time), sum(figs[i].recv_tokens), i))
-    fastest = min(max(figs[i].time) for i in pool)
-    bound = min([fastest * (1 + TIME_TIE)] + [max(figs[i].time) for i in pool if baseline[i]])
-    tied = [i for i in pool if max(figs[i].time) <= bound]
+    fastest = min(pool, key=lambda i: (max(figs[i].time), i))
+    bound = min([max(figs[fastest].time) * (1 + TIME_TIE)] + [max(figs[i].time) for i in pool if baseline[i]])
+    peak = max(figs[fastest].compute) * (1 + TIME_TIE)
+    tied = [i for i in pool if max(figs[i].time) <= bound and max(figs[i].compute) <= peak]
     return min(tied, key=lambda i: (sum(figs[i].recv_tokens), max(figs[i].time), i))
