@@ -179,11 +179,15 @@ class _Greedy:
             out.append(t + self.cost.linear_time(sum(b - a for a, b in pieces)))
         return out
 
-    def calibrate(self) -> None:
-        """Re-base the mean compute on a first placement (cutting documents costs kernel efficiency)."""
+    def calibrate(self) -> tuple[Placement, float] | None:
+        """Re-base the mean compute on a first placement (cutting documents costs kernel efficiency).  Where
+        the mean stays, that placement is the pass ``run(0.0, 0)``'s: returned, with its ``peak_share``."""
         p = self.run(0.0, 0)
         fig = rank_figures(p.segments, self.lens, self.starts, self.cost, "aware")
-        self.mean = max(self.mean, sum(fig.compute) / self.n)
+        if sum(fig.compute) / self.n <= self.mean * (1 + 1e-9):  # (sums of the same work in another order)
+            return p, self.peak_share
+        self.mean = sum(fig.compute) / self.n
+        return None
 
     def _cut_by_room(self, p: Placement, by_load: list[int], load, toks, start: int, length: int) -> None:
         """Last resort: consecutive pieces of the document, each as large as a rank's token room (least-loaded
@@ -302,7 +306,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
     # attention alone: balance the attention work itself (pairs), as the solvers it is compared with do
     greedy = _Greedy(doc_lens, n, cost if cost.linear else dataclasses.replace(cost, attn_half=0.0), cap)
     starts = doc_starts_of(doc_lens)
-    greedy.calibrate()
+    first = greedy.calibrate()  # the pass (tol 0, force 0, share 1), where the mean did not move
     # beyond 16 ranks a pass costs O(N) per document: a smaller grid keeps 1M tokens at N=64 near 200 ms
     forced, tolerances = (FORCED, TOLERANCES) if n <= 16 else (FORCED[:1], TOLERANCES[:2])
     if max(doc_lens) > cap:  # the longest document fits whole nowhere: forcing it to split changes nothing
@@ -312,6 +316,10 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
         for force in forced:
             for tol in tolerances:
                 if peak.get((force, tol), math.inf) <= share:
+                    continue
+                if first is not None and (share, force, tol) == (1.0, 0, 0.0):
+                    candidates.append(first[0])
+                    peak[(force, tol)] = first[1]
                     continue
                 candidates.append(greedy.run(tol, force, share))
                 peak[(force, tol)] = greedy.peak_share
