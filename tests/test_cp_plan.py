@@ -257,3 +257,14 @@ def test_flashcp_long_documents_share_ranks_in_unequal_parts():
     for strategy in STRATEGIES[:-1]:
         assert best["est_step_time"] <= plan(doc_lens, 8, strategy=strategy).stats()["est_step_time"]
     assert best["total_kv_bytes"] <= 0.5 * plan(doc_lens, 8, strategy="per_doc").stats()["total_kv_bytes"]
+
+
+@SETTINGS
+@given(lengths, world, st.sampled_from([0.0, 0.05, 0.3]))
+def test_flashcp_holds_the_token_cap(doc_lens, n, slack):
+    from flashpar.cp.flashcp import token_cap
+
+    p = plan(doc_lens, n, token_slack=slack)
+    assert max(p.stats()["tokens"]) <= token_cap(doc_lens, n, slack)
+    held = torch.cat([p.local_indices(r) for r in range(n)])
+    assert torch.equal(held.sort().values, torch.arange(sum(doc_lens)))
