@@ -247,11 +247,12 @@ def test_unequal_headtail_pairs_are_mirrored():
         sized_pieces([3, 4], 0, 8)
 
 
-def test_flashcp_long_documents_share_ranks_in_unequal_parts():
-    """Three documents of about a third of a 128K pack at N=8 need 2.4-2.7 ranks of tokens each: equal groups
-    do not fit, unequal parts do.  FlashCP stays balanced, within the token cap, no slower than any baseline,
-    and receives far less K/V than Per-Doc."""
-    doc_lens = [40866, 46390, 43816]
+@pytest.mark.parametrize("doc_lens", [[40866, 46390, 43816], [54444, 28589, 48039]])
+def test_flashcp_long_documents_share_ranks_in_unequal_parts(doc_lens):
+    """Three long documents of a 128K pack at N=8 need 2.4-3.2 ranks of tokens each: equal groups do not fit,
+    unequal parts do (in the second pack only after trading parts: the rank full of the light document takes
+    heavier tokens).  FlashCP stays balanced, within the token cap, no slower than any baseline, and receives
+    far less K/V than Per-Doc."""
     best = plan(doc_lens, 8).stats()
     assert best["compute_imbalance"] <= 1.02 and best["token_imbalance"] <= 1.05 + 1e-9
     for strategy in STRATEGIES[:-1]:
@@ -268,3 +269,24 @@ def test_flashcp_holds_the_token_cap(doc_lens, n, slack):
     assert max(p.stats()["tokens"]) <= token_cap(doc_lens, n, slack)
     held = torch.cat([p.local_indices(r) for r in range(n)])
     assert torch.equal(held.sort().values, torch.arange(sum(doc_lens)))
+
+
+def test_exchange_keeps_every_ranks_tokens_and_moves_work_to_the_rank_under_the_mean():
+    """Rank 2 is at the token cap, a third of it a light document, and under the mean compute: it trades light
+    tokens for heavy ones with ranks 0 and 1, token counts unchanged, until the three are about level."""
+    from flashpar.cp.flashcp import _Greedy, _Split
+
+    g = _Greedy([30000, 3000], 3, CostModel(), cap=11000)
+    heavy = _Split(0, 30000, {0: 11000, 1: 11000, 2: 8000}, True)
+    light = _Split(30000, 3000, {2: 3000}, False)
+    rate_h, rate_l = g.whole(30000) / 30000, g.whole(3000) / 3000
+    load = [11000 * rate_h, 11000 * rate_h, 8000 * rate_h + 3000 * rate_l]
+    g.mean = sum(load) / 3
+    toks = [11000, 11000, 11000]
+    g._exchange([heavy, light], load, toks)
+    for r in range(3):
+        assert heavy.parts.get(r, 0) + light.parts.get(r, 0) == 11000
+        assert load[r] == pytest.approx(heavy.parts.get(r, 0) * rate_h + light.parts.get(r, 0) * rate_l)
+    assert sum(heavy.parts.values()) == 30000 and sum(light.parts.values()) == 3000 and not heavy.equal
+    assert heavy.parts[2] > 8000 and set(light.parts) == {0, 1, 2}
+    assert max(load) / (sum(load) / 3) < 1.002

@@ -18,6 +18,9 @@ longest documents are split even where they would fit whole):
             (if all rooms together are too small, every rank with token room, to a higher level)
         otherwise whole on the least-loaded rank with token room, or a group by tokens alone
         otherwise consecutive pieces sized by each rank's token room (the cap always holds)
+    then trade parts of split documents, tokens for tokens: a rank under the mean compute and near
+        the token cap (full of a document light per token) gives parts of it to a rank over the mean
+        for as many tokens of a heavier split document (see ``_Greedy._exchange``)
     then move or swap whole documents between the busiest and the least busy rank while the peak drops
 
 ``W`` is the mean compute per rank and ``cap = (1 + token_slack) T / N``.  A sub-group keeps the
@@ -30,11 +33,12 @@ within ``TIME_TIE`` (0.2%) of the fastest in step time and in peak compute, the 
 wins.  The placements of the baselines are candidates too, with sharding-aware communication, and
 the winner is never estimated slower than any of them.  With attention work alone
 (``CostModel(linear=False)``) the greedy balances causal pairs (no efficiency curve) and balance
-comes first (see ``_pick``); there a better-balanced plan may be estimated slower.
+comes first (see ``_balanced``); there a better-balanced plan may be estimated slower.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 
@@ -46,11 +50,35 @@ TOLERANCES = (0.0, 0.02, 0.05)
 FORCED = (0, 1)
 SHARES = (1.0, 0.7, 0.45, 0.25)
 FILL_MARGIN = 0.02
+"""Room the members of an unequal split must have beyond the document (cut pieces run less efficiently)."""
+EXCHANGE_GAP = 0.01
+"""Ranks trade split parts only when this far under (and, the taker, within this of the token cap) or over
+the mean compute."""
+EXCHANGE_MIN = 64
+"""Fewest tokens a trade moves (smaller ones add members for little balance)."""
 
 
 def token_cap(doc_lens: list[int], n: int, token_slack: float) -> int:
     total = sum(doc_lens)
     return max(-(-total // n), int((1 + token_slack) * total / n))
+
+
+@dataclasses.dataclass
+class _Split:
+    """A document over several ranks: tokens per member (``equal``: the head-tail of equal chunks, in order)."""
+
+    start: int
+    length: int
+    parts: dict[int, int]
+    equal: bool
+
+    def trade(self, src: int, dst: int, tokens: int) -> None:
+        """``tokens`` of the part of ``src`` go to ``dst`` (the parts become unequal)."""
+        self.parts[src] -= tokens
+        self.parts[dst] = self.parts.get(dst, 0) + tokens
+        if self.parts[src] == 0:
+            del self.parts[src]
+        self.equal = False
 
 
 class _Greedy:
@@ -122,7 +150,7 @@ class _Greedy:
         first, join until ``sum c >= (1 + FILL_MARGIN) L_d``; if all of them together have too little
         room, every rank with token room joins and the bound is lifted (``share`` dropped).  Member ``i``
         then takes ``s_i = min((lam - load_i) / w_i, cap - toks_i, top)`` tokens, with the level ``lam``
-        such that ``sum s_i = L_d`` (bisection), once with ``w_i = w`` and once more with each member's
+        such that ``sum s_i = L_d`` (see ``_level``), once with ``w_i = w`` and once more with each member's
         own rate from the cost model (short pieces, and pieces near the document's start, run slower)."""
         per_tok = self.whole(length) / length
         top = min(self.cap, share * self.mean / per_tok)
@@ -209,6 +237,7 @@ class _Greedy:
         load, toks = [0.0] * n, [0] * n
         wholes: list[list[tuple[float, int, int]]] = [[] for _ in range(n)]  # (compute, length, start) per rank
         p = Placement(n)
+        splits: list[_Split] = []  # documents over several ranks (laid out at the end)
         for k, d in enumerate(self.order):
             length, start = self.lens[d], self.starts[d]
             if k >= force:
@@ -233,7 +262,7 @@ class _Greedy:
             fill = self._fill(length, start, load, toks, limit, share) if cut else None
             if fill is not None and len(fill[0]) > 1:  # unequal parts by each rank's room
                 members, sizes = fill
-                p.headtail_sized(members, sizes, start, length)
+                splits.append(_Split(start, length, dict(zip(members, sizes, strict=True)), False))
                 for r, w, t in zip(members, self.sized_work(start, length, sizes), sizes, strict=True):
                     load[r] += w
                     toks[r] += t
@@ -249,21 +278,70 @@ class _Greedy:
                 self._cut_by_room(p, by_load, load, toks, start, length)
                 continue
             group = group or by_load  # Per-Doc over every rank (the whole_doc baseline)
+            work, tok = self.shares(length, len(group))
             if len(group) == 1:
                 wholes[group[0]].append((self.whole(length), length, start))
             else:
-                p.headtail(group, start, length)
-            work, tok = self.shares(length, len(group))
+                splits.append(_Split(start, length, dict(zip(group, tok, strict=True)), True))
             for i, r in enumerate(group):
                 load[r] += work[i]
                 toks[r] += tok[i]
+        if subgroups:
+            self._exchange(splits, load, toks)
         self._refine(wholes, load, toks)
         for r, docs in enumerate(wholes):
             for _, length, start in docs:
                 p.add(r, start, start + length)
+        for sp in splits:
+            if sp.equal:  # member i takes chunks i and 2g - 1 - i
+                p.headtail(list(sp.parts), sp.start, sp.length)
+            else:  # the largest parts outermost
+                members = sorted(sp.parts, key=lambda r: -sp.parts[r])
+                p.headtail_sized(members, [sp.parts[r] for r in members], sp.start, sp.length)
         for segs in p.segments:
             segs.sort()
         return p
+
+    def _exchange(self, splits: list[_Split], load, toks) -> None:
+        """Trade parts of split documents between ranks under and over the mean compute ``W``, tokens for tokens.
+
+        A rank ``u`` under ``W`` and near the token cap (typically full of a document light per token, which
+        the pass had nowhere else to put) gives ``x`` tokens of a split document ``B`` to a rank ``v`` over
+        ``W`` and takes ``x`` tokens of a heavier split document ``X`` from it: token counts stay, and
+        ``(w_X - w_B) x`` compute moves from ``v`` to ``u`` (``w = W_d / L_d``, compute per token), with
+        ``x`` the most that takes neither past ``W``.  Lightest ``B`` first, busiest ``v`` first, heaviest
+        ``X`` first.  Both documents' parts become unequal (laid out by ``Placement.headtail_sized``)."""
+        mean = self.mean
+        over = sorted((r for r in range(self.n) if load[r] > mean * (1 + EXCHANGE_GAP)), key=lambda r: -load[r])
+        under = sorted((r for r in range(self.n) if load[r] < mean * (1 - EXCHANGE_GAP)
+                        and toks[r] > self.cap * (1 - EXCHANGE_GAP)), key=load.__getitem__)
+        if not over or not under or not splits:
+            return
+        rate = [self.whole(sp.length) / sp.length for sp in splits]
+        held: list[set[int]] = [set() for _ in range(self.n)]  # the splits each rank has a part of
+        for i, sp in enumerate(splits):
+            for r in sp.parts:
+                held[r].add(i)
+        for u in under:
+            for b in sorted(held[u], key=rate.__getitem__):
+                for v in over:
+                    if load[u] >= mean:
+                        break
+                    for x in sorted(held[v], key=lambda i: -rate[i]):
+                        gain = rate[x] - rate[b]
+                        if gain <= 0 or b not in held[u]:
+                            break
+                        move = int(min((load[v] - mean) / gain, (mean - load[u]) / gain,
+                                       splits[x].parts[v], splits[b].parts[u]))
+                        if move < EXCHANGE_MIN:
+                            continue
+                        for i, src, dst in ((x, v, u), (b, u, v)):
+                            splits[i].trade(src, dst, move)
+                            held[dst].add(i)
+                            if src not in splits[i].parts:
+                                held[src].discard(i)
+                        load[u] += gain * move
+                        load[v] -= gain * move
 
     def _refine(self, wholes, load, toks) -> None:
         """Lower the busiest rank by moving one of its Whole-Doc documents to the least busy rank, or by
@@ -329,9 +407,13 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
         baselines.append(torch_per_doc(doc_lens, n, False))
 
     unique = list({p.frozen(): p for p in reversed(candidates + baselines)}.values())[::-1]  # knobs often agree
+    if not cost.linear:  # attention alone: balance first (see _balanced), then the least time, then K/V
+        figs = {i: rank_figures(unique[i].segments, doc_lens, starts, cost, "aware")
+                for i in _balanced([p.segments for p in unique], starts, cap)}
+        return unique[min(figs, key=lambda i: (max(figs[i].time), sum(figs[i].recv_tokens), i))]
     figs = [rank_figures(p.segments, doc_lens, starts, cost, "aware") for p in unique]
     keys = {p.frozen() for p in baselines}
-    return unique[_pick(figs, cap, not cost.linear, [p.frozen() in keys for p in unique])]
+    return unique[_pick(figs, cap, [p.frozen() in keys for p in unique])]
 
 
 BALANCE = 0.03
@@ -342,25 +424,28 @@ TIME_TIE = 0.002
 """Step times within this fraction of the fastest candidate's count as equal (then fewer K/V bytes win)."""
 
 
-def _pick(figs, cap: int, balance_first: bool, baseline: list[bool]) -> int:
+def _balanced(placements, doc_starts: list[int], cap: int) -> list[int]:
+    """Attention work alone (``CostModel(linear=False)``): the candidates within the token cap (all, if none
+    is) whose attention work (causal pairs, max / mean over ranks) is within ``BALANCE`` of perfect balance,
+    or within 0.5% of the best reached.  Without linear work to hide it, K/V traffic would otherwise outweigh
+    balance, which is what the attention-only comparison is about; counting pairs is cheaper than figures."""
+    imbalance, tokens = [], []
+    for segments in placements:
+        pairs = [sum(causal_pairs(a, b, doc_starts[bisect.bisect_right(doc_starts, a) - 1]) for a, b in segs)
+                 for segs in segments]
+        mean = sum(pairs) / len(pairs)
+        imbalance.append(max(pairs) / mean if mean > 0 else 1.0)
+        tokens.append(max(sum(b - a for a, b in segs) for segs in segments))
+    idx = [i for i, t in enumerate(tokens) if t <= cap] or list(range(len(tokens)))
+    budget = max(1 + BALANCE, 1.005 * min(imbalance[i] for i in idx))
+    return [i for i in idx if imbalance[i] <= budget]
+
+
+def _pick(figs, cap: int, baseline: list[bool]) -> int:
     """Among the candidates within the token cap (all, if none is): the fewest K/V tokens received among those
     whose estimated step time and peak compute are within ``TIME_TIE`` of the fastest's, and whose step time
-    is no more than any baseline's (``baseline[i]``); then the least time.
-
-    ``balance_first`` (attention work alone, ``CostModel(linear=False)``): only candidates whose attention
-    work (causal pairs) is within ``BALANCE`` of perfect balance (or 0.5% of the best reached) compete, and
-    the least time wins, then the fewest K/V tokens; without linear work to hide it, K/V traffic would
-    otherwise outweigh balance, which is what the attention-only comparison is about."""
-    def imbalance(f) -> float:
-        mean = sum(f.attn_pairs) / len(f.attn_pairs)
-        return max(f.attn_pairs) / mean if mean > 0 else 1.0
-
-    idx = [i for i, f in enumerate(figs) if max(f.tokens) <= cap] or list(range(len(figs)))
-    pool = idx
-    if balance_first:
-        budget = max(1 + BALANCE, 1.005 * min(imbalance(figs[i]) for i in idx))
-        pool = [i for i in idx if imbalance(figs[i]) <= budget]
-        return min(pool, key=lambda i: (max(figs[i].time), sum(figs[i].recv_tokens), i))
+    is no more than any baseline's (``baseline[i]``); then the least time."""
+    pool = [i for i, f in enumerate(figs) if max(f.tokens) <= cap] or list(range(len(figs)))
     fastest = min(pool, key=lambda i: (max(figs[i].time), i))
     bound = min([max(figs[fastest].time) * (1 + TIME_TIE)] + [max(figs[i].time) for i in pool if baseline[i]])
     peak = max(figs[fastest].compute) * (1 + TIME_TIE)
