@@ -322,15 +322,19 @@ class _Greedy:
         for i, sp in enumerate(splits):
             for r in sp.parts:
                 held[r].add(i)
+        # the splits of each rank over the mean, heaviest first (what a trade gives it is not offered again)
+        heaviest = {v: sorted(held[v], key=lambda i: -rate[i]) for v in over}
         for u in under:
             for b in sorted(held[u], key=rate.__getitem__):
                 for v in over:
                     if load[u] >= mean:
                         break
-                    for x in sorted(held[v], key=lambda i: -rate[i]):
+                    for x in heaviest[v]:
                         gain = rate[x] - rate[b]
                         if gain <= 0 or b not in held[u]:
                             break
+                        if x not in held[v]:
+                            continue
                         move = int(min((load[v] - mean) / gain, (mean - load[u]) / gain,
                                        splits[x].parts[v], splits[b].parts[u]))
                         if move < EXCHANGE_MIN:
