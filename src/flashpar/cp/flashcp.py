@@ -13,37 +13,72 @@ longest documents are split even where they would fit whole):
         otherwise sub-group: the smallest g (2..8, then about 1.25x apart, and N) such that head-tail
             over the g least-loaded ranks keeps every member under both bounds and ``share``
             (g = N is Per-Doc; a group of 1 is Whole-Doc)
+        otherwise, if no rank has token room for it whole: unequal head-tail over the fewest ranks
+            whose room (work, tokens, ``share``) holds it, all members filled to one level of compute
+            (if all rooms together are too small, every rank with token room, to a higher level)
         otherwise whole on the least-loaded rank with token room, or a group by tokens alone
         otherwise consecutive pieces sized by each rank's token room (the cap always holds)
+    then trade parts of split documents, tokens for tokens: a rank under the mean compute and near
+        the token cap (full of a document light per token) gives parts of it to a rank over the mean
+        for as many tokens of a heavier split document (see ``_Greedy._exchange``)
     then move or swap whole documents between the busiest and the least busy rank while the peak drops
 
 ``W`` is the mean compute per rank and ``cap = (1 + token_slack) T / N``.  A sub-group keeps the
 document's K/V inside the group: member ``i`` of ``g`` receives ``(2g - 2 - i) L / 2g`` tokens, so
-smaller groups send less.  The search scores candidates within the token cap by the estimated
-step time (max over ranks of ``max(compute, comm + remote compute)``), then by K/V bytes.  The
-placements of the baselines are candidates too, with sharding-aware communication, so the plan
-is never estimated slower than any baseline.  With attention work alone
+smaller groups send less; in unequal parts (member ``i`` takes ``s_i`` tokens, the largest parts
+the outermost pieces) it receives ``e_i - s_i`` tokens, ``e_i`` the end of its last piece (``L``
+less the tail tokens of the members before it).  The search scores candidates within the token cap
+by the estimated step time (max over ranks of ``max(compute, comm + remote compute)``): among those
+within ``TIME_TIE`` (0.2%) of the fastest in step time and in peak compute, the fewest K/V bytes
+wins.  The placements of the baselines are candidates too, with sharding-aware communication, and
+the winner is never estimated slower than any of them.  With attention work alone
 (``CostModel(linear=False)``) the greedy balances causal pairs (no efficiency curve) and balance
-comes first (see ``_pick``); there a better-balanced plan may be estimated slower.
+comes first (see ``_balanced``); there a better-balanced plan may be estimated slower.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 
 from flashpar.cp.cost import CostModel
 from flashpar.cp.plan import causal_pairs, doc_starts_of, rank_figures
-from flashpar.cp.strategies import Placement, chunk_bounds, contiguous, headtail, per_doc, torch_per_doc
+from flashpar.cp.strategies import Placement, chunk_bounds, contiguous, headtail, per_doc, sized_pieces, torch_per_doc
 
 TOLERANCES = (0.0, 0.02, 0.05)
 FORCED = (0, 1)
 SHARES = (1.0, 0.7, 0.45, 0.25)
+FILL_MARGIN = 0.02
+"""Room the members of an unequal split must have beyond the document (cut pieces run less efficiently)."""
+EXCHANGE_GAP = 0.01
+"""Ranks trade split parts only when this far under (and, the taker, within this of the token cap) or over
+the mean compute."""
+EXCHANGE_MIN = 64
+"""Fewest tokens a trade moves (smaller ones add members for little balance)."""
 
 
 def token_cap(doc_lens: list[int], n: int, token_slack: float) -> int:
     total = sum(doc_lens)
     return max(-(-total // n), int((1 + token_slack) * total / n))
+
+
+@dataclasses.dataclass
+class _Split:
+    """A document over several ranks: tokens per member (``equal``: the head-tail of equal chunks, in order)."""
+
+    start: int
+    length: int
+    parts: dict[int, int]
+    equal: bool
+
+    def trade(self, src: int, dst: int, tokens: int) -> None:
+        """``tokens`` of the part of ``src`` go to ``dst`` (the parts become unequal)."""
+        self.parts[src] -= tokens
+        self.parts[dst] = self.parts.get(dst, 0) + tokens
+        if self.parts[src] == 0:
+            del self.parts[src]
+        self.equal = False
 
 
 class _Greedy:
@@ -106,11 +141,81 @@ class _Greedy:
                 return members
         return None
 
-    def calibrate(self) -> None:
-        """Re-base the mean compute on a first placement (cutting documents costs kernel efficiency)."""
+    def _fill(self, length: int, start: int, load, toks, limit: float, share: float):
+        """Unequal head-tail (``Placement.headtail_sized``) over the fewest ranks whose room holds the document,
+        each filled to the same level of compute.  Returns (members, tokens of each), or None.
+
+        Work is about proportional to tokens (``w = W_d / L_d`` per token), so rank ``r`` has room for
+        ``c_r = min((limit - load_r) / w, cap - toks_r, share W / w)`` tokens.  Ranks by ``c_r``, largest
+        first, join until ``sum c >= (1 + FILL_MARGIN) L_d``; if all of them together have too little
+        room, every rank with token room joins and the bound is lifted (``share`` dropped).  Member ``i``
+        then takes ``s_i = min((lam - load_i) / w_i, cap - toks_i, top)`` tokens, with the level ``lam``
+        such that ``sum s_i = L_d`` (see ``_level``), once with ``w_i = w`` and once more with each member's
+        own rate from the cost model (short pieces, and pieces near the document's start, run slower)."""
+        per_tok = self.whole(length) / length
+        top = min(self.cap, share * self.mean / per_tok)
+        room = sorted(((min((limit - load[r]) / per_tok, self.cap - toks[r], top), r) for r in range(self.n)),
+                      reverse=True)
+        need, acc, k = (1 + FILL_MARGIN) * length, 0.0, 0
+        while k < len(room) and acc < need and room[k][0] >= 1:
+            acc += room[k][0]
+            k += 1
+        if acc >= need:
+            members = [r for _, r in room[:k]]
+            self.peak_share = max(self.peak_share, room[0][0] * per_tok / self.mean)
+        else:  # too little work room: lift the bound for all alike (the token cap stays)
+            members, top = [r for r in range(self.n) if toks[r] < self.cap], self.cap
+            if sum(self.cap - toks[r] for r in members) < length:
+                return None
+        sizes = self._level(length, [load[r] for r in members], [toks[r] for r in members], [per_tok] * len(members),
+                            top)
+        order = sorted(range(len(members)), key=lambda i: -sizes[i])  # largest part first: least K/V received
+        members, sizes = [members[i] for i in order], [sizes[i] for i in order]
+        nonzero = [i for i, s in enumerate(sizes) if s > 0]
+        rates = [per_tok] * len(members)
+        for i, w in zip(nonzero, self.sized_work(start, length, [sizes[i] for i in nonzero]), strict=True):
+            rates[i] = w / sizes[i]
+        sizes = self._level(length, [load[r] for r in members], [toks[r] for r in members], rates, top)
+        return [r for r, s in zip(members, sizes, strict=True) if s > 0], [s for s in sizes if s > 0]
+
+    def _level(self, length: int, load, toks, rates, top: float) -> list[int]:
+        """Integer parts ``s_i = clip((lam - load_i) / rate_i, 0, c_i)``, ``c_i = min(cap - toks_i, top)``,
+        adding up to ``length``.  Their sum is piecewise linear in ``lam``, its slope rising by ``1 / rate_i``
+        at ``load_i`` and falling back at ``load_i + rate_i c_i``: walk those points in order."""
+        caps = [max(0.0, min(self.cap - t, top)) for t in toks]
+        events = sorted([(ld, 1 / w) for ld, w in zip(load, rates, strict=True)]
+                        + [(ld + w * c, -1 / w) for ld, w, c in zip(load, rates, caps, strict=True)])
+        total, slope, lam = 0.0, 0.0, events[0][0]
+        for x, step in events:
+            if total + slope * (x - lam) >= length - 1e-6:  # (float sums: a millionth of a token is enough)
+                lam += max(0.0, length - total) / slope if slope > 0 else 0.0
+                break
+            total, lam, slope = total + slope * (x - lam), x, slope + step
+        sizes = [int(max(0.0, min((lam - ld) / w, c))) for ld, w, c in zip(load, rates, caps, strict=True)]
+        rest = length - sum(sizes)
+        for i, t in enumerate(toks):  # rounding: fewer than one token per member, where the cap allows
+            add = max(0, min(rest, self.cap - t - sizes[i]))
+            sizes[i] += add
+            rest -= add
+        return sizes
+
+    def sized_work(self, start: int, length: int, sizes: list[int]) -> list[float]:
+        """Compute of each member of an unequal head-tail split (cost model, pieces as placed)."""
+        out = []
+        for pieces in sized_pieces(sizes, start, length):
+            t = sum(self.cost.attn_time(causal_pairs(a, b, start), b - a, b - start) for a, b in pieces if b > a)
+            out.append(t + self.cost.linear_time(sum(b - a for a, b in pieces)))
+        return out
+
+    def calibrate(self) -> tuple[Placement, float] | None:
+        """Re-base the mean compute on a first placement (cutting documents costs kernel efficiency).  Where
+        the mean stays, that placement is the pass ``run(0.0, 0)``'s: returned, with its ``peak_share``."""
         p = self.run(0.0, 0)
         fig = rank_figures(p.segments, self.lens, self.starts, self.cost, "aware")
-        self.mean = max(self.mean, sum(fig.compute) / self.n)
+        if sum(fig.compute) / self.n <= self.mean * (1 + 1e-9):  # (sums of the same work in another order)
+            return p, self.peak_share
+        self.mean = sum(fig.compute) / self.n
+        return None
 
     def _cut_by_room(self, p: Placement, by_load: list[int], load, toks, start: int, length: int) -> None:
         """Last resort: consecutive pieces of the document, each as large as a rank's token room (least-loaded
@@ -132,6 +237,7 @@ class _Greedy:
         load, toks = [0.0] * n, [0] * n
         wholes: list[list[tuple[float, int, int]]] = [[] for _ in range(n)]  # (compute, length, start) per rank
         p = Placement(n)
+        splits: list[_Split] = []  # documents over several ranks (laid out at the end)
         for k, d in enumerate(self.order):
             length, start = self.lens[d], self.starts[d]
             if k >= force:
@@ -151,6 +257,18 @@ class _Greedy:
                     continue
             by_load = sorted(range(n), key=lambda r: (load[r], toks[r], r))
             group = self._group(length, by_load, load, toks, limit, share) if subgroups else None
+            # unequal parts only where the document fits whole on no rank (else: whole, over the bound, below)
+            cut = group is None and subgroups and length > cap - min(toks)
+            fill = self._fill(length, start, load, toks, limit, share) if cut else None
+            if fill is not None and len(fill[0]) > 1:  # unequal parts by each rank's room
+                members, sizes = fill
+                splits.append(_Split(start, length, dict(zip(members, sizes, strict=True)), False))
+                for r, w, t in zip(members, self.sized_work(start, length, sizes), sizes, strict=True):
+                    load[r] += w
+                    toks[r] += t
+                continue
+            if fill is not None:
+                group = fill[0]
             if group is None and k >= force:  # over the work bound: whole on the least-loaded rank with room
                 room = [r for r in by_load if toks[r] + length <= cap]
                 group = room[:1] or None
@@ -160,21 +278,74 @@ class _Greedy:
                 self._cut_by_room(p, by_load, load, toks, start, length)
                 continue
             group = group or by_load  # Per-Doc over every rank (the whole_doc baseline)
+            work, tok = self.shares(length, len(group))
             if len(group) == 1:
                 wholes[group[0]].append((self.whole(length), length, start))
             else:
-                p.headtail(group, start, length)
-            work, tok = self.shares(length, len(group))
+                splits.append(_Split(start, length, dict(zip(group, tok, strict=True)), True))
             for i, r in enumerate(group):
                 load[r] += work[i]
                 toks[r] += tok[i]
+        if subgroups:
+            self._exchange(splits, load, toks)
         self._refine(wholes, load, toks)
         for r, docs in enumerate(wholes):
             for _, length, start in docs:
                 p.add(r, start, start + length)
+        for sp in splits:
+            if sp.equal:  # member i takes chunks i and 2g - 1 - i
+                p.headtail(list(sp.parts), sp.start, sp.length)
+            else:  # the largest parts outermost
+                members = sorted(sp.parts, key=lambda r: -sp.parts[r])
+                p.headtail_sized(members, [sp.parts[r] for r in members], sp.start, sp.length)
         for segs in p.segments:
             segs.sort()
         return p
+
+    def _exchange(self, splits: list[_Split], load, toks) -> None:
+        """Trade parts of split documents between ranks under and over the mean compute ``W``, tokens for tokens.
+
+        A rank ``u`` under ``W`` and near the token cap (typically full of a document light per token, which
+        the pass had nowhere else to put) gives ``x`` tokens of a split document ``B`` to a rank ``v`` over
+        ``W`` and takes ``x`` tokens of a heavier split document ``X`` from it: token counts stay, and
+        ``(w_X - w_B) x`` compute moves from ``v`` to ``u`` (``w = W_d / L_d``, compute per token), with
+        ``x`` the most that takes neither past ``W``.  Lightest ``B`` first, busiest ``v`` first, heaviest
+        ``X`` first.  Both documents' parts become unequal (laid out by ``Placement.headtail_sized``)."""
+        mean = self.mean
+        over = sorted((r for r in range(self.n) if load[r] > mean * (1 + EXCHANGE_GAP)), key=lambda r: -load[r])
+        under = sorted((r for r in range(self.n) if load[r] < mean * (1 - EXCHANGE_GAP)
+                        and toks[r] > self.cap * (1 - EXCHANGE_GAP)), key=load.__getitem__)
+        if not over or not under or not splits:
+            return
+        rate = [self.whole(sp.length) / sp.length for sp in splits]
+        held: list[set[int]] = [set() for _ in range(self.n)]  # the splits each rank has a part of
+        for i, sp in enumerate(splits):
+            for r in sp.parts:
+                held[r].add(i)
+        # the splits of each rank over the mean, heaviest first (what a trade gives it is not offered again)
+        heaviest = {v: sorted(held[v], key=lambda i: -rate[i]) for v in over}
+        for u in under:
+            for b in sorted(held[u], key=rate.__getitem__):
+                for v in over:
+                    if load[u] >= mean:
+                        break
+                    for x in heaviest[v]:
+                        gain = rate[x] - rate[b]
+                        if gain <= 0 or b not in held[u]:
+                            break
+                        if x not in held[v]:
+                            continue
+                        move = int(min((load[v] - mean) / gain, (mean - load[u]) / gain,
+                                       splits[x].parts[v], splits[b].parts[u]))
+                        if move < EXCHANGE_MIN:
+                            continue
+                        for i, src, dst in ((x, v, u), (b, u, v)):
+                            splits[i].trade(src, dst, move)
+                            held[dst].add(i)
+                            if src not in splits[i].parts:
+                                held[src].discard(i)
+                        load[u] += gain * move
+                        load[v] -= gain * move
 
     def _refine(self, wholes, load, toks) -> None:
         """Lower the busiest rank by moving one of its Whole-Doc documents to the least busy rank, or by
@@ -217,44 +388,70 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
     # attention alone: balance the attention work itself (pairs), as the solvers it is compared with do
     greedy = _Greedy(doc_lens, n, cost if cost.linear else dataclasses.replace(cost, attn_half=0.0), cap)
     starts = doc_starts_of(doc_lens)
-    greedy.calibrate()
+    first = greedy.calibrate()  # the pass (tol 0, force 0, share 1), where the mean did not move
     # beyond 16 ranks a pass costs O(N) per document: a smaller grid keeps 1M tokens at N=64 near 200 ms
     forced, tolerances = (FORCED, TOLERANCES) if n <= 16 else (FORCED[:1], TOLERANCES[:2])
+    if max(doc_lens) > cap:  # the longest document fits whole nowhere: forcing it to split changes nothing
+        forced = FORCED[:1]
     candidates, peak = [], {}
     for share in SHARES:  # a pass whose splits all stayed under a smaller share equals that share's pass
         for force in forced:
             for tol in tolerances:
                 if peak.get((force, tol), math.inf) <= share:
                     continue
+                if first is not None and (share, force, tol) == (1.0, 0, 0.0):
+                    candidates.append(first[0])
+                    peak[(force, tol)] = first[1]
+                    continue
                 candidates.append(greedy.run(tol, force, share))
                 peak[(force, tol)] = greedy.peak_share
-    candidates += [greedy.run(float("inf"), 0, subgroups=False)]
-    candidates += [f(doc_lens, n) for f in (per_doc, headtail, contiguous)]
+    baselines = [greedy.run(float("inf"), 0, subgroups=False)]
+    baselines += [f(doc_lens, n) for f in (per_doc, headtail, contiguous)]
     if n <= 16:  # cutting every document into 2N pieces twice over is the costliest candidate at large N
-        candidates.append(torch_per_doc(doc_lens, n, False))
+        baselines.append(torch_per_doc(doc_lens, n, False))
 
-    unique = list({p.frozen(): p for p in reversed(candidates)}.values())[::-1]  # knobs often agree
+    unique = list({p.frozen(): p for p in reversed(candidates + baselines)}.values())[::-1]  # knobs often agree
+    if not cost.linear:  # attention alone: balance first (see _balanced), then the least time, then K/V
+        figs = {i: rank_figures(unique[i].segments, doc_lens, starts, cost, "aware")
+                for i in _balanced([p.segments for p in unique], starts, cap)}
+        return unique[min(figs, key=lambda i: (max(figs[i].time), sum(figs[i].recv_tokens), i))]
     figs = [rank_figures(p.segments, doc_lens, starts, cost, "aware") for p in unique]
-    return unique[_pick(figs, cap, balance_first=not cost.linear)]
+    keys = {p.frozen() for p in baselines}
+    return unique[_pick(figs, cap, [p.frozen() in keys for p in unique])]
 
 
 BALANCE = 0.03
 """Attention-work imbalance (max / mean) a candidate may have and still compete, attention alone."""
 
 
-def _pick(figs, cap: int, balance_first: bool) -> int:
-    """The candidate with the least estimated step time, then K/V tokens received, among those within the
-    token cap (all, if none is).  ``balance_first`` (attention work alone, ``CostModel(linear=False)``):
-    only candidates whose attention work (causal pairs) is within ``BALANCE`` of perfect balance (or 0.5%
-    of the best reached) compete; without linear work to hide it, K/V traffic would otherwise outweigh
-    balance, which is what the attention-only comparison is about."""
-    def imbalance(f) -> float:
-        mean = sum(f.attn_pairs) / len(f.attn_pairs)
-        return max(f.attn_pairs) / mean if mean > 0 else 1.0
+TIME_TIE = 0.002
+"""Step times within this fraction of the fastest candidate's count as equal (then fewer K/V bytes win)."""
 
-    idx = [i for i, f in enumerate(figs) if max(f.tokens) <= cap] or list(range(len(figs)))
-    pool = idx
-    if balance_first:
-        budget = max(1 + BALANCE, 1.005 * min(imbalance(figs[i]) for i in idx))
-        pool = [i for i in idx if imbalance(figs[i]) <= budget]
-    return min(pool, key=lambda i: (max(figs[i].time), sum(figs[i].recv_tokens), i))
+
+def _balanced(placements, doc_starts: list[int], cap: int) -> list[int]:
+    """Attention work alone (``CostModel(linear=False)``): the candidates within the token cap (all, if none
+    is) whose attention work (causal pairs, max / mean over ranks) is within ``BALANCE`` of perfect balance,
+    or within 0.5% of the best reached.  Without linear work to hide it, K/V traffic would otherwise outweigh
+    balance, which is what the attention-only comparison is about; counting pairs is cheaper than figures."""
+    imbalance, tokens = [], []
+    for segments in placements:
+        pairs = [sum(causal_pairs(a, b, doc_starts[bisect.bisect_right(doc_starts, a) - 1]) for a, b in segs)
+                 for segs in segments]
+        mean = sum(pairs) / len(pairs)
+        imbalance.append(max(pairs) / mean if mean > 0 else 1.0)
+        tokens.append(max(sum(b - a for a, b in segs) for segs in segments))
+    idx = [i for i, t in enumerate(tokens) if t <= cap] or list(range(len(tokens)))
+    budget = max(1 + BALANCE, 1.005 * min(imbalance[i] for i in idx))
+    return [i for i in idx if imbalance[i] <= budget]
+
+
+def _pick(figs, cap: int, baseline: list[bool]) -> int:
+    """Among the candidates within the token cap (all, if none is): the fewest K/V tokens received among those
+    whose estimated step time and peak compute are within ``TIME_TIE`` of the fastest's, and whose step time
+    is no more than any baseline's (``baseline[i]``); then the least time."""
+    pool = [i for i, f in enumerate(figs) if max(f.tokens) <= cap] or list(range(len(figs)))
+    fastest = min(pool, key=lambda i: (max(figs[i].time), i))
+    bound = min([max(figs[fastest].time) * (1 + TIME_TIE)] + [max(figs[i].time) for i in pool if baseline[i]])
+    peak = max(figs[fastest].compute) * (1 + TIME_TIE)
+    tied = [i for i in pool if max(figs[i].time) <= bound and max(figs[i].compute) <= peak]
+    return min(tied, key=lambda i: (sum(figs[i].recv_tokens), max(figs[i].time), i))

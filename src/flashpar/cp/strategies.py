@@ -57,8 +57,32 @@ class Placement:
             self.add(r, bounds[i], bounds[i + 1])
             self.add(r, bounds[2 * g - 1 - i], bounds[2 * g - i])
 
+    def headtail_sized(self, ranks: list[int], sizes: list[int], start: int, length: int) -> None:
+        """``[start, start + length)`` head-tail over ``ranks`` in unequal parts: member ``i`` (``sizes[i]``
+        tokens, ``sum(sizes) == length``) takes the next ``sizes[i] // 2`` tokens from the front and the next
+        ``sizes[i] - sizes[i] // 2`` from the back; the last member takes the middle that is left.  A
+        mirrored pair of pieces ``[a, b)``, ``[L - b, L - a)`` holds ``(b - a) L`` causal pairs, so a
+        member's attention work is about proportional to its tokens (see :func:`sized_pieces`)."""
+        for r, pieces in zip(ranks, sized_pieces(sizes, start, length), strict=True):
+            for a, b in pieces:
+                self.add(r, a, b)
+
     def frozen(self) -> tuple[tuple[tuple[int, int], ...], ...]:
         return tuple(tuple(segs) for segs in self.segments)
+
+
+def sized_pieces(sizes: list[int], start: int, length: int) -> list[tuple[tuple[int, int], ...]]:
+    """The (head, tail) pieces of each member of an unequal head-tail split (see ``Placement.headtail_sized``);
+    the last member's is one piece, the middle."""
+    if sum(sizes) != length:
+        raise ValueError(f"sizes {sizes} do not add up to the document's {length} tokens")
+    head, tail, out = start, start + length, []
+    for s in sizes[:-1]:
+        h = s // 2
+        out.append(((head, head + h), (tail - (s - h), tail)))
+        head, tail = head + h, tail - (s - h)
+    out.append(((head, tail),))
+    return out
 
 
 def contiguous(doc_lens: list[int], n: int) -> Placement:
