@@ -98,6 +98,7 @@ def all_cases(rank, n):
         out[("random", strategy, "bf16")] = run_case(rank, n, lens, strategy, dtype=torch.bfloat16)
         out[("random", strategy, "mha")] = run_case(rank, n, lens, strategy, heads=(2, 2))
         out[("random", strategy, "math")] = run_case(rank, n, lens, strategy, backend="math")
+        out[("random", strategy, "varlen")] = run_case(rank, n, lens, strategy, backend="varlen")
     return out
 
 

@@ -52,7 +52,7 @@ def _brute(q, k, v, kb, vb, tasks, scale):
     return out, lse.T
 
 
-@pytest.mark.parametrize("backend", ["flash", "math"])
+@pytest.mark.parametrize("backend", ["flash", "math", "varlen"])
 @pytest.mark.parametrize("seed", range(4))
 def test_segment_attention_matches_brute_force_forward_and_backward(backend, seed):
     rng = random.Random(seed)
@@ -62,7 +62,8 @@ def test_segment_attention_matches_brute_force_forward_and_backward(backend, see
     k, v = (torch.randn(t, hkv, d, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
     kb, vb = (torch.randn(nb, hkv, d, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
     tasks = _random_tasks(rng, t, nb)
-    assert any(b.key_valid is not None for b in make_batches(tasks)), "no padded full batch exercised"
+    varlen = backend == "varlen"
+    assert varlen or any(b.key_valid is not None for b in make_batches(tasks)), "no padded full batch exercised"
     ref_out, ref_lse = _brute(q, k, v, kb, vb, tasks, scale)
     with torch.no_grad():
         out, lse = segment_attention(q, {-1: (k, v), 0: (kb, vb)}, tasks, scale, backend)
@@ -74,7 +75,7 @@ def test_segment_attention_matches_brute_force_forward_and_backward(backend, see
     grads = {"q": torch.zeros_like(q), -1: [torch.zeros_like(k), torch.zeros_like(v)],
              0: [torch.zeros_like(kb), torch.zeros_like(vb)]}
     bufs = {-1: (k.detach(), v.detach()), 0: (kb.detach(), vb.detach())}
-    for b in make_batches(tasks):
+    for b in make_batches(tasks, varlen):
         dq, dk, dv = batch_backward(b, q.detach(), *bufs[b.buf], dout, out, lse, scale, backend)
         rows = torch.arange(t)[b.rows]
         keys = torch.arange(bufs[b.buf][0].shape[0])[b.keys]
@@ -95,6 +96,39 @@ def test_many_short_documents_make_few_kernel_calls():
     p = plan(lens, 1, strategy="contiguous")
     calls = sum(len(ph) for ph in rank_layout(p, 0).phases)
     assert calls <= 20, calls  # 500 documents, at most a batch per ladder length
+    assert sum(len(ph) for ph in rank_layout(p, 0, True).phases) == 1  # varlen: one launch per phase and kind
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FlashAttention-2 varlen kernel)")
+@pytest.mark.parametrize("seed", range(2))
+def test_varlen_cuda_kernel_matches_math(seed):
+    """The CUDA variable-length kernel against the math backend on the same packed batches (bf16)."""
+    rng, gen = random.Random(seed), torch.Generator(device="cuda").manual_seed(seed)
+    t, nb, h, hkv, d = 300, 200, 8, 2, 64
+    mk = lambda n, heads: torch.randn(n, heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    q, k, v, kb, vb = mk(t, h), mk(t, hkv), mk(t, hkv), mk(nb, hkv), mk(nb, hkv)
+    tasks = _random_tasks(rng, t, nb)
+    bufs = {-1: (k, v), 0: (kb, vb)}
+    out, lse = segment_attention(q, bufs, tasks, 0.125, "varlen")
+    ref_out, ref_lse = segment_attention(q, bufs, tasks, 0.125, "math")
+    # bf16 inputs, fp32 accumulation in both; outputs rounded to bf16 once (unit roundoff 3.9e-3)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-3)
+    dout = mk(t, h)
+
+    def grads(varlen: bool, backend: str):
+        acc = [torch.zeros(x.shape, device="cuda") for x in (q, k, v, kb, vb)]
+        for b in make_batches(tasks, varlen):
+            dq, dk, dv = batch_backward(b, q, *bufs[b.buf], dout, out.to(q.dtype), lse, 0.125, backend)
+            rows = torch.arange(t, device="cuda")[b.rows]
+            keys = torch.arange(bufs[b.buf][0].shape[0], device="cuda")[b.keys]
+            acc[0].index_add_(0, rows, dq.float())
+            acc[1 if b.buf == -1 else 3].index_add_(0, keys, dk.float())
+            acc[2 if b.buf == -1 else 4].index_add_(0, keys, dv.float())
+        return acc
+
+    for x, y in zip(grads(True, "varlen"), grads(False, "math"), strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=5e-2)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

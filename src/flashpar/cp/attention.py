@@ -159,7 +159,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan, *
 
     ``group``: the context-parallel group (None: the default group; a ProcessGroup or a 1-D
     DeviceMesh); its size must be ``plan.cp_size``.  ``backend``: ``"flash"`` (torch's CPU flash
-    attention) or ``"math"`` (explicit per-batch matrices; the default off CPU).  ``counter``: a
+    attention, padded batches; the default on CPU), ``"math"`` (explicit per-batch matrices; the
+    default elsewhere) or ``"varlen"`` (FlashAttention-2's variable-length kernel on CUDA, fp16 /
+    bf16; not yet run on a GPU, hence not the default there; on CPU it runs per task, for tests).  ``counter``: a
     ``CommCounter`` that accumulates the bytes sent and received.  ``check``: validate shapes and
     cross-rank agreement (one small all-gather); every rank raises the same error on bad input.
     """
@@ -169,9 +171,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan, *
         _agree(q, k, plan, info, error, timeout_s)
     elif error is not None:
         raise error
-    layout = rank_layout(plan, info.rank)
+    backend = backend or kernels.default_backend(q.device)
+    layout = rank_layout(plan, info.rank, backend == "varlen")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    run = _Run(layout, info, scale, backend or kernels.default_backend(q.device), timeout_s, counter, q.device)
+    run = _Run(layout, info, scale, backend, timeout_s, counter, q.device)
     if info.world_size > 1:
         p2p_group(info, 0, 1, op_name=OP, timeout_s=timeout_s)  # every rank creates the twin group now
     return _CPAttention.apply(q, k, v, run)

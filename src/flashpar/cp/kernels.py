@@ -30,7 +30,11 @@ get zero gradient input), key pads of a full task are masked with ``-inf``.
 Backends: ``flash`` is torch's flash attention for CPU
 (``_scaled_dot_product_flash_attention_for_cpu`` and its backward: GQA native, never a T x T mask);
 ``math`` computes the same with explicit matrices per batch, on any device (the reference for tests
-and the fallback off CPU).
+and the default off CPU); ``varlen`` packs a phase's tasks of one kind without padding, with
+cumulative offsets, for FlashAttention-2's variable-length kernel on CUDA
+(``_flash_attention_forward`` / ``_flash_attention_backward``: one launch per phase and kind; fp16 and
+bf16 only; written against the op schemas and not yet run on a GPU), and runs the same batches
+task by task with the CPU kernel elsewhere, which is how its packing is tested.
 """
 
 from __future__ import annotations
@@ -86,6 +90,10 @@ class Batch:
     k_rows: torch.Tensor | None = None
     k_pos: torch.Tensor | None = None
     key_valid: torch.Tensor | None = None
+    cu_q: torch.Tensor | None = None  # varlen form: int32 [B + 1] offsets of each task's packed queries
+    cu_k: torch.Tensor | None = None
+    max_q: int = 0
+    max_k: int = 0
 
     @property
     def rows(self):
@@ -99,6 +107,9 @@ class Batch:
     @property
     def pairs(self) -> int:
         """(query, key) pairs computed, padding included."""
+        if self.cu_q is not None:
+            lq, lk = self.cu_q.diff().tolist(), self.cu_k.diff().tolist()
+            return sum(a * (a + 1) // 2 if self.causal else a * b for a, b in zip(lq, lk, strict=True))
         if self.q_span is not None:
             lq, lk = self.q_span[1] - self.q_span[0], self.k_span[1] - self.k_span[0]
             return lq * (lq + 1) // 2 if self.causal else lq * lk
@@ -109,21 +120,26 @@ class Batch:
             return self
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Batch(self.causal, self.buf, None, None, self.B, self.Lq, self.Lk, move(self.q_rows),
-                     move(self.q_pos), move(self.k_rows), move(self.k_pos), move(self.key_valid))
+                     move(self.q_pos), move(self.k_rows), move(self.k_pos), move(self.key_valid),
+                     move(self.cu_q), move(self.cu_k), self.max_q, self.max_k)
 
 
-def make_batches(tasks: list[Task]) -> list[Batch]:
-    """Group one phase's tasks into batches; within a batch every query row appears at most once."""
+def make_batches(tasks: list[Task], varlen: bool = False) -> list[Batch]:
+    """Group one phase's tasks into batches; within a batch every query row appears at most once.
+    ``varlen``: one packed batch per (buffer, kind, layer), lengths as they are (cumulative offsets)."""
     groups: dict[tuple, list[Task]] = {}
     seen: dict[tuple, int] = {}
     for t in tasks:
-        lq, lk = padded_len(t.q1 - t.q0), padded_len(t.k1 - t.k0)
+        lq, lk = (0, 0) if varlen else (padded_len(t.q1 - t.q0), padded_len(t.k1 - t.k0))
         # layer: how many earlier tasks of this buffer and kind share these query rows
         layer = seen.get((t.buf, t.causal, t.q0), 0)
         seen[(t.buf, t.causal, t.q0)] = layer + 1
         groups.setdefault((t.buf, t.causal, lq, lk, layer), []).append(t)
     out = []
     for (buf, causal, lq, lk, _), group in groups.items():
+        if varlen:
+            out.append(_varlen_batch(buf, causal, group))
+            continue
         if len(group) == 1:
             t = group[0]
             out.append(Batch(causal, buf, (t.q0, t.q1), (t.k0, t.k1)))
@@ -139,6 +155,16 @@ def make_batches(tasks: list[Task]) -> list[Batch]:
         out.append(Batch(causal, buf, None, None, len(group), lq, lk, torch.cat(q_rows), torch.cat(q_pos),
                          torch.cat(k_rows), torch.cat(k_pos), key_valid))
     return out
+
+
+def _varlen_batch(buf: int, causal: bool, group: list[Task]) -> Batch:
+    lq = [t.q1 - t.q0 for t in group]
+    lk = [t.k1 - t.k0 for t in group]
+    offsets = lambda ls: torch.tensor([0, *ls], dtype=torch.int32).cumsum(0, dtype=torch.int32)  # noqa: E731
+    return Batch(causal, buf, None, None, len(group), 0, 0,
+                 torch.cat([torch.arange(t.q0, t.q1) for t in group]), None,
+                 torch.cat([torch.arange(t.k0, t.k1) for t in group]), None, None,
+                 offsets(lq), offsets(lk), max(lq), max(lk))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,7 +262,48 @@ def _math_bwd(dout, q, k, v, out, lse, causal, mask, scale):
     return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
 
 
-BACKENDS = {"flash": (_flash_fwd, _flash_bwd), "math": (_math_fwd, _math_bwd)}
+def _varlen_fwd(batch: Batch, q, k, v, scale):
+    """Packed ``q`` [n, H, D], ``k``, ``v`` [m, H_kv, D] of a varlen batch -> out [n, H, D], lse [n, H].
+    CUDA: FlashAttention-2's variable-length kernel, one launch.  Elsewhere (tests) the same per task
+    with the CPU flash kernel."""
+    if q.is_cuda:
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q, k, v, batch.cu_q, batch.cu_k, batch.max_q, batch.max_k, 0.0, batch.causal, False, scale=scale)
+        if lse.shape != (q.shape[1], q.shape[0]):
+            raise RuntimeError(f"cp varlen backend: log-sum-exp of shape {tuple(lse.shape)}, expected "
+                               f"[heads, tokens] = {(q.shape[1], q.shape[0])}; use backend='math'")
+        return out, lse.T
+    outs, lses = [], []
+    for (a, b), (c, d) in zip(_spans(batch.cu_q), _spans(batch.cu_k), strict=True):
+        o, m = _flash_fwd(_bhld(q[a:b], 1), _bhld(k[c:d], 1), _bhld(v[c:d], 1), batch.causal, None, scale)
+        outs.append(_rows_of(o, None))
+        lses.append(_lse_rows(m, None))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _varlen_bwd(batch: Batch, dout, q, k, v, out, lse, scale):
+    """Gradients of a varlen batch (packed operands; ``lse`` [n, H])."""
+    if q.is_cuda:
+        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout 0: the generator state is not read
+        unused = torch.empty(0, dtype=torch.uint64, device=q.device)
+        return torch.ops.aten._flash_attention_backward(
+            dout, q, k, v, out, lse.T.contiguous(), batch.cu_q, batch.cu_k, batch.max_q, batch.max_k, 0.0,
+            batch.causal, rng, unused, scale=scale)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for (a, b), (c, d) in zip(_spans(batch.cu_q), _spans(batch.cu_k), strict=True):
+        g = _flash_bwd(_bhld(dout[a:b], 1).contiguous(), _bhld(q[a:b], 1), _bhld(k[c:d], 1), _bhld(v[c:d], 1),
+                       _bhld(out[a:b], 1).contiguous(), lse[a:b].T.unsqueeze(0).contiguous(), batch.causal, None,
+                       scale)
+        dq[a:b], dk[c:d], dv[c:d] = (_rows_of(x, None) for x in g)
+    return dq, dk, dv
+
+
+def _spans(cu: torch.Tensor) -> list[tuple[int, int]]:
+    c = cu.tolist()
+    return list(zip(c[:-1], c[1:], strict=True))
+
+
+BACKENDS = {"flash": (_flash_fwd, _flash_bwd), "math": (_math_fwd, _math_bwd), "varlen": (_varlen_fwd, _varlen_bwd)}
 
 
 def default_backend(device: torch.device) -> str:
@@ -249,6 +316,9 @@ def default_backend(device: torch.device) -> str:
 
 def batch_forward(batch: Batch, q, k, v, scale: float, backend: str = "flash"):
     """``(rows, out_rows [n, H, D], lse_rows [n, H])`` of one batch (``k``, ``v``: its key buffer)."""
+    if batch.cu_q is not None:
+        out, lse = _varlen_fwd(batch, q[batch.q_rows], k[batch.k_rows], v[batch.k_rows], scale)
+        return batch.q_rows, out, lse
     qb, kb, vb = _operands(batch, q, k, v)
     out, lse = BACKENDS[backend][0](qb, kb, vb, batch.causal, _mask(batch, q.dtype), scale)
     return batch.rows, _rows_of(out, batch.q_pos), _lse_rows(lse, batch.q_pos)
@@ -256,6 +326,9 @@ def batch_forward(batch: Batch, q, k, v, scale: float, backend: str = "flash"):
 
 def batch_backward(batch: Batch, q, k, v, dout, out, lse, scale: float, backend: str = "flash"):
     """``(dq_rows, dk_rows, dv_rows)`` of one batch given the merged ``out`` and ``lse`` of all local rows."""
+    if batch.cu_q is not None:
+        rows, keys = batch.q_rows, batch.k_rows
+        return _varlen_bwd(batch, dout[rows], q[rows], k[keys], v[keys], out[rows], lse[rows], scale)
     qb, kb, vb = _operands(batch, q, k, v)
     if batch.q_span is not None:
         rows = batch.rows
@@ -288,7 +361,7 @@ def segment_attention(q: torch.Tensor, bufs: dict[int, tuple[torch.Tensor, torch
     acc = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full(q.shape[:2], -math.inf, dtype=acc, device=q.device)
-    for batch in make_batches(tasks):
+    for batch in make_batches(tasks, varlen=backend == "varlen"):
         k, v = bufs[batch.buf]
         rows, o, m = batch_forward(batch.to(q.device), q, k, v, scale, backend)
         merge(out, lse, rows, o, m)

@@ -69,7 +69,8 @@ class RankLayout:
 
 
 @functools.lru_cache(maxsize=64)
-def rank_layout(plan: CPPlan, rank: int) -> RankLayout:
+def rank_layout(plan: CPPlan, rank: int, varlen: bool = False) -> RankLayout:
+    """``varlen``: batches for the variable-length kernel (one per buffer, kind and layer)."""
     n, pattern = plan.cp_size, pattern_of(plan)
     starts = plan.doc_starts
     doc_of = lambda a: bisect.bisect_right(starts, a) - 1  # noqa: E731
@@ -107,7 +108,7 @@ def rank_layout(plan: CPPlan, rank: int) -> RankLayout:
                 tasks.setdefault(buf, []).append(Task(row, row + b - a, buf, k0, k1, False))
         row += b - a
     phase_bufs = [-1] + [(rank - j) % n for j in range(1, n)]
-    phases = tuple(tuple(make_batches(tasks.get(buf, []))) for buf in phase_bufs)
+    phases = tuple(tuple(make_batches(tasks.get(buf, []), varlen)) for buf in phase_bufs)
     return RankLayout(rank, n, pattern, row, tuple(recv), tuple(send_rows), phases)
 
 
