@@ -114,8 +114,8 @@ class _CPAttention(torch.autograd.Function):
                 kb, vb = bufs[batch.buf]
                 a, b, c = kernels.batch_backward(batch, q, kb, vb, dout, out, lse, run.scale, run.backend)
                 _add_rows(dq, batch.rows, a)
-                gk.index_add_(0, _index(batch.keys, gk), b.to(gk.dtype))
-                gv.index_add_(0, _index(batch.keys, gv), c.to(gv.dtype))
+                _add_rows(gk, batch.keys, b)  # padded batches may repeat keys: index_add_ sums them
+                _add_rows(gv, batch.keys, c)
 
         try:
             received = {}
@@ -144,12 +144,6 @@ class _CPAttention(torch.autograd.Function):
             lane.abort()
             raise
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
-
-
-def _index(keys, like: torch.Tensor) -> torch.Tensor:
-    if isinstance(keys, slice):
-        return torch.arange(keys.start, keys.stop, device=like.device)
-    return keys
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan, *, group=None,
