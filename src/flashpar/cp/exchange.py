@@ -18,6 +18,7 @@ counted in ``CommCounter`` (bytes handed to sends: K and V together, or their gr
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -92,12 +93,11 @@ class Transfers:
             origin = lo.origin(j)
             if lo.pattern == "ring":
                 held = (k, v) if j == 1 else bufs[lo.origin(j - 1)]  # forwarded as it arrived
-                make = functools.partial(lambda t: t, held)
+                make = functools.partial(tuple, held)
                 sent = _nbytes(*held)
             else:
-                send_rows = lo.send_rows[send_to]
-                make = functools.partial(lambda r: (_take(k, r), _take(v, r)), send_rows)
-                sent = lo.send_tokens(send_to) * (k[:1].numel() * k.element_size() + v[:1].numel() * v.element_size())
+                make = functools.partial(lambda rows: (_take(k, rows), _take(v, rows)), lo.send_rows[send_to])
+                sent = lo.send_tokens(send_to) * 2 * math.prod(k.shape[1:]) * k.element_size()
             steps.append(sent)
             self._submit(j, send_to, make, recv_from, bufs[origin], "K/V")
         if self.counter is not None:
