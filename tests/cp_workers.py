@@ -94,8 +94,9 @@ def all_cases(rank, n):
         for strategy in STRATEGIES:
             out[(name, strategy)] = run_case(rank, n, lens, strategy)
     lens = length_lists(n)["random"]
-    for strategy in ("flashcp", "headtail", "per_doc"):
+    for strategy in STRATEGIES:
         out[("random", strategy, "bf16")] = run_case(rank, n, lens, strategy, dtype=torch.bfloat16)
+    for strategy in ("flashcp", "headtail", "per_doc"):
         out[("random", strategy, "mha")] = run_case(rank, n, lens, strategy, heads=(2, 2))
         out[("random", strategy, "math")] = run_case(rank, n, lens, strategy, backend="math")
         out[("random", strategy, "varlen")] = run_case(rank, n, lens, strategy, backend="varlen")
