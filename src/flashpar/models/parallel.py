@@ -1,0 +1,187 @@
+"""The Llama decoder on a (dp, cp, tp) device mesh: tensor + sequence parallel, context parallel, data parallel.
+
+One rank holds, of one packed sequence and its ``CPPlan`` over the ``cp`` ranks:
+
+    cp:  the tokens ``plan.local_indices(cp_rank)`` (T_cp of them, in the plan's local order)
+    tp:  a contiguous block of those rows between the blocks (``split_sizes``, sequence parallel),
+         all of them and 1/tp of the heads / FFN columns inside attention and the MLP
+
+    x_shard   = embed(tokens of this tp block)                             [T_cp/tp, h]
+    qkv       = all_gather_matmul(norm(x_shard), w_qkv[tp rank])            [T_cp, (H + 2 H_kv) D / tp]
+    o         = cp.attention(rope(q), rope(k), v, plan, group=cp)          [T_cp, H / tp, D]
+    x_shard  += matmul_reduce_scatter(o, w_o[:, tp rank])                  [T_cp/tp, h]
+    x_shard  += matmul_reduce_scatter(silu(g) u, w_down[:, tp rank]),  (g, u) = all_gather_matmul(norm(x_shard), w_gu)
+    logits    = head(norm(x_shard))                                        [T_cp/tp, vocab]
+
+The all-gathers and reduce-scatters are FlashOverlap's (``mode``), the K/V exchange FlashCP's.
+The fused QKV (and gate / up) weight of a tp rank stacks its heads' rows of q, k and v, so one
+all-gather feeds all three.  The embedding, norms and head are replicated; each rank applies them
+to its own rows (the vocabulary is not sharded: it is small in this trainer).
+
+Gradients: a parameter's gradient on a rank covers that rank's tokens only, and the loss is
+normalised by the global number of targets, so gradients are summed over every rank that holds a
+copy (``reduce_grads``): the tp shards over the cp x dp ranks of their tp index, the replicated
+parameters over the whole mesh.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from flashpar import cp
+from flashpar.models.config import LlamaConfig
+from flashpar.models.llama import Llama, RMSNorm, rope
+from flashpar.overlap.modules import ColumnParallelLinear, RowParallelLinear
+
+
+def sequence_split(rows: int, tp: int) -> list[int]:
+    """Rows of each tp rank's block: as even as possible, the larger blocks first."""
+    return [rows // tp + (1 if r < rows % tp else 0) for r in range(tp)]
+
+
+class ParallelBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig, tp_group, cp_group, mode: str) -> None:
+        super().__init__()
+        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.cfg, self.tp, self.cp_group = cfg, tp, cp_group
+        self.heads, self.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
+        h, d = cfg.hidden, cfg.head_dim
+        self.attn_norm = RMSNorm(h, cfg.norm_eps)
+        self.qkv = ColumnParallelLinear(h, (cfg.heads + 2 * cfg.kv_heads) * d, bias=False, group=tp_group, mode=mode)
+        self.o_proj = RowParallelLinear(cfg.heads * d, h, bias=False, group=tp_group, mode=mode)
+        self.mlp_norm = RMSNorm(h, cfg.norm_eps)
+        self.gate_up = ColumnParallelLinear(h, 2 * cfg.ffn, bias=False, group=tp_group, mode=mode)
+        self.down = RowParallelLinear(cfg.ffn, h, bias=False, group=tp_group, mode=mode)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, plan, split: list[int]) -> torch.Tensor:
+        cfg, d, t = self.cfg, self.cfg.head_dim, positions.shape[0]
+        qkv = self.qkv(self.attn_norm(x), split_sizes=split)
+        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q = rope(q.reshape(t, self.heads, d), positions, cfg.rope_theta)
+        k = rope(k.reshape(t, self.kv_heads, d), positions, cfg.rope_theta)
+        o = cp.attention(q, k, v.reshape(t, self.kv_heads, d), plan, group=self.cp_group)
+        x = x + self.o_proj(o.reshape(t, -1), split_sizes=split)
+        g, u = self.gate_up(self.mlp_norm(x), split_sizes=split).chunk(2, dim=-1)
+        return x + self.down(F.silu(g) * u, split_sizes=split)
+
+
+class ParallelLlama(nn.Module):
+    """The decoder on a mesh with dims ``("dp", "cp", "tp")`` (any of them may have size 1)."""
+
+    def __init__(self, cfg: LlamaConfig, mesh, *, mode: str = "flash") -> None:
+        super().__init__()
+        self.cfg, self.mesh = cfg, mesh
+        self.tp_group, self.cp_group = mesh["tp"].get_group(), mesh["cp"].get_group()
+        self.tp, self.tp_rank = mesh["tp"].size(), mesh["tp"].get_local_rank()
+        self.cp_rank = mesh["cp"].get_local_rank()
+        for name, size in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads), ("ffn", cfg.ffn)):
+            if size % self.tp:
+                raise ValueError(f"ParallelLlama: {name} = {size} is not divisible by tp = {self.tp}")
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.blocks = nn.ModuleList(ParallelBlock(cfg, self.tp_group, self.cp_group, mode) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        self._sum_groups = _sum_groups(mesh)
+
+    # ------------------------------------------------------------------------------------------
+    # weights
+
+    def load_full(self, model: Llama) -> None:
+        """Take this rank's shards of a single-process model's weights (every rank the same model)."""
+        full = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(self.shard_of(name, full))
+
+    def shard_of(self, name: str, full: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This rank's part of parameter ``name`` built from the full model's tensors ``full``."""
+        t, n = self.tp_rank, self.tp
+        if ".qkv." in name or ".gate_up." in name:
+            base = name.rsplit(".", 2)[0]
+            parts = ("q_proj", "k_proj", "v_proj") if ".qkv." in name else ("gate", "up")
+            return torch.cat([_rows(full[f"{base}.{p}.weight"], t, n) for p in parts])
+        if ".o_proj." in name or ".down." in name:
+            w = full[name]
+            return w[:, t * w.shape[1] // n : (t + 1) * w.shape[1] // n]
+        return full[name]
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Gradients under the single-process model's parameter names (tp shards all-gathered)."""
+        cfg, out = self.cfg, {}
+        d = cfg.head_dim
+        for name, p in self.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            base = name.rsplit(".", 2)[0] if name.endswith(".weight") and "blocks." in name else None
+            if ".qkv." in name:
+                sizes = [cfg.heads // self.tp * d, cfg.kv_heads // self.tp * d, cfg.kv_heads // self.tp * d]
+                for part, piece in zip(("q_proj", "k_proj", "v_proj"), g.split(sizes), strict=True):
+                    out[f"{base}.{part}.weight"] = self._gather_tp(piece, 0)
+            elif ".gate_up." in name:
+                for part, piece in zip(("gate", "up"), g.chunk(2), strict=True):
+                    out[f"{base}.{part}.weight"] = self._gather_tp(piece, 0)
+            elif ".o_proj." in name or ".down." in name:
+                out[name] = self._gather_tp(g, 1)
+            else:
+                out[name] = g.clone()
+        return out
+
+    def _gather_tp(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.tp == 1:
+            return x.clone()
+        parts = [torch.empty_like(x) for _ in range(self.tp)]
+        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=dim)
+
+    def reduce_grads(self) -> None:
+        """Sum every gradient over the ranks that hold a copy of its parameter (see the module docstring)."""
+        for name, p in self.named_parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            group = self._sum_groups["shard" if _is_tp_shard(name) else "copy"]
+            if group is not None:
+                dist.all_reduce(p.grad, group=group)
+
+    # ------------------------------------------------------------------------------------------
+    # forward
+
+    def forward(self, tokens_cp: torch.Tensor, plan) -> tuple[torch.Tensor, slice]:
+        """Logits of this rank's rows: ``tokens_cp`` are the cp rank's tokens (``cp.shard(tokens, plan,
+        cp_rank)``); returns ``(logits [rows, vocab], rows)`` with ``rows`` the slice of ``tokens_cp``."""
+        split = sequence_split(tokens_cp.shape[0], self.tp)
+        start = sum(split[: self.tp_rank])
+        rows = slice(start, start + split[self.tp_rank])
+        positions = plan.position_ids(self.cp_rank).to(tokens_cp.device)
+        x = self.embed(tokens_cp[rows])
+        for block in self.blocks:
+            x = block(x, positions, plan, split)
+        head = self.embed.weight if self.head is None else self.head.weight
+        return F.linear(self.norm(x), head), rows
+
+
+def _rows(w: torch.Tensor, t: int, n: int) -> torch.Tensor:
+    return w[t * w.shape[0] // n : (t + 1) * w.shape[0] // n]
+
+
+def _is_tp_shard(name: str) -> bool:
+    return any(k in name for k in (".qkv.", ".gate_up.", ".o_proj.", ".down."))
+
+
+def _sum_groups(mesh) -> dict[str, dist.ProcessGroup | None]:
+    """``shard``: the ranks with this rank's tp index (its cp x dp copies); ``copy``: the whole mesh.
+    Every rank creates every group, in the same order (``new_group`` is collective)."""
+    ranks = mesh.mesh  # [dp, cp, tp] global ranks
+    dp, cpn, tp = ranks.shape
+    me = dist.get_rank()
+    groups: dict[str, dist.ProcessGroup | None] = {"shard": None, "copy": None}
+    if dp * cpn > 1:
+        for t in range(tp):
+            members = ranks[:, :, t].flatten().tolist()
+            g = dist.new_group(members)
+            if me in members:
+                groups["shard"] = g
+    if dp * cpn * tp > 1:
+        groups["copy"] = dist.new_group(ranks.flatten().tolist())
+    return groups

@@ -1,0 +1,15 @@
+"""The parallel Llama on a (dp, cp, tp) mesh against the single-process model: loss and every gradient."""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_harness import run_ranks
+from train_workers import check_mesh
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 2), (2, 2, 1), (2, 1, 2), (4, 1, 1), (1, 4, 1)])
+def test_parallel_model_matches_single_process(shape):
+    per_rank = run_ranks(4, check_mesh, shape)
+    bad = {r: errs for r, (errs, _) in enumerate(per_rank) if errs}
+    assert per_rank[0][1] == 1 + 9 * 2 + 2 and not bad, bad  # loss, 9 tensors per block, embed + final norm
