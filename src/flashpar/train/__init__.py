@@ -1,0 +1,1 @@
+"""The trainer: data, parallel model, loop."""

@@ -1,0 +1,205 @@
+"""The trainer's data: corpus documents packed into fixed-length sequences, each planned for context parallelism.
+
+Packing (:class:`PackedCorpus`).  The corpus documents (:func:`flashpar.corpus.documents`) are put in a
+deterministic order, ``random.Random(seed).shuffle`` of their indices, and concatenated into one token
+stream with the document boundaries kept.  With ``S`` the total number of tokens and ``L = seq_len``,
+sequence ``i`` (``0 <= i < S // L``) is the stream slice ``[i * L, (i + 1) * L)``: a document crossing a
+sequence boundary is split there and its remainder starts the next sequence, and the final partial
+sequence is dropped, the rule of :func:`flashpar.cp.lengths.pack`.  The label of stream position ``p``
+is the token at ``p + 1`` when ``p + 1`` lies in the same document (even when it lies in the next
+sequence) and ``-100`` (ignored by ``cross_entropy``) when ``p`` is the last token of its document, so
+no target crosses a document boundary.
+
+Planning (:class:`PlannedSequences`).  Data-parallel rank ``d`` of ``D`` takes the global sequences
+``start + d, start + d + D, start + 2D + d, ...``: its item ``j`` is sequence ``start + j * D + d``, to
+which ``__getitem__`` adds the context-parallel plan of its document pieces, so that behind a
+:class:`~torch.utils.data.DataLoader` (:func:`make_loader`) the planner runs in the worker processes.
+
+Resume.  After ``k`` steps every rank has consumed the items ``j < k``, i.e. the global sequences
+``start .. start + k * D - 1``; rebuilding :class:`PlannedSequences` with ``start + k * D`` (same
+dataset arguments, seed and ``dp_size``) yields exactly the sequences the uninterrupted run would have
+seen next, on every rank.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import operator
+import random
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from flashpar import corpus
+from flashpar.cp import STRATEGIES, CostModel
+from flashpar.cp import plan as cp_plan
+
+IGNORE_INDEX = -100
+
+
+class PackedCorpus(Dataset):
+    """The shuffled corpus stream cut into ``seq_len``-token sequences (see the module docstring).
+
+    The index (document order, stream offsets, sequence count) comes from the file sizes alone
+    (:func:`flashpar.corpus.document_lengths`); the tokens are read on the first item, once per
+    process, into one ``uint8`` tensor of the stream (about 11 MB for the whole standard library).
+    The tensor is not pickled: each data-loader worker reads its own copy on first use.
+    """
+
+    def __init__(self, seq_len: int, *, max_docs: int | None = None, seed: int = 0):
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        if max_docs is not None and max_docs < 0:
+            raise ValueError(f"max_docs must be None or >= 0, got {max_docs!r}")
+        self.seq_len, self.max_docs, self.seed = seq_len, max_docs, seed
+        lengths = corpus.document_lengths(max_docs)
+        self.order = shuffled_order(len(lengths), seed)  # stream position -> corpus document index
+        self.lens = [lengths[k] for k in self.order]  # document lengths in stream order
+        self.starts = list(itertools.accumulate(self.lens, initial=0))[:-1]  # stream offset of each document
+        self.total = sum(self.lens)
+        if self.total < seq_len:
+            raise ValueError(f"the corpus ({len(self.lens)} documents, {self.total} tokens) is shorter than one "
+                             f"sequence of seq_len={seq_len} tokens; use more documents or a shorter seq_len")
+        self._stream: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.total // self.seq_len
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_stream"] = None  # workers read the tokens themselves (lazily)
+        return state
+
+    def doc_lens(self, i: int) -> list[int]:
+        """Pieces of documents in sequence ``i``, in order (they sum to ``seq_len``); reads no tokens."""
+        return [piece for piece, _ in self._pieces(*self._bounds(i))]
+
+    def __getitem__(self, i: int) -> dict:
+        a, b = self._bounds(i)
+        stream = self.stream()
+        tokens = stream[a:b].long()
+        labels = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
+        n = min(b + 1, self.total) - (a + 1)  # positions whose next token exists in the stream
+        labels[:n] = stream[a + 1: a + 1 + n].long()
+        pieces, end = [], 0
+        for piece, ends_doc in self._pieces(a, b):
+            pieces.append(piece)
+            end += piece
+            if ends_doc:
+                labels[end - 1] = IGNORE_INDEX
+        return {"tokens": tokens, "labels": labels, "doc_lens": pieces, "index": i}
+
+    def stream(self) -> torch.Tensor:
+        """The whole shuffled token stream (``uint8``, ``total`` tokens), read on first use and cached."""
+        if self._stream is None:
+            self._stream = read_stream(self.max_docs, self.order, self.starts, self.lens)
+        return self._stream
+
+    def _bounds(self, i: int) -> tuple[int, int]:
+        i = operator.index(i)
+        n = len(self)
+        if not 0 <= i < n:
+            raise IndexError(f"sequence {i} out of range: the corpus packs into {n} sequences")
+        return i * self.seq_len, (i + 1) * self.seq_len
+
+    def _pieces(self, a: int, b: int):
+        """``(length, ends_its_document)`` of each document piece in the stream slice ``[a, b)``."""
+        d = bisect.bisect_right(self.starts, a) - 1  # the document holding token a
+        while a < b:
+            doc_end = self.starts[d] + self.lens[d]
+            end = min(doc_end, b)
+            yield end - a, end == doc_end
+            a, d = end, d + 1
+
+
+def shuffled_order(count: int, seed: int) -> list[int]:
+    """``random.Random(seed).shuffle`` of ``range(count)``: the corpus document at each stream position."""
+    order = list(range(count))
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def read_stream(max_docs: int | None, order: list[int], starts: list[int], lens: list[int]) -> torch.Tensor:
+    """Read the documents and place corpus document ``order[p]`` at stream offset ``starts[p]``."""
+    where = {k: p for p, k in enumerate(order)}
+    stream = torch.empty(sum(lens), dtype=torch.uint8)
+    seen = 0
+    for k, (name, tokens) in enumerate(corpus.documents(max_docs)):
+        p = where.get(k)
+        if p is None or tokens.numel() != lens[p]:
+            raise RuntimeError(f"corpus document {k} ({name}) changed since the index was built "
+                               f"(expected {lens[p] if p is not None else 'no'} tokens, read {tokens.numel()})")
+        stream[starts[p]: starts[p] + lens[p]] = tokens.to(torch.uint8)
+        seen += 1
+    if seen != len(order):
+        raise RuntimeError(f"the corpus has {seen} documents now, {len(order)} when the index was built")
+    return stream
+
+
+class PlannedSequences(Dataset):
+    """The sequences of one data-parallel rank, each with its context-parallel plan.
+
+    Item ``j`` is ``dataset[start + j * dp_size + dp_rank]`` plus ``plan`` (:func:`flashpar.cp.plan` of its
+    ``doc_lens`` over ``cp_size`` ranks with ``strategy`` and ``cost``) and ``planning_s`` (the planner's
+    time for it, in seconds).  ``start`` is the global sequence index to begin at: resume with
+    ``start + steps * dp_size`` (see the module docstring).
+    """
+
+    def __init__(self, dataset: PackedCorpus, cp_size: int, strategy: str = "flashcp",
+                 cost: CostModel | None = None, *, dp_rank: int = 0, dp_size: int = 1, start: int = 0):
+        if not _is_int(cp_size) or cp_size < 1:
+            raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+        if not _is_int(dp_size) or dp_size < 1:
+            raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
+        if not _is_int(dp_rank) or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, dp_size) = [0, {dp_size}), got {dp_rank!r}")
+        if not _is_int(start) or not 0 <= start <= len(dataset):
+            raise ValueError(f"start must be a sequence index in [0, {len(dataset)}], got {start!r}")
+        self.dataset, self.cp_size, self.strategy, self.cost = dataset, cp_size, strategy, cost
+        self.dp_rank, self.dp_size, self.start = dp_rank, dp_size, start
+
+    def __len__(self) -> int:
+        """Items ``j`` with ``start + j * dp_size + dp_rank < len(dataset)``."""
+        left = len(self.dataset) - self.start - self.dp_rank
+        return max(0, -(-left // self.dp_size))
+
+    def global_index(self, j: int) -> int:
+        """The global sequence index of item ``j``."""
+        j = operator.index(j)
+        if not 0 <= j < len(self):
+            raise IndexError(f"item {j} out of range: dp rank {self.dp_rank} has {len(self)} sequences")
+        return self.start + j * self.dp_size + self.dp_rank
+
+    def __getitem__(self, j: int) -> dict:
+        item = self.dataset[self.global_index(j)]
+        item["plan"] = cp_plan(item["doc_lens"], self.cp_size, strategy=self.strategy, cost=self.cost)
+        item["planning_s"] = item["plan"].planning_s
+        return item
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _identity(item):
+    return item
+
+
+def make_loader(planned: PlannedSequences, *, num_workers: int = 1, prefetch_factor: int = 2) -> DataLoader:
+    """One packed, planned sequence per step, in the dataset's order.
+
+    ``num_workers > 0`` plans in worker processes started with ``spawn`` (safe after CUDA or threads
+    are initialised in the trainer) and kept alive across epochs; ``num_workers=0`` plans in the
+    calling process.  Items are passed through unchanged (tensors, ``doc_lens`` list, ``CPPlan``).
+    """
+    if not _is_int(num_workers) or num_workers < 0:
+        raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+    if not _is_int(prefetch_factor) or prefetch_factor < 1:
+        raise ValueError(f"prefetch_factor must be a positive int, got {prefetch_factor!r}")
+    workers = num_workers > 0
+    return DataLoader(planned, batch_size=None, shuffle=False, num_workers=num_workers, collate_fn=_identity,
+                      prefetch_factor=prefetch_factor if workers else None, persistent_workers=workers,
+                      multiprocessing_context="spawn" if workers else None)
