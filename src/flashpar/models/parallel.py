@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpar import cp
+from flashpar.dist import DEFAULT_TIMEOUT_S
 from flashpar.models.config import LlamaConfig
 from flashpar.models.llama import Llama, RMSNorm, rope
 from flashpar.overlap.modules import ColumnParallelLinear, RowParallelLinear
@@ -43,18 +44,21 @@ def sequence_split(rows: int, tp: int) -> list[int]:
 
 
 class ParallelBlock(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp_group, cp_group, mode: str) -> None:
+    def __init__(self, cfg: LlamaConfig, tp_group, cp_group, mode: str, timeout_s: float) -> None:
         super().__init__()
         tp = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.cfg, self.tp, self.cp_group = cfg, tp, cp_group
         self.heads, self.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
         h, d = cfg.hidden, cfg.head_dim
         self.attn_norm = RMSNorm(h, cfg.norm_eps)
-        self.qkv = ColumnParallelLinear(h, (cfg.heads + 2 * cfg.kv_heads) * d, bias=False, group=tp_group, mode=mode)
-        self.o_proj = RowParallelLinear(cfg.heads * d, h, bias=False, group=tp_group, mode=mode)
+        kw = {"bias": False, "group": tp_group, "mode": mode, "timeout_s": timeout_s}
+        self.timeout_s = timeout_s
+        self.qkv = ColumnParallelLinear(h, (cfg.heads + 2 * cfg.kv_heads) * d, **kw)
+        self.o_proj = RowParallelLinear(cfg.heads * d, h, **kw)
         self.mlp_norm = RMSNorm(h, cfg.norm_eps)
-        self.gate_up = ColumnParallelLinear(h, 2 * cfg.ffn, bias=False, group=tp_group, mode=mode)
-        self.down = RowParallelLinear(cfg.ffn, h, bias=False, group=tp_group, mode=mode)
+        self.gate_up = ColumnParallelLinear(h, 2 * cfg.ffn, **kw)
+        self.down = RowParallelLinear(cfg.ffn, h, **kw)
+        self.kv_counter: cp.CommCounter | None = None  # set by ParallelLlama: K/V bytes of cp.attention
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, plan, split: list[int]) -> torch.Tensor:
         cfg, d, t = self.cfg, self.cfg.head_dim, positions.shape[0]
@@ -62,7 +66,8 @@ class ParallelBlock(nn.Module):
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q = rope(q.reshape(t, self.heads, d), positions, cfg.rope_theta)
         k = rope(k.reshape(t, self.kv_heads, d), positions, cfg.rope_theta)
-        o = cp.attention(q, k, v.reshape(t, self.kv_heads, d), plan, group=self.cp_group)
+        o = cp.attention(q, k, v.reshape(t, self.kv_heads, d), plan, group=self.cp_group, counter=self.kv_counter,
+                         timeout_s=self.timeout_s)
         x = x + self.o_proj(o.reshape(t, -1), split_sizes=split)
         g, u = self.gate_up(self.mlp_norm(x), split_sizes=split).chunk(2, dim=-1)
         return x + self.down(F.silu(g) * u, split_sizes=split)
@@ -71,7 +76,7 @@ class ParallelBlock(nn.Module):
 class ParallelLlama(nn.Module):
     """The decoder on a mesh with dims ``("dp", "cp", "tp")`` (any of them may have size 1)."""
 
-    def __init__(self, cfg: LlamaConfig, mesh, *, mode: str = "flash") -> None:
+    def __init__(self, cfg: LlamaConfig, mesh, *, mode: str = "flash", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
         self.tp_group, self.cp_group = mesh["tp"].get_group(), mesh["cp"].get_group()
@@ -81,10 +86,14 @@ class ParallelLlama(nn.Module):
             if size % self.tp:
                 raise ValueError(f"ParallelLlama: {name} = {size} is not divisible by tp = {self.tp}")
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.blocks = nn.ModuleList(ParallelBlock(cfg, self.tp_group, self.cp_group, mode) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(ParallelBlock(cfg, self.tp_group, self.cp_group, mode, timeout_s)
+                                    for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         self._sum_groups = _sum_groups(mesh)
+        self.kv_counter = cp.CommCounter()  # bytes this rank's attention sent and received, all layers
+        for block in self.blocks:
+            block.kv_counter = self.kv_counter
 
     # ------------------------------------------------------------------------------------------
     # weights

@@ -1,0 +1,62 @@
+"""``flashpar train --check``: the mesh model against the single-process model after one step.
+
+Every rank builds the same single-process ``Llama`` (one seed) and the same ``dp`` packed
+sequences; the reference loss and gradients come from that model on all sequences, the loss
+normalised by the global number of targets.  The mesh model takes its shards of the same
+weights, its dp rank's sequence, its cp shard (the plan) and its tp rows, and after one
+forward / backward and ``reduce_grads`` its loss (summed over ranks) and every gradient
+(tp shards gathered) are compared with the reference: relative error ``max |a - b| / max |b|``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+
+from flashpar import cp
+from flashpar.models import Llama, LlamaConfig, next_token_loss
+from flashpar.models.parallel import ParallelLlama
+
+TOL = 1e-4  # fp32: the mesh only reorders sums (~1e-6 relative); one misplaced shard is O(1)
+GROUPS = (("embedding", r"^embed\."), ("attention norm", r"attn_norm"), ("q/k/v", r"\.(q|k|v)_proj\."),
+          ("attention out", r"o_proj"), ("mlp norm", r"mlp_norm"), ("gate/up", r"\.(gate|up)\."),
+          ("mlp down", r"\.down\."), ("final norm", r"^norm\."), ("head", r"^head\."))
+
+
+def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, seed: int = 0,
+             timeout_s: float = 300.0) -> dict[str, float]:
+    """Relative errors of the loss and of every parameter's gradient (names of the single-process model)."""
+    torch.manual_seed(seed)
+    ref = Llama(cfg)
+    count = sum(int((lab != -100).sum()) for _, lab, _ in sequences)
+    ref_loss = sum(next_token_loss(ref(tok, lens), lab, count) for tok, lab, lens in sequences)
+    ref_loss.backward()
+    model = ParallelLlama(cfg, mesh, mode=mode, timeout_s=timeout_s)
+    model.load_full(ref)
+    d, c = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
+    tokens, labels, doc_lens = sequences[d]
+    plan = cp.plan(doc_lens, mesh["cp"].size(), strategy=strategy)
+    logits, rows = model(cp.shard(tokens, plan, c), plan)
+    loss = next_token_loss(logits, cp.shard(labels, plan, c)[rows], count)
+    loss.backward()
+    model.reduce_grads()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    errors = {"loss": abs(float(total) - float(ref_loss)) / abs(float(ref_loss))}
+    grads = dict(ref.named_parameters())
+    for name, g in model.full_grads().items():
+        want = grads[name].grad
+        errors[name] = float((g - want).abs().max() / want.abs().max().clamp_min(1e-12))
+    return errors
+
+
+def by_group(errors: dict[str, float]) -> list[tuple[str, float, bool]]:
+    """``(group, worst relative error, passed)`` per parameter group, the loss first."""
+    rows = [("loss", errors["loss"], errors["loss"] <= TOL)]
+    for label, pattern in GROUPS:
+        worst = [e for n, e in errors.items() if n != "loss" and re.search(pattern, n)]
+        if worst:
+            rows.append((label, max(worst), max(worst) <= TOL))
+    return rows
