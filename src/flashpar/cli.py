@@ -1,4 +1,4 @@
-"""``flashpar`` command line: ``flashpar bench overlap|cp|plan ...``, ``flashpar plan ...``."""
+"""``flashpar`` command line: ``flashpar train ...``, ``flashpar bench overlap|cp|plan ...``, ``flashpar plan ...``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashpar.bench import overlap as bench_overlap
     from flashpar.bench import plan_targets
     from flashpar.cp import cli as plan_cli
+    from flashpar.train import run as train_run
 
     parser = argparse.ArgumentParser(prog="flashpar",
                                      description="flashpar: overlapped parallelism and context-parallel planning")
@@ -23,11 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     bench_cp.add_arguments(bc)
     bp = bench_sub.add_parser("plan", help="the FlashCP planner against its targets on real document lengths")
     plan_targets.add_arguments(bp)
+    tr = sub.add_parser("train", help="train the Llama-style model with TP-SP + CP + DP on real packed documents")
+    train_run.add_arguments(tr)
     pl = sub.add_parser("plan", help="plan context parallelism for packed documents, every strategy side by side")
     plan_cli.add_arguments(pl)
     args = parser.parse_args(argv)
     if args.command == "plan":
         return plan_cli.run(args)
+    if args.command == "train":
+        return train_run.run(args)
     if args.command == "bench" and args.bench == "overlap":
         return bench_overlap.run(args)
     if args.command == "bench" and args.bench == "cp":

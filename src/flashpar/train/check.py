@@ -44,7 +44,8 @@ def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, see
     model.reduce_grads()
     total = loss.detach().clone()
     dist.all_reduce(total)
-    errors = {"loss": abs(float(total) - float(ref_loss)) / abs(float(ref_loss))}
+    ref_value = float(ref_loss.detach())
+    errors = {"loss": abs(float(total) - ref_value) / abs(ref_value)}
     grads = dict(ref.named_parameters())
     for name, g in model.full_grads().items():
         want = grads[name].grad

@@ -1,0 +1,41 @@
+"""`flashpar train`: argument errors before any process starts, a short run and --check end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flashpar.cli import main
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--dp", "2", "--cp", "2", "--tp", "2"], "does not match the 4 processes"),
+    (["--heads", "6", "--kv-heads", "3", "--hidden", "96"], "kv heads = 3 is not divisible by tp = 2"),
+    (["--ffn", "75"], "FFN size = 75 is not divisible by tp = 2"),
+    (["--seq-len", "6"], "too short"),
+    (["--out", "/proc/flashpar-cannot-write"], "not writable"),
+    (["--max-docs", "1", "--seq-len", "100000000"], "fewer than one global batch"),
+])
+def test_bad_arguments_stop_with_one_line(argv, words, capsys):
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1, err
+
+
+def test_train_runs_and_writes_metrics(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "3", "--seq-len", "256", "--max-docs", "40", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # forward K/V bytes measured by the executor equal what the plans say
+    assert all(r["kv_bytes"] == r["plan_kv_bytes"] for r in rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["final_loss"] < summary["first_loss"]
+    assert "trained 3 steps" in capsys.readouterr().out
+
+
+def test_check_passes(tmp_path, capsys):
+    assert main(["train", "--check", "--seq-len", "128", "--max-docs", "40", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "PASS  q/k/v" in text and text.strip().endswith("PASS")
