@@ -119,11 +119,17 @@ class ParallelLlama(nn.Module):
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Gradients under the single-process model's parameter names (tp shards all-gathered)."""
+        params = self.named_parameters()
+        return self.to_full({n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params})
+
+    def to_full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-parameter tensors of this rank (parameters, gradients, optimizer moments: ``local[name]`` shaped
+        like parameter ``name``) as the single-process model's full tensors, under its names; the inverse
+        of ``shard_of``.  A collective over the tp group."""
         cfg, out = self.cfg, {}
         d = cfg.head_dim
-        for name, p in self.named_parameters():
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            base = name.rsplit(".", 2)[0] if name.endswith(".weight") and "blocks." in name else None
+        for name, g in local.items():
+            base = name.rsplit(".", 2)[0]
             if ".qkv." in name:
                 sizes = [cfg.heads // self.tp * d, cfg.kv_heads // self.tp * d, cfg.kv_heads // self.tp * d]
                 for part, piece in zip(("q_proj", "k_proj", "v_proj"), g.split(sizes), strict=True):
@@ -134,7 +140,7 @@ class ParallelLlama(nn.Module):
             elif ".o_proj." in name or ".down." in name:
                 out[name] = self._gather_tp(g, 1)
             else:
-                out[name] = g.clone()
+                out[name] = g.detach().clone()
         return out
 
     def _gather_tp(self, x: torch.Tensor, dim: int) -> torch.Tensor:

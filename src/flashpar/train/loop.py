@@ -29,6 +29,7 @@ from flashpar import cp
 from flashpar.cp import CostModel
 from flashpar.models import Llama, LlamaConfig, next_token_loss
 from flashpar.models.parallel import ParallelLlama
+from flashpar.train import checkpoint
 from flashpar.train.data import PackedCorpus, PlannedSequences, make_loader
 
 GPU_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}  # dense bf16 FLOP/s
@@ -81,15 +82,21 @@ def train(config: dict) -> dict | None:
     # the planner's cost model with this model's shape (fp32 activations); device rates stay the defaults
     cost = CostModel(hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                      layers=cfg.layers, dtype_bytes=4)
-    planned = PlannedSequences(data, config["cp"], config["strategy"], cost, dp_rank=dp_rank, dp_size=config["dp"])
-    steps = min(config["steps"], len(planned))
+    first_step, start = 0, 0
+    if config.get("resume"):
+        meta = checkpoint.read_meta(Path(config["resume"]), config)
+        checkpoint.load(Path(config["resume"]), model, opt)
+        first_step, start = meta["step"], meta["sequences"]
+    planned = PlannedSequences(data, config["cp"], config["strategy"], cost, dp_rank=dp_rank, dp_size=config["dp"],
+                               start=start)
+    steps = first_step + min(config["steps"] - first_step, len(planned))
     loader = make_loader(planned, num_workers=config["workers"])
     peak = peak_flops(device)
     out = Path(config["out"])
-    log = open(out / "metrics.jsonl", "w") if rank == 0 else None  # noqa: SIM115 - closed below
-    bar = _progress(steps) if rank == 0 else None
+    log = open(out / "metrics.jsonl", "a" if first_step else "w") if rank == 0 else None  # noqa: SIM115
+    bar = _progress(steps, first_step) if rank == 0 else None
     history, t_start = [], time.perf_counter()
-    for step, item in zip(range(steps), loader, strict=False):
+    for step, item in zip(range(first_step, steps), loader, strict=False):
         plan = item["plan"]
         tokens = cp.shard(item["tokens"], plan, cp_rank).to(device)
         labels = cp.shard(item["labels"], plan, cp_rank).to(device)
@@ -129,6 +136,9 @@ def train(config: dict) -> dict | None:
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", mfu=f"{row['mfu']:.1%}",
                             kv=f"{row['kv_bytes'] / 1e6:.1f}MB", exposed=f"{row['exposed_comm_ms_est']:.3f}ms")
+        every = config.get("save_every") or 0
+        if every and ((step + 1) % every == 0 or step + 1 == steps):
+            checkpoint.save(out / "checkpoints" / f"step_{step + 1}", model, opt, step + 1, config)
     summary = None
     if rank == 0:
         bar.close()
@@ -158,11 +168,11 @@ def _plan_savings(doc_lens, cp_size: int, plan) -> dict:
     return out
 
 
-def _progress(total: int):
+def _progress(total: int, done: int = 0):
     try:
         from tqdm import tqdm
 
-        return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+        return tqdm(total=total, initial=done, desc="train", unit="step", dynamic_ncols=True)
     except ImportError:  # pragma: no cover - tqdm is a dependency; keep running without it
         class _Plain:
             def update(self, n): pass

@@ -52,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/train", help="folder for metrics.jsonl and summary.json")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any distributed wait may take")
     p.add_argument("--check", action="store_true", help="compare one step against the single-process model")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps and at the end (0: never)")
+    p.add_argument("--resume", default=None,
+                   help="continue from a checkpoint folder (or a run's checkpoints/ folder: its newest); "
+                        "the mesh may differ")
 
 
 def config_from(args: argparse.Namespace) -> dict:
@@ -90,7 +94,15 @@ def config_from(args: argparse.Namespace) -> dict:
         raise ValueError(f"no training documents: {err}") from err
     if tokens < args.seq_len * args.dp:
         raise ValueError(f"the corpus has {tokens} tokens, fewer than one global batch ({args.dp} x {args.seq_len})")
-    return {"model": dataclasses.asdict(model), "dp": args.dp, "cp": args.cp, "tp": args.tp, "steps": args.steps,
+    resume = None
+    if args.resume:
+        from flashpar.train.checkpoint import latest
+
+        resume = str(latest(Path(args.resume)))  # FileNotFoundError: one line below
+    if args.save_every < 0:
+        raise ValueError(f"save-every must be >= 0, got {args.save_every}")
+    return {"resume": resume, "save_every": args.save_every, "model": dataclasses.asdict(model),
+            "dp": args.dp, "cp": args.cp, "tp": args.tp, "steps": args.steps,
             "seq_len": args.seq_len, "strategy": args.strategy, "mode": args.mode, "lr": args.lr, "seed": args.seed,
             "max_docs": args.max_docs, "device": args.device, "threads": args.threads, "workers": args.workers,
             "out": str(out), "timeout": args.timeout, "check": args.check}
@@ -148,6 +160,10 @@ def _free_port() -> int:
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from(args)
+        if config["resume"]:
+            from flashpar.train.checkpoint import read_meta
+
+            read_meta(Path(config["resume"]), config)  # same model, data and seed, or one line here
     except (ValueError, FileNotFoundError) as err:
         print(f"flashpar train: {err}", file=sys.stderr)
         return 2
@@ -183,6 +199,9 @@ def _report(out, config: dict) -> int:
         print("PASS" if passed else "FAIL")
         return 0 if passed else 1
     s = out
+    if s["steps"] == 0:
+        print(f"nothing to train: the run is already at --steps {config['steps']}")
+        return 0
     print(f"\ntrained {s['steps']} steps on mesh dp={s['mesh']['dp']} cp={s['mesh']['cp']} tp={s['mesh']['tp']} "
           f"in {s['wall_s']:.0f} s: loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}, "
           f"{s['tokens_per_s']:.0f} tokens/s, MFU {s['mfu']:.1%} (of a GEMM-probe peak)")

@@ -1,0 +1,76 @@
+"""Checkpoints of the trainer with ``torch.distributed.checkpoint``, resumable on another mesh shape.
+
+A checkpoint holds the model and the AdamW moments as the single-process model's *full* tensors,
+under its parameter names (tp shards gathered with ``ParallelLlama.to_full``): every rank holds the
+same values, which DCP writes once.  Loading fills full tensors and each rank takes its shards
+(``ParallelLlama.shard_of``), whatever the mesh was when saving.  ``meta.json`` (rank 0) records the
+step, the global sequences consumed (``step x dp``: the data loader resumes there) and what must
+not change across a resume (model sizes, sequence length, corpus and seed).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+KEEP = ("model", "seq_len", "max_docs", "seed")  # config entries a resume must share
+
+
+def save(path: Path, model, opt, step: int, config: dict) -> None:
+    """Write step ``step`` to ``path`` (collective: every rank calls it)."""
+    state = _full_state(model, opt)
+    dcp.save(state, checkpoint_id=str(path))
+    if dist.get_rank() == 0:
+        meta = {"step": step, "sequences": step * config["dp"], "mesh": [config["dp"], config["cp"], config["tp"]],
+                **{k: config[k] for k in KEEP}}
+        (path / "meta.json").write_text(json.dumps(meta, indent=1))
+    dist.barrier()
+
+
+def latest(path: Path) -> Path:
+    """``path`` itself if it is a checkpoint, else its newest ``step_*`` checkpoint."""
+    if (path / "meta.json").is_file():
+        return path
+    steps = sorted(path.glob("step_*/meta.json"), key=lambda p: int(p.parent.name.split("_")[1]))
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint (meta.json) at {path} or in its step_* folders")
+    return steps[-1].parent
+
+
+def read_meta(path: Path, config: dict) -> dict:
+    """The checkpoint's meta data; ``ValueError`` if the run would not continue the same training."""
+    meta = json.loads((latest(path) / "meta.json").read_text())
+    differ = [k for k in KEEP if meta[k] != config[k]]
+    if differ:
+        raise ValueError(f"checkpoint {path} was made with other {', '.join(differ)}: "
+                         + "; ".join(f"{k} {meta[k]} != {config[k]}" for k in differ))
+    return meta
+
+
+def load(path: Path, model, opt) -> None:
+    """Fill this rank's parameters and AdamW state from the checkpoint (collective)."""
+    state = _full_state(model, opt, empty=True)
+    dcp.load(state, checkpoint_id=str(latest(path)))
+    step = float(state["optim"]["step"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(model.shard_of(name, state["model"]))
+            opt.state[p] = {"step": torch.tensor(step),
+                            **{m: model.shard_of(name, state[m]).clone().to(p.device) for m in MOMENTS}}
+
+
+def _full_state(model, opt, empty: bool = False) -> dict:
+    params = dict(model.named_parameters())
+    moments = {m: {n: opt.state.get(p, {}).get(m, torch.zeros_like(p)) for n, p in params.items()} for m in MOMENTS}
+    state = {"model": model.to_full({n: p.detach() for n, p in params.items()}),
+             **{m: model.to_full(moments[m]) for m in MOMENTS}}
+    steps = [float(s["step"]) for s in opt.state.values() if "step" in s]
+    state["optim"] = {"step": torch.tensor(max(steps, default=0.0), dtype=torch.float64)}
+    if empty:
+        state = {k: {n: torch.empty_like(t) for n, t in v.items()} for k, v in state.items()}
+    return {k: {n: t.cpu() for n, t in v.items()} for k, v in state.items()}
