@@ -7,6 +7,7 @@ import json
 import pytest
 
 from flashpar.cli import main
+from flashpar.train.report import have_matplotlib
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -25,7 +26,11 @@ def test_bad_arguments_stop_with_one_line(argv, words, capsys):
 
 def test_train_runs_and_writes_metrics(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["train", "--steps", "3", "--seq-len", "256", "--max-docs", "40", "--out", str(out)]) == 0
+    plot = ["--plot"] if have_matplotlib() else []  # matplotlib is the optional 'plot' extra
+    assert main(["train", "--steps", "3", "--seq-len", "256", "--max-docs", "40", "--trace", *plot,
+                 "--out", str(out)]) == 0
+    assert all(json.loads((out / f"trace_rank{r}.json").read_text())["traceEvents"] for r in range(4))
+    assert (out / "train.png").is_file() == bool(plot)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     # forward K/V bytes measured by the executor equal what the plans say

@@ -16,6 +16,7 @@ figure of the GPU.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -110,13 +111,17 @@ def train(config: dict) -> dict | None:
         savings.update(zip(summed, figures[2:].tolist(), strict=True))
         savings.update(zip([k for k in savings if k not in summed], slowest.tolist(), strict=True))
         sent0 = model.kv_counter.fwd_sent
+        profiler = _profiler(config, device) if step == min(first_step + 2, steps - 1) else None
         t0 = time.perf_counter()
-        logits, rows = model(tokens, plan)
-        loss = next_token_loss(logits, labels[rows], float(figures[0]))
-        loss.backward()
-        model.reduce_grads()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with profiler or contextlib.nullcontext():
+            logits, rows = model(tokens, plan)
+            loss = next_token_loss(logits, labels[rows], float(figures[0]))
+            loss.backward()
+            model.reduce_grads()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if profiler is not None:
+            profiler.export_chrome_trace(str(out / f"trace_rank{rank}.json"))
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         stats = torch.tensor([loss.item(), model.kv_counter.fwd_sent - sent0],
                              dtype=torch.float64)
@@ -144,9 +149,24 @@ def train(config: dict) -> dict | None:
         bar.close()
         log.close()
         summary = _summary(history, time.perf_counter() - t_start, config, peak)
+        if config.get("plot") and history:
+            from flashpar.train.report import plot
+
+            plot(history, plan, out / "train.png")
+            summary["plot"] = str(out / "train.png")
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     dist.barrier()
     return summary
+
+
+def _profiler(config: dict, device):
+    """torch.profiler over one step (the third) when ``--trace``: a Chrome / Perfetto trace per rank."""
+    if not config.get("trace"):
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return profile(activities=activities, record_shapes=False)
 
 
 def _pairs(plan) -> float:

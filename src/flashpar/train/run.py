@@ -52,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/train", help="folder for metrics.jsonl and summary.json")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any distributed wait may take")
     p.add_argument("--check", action="store_true", help="compare one step against the single-process model")
+    p.add_argument("--trace", action="store_true", help="write a Chrome/Perfetto trace of the third step, per rank")
+    p.add_argument("--plot", action="store_true", help="write train.png: loss curve and per-rank work of the plans")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps and at the end (0: never)")
     p.add_argument("--resume", default=None,
                    help="continue from a checkpoint folder (or a run's checkpoints/ folder: its newest); "
@@ -99,9 +101,15 @@ def config_from(args: argparse.Namespace) -> dict:
         from flashpar.train.checkpoint import latest
 
         resume = str(latest(Path(args.resume)))  # FileNotFoundError: one line below
+    if args.plot:
+        from flashpar.train.report import have_matplotlib
+
+        if not have_matplotlib():
+            raise ValueError("--plot needs matplotlib (pip install 'flashpar[plot]')")
     if args.save_every < 0:
         raise ValueError(f"save-every must be >= 0, got {args.save_every}")
-    return {"resume": resume, "save_every": args.save_every, "model": dataclasses.asdict(model),
+    return {"resume": resume, "save_every": args.save_every, "trace": args.trace, "plot": args.plot,
+            "model": dataclasses.asdict(model),
             "dp": args.dp, "cp": args.cp, "tp": args.tp, "steps": args.steps,
             "seq_len": args.seq_len, "strategy": args.strategy, "mode": args.mode, "lr": args.lr, "seed": args.seed,
             "max_docs": args.max_docs, "device": args.device, "threads": args.threads, "workers": args.workers,
@@ -173,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import torch.multiprocessing as mp
 
-    result = Path(config["out"]) / ("check.json" if config["check"] else "result.json")
+    result = Path(config["out"]) / (".check.json" if config["check"] else ".result.json")  # rank 0's return
     result.unlink(missing_ok=True)
     try:
         mp.start_processes(_spawned, args=(args.nproc, _free_port(), config, str(result)), nprocs=args.nproc,
@@ -210,7 +218,11 @@ def _report(out, config: dict) -> int:
           f"{s['headtail_kv_bytes'] / 1e6:.1f} MB for headtail; estimated step (cost model) "
           f"{s['per_doc_est_step_ms'] / max(s['est_step_ms'], 1e-12):.2f}x faster than per_doc, "
           f"{s['headtail_est_step_ms'] / max(s['est_step_ms'], 1e-12):.2f}x than headtail")
-    print(f"metrics: {Path(s['out']) / 'metrics.jsonl'}; summary: {Path(s['out']) / 'summary.json'}")
+    extra = [f"plot: {s['plot']}"] if s.get("plot") else []
+    extra += [f"traces: {Path(s['out']) / 'trace_rank*.json'}"] if config.get("trace") else []
+    extra += [f"checkpoints: {Path(s['out']) / 'checkpoints'}"] if config.get("save_every") else []
+    print("; ".join([f"metrics: {Path(s['out']) / 'metrics.jsonl'}", f"summary: {Path(s['out']) / 'summary.json'}",
+                     *extra]))
     return 0
 
 
