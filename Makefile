@@ -12,7 +12,7 @@ TORCH_PIN := torch==2.13.0
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,plot]'
 	touch $@
 
 setup: $(VENV)/.installed
@@ -23,10 +23,16 @@ lint: setup
 test: lint
 	$(PY) -m pytest
 
-# The main job, on a small default: every overlapped op (TP, sharded DP, Ulysses) and mode side by side
-# at N=2 on an emulated 1 Gbit/s link (about 4 minutes).
+# The main job, on its tiny default: the Llama-style model trained with TP-SP + CP on real packed
+# documents, 4 CPU processes (tp=2, cp=2), 400 steps (about 2 minutes); then a one-step --check.
 run: setup
+	$(VENV)/bin/flashpar train --plot
+	$(VENV)/bin/flashpar train --check
+
+# Benchmarks: every overlap mode (about 4 minutes) and every context-parallel strategy (about 2 minutes).
+bench: setup
 	$(VENV)/bin/flashpar bench overlap --nproc 2 --link-rate 1gbit --rounds 3
+	$(VENV)/bin/flashpar bench cp --nproc 4 --link-rate 300mbit --packs 2 --rounds 5
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

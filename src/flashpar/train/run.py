@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--cp", type=int, default=2)
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per packed sequence (default 2048)")
     p.add_argument("--strategy", default="flashcp", choices=STRATEGIES, help="context-parallel plan (default flashcp)")
     p.add_argument("--mode", default="flash", choices=MODES, help="TP overlap mode (default flash)")
