@@ -60,6 +60,10 @@ def test_resume_continues_the_same_loss_trajectory_on_any_mesh(tmp_path):
     assert json.loads((step2 / "meta.json").read_text())["sequences"] == 2
     assert main([*common, "--resume", str(step2), "--out", str(tmp_path / "b")]) == 0
     assert main([*common, "--resume", str(step2), "--cp", "4", "--tp", "1", "--out", str(tmp_path / "c")]) == 0
+    # ZeRO-3 over dp = 2 from the same checkpoint: other sequences per step, so only that it trains on
+    assert main([*common, "--resume", str(step2), "--dp", "2", "--cp", "2", "--tp", "1",
+                 "--out", str(tmp_path / "d")]) == 0
+    assert list(_losses(tmp_path / "d")) == [3, 4]
     straight, same, other = (_losses(tmp_path / r) for r in "abc")
     assert list(same) == list(other) == [3, 4]
     for step in (3, 4):

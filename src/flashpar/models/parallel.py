@@ -18,10 +18,15 @@ The fused QKV (and gate / up) weight of a tp rank stacks its heads' rows of q, k
 all-gather feeds all three.  The embedding, norms and head are replicated; each rank applies them
 to its own rows (the vocabulary is not sharded: it is small in this trainer).
 
+Data parallelism: ``dp_mode="zero3"`` (the default) keeps on each dp rank only its rows of the tp
+shards (and their optimizer state), gathered over dp before use and reduce-scattered in backward
+(``flashpar.models.zero``); ``"replicate"`` keeps whole copies.  Embedding, norms and head stay
+replicated either way.
+
 Gradients: a parameter's gradient on a rank covers that rank's tokens only, and the loss is
 normalised by the global number of targets, so gradients are summed over every rank that holds a
-copy (``reduce_grads``): the tp shards over the cp x dp ranks of their tp index, the replicated
-parameters over the whole mesh.
+copy (``reduce_grads``): the tp shards over the cp x dp ranks of their tp index (ZeRO-3: over cp,
+the reduce-scatter summed over dp), the replicated parameters over the whole mesh.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ from flashpar import cp
 from flashpar.dist import DEFAULT_TIMEOUT_S
 from flashpar.models.config import LlamaConfig
 from flashpar.models.llama import Llama, RMSNorm, rope
+from flashpar.models.zero import ZeroColumnParallelLinear, ZeroRowParallelLinear, gather_rows
 from flashpar.overlap.modules import ColumnParallelLinear, RowParallelLinear
+from flashpar.overlap.sharded import shard_rows
 
 
 def sequence_split(rows: int, tp: int) -> list[int]:
@@ -44,7 +51,7 @@ def sequence_split(rows: int, tp: int) -> list[int]:
 
 
 class ParallelBlock(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp_group, cp_group, mode: str, timeout_s: float) -> None:
+    def __init__(self, cfg: LlamaConfig, tp_group, cp_group, mode: str, timeout_s: float, dp_group=None) -> None:
         super().__init__()
         tp = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.cfg, self.tp, self.cp_group = cfg, tp, cp_group
@@ -53,11 +60,15 @@ class ParallelBlock(nn.Module):
         self.attn_norm = RMSNorm(h, cfg.norm_eps)
         kw = {"bias": False, "group": tp_group, "mode": mode, "timeout_s": timeout_s}
         self.timeout_s = timeout_s
-        self.qkv = ColumnParallelLinear(h, (cfg.heads + 2 * cfg.kv_heads) * d, **kw)
-        self.o_proj = RowParallelLinear(cfg.heads * d, h, **kw)
+        column, row = ColumnParallelLinear, RowParallelLinear
+        if dp_group is not None:  # ZeRO-3: each dp rank keeps rows of the tp shards
+            column, row = ZeroColumnParallelLinear, ZeroRowParallelLinear
+            kw["dp_group"] = dp_group
+        self.qkv = column(h, (cfg.heads + 2 * cfg.kv_heads) * d, **kw)
+        self.o_proj = row(cfg.heads * d, h, **kw)
         self.mlp_norm = RMSNorm(h, cfg.norm_eps)
-        self.gate_up = ColumnParallelLinear(h, 2 * cfg.ffn, **kw)
-        self.down = RowParallelLinear(cfg.ffn, h, **kw)
+        self.gate_up = column(h, 2 * cfg.ffn, **kw)
+        self.down = row(cfg.ffn, h, **kw)
         self.kv_counter: cp.CommCounter | None = None  # set by ParallelLlama: K/V bytes of cp.attention
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, plan, split: list[int]) -> torch.Tensor:
@@ -76,9 +87,15 @@ class ParallelBlock(nn.Module):
 class ParallelLlama(nn.Module):
     """The decoder on a mesh with dims ``("dp", "cp", "tp")`` (any of them may have size 1)."""
 
-    def __init__(self, cfg: LlamaConfig, mesh, *, mode: str = "flash", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, cfg: LlamaConfig, mesh, *, mode: str = "flash", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 dp_mode: str = "zero3") -> None:
         super().__init__()
+        if dp_mode not in ("zero3", "replicate"):
+            raise ValueError(f"ParallelLlama: dp_mode must be 'zero3' or 'replicate', got {dp_mode!r}")
         self.cfg, self.mesh = cfg, mesh
+        self.dp, self.dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+        self.zero = dp_mode == "zero3" and self.dp > 1
+        dp_group = mesh["dp"].get_group() if self.zero else None
         self.tp_group, self.cp_group = mesh["tp"].get_group(), mesh["cp"].get_group()
         self.tp, self.tp_rank = mesh["tp"].size(), mesh["tp"].get_local_rank()
         self.cp_rank = mesh["cp"].get_local_rank()
@@ -86,11 +103,11 @@ class ParallelLlama(nn.Module):
             if size % self.tp:
                 raise ValueError(f"ParallelLlama: {name} = {size} is not divisible by tp = {self.tp}")
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.blocks = nn.ModuleList(ParallelBlock(cfg, self.tp_group, self.cp_group, mode, timeout_s)
+        self.blocks = nn.ModuleList(ParallelBlock(cfg, self.tp_group, self.cp_group, mode, timeout_s, dp_group)
                                     for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
-        self._sum_groups = _sum_groups(mesh)
+        self._sum_groups = _sum_groups(mesh, self.zero)
         self.kv_counter = cp.CommCounter()  # bytes this rank's attention sent and received, all layers
         for block in self.blocks:
             block.kv_counter = self.kv_counter
@@ -107,6 +124,13 @@ class ParallelLlama(nn.Module):
 
     def shard_of(self, name: str, full: dict[str, torch.Tensor]) -> torch.Tensor:
         """This rank's part of parameter ``name`` built from the full model's tensors ``full``."""
+        part = self._tp_shard_of(name, full)
+        if self.zero and _is_tp_shard(name):
+            lo, hi = shard_rows(part.shape[0], self.dp, self.dp_rank)
+            part = part[lo:hi]
+        return part
+
+    def _tp_shard_of(self, name: str, full: dict[str, torch.Tensor]) -> torch.Tensor:
         t, n = self.tp_rank, self.tp
         if ".qkv." in name or ".gate_up." in name:
             base = name.rsplit(".", 2)[0]
@@ -128,8 +152,13 @@ class ParallelLlama(nn.Module):
         of ``shard_of``.  A collective over the tp group."""
         cfg, out = self.cfg, {}
         d = cfg.head_dim
+        modules = dict(self.named_modules())
         for name, g in local.items():
             base = name.rsplit(".", 2)[0]
+            if self.zero and _is_tp_shard(name):  # the dp rows first: the whole tp shard
+                rows = modules[name[: -len(".weight")]].total_rows
+                with torch.no_grad():
+                    g = gather_rows(g.detach(), self.mesh["dp"].get_group(), rows)
             if ".qkv." in name:
                 sizes = [cfg.heads // self.tp * d, cfg.kv_heads // self.tp * d, cfg.kv_heads // self.tp * d]
                 for part, piece in zip(("q_proj", "k_proj", "v_proj"), g.split(sizes), strict=True):
@@ -184,14 +213,18 @@ def _is_tp_shard(name: str) -> bool:
     return any(k in name for k in (".qkv.", ".gate_up.", ".o_proj.", ".down."))
 
 
-def _sum_groups(mesh) -> dict[str, dist.ProcessGroup | None]:
-    """``shard``: the ranks with this rank's tp index (its cp x dp copies); ``copy``: the whole mesh.
-    Every rank creates every group, in the same order (``new_group`` is collective)."""
+def _sum_groups(mesh, zero: bool) -> dict[str, dist.ProcessGroup | None]:
+    """``shard``: the copies of a tp shard: the ranks with this rank's tp index (cp x dp), or with ZeRO-3
+    (whose reduce-scatter already summed over dp) those with its dp and tp index (the cp group);
+    ``copy``: the whole mesh.  Every rank creates every group, in the same order (``new_group`` is
+    collective)."""
     ranks = mesh.mesh  # [dp, cp, tp] global ranks
     dp, cpn, tp = ranks.shape
     me = dist.get_rank()
     groups: dict[str, dist.ProcessGroup | None] = {"shard": None, "copy": None}
-    if dp * cpn > 1:
+    if zero:
+        groups["shard"] = mesh["cp"].get_group() if cpn > 1 else None
+    elif dp * cpn > 1:
         for t in range(tp):
             members = ranks[:, :, t].flatten().tolist()
             g = dist.new_group(members)

@@ -26,14 +26,14 @@ GROUPS = (("embedding", r"^embed\."), ("attention norm", r"attn_norm"), ("q/k/v"
 
 
 def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, seed: int = 0,
-             timeout_s: float = 300.0) -> dict[str, float]:
+             timeout_s: float = 300.0, dp_mode: str = "zero3") -> dict[str, float]:
     """Relative errors of the loss and of every parameter's gradient (names of the single-process model)."""
     torch.manual_seed(seed)
     ref = Llama(cfg)
     count = sum(int((lab != -100).sum()) for _, lab, _ in sequences)
     ref_loss = sum(next_token_loss(ref(tok, lens), lab, count) for tok, lab, lens in sequences)
     ref_loss.backward()
-    model = ParallelLlama(cfg, mesh, mode=mode, timeout_s=timeout_s)
+    model = ParallelLlama(cfg, mesh, mode=mode, timeout_s=timeout_s, dp_mode=dp_mode)
     model.load_full(ref)
     d, c = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     tokens, labels, doc_lens = sequences[d]

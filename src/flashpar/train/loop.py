@@ -66,7 +66,8 @@ def build(config: dict, mesh, device):
     cfg = LlamaConfig(**config["model"])
     torch.manual_seed(config["seed"])
     full = Llama(cfg)  # every rank the same weights; each keeps its shards
-    model = ParallelLlama(cfg, mesh, mode=config["mode"], timeout_s=config["timeout"])
+    model = ParallelLlama(cfg, mesh, mode=config["mode"], timeout_s=config["timeout"],
+                          dp_mode=config.get("dp_mode", "zero3"))
     model.load_full(full)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=config["lr"], betas=(0.9, 0.95), weight_decay=0.1)

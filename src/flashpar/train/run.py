@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per packed sequence (default 2048)")
     p.add_argument("--strategy", default="flashcp", choices=STRATEGIES, help="context-parallel plan (default flashcp)")
     p.add_argument("--mode", default="flash", choices=MODES, help="TP overlap mode (default flash)")
+    p.add_argument("--dp-mode", default="zero3", choices=["zero3", "replicate"],
+                   help="data parallelism: ZeRO-3 rows of the tp weights per dp rank, or whole copies (default zero3)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-docs", type=int, default=None, help="use only this many corpus documents")
@@ -110,7 +112,7 @@ def config_from(args: argparse.Namespace) -> dict:
         raise ValueError(f"save-every must be >= 0, got {args.save_every}")
     return {"resume": resume, "save_every": args.save_every, "trace": args.trace, "plot": args.plot,
             "model": dataclasses.asdict(model),
-            "dp": args.dp, "cp": args.cp, "tp": args.tp, "steps": args.steps,
+            "dp": args.dp, "cp": args.cp, "tp": args.tp, "dp_mode": args.dp_mode, "steps": args.steps,
             "seq_len": args.seq_len, "strategy": args.strategy, "mode": args.mode, "lr": args.lr, "seed": args.seed,
             "max_docs": args.max_docs, "device": args.device, "threads": args.threads, "workers": args.workers,
             "out": str(out), "timeout": args.timeout, "check": args.check}
@@ -138,7 +140,7 @@ def _check(config: dict):
     data = PackedCorpus(config["seq_len"], max_docs=config["max_docs"], seed=config["seed"])
     seqs = [(data[i]["tokens"], data[i]["labels"], data[i]["doc_lens"]) for i in range(config["dp"])]
     errors = one_step(cfg, mesh, seqs, strategy=config["strategy"], mode=config["mode"], seed=config["seed"],
-                      timeout_s=config["timeout"])
+                      timeout_s=config["timeout"], dp_mode=config["dp_mode"])
     rows = by_group(errors)
     worst = torch.tensor([max(e for _, e, _ in rows)], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -199,7 +201,8 @@ def _report(out, config: dict) -> int:
     if out is None:
         return 0
     if config["check"]:
-        print(f"check: mesh dp={config['dp']} cp={config['cp']} tp={config['tp']}, strategy {config['strategy']}, "
+        print(f"check: mesh dp={config['dp']} ({config['dp_mode']}) cp={config['cp']} tp={config['tp']}, "
+              f"strategy {config['strategy']}, "
               f"mode {config['mode']}, one step against the single-process model (relative error, fp32 bound 1e-4)")
         for name, err, ok in out["rows"]:
             print(f"  {'PASS' if ok else 'FAIL'}  {name:<16} {err:.2e}")

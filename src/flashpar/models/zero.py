@@ -1,0 +1,94 @@
+"""ZeRO-3 over the data-parallel group for the tensor-parallel weights of ``ParallelLlama``.
+
+Each dp rank stores rows ``shard_rows(R, dp, d)`` of its tp shard ``W_t`` (``R`` rows) and the
+optimizer state of those rows only.  Before use the rows are all-gathered over dp; in backward the
+gradient of ``W_t`` is reduce-scattered (summed) back to the row owners:
+
+    forward:   W_t = all_gather_dp(w_rows)                    [R, in]
+    backward:  g_rows = reduce_scatter_dp(g_W_t)[own rows]     sum over the dp ranks
+
+Uneven row shards are padded to the largest for the collectives.  The layers that use it are
+``ColumnParallelLinear`` / ``RowParallelLinear`` whose ``weight`` holds the dp rows (``Zero*``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from flashpar.dist import all_gather_single, reduce_scatter_single
+from flashpar.overlap.modules import ColumnParallelLinear, RowParallelLinear
+from flashpar.overlap.ops import all_gather_matmul, matmul_reduce_scatter
+from flashpar.overlap.sharded import shard_rows
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, group, total: int):
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        width = math.prod(rows.shape[1:])
+        longest = -(-total // n)
+        padded = rows.new_zeros((longest, *rows.shape[1:]))
+        padded[: rows.shape[0]] = rows
+        flat = rows.new_empty((n * longest * width,))
+        all_gather_single(flat, padded.reshape(-1), group=group)
+        blocks = flat.view(n, longest, *rows.shape[1:])
+        ctx.group, ctx.total, ctx.rank = group, total, r
+        return torch.cat([blocks[p, : hi - lo] for p, (lo, hi) in enumerate(shard_rows(total, n, q) for q in range(n))])
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, total = ctx.group, ctx.total
+        n = dist.get_world_size(group)
+        longest = -(-total // n)
+        padded = grad.new_zeros((n, longest, *grad.shape[1:]))
+        for p in range(n):
+            lo, hi = shard_rows(total, n, p)
+            padded[p, : hi - lo] = grad[lo:hi]
+        out = grad.new_empty((longest, *grad.shape[1:]))
+        reduce_scatter_single(out, padded.reshape(n * longest, *grad.shape[1:]).contiguous(), group=group)
+        lo, hi = shard_rows(total, n, ctx.rank)
+        return out[: hi - lo], None, None
+
+
+def gather_rows(rows: torch.Tensor, group, total: int) -> torch.Tensor:
+    """The full ``[total, ...]`` tensor from every dp rank's rows (gradient: summed back to the owners)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return rows
+    return _GatherRows.apply(rows, group, total)
+
+
+class _ZeroRows:
+    """Mixin: ``weight`` keeps this dp rank's rows of the tp shard; ``full_weight()`` gathers them."""
+
+    def _keep_rows(self, dp_group) -> None:
+        self.dp_group = dp_group
+        n, r = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        self.total_rows = self.weight.shape[0]
+        lo, hi = shard_rows(self.total_rows, n, r)
+        self.weight = torch.nn.Parameter(self.weight.data[lo:hi].clone())
+
+    def full_weight(self) -> torch.Tensor:
+        return gather_rows(self.weight, self.dp_group, self.total_rows)
+
+
+class ZeroColumnParallelLinear(_ZeroRows, ColumnParallelLinear):
+    def __init__(self, *args, dp_group, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._keep_rows(dp_group)
+
+    def forward(self, x_shard, *, split_sizes=None):
+        return all_gather_matmul(x_shard, self.full_weight(), None, group=self.group, mode=self.mode,
+                                 chunks=self.chunks, split_sizes=split_sizes, timeout_s=self.timeout_s)
+
+
+class ZeroRowParallelLinear(_ZeroRows, RowParallelLinear):
+    def __init__(self, *args, dp_group, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._keep_rows(dp_group)
+
+    def forward(self, x, *, split_sizes=None):
+        return matmul_reduce_scatter(x, self.full_weight(), None, group=self.group, mode=self.mode,
+                                     chunks=self.chunks, split_sizes=split_sizes, timeout_s=self.timeout_s)
