@@ -78,3 +78,17 @@ def test_resume_with_other_data_settings_is_refused(tmp_path, capsys):
     assert main([*common, "--seq-len", "256", "--resume", str(tmp_path / "a" / "checkpoints"),
                  "--out", str(tmp_path / "b")]) == 2
     assert "seq_len 128 != 256" in capsys.readouterr().err
+
+
+def test_a_rank_that_dies_stops_the_job_with_a_clear_error(tmp_path, monkeypatch, capsys):
+    """Rank 2 exits at step 2 (FLASHPAR_CRASH_AT): the launcher stops the others and says so, well within
+    the 60 s timeout, instead of leaving ranks 0, 1 and 3 waiting for it."""
+    import time
+
+    monkeypatch.setenv("FLASHPAR_CRASH_AT", "2:2")
+    t0 = time.monotonic()
+    rc = main(["train", "--steps", "4", "--seq-len", "256", "--max-docs", "40", "--timeout", "60",
+               "--out", str(tmp_path)])
+    assert rc == 1 and time.monotonic() - t0 < 60
+    err = capsys.readouterr().err
+    assert "a rank failed" in err and "exit code 17" in err, err[-2000:]

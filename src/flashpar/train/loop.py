@@ -98,7 +98,10 @@ def train(config: dict) -> dict | None:
     log = open(out / "metrics.jsonl", "a" if first_step else "w") if rank == 0 else None  # noqa: SIM115
     bar = _progress(steps, first_step) if rank == 0 else None
     history, t_start = [], time.perf_counter()
+    crash = os.environ.get("FLASHPAR_CRASH_AT", "")  # "rank:step": that rank dies there (failure drills, tests)
     for step, item in zip(range(first_step, steps), loader, strict=False):
+        if crash == f"{rank}:{step + 1}":
+            os._exit(17)
         plan = item["plan"]
         tokens = cp.shard(item["tokens"], plan, cp_rank).to(device)
         labels = cp.shard(item["labels"], plan, cp_rank).to(device)

@@ -19,7 +19,6 @@ import json
 import os
 import socket
 import sys
-import traceback
 from pathlib import Path
 
 from flashpar.cp import STRATEGIES
@@ -188,10 +187,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         mp.start_processes(_spawned, args=(args.nproc, _free_port(), config, str(result)), nprocs=args.nproc,
                            join=True, start_method="spawn")
-    except Exception as err:  # noqa: BLE001 - a rank failed: one line, then the rank's traceback tail
-        print(f"flashpar train: a rank failed: {str(err).strip().splitlines()[-1] if str(err).strip() else err}",
-              file=sys.stderr)
-        traceback.print_exc(limit=2)
+    except mp.ProcessRaisedException as err:  # the rank's exception: its traceback, then one line
+        text = str(err).strip()
+        print(text, file=sys.stderr)
+        print(f"flashpar train: a rank failed: {text.splitlines()[-1]}", file=sys.stderr)
+        return 1
+    except mp.ProcessExitedException as err:  # died without a Python exception (killed, os._exit, crash)
+        print(f"flashpar train: a rank failed: {err}", file=sys.stderr)
         return 1
     out = json.loads(result.read_text())
     return _report(out, config)
