@@ -177,7 +177,23 @@ class PlannedSequences(Dataset):
         item = self.dataset[self.global_index(j)]
         item["plan"] = cp_plan(item["doc_lens"], self.cp_size, strategy=self.strategy, cost=self.cost)
         item["planning_s"] = item["plan"].planning_s
+        item["figures"] = plan_figures(item["plan"])
         return item
+
+
+def plan_figures(plan) -> dict[str, float]:
+    """The cost model's K/V bytes, step time and exposed communication (``max over ranks of est_time -
+    compute``) of ``plan``, and the K/V bytes and step time of ``per_doc`` and ``headtail`` on the same
+    documents: the trainer's report of what the planner saved, computed here in the loader worker."""
+    mine = plan.stats()
+    exposed = max(t - c for t, c in zip(mine["est_time"], mine["compute"], strict=True))
+    out = {"est_step_ms": 1e3 * mine["est_step_time"], "plan_kv_bytes": mine["total_kv_bytes"],
+           "exposed_comm_ms_est": 1e3 * exposed}
+    for base in ("per_doc", "headtail"):
+        s = cp_plan(plan.doc_lens, plan.cp_size, strategy=base, cost=plan.cost).stats()
+        out[f"{base}_kv_bytes"] = s["total_kv_bytes"]
+        out[f"{base}_est_step_ms"] = 1e3 * s["est_step_time"]
+    return out
 
 
 def _is_int(v) -> bool:

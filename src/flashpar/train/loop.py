@@ -105,7 +105,7 @@ def train(config: dict) -> dict | None:
         plan = item["plan"]
         tokens = cp.shard(item["tokens"], plan, cp_rank).to(device)
         labels = cp.shard(item["labels"], plan, cp_rank).to(device)
-        savings = _plan_savings(item["doc_lens"], config["cp"], plan)
+        savings = dict(item["figures"])  # made in the loader worker
         summed = [k for k in savings if k.endswith("bytes")]  # over the dp sequences; times: the slowest
         figures = torch.tensor([float((item["labels"] != -100).sum()), _pairs(plan), *(savings[k] for k in summed)],
                                dtype=torch.float64)
@@ -176,20 +176,6 @@ def _profiler(config: dict, device):
 def _pairs(plan) -> float:
     """(query, key) pairs of the causal document mask of the whole sequence."""
     return float(sum(n * (n + 1) // 2 for n in plan.doc_lens))
-
-
-def _plan_savings(doc_lens, cp_size: int, plan) -> dict:
-    """The cost model's K/V bytes, step time and exposed communication of this plan, and the K/V bytes
-    and step time of ``per_doc`` and ``headtail`` on the same documents (summed over dp by the caller)."""
-    mine = plan.stats()
-    exposed = max(t - c for t, c in zip(mine["est_time"], mine["compute"], strict=True))
-    out = {"est_step_ms": 1e3 * mine["est_step_time"], "plan_kv_bytes": mine["total_kv_bytes"],
-           "exposed_comm_ms_est": 1e3 * exposed}
-    for base in ("per_doc", "headtail"):
-        s = cp.plan(doc_lens, cp_size, strategy=base, cost=plan.cost).stats()
-        out[f"{base}_kv_bytes"] = s["total_kv_bytes"]
-        out[f"{base}_est_step_ms"] = 1e3 * s["est_step_time"]
-    return out
 
 
 def _progress(total: int, done: int = 0):
