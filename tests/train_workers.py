@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
@@ -28,8 +29,9 @@ def sequences(dp: int, seed: int = 0):
     return out
 
 
-def check_mesh(rank, world, shape, dp_mode="zero3", strategy="flashcp", mode="flash"):
+def check_mesh(rank, world, shape, dp_mode="zero3", tie=True, strategy="flashcp", mode="flash"):
     dp, cpn, tp = shape
     mesh = init_device_mesh("cpu", (dp, cpn, tp), mesh_dim_names=("dp", "cp", "tp"))
-    errors = one_step(CFG, mesh, sequences(dp), strategy=strategy, mode=mode, dp_mode=dp_mode)
+    cfg = CFG if tie else dataclasses.replace(CFG, tie_embeddings=False)
+    errors = one_step(cfg, mesh, sequences(dp), strategy=strategy, mode=mode, dp_mode=dp_mode)
     return {k: v for k, v in errors.items() if not v <= TOL}, len(errors)

@@ -6,27 +6,28 @@ One rank holds, of one packed sequence and its ``CPPlan`` over the ``cp`` ranks:
     tp:  a contiguous block of those rows between the blocks (``split_sizes``, sequence parallel),
          all of them and 1/tp of the heads / FFN columns inside attention and the MLP
 
-    x_shard   = embed(tokens of this tp block)                             [T_cp/tp, h]
+    x_shard   = reduce_scatter_tp(embed_t(tokens))                          [T_cp/tp, h]   (vocab rows t)
     qkv       = all_gather_matmul(norm(x_shard), w_qkv[tp rank])            [T_cp, (H + 2 H_kv) D / tp]
     o         = cp.attention(rope(q), rope(k), v, plan, group=cp)          [T_cp, H / tp, D]
     x_shard  += matmul_reduce_scatter(o, w_o[:, tp rank])                  [T_cp/tp, h]
     x_shard  += matmul_reduce_scatter(silu(g) u, w_down[:, tp rank]),  (g, u) = all_gather_matmul(norm(x_shard), w_gu)
-    logits    = head(norm(x_shard))                                        [T_cp/tp, vocab]
+    logits_t  = all_gather_matmul(norm(x_shard), head_t)                   [T_cp, vocab / tp]
+    loss      = vocab-parallel cross-entropy of this tp rank's rows        (``flashpar.models.vocab``)
 
 The all-gathers and reduce-scatters are FlashOverlap's (``mode``), the K/V exchange FlashCP's.
 The fused QKV (and gate / up) weight of a tp rank stacks its heads' rows of q, k and v, so one
-all-gather feeds all three.  The embedding, norms and head are replicated; each rank applies them
-to its own rows (the vocabulary is not sharded: it is small in this trainer).
+all-gather feeds all three.  Embedding and head hold the tp rank's vocabulary rows; the norms are
+replicated.
 
 Data parallelism: ``dp_mode="zero3"`` (the default) keeps on each dp rank only its rows of the tp
 shards (and their optimizer state), gathered over dp before use and reduce-scattered in backward
-(``flashpar.models.zero``); ``"replicate"`` keeps whole copies.  Embedding, norms and head stay
-replicated either way.
+(``flashpar.models.zero``); ``"replicate"`` keeps whole copies.  Embedding, head (vocabulary
+rows of the tp rank) and norms are not split over dp.
 
 Gradients: a parameter's gradient on a rank covers that rank's tokens only, and the loss is
 normalised by the global number of targets, so gradients are summed over every rank that holds a
-copy (``reduce_grads``): the tp shards over the cp x dp ranks of their tp index (ZeRO-3: over cp,
-the reduce-scatter summed over dp), the replicated parameters over the whole mesh.
+copy (``reduce_grads``): the tp shards over the cp x dp ranks of their tp index (ZeRO-3 rows: over
+cp, the reduce-scatter summed over dp), the norms over the whole mesh.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ from flashpar import cp
 from flashpar.dist import DEFAULT_TIMEOUT_S
 from flashpar.models.config import LlamaConfig
 from flashpar.models.llama import Llama, RMSNorm, rope
+from flashpar.models.vocab import embed_rows, vocab_parallel_loss
 from flashpar.models.zero import ZeroColumnParallelLinear, ZeroRowParallelLinear, gather_rows
 from flashpar.overlap.modules import ColumnParallelLinear, RowParallelLinear
+from flashpar.overlap.ops import all_gather_matmul
 from flashpar.overlap.sharded import shard_rows
 
 
@@ -99,15 +102,17 @@ class ParallelLlama(nn.Module):
         self.tp_group, self.cp_group = mesh["tp"].get_group(), mesh["cp"].get_group()
         self.tp, self.tp_rank = mesh["tp"].size(), mesh["tp"].get_local_rank()
         self.cp_rank = mesh["cp"].get_local_rank()
-        for name, size in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads), ("ffn", cfg.ffn)):
+        for name, size in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads), ("ffn", cfg.ffn),
+                           ("vocab_size", cfg.vocab_size)):
             if size % self.tp:
                 raise ValueError(f"ParallelLlama: {name} = {size} is not divisible by tp = {self.tp}")
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.mode, self.vocab_lo = mode, self.tp_rank * cfg.vocab_size // self.tp
+        self.embed = nn.Embedding(cfg.vocab_size // self.tp, cfg.hidden)  # this tp rank's vocabulary rows
         self.blocks = nn.ModuleList(ParallelBlock(cfg, self.tp_group, self.cp_group, mode, timeout_s, dp_group)
                                     for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
-        self._sum_groups = _sum_groups(mesh, self.zero)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab_size // self.tp, bias=False)
+        self._sum_groups = _sum_groups(mesh)
         self.kv_counter = cp.CommCounter()  # bytes this rank's attention sent and received, all layers
         for block in self.blocks:
             block.kv_counter = self.kv_counter
@@ -125,7 +130,7 @@ class ParallelLlama(nn.Module):
     def shard_of(self, name: str, full: dict[str, torch.Tensor]) -> torch.Tensor:
         """This rank's part of parameter ``name`` built from the full model's tensors ``full``."""
         part = self._tp_shard_of(name, full)
-        if self.zero and _is_tp_shard(name):
+        if self.zero and _is_zero(name):
             lo, hi = shard_rows(part.shape[0], self.dp, self.dp_rank)
             part = part[lo:hi]
         return part
@@ -139,6 +144,8 @@ class ParallelLlama(nn.Module):
         if ".o_proj." in name or ".down." in name:
             w = full[name]
             return w[:, t * w.shape[1] // n : (t + 1) * w.shape[1] // n]
+        if name in ("embed.weight", "head.weight"):  # vocabulary rows
+            return _rows(full[name], t, n)
         return full[name]
 
     def full_grads(self) -> dict[str, torch.Tensor]:
@@ -155,7 +162,7 @@ class ParallelLlama(nn.Module):
         modules = dict(self.named_modules())
         for name, g in local.items():
             base = name.rsplit(".", 2)[0]
-            if self.zero and _is_tp_shard(name):  # the dp rows first: the whole tp shard
+            if self.zero and _is_zero(name):  # the dp rows first: the whole tp shard
                 rows = modules[name[: -len(".weight")]].total_rows
                 with torch.no_grad():
                     g = gather_rows(g.detach(), self.mesh["dp"].get_group(), rows)
@@ -168,6 +175,8 @@ class ParallelLlama(nn.Module):
                     out[f"{base}.{part}.weight"] = self._gather_tp(piece, 0)
             elif ".o_proj." in name or ".down." in name:
                 out[name] = self._gather_tp(g, 1)
+            elif name in ("embed.weight", "head.weight"):
+                out[name] = self._gather_tp(g, 0)
             else:
                 out[name] = g.detach().clone()
         return out
@@ -184,47 +193,54 @@ class ParallelLlama(nn.Module):
         for name, p in self.named_parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            group = self._sum_groups["shard" if _is_tp_shard(name) else "copy"]
+            kind = "copy" if not _is_tp_shard(name) else ("zero" if self.zero and _is_zero(name) else "shard")
+            group = self._sum_groups[kind]
             if group is not None:
                 dist.all_reduce(p.grad, group=group)
 
     # ------------------------------------------------------------------------------------------
     # forward
 
-    def forward(self, tokens_cp: torch.Tensor, plan) -> tuple[torch.Tensor, slice]:
-        """Logits of this rank's rows: ``tokens_cp`` are the cp rank's tokens (``cp.shard(tokens, plan,
-        cp_rank)``); returns ``(logits [rows, vocab], rows)`` with ``rows`` the slice of ``tokens_cp``."""
+    def forward(self, tokens_cp: torch.Tensor, plan, labels_cp: torch.Tensor, count: float) -> torch.Tensor:
+        """This rank's share of the loss: ``tokens_cp`` / ``labels_cp`` are the cp rank's tokens and targets
+        (``cp.shard(x, plan, cp_rank)``), ``count`` the global batch's number of targets; the shares of all
+        ranks add up to the mean next-token loss."""
         split = sequence_split(tokens_cp.shape[0], self.tp)
         start = sum(split[: self.tp_rank])
         rows = slice(start, start + split[self.tp_rank])
         positions = plan.position_ids(self.cp_rank).to(tokens_cp.device)
-        x = self.embed(tokens_cp[rows])
+        x = embed_rows(tokens_cp, self.embed.weight, self.vocab_lo, self.tp_group)
         for block in self.blocks:
             x = block(x, positions, plan, split)
         head = self.embed.weight if self.head is None else self.head.weight
-        return F.linear(self.norm(x), head), rows
+        logits = all_gather_matmul(self.norm(x), head, None, group=self.tp_group, mode=self.mode, split_sizes=split)
+        return vocab_parallel_loss(logits, labels_cp, self.vocab_lo, self.tp_group, rows, count)
 
 
 def _rows(w: torch.Tensor, t: int, n: int) -> torch.Tensor:
     return w[t * w.shape[0] // n : (t + 1) * w.shape[0] // n]
 
 
-def _is_tp_shard(name: str) -> bool:
+def _is_zero(name: str) -> bool:
+    """The weights ZeRO-3 splits over dp (the tp-sharded projections)."""
     return any(k in name for k in (".qkv.", ".gate_up.", ".o_proj.", ".down."))
 
 
-def _sum_groups(mesh, zero: bool) -> dict[str, dist.ProcessGroup | None]:
-    """``shard``: the copies of a tp shard: the ranks with this rank's tp index (cp x dp), or with ZeRO-3
-    (whose reduce-scatter already summed over dp) those with its dp and tp index (the cp group);
-    ``copy``: the whole mesh.  Every rank creates every group, in the same order (``new_group`` is
-    collective)."""
+def _is_tp_shard(name: str) -> bool:
+    return _is_zero(name) or name in ("embed.weight", "head.weight")
+
+
+def _sum_groups(mesh) -> dict[str, dist.ProcessGroup | None]:
+    """The ranks a gradient is summed over: ``shard`` (a tp shard: the ranks with this rank's tp index,
+    cp x dp), ``zero`` (a ZeRO-3 row block, whose reduce-scatter already summed over dp: the cp group),
+    ``copy`` (replicated: the whole mesh).  Every rank creates every group in the same order
+    (``new_group`` is collective); ``None`` where the group is this rank alone."""
     ranks = mesh.mesh  # [dp, cp, tp] global ranks
     dp, cpn, tp = ranks.shape
     me = dist.get_rank()
-    groups: dict[str, dist.ProcessGroup | None] = {"shard": None, "copy": None}
-    if zero:
-        groups["shard"] = mesh["cp"].get_group() if cpn > 1 else None
-    elif dp * cpn > 1:
+    groups: dict[str, dist.ProcessGroup | None] = {"shard": None, "copy": None,
+                                                  "zero": mesh["cp"].get_group() if cpn > 1 else None}
+    if dp * cpn > 1:
         for t in range(tp):
             members = ranks[:, :, t].flatten().tolist()
             g = dist.new_group(members)

@@ -9,6 +9,8 @@ gradient of ``W_t`` is reduce-scattered (summed) back to the row owners:
 
 Uneven row shards are padded to the largest for the collectives.  The layers that use it are
 ``ColumnParallelLinear`` / ``RowParallelLinear`` whose ``weight`` holds the dp rows (``Zero*``).
+``reduce_scatter_rows`` (the adjoint of ``gather_rows``) also serves the vocabulary-parallel
+embedding (``flashpar.models.vocab``).
 """
 
 from __future__ import annotations
@@ -24,33 +26,60 @@ from flashpar.overlap.ops import all_gather_matmul, matmul_reduce_scatter
 from flashpar.overlap.sharded import shard_rows
 
 
+def _all_gather_rows(rows: torch.Tensor, group, total: int) -> torch.Tensor:
+    """``[total, ...]`` from every rank's block ``shard_rows(total, n, p)`` (padded to the largest)."""
+    n = dist.get_world_size(group)
+    longest = -(-total // n)
+    padded = rows.new_zeros((longest, *rows.shape[1:]))
+    padded[: rows.shape[0]] = rows
+    flat = rows.new_empty((n * longest * math.prod(rows.shape[1:]),))
+    all_gather_single(flat, padded.reshape(-1), group=group)
+    blocks = flat.view(n, longest, *rows.shape[1:])
+    return torch.cat([blocks[p, : hi - lo] for p, (lo, hi) in enumerate(shard_rows(total, n, q) for q in range(n))])
+
+
+def _reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:
+    """This rank's block of ``full`` summed over the group."""
+    n, total = dist.get_world_size(group), full.shape[0]
+    longest = -(-total // n)
+    padded = full.new_zeros((n, longest, *full.shape[1:]))
+    for p in range(n):
+        lo, hi = shard_rows(total, n, p)
+        padded[p, : hi - lo] = full[lo:hi]
+    out = full.new_empty((longest, *full.shape[1:]))
+    reduce_scatter_single(out, padded.reshape(n * longest, *full.shape[1:]).contiguous(), group=group)
+    lo, hi = shard_rows(total, n, dist.get_rank(group))
+    return out[: hi - lo]
+
+
 class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, group, total: int):
-        n, r = dist.get_world_size(group), dist.get_rank(group)
-        width = math.prod(rows.shape[1:])
-        longest = -(-total // n)
-        padded = rows.new_zeros((longest, *rows.shape[1:]))
-        padded[: rows.shape[0]] = rows
-        flat = rows.new_empty((n * longest * width,))
-        all_gather_single(flat, padded.reshape(-1), group=group)
-        blocks = flat.view(n, longest, *rows.shape[1:])
-        ctx.group, ctx.total, ctx.rank = group, total, r
-        return torch.cat([blocks[p, : hi - lo] for p, (lo, hi) in enumerate(shard_rows(total, n, q) for q in range(n))])
+        ctx.group = group
+        return _all_gather_rows(rows, group, total)
 
     @staticmethod
     def backward(ctx, grad):
-        group, total = ctx.group, ctx.total
-        n = dist.get_world_size(group)
-        longest = -(-total // n)
-        padded = grad.new_zeros((n, longest, *grad.shape[1:]))
-        for p in range(n):
-            lo, hi = shard_rows(total, n, p)
-            padded[p, : hi - lo] = grad[lo:hi]
-        out = grad.new_empty((longest, *grad.shape[1:]))
-        reduce_scatter_single(out, padded.reshape(n * longest, *grad.shape[1:]).contiguous(), group=group)
-        lo, hi = shard_rows(total, n, ctx.rank)
-        return out[: hi - lo], None, None
+        return _reduce_scatter_rows(grad, ctx.group), None, None
+
+
+class _ScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, full, group):
+        ctx.group, ctx.total = group, full.shape[0]
+        return _reduce_scatter_rows(full, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_rows(grad.contiguous(), ctx.group, ctx.total), None
+
+
+def reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:
+    """This rank's rows ``shard_rows(T, n, rank)`` of ``full [T, ...]`` summed over the group
+    (gradient: all-gathered)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return full
+    return _ScatterRows.apply(full, group)
 
 
 def gather_rows(rows: torch.Tensor, group, total: int) -> torch.Tensor:

@@ -38,8 +38,7 @@ def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, see
     d, c = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     tokens, labels, doc_lens = sequences[d]
     plan = cp.plan(doc_lens, mesh["cp"].size(), strategy=strategy)
-    logits, rows = model(cp.shard(tokens, plan, c), plan)
-    loss = next_token_loss(logits, cp.shard(labels, plan, c)[rows], count)
+    loss = model(cp.shard(tokens, plan, c), plan, cp.shard(labels, plan, c), count)
     loss.backward()
     model.reduce_grads()
     total = loss.detach().clone()

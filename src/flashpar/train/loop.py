@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from flashpar import cp
 from flashpar.cp import CostModel
-from flashpar.models import Llama, LlamaConfig, next_token_loss
+from flashpar.models import Llama, LlamaConfig
 from flashpar.models.parallel import ParallelLlama
 from flashpar.train import checkpoint
 from flashpar.train.data import PackedCorpus, PlannedSequences, make_loader
@@ -118,8 +118,7 @@ def train(config: dict) -> dict | None:
         profiler = _profiler(config, device) if step == min(first_step + 2, steps - 1) else None
         t0 = time.perf_counter()
         with profiler or contextlib.nullcontext():
-            logits, rows = model(tokens, plan)
-            loss = next_token_loss(logits, labels[rows], float(figures[0]))
+            loss = model(tokens, plan, labels, float(figures[0]))
             loss.backward()
             model.reduce_grads()
             opt.step()

@@ -1,0 +1,51 @@
+"""Vocabulary-parallel embedding and cross-entropy over the tp group, with sequence parallelism.
+
+Tp rank ``t`` holds the vocabulary rows ``[lo, hi) = [t V / tp, (t + 1) V / tp)`` of the embedding
+(and of the head, or the same rows when tied).  The cp rank's tokens are all present on every tp
+rank; each tp rank keeps the hidden states of its block of rows (``shard_rows``).
+
+    embedding:  x_t = reduce_scatter_rows( E_t[tok - lo] if lo <= tok < hi else 0 )     [rows_t, h]
+    logits:     z   = all_gather_matmul(norm(x_t), E_t)                                  [T, V / tp]
+    loss row i: log sum_t sum_v exp(z_iv - m_i) + m_i - z_i[target_i]        (m_i: max over all v)
+
+The row maximum and the two sums are all-reduced over tp (the sums with autograd, so each tp
+rank's logits get their softmax gradient); rank ``t`` adds the losses of its block of rows only,
+so the loss summed over the ranks counts every target once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+import torch.nn.functional as F
+
+from flashpar.models.llama import IGNORE
+from flashpar.models.zero import reduce_scatter_rows
+
+
+def embed_rows(tokens: torch.Tensor, weight: torch.Tensor, lo: int, group) -> torch.Tensor:
+    """This tp rank's rows of the embedding of ``tokens [T]`` from the vocabulary rows ``weight`` (from ``lo``)."""
+    inside = (tokens >= lo) & (tokens < lo + weight.shape[0])
+    partial = F.embedding((tokens - lo).clamp(0, weight.shape[0] - 1), weight) * inside.unsqueeze(-1)
+    return reduce_scatter_rows(partial, group)
+
+
+def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, lo: int, group, rows: slice,
+                        count: float) -> torch.Tensor:
+    """Summed next-token cross-entropy of ``rows`` (targets ``labels [T]``, -100: none) from this tp rank's
+    vocabulary columns ``logits [T, V / tp]`` (from ``lo``), divided by ``count``."""
+    logits = logits.float()
+    top = logits.detach().max(-1).values
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        total = dist_fn.all_reduce(torch.exp(logits - top.unsqueeze(-1)).sum(-1), group=group)
+    else:
+        total = torch.exp(logits - top.unsqueeze(-1)).sum(-1)
+    valid = labels != IGNORE
+    mine = valid & (labels >= lo) & (labels < lo + logits.shape[1])
+    picked = logits.gather(1, (labels - lo).clamp(0, logits.shape[1] - 1).unsqueeze(-1)).squeeze(-1) * mine
+    if group is not None and dist.get_world_size(group) > 1:
+        picked = dist_fn.all_reduce(picked, group=group)
+    per_row = (torch.log(total) + top - picked) * valid
+    return per_row[rows].sum() / max(count, 1.0)
