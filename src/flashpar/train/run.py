@@ -73,7 +73,8 @@ def config_from(args: argparse.Namespace) -> dict:
     if min(mesh) < 1 or args.dp * args.cp * args.tp != world:
         raise ValueError(f"mesh dp x cp x tp = {args.dp} x {args.cp} x {args.tp} = {args.dp * args.cp * args.tp} "
                          f"does not match the {world} processes")
-    for name, size in (("heads", model.heads), ("kv heads", model.kv_heads), ("FFN size", model.ffn)):
+    for name, size in (("heads", model.heads), ("kv heads", model.kv_heads), ("FFN size", model.ffn),
+                       ("vocabulary size", model.vocab_size)):
         if size % args.tp:
             raise ValueError(f"{name} = {size} is not divisible by tp = {args.tp}")
     if args.seq_len < 2 * args.cp * args.tp:
