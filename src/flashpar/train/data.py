@@ -34,8 +34,9 @@ from torch.utils.data import DataLoader, Dataset
 from flashpar import corpus
 from flashpar.cp import STRATEGIES, CostModel
 from flashpar.cp import plan as cp_plan
+from flashpar.models.llama import IGNORE
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = IGNORE  # the loss's 'no target' label
 
 
 class PackedCorpus(Dataset):
