@@ -301,7 +301,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashpar.bench.netlink import EmulatedLinks, launch_ranks, links_available
+    from flashpar.bench.netlink import chosen_rate, launch_on_links
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
@@ -309,12 +309,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"flashpar bench cp: need --nproc >= 2 and strategies from {STRATEGIES}; got {args.nproc}, {unknown}",
               file=sys.stderr)
         return 2
-    rate = None if str(args.link_rate).lower() in ("none", "loopback", "") else args.link_rate
-    if rate is not None:
-        ok, why = links_available()
-        if not ok:
-            print(f"emulated links unavailable ({why}); running on loopback", flush=True)
-            rate = None
+    rate = chosen_rate(args.link_rate)
     with tempfile.TemporaryDirectory(prefix="flashpar-bench-cp-") as tmp:
         out = os.path.join(tmp, "report.json")
         config = {"threads": args.threads, "dtype": args.dtype, "out": out, "rounds": args.rounds,
@@ -323,12 +318,7 @@ def run(args: argparse.Namespace) -> int:
                   "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                   "cores": args.cores or len(os.sched_getaffinity(0))}
         argv = [sys.executable, "-m", "flashpar.bench.cp", "--worker", json.dumps(config)]
-        print(f"running N={args.nproc} on {rate or 'loopback'} ...", flush=True)
-        if rate is not None:
-            with EmulatedLinks(args.nproc, rate) as links:
-                launch_ranks(args.nproc, argv, links=links, timeout=args.timeout)
-        else:
-            launch_ranks(args.nproc, argv, timeout=args.timeout)
+        launch_on_links(args.nproc, argv, rate, timeout=args.timeout)
         with open(out) as f:
             report = json.load(f)
     print(format_report(report), flush=True)

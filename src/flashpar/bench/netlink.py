@@ -456,3 +456,26 @@ def launch_ranks(
             subprocess.CompletedProcess(p.args, p.returncode, read(o), read(e))
             for p, o, e in zip(procs, outs, errs, strict=True)
         ]
+
+
+def chosen_rate(requested) -> str | None:
+    """The ``--link-rate`` a benchmark runs with: ``None`` (loopback) when asked for, or when links cannot
+    be emulated here (it says why: communication is then nearly free and overlap cannot show)."""
+    rate = None if str(requested).lower() in ("none", "loopback", "") else requested
+    if rate is not None:
+        ok, why = links_available()
+        if not ok:
+            print(f"emulated links unavailable ({why}); skipping the link emulation, running on loopback, "
+                  "where communication is nearly free and overlap cannot show", flush=True)
+            rate = None
+    return rate
+
+
+def launch_on_links(world_size: int, argv: list[str], rate: str | None, *, timeout: float) -> None:
+    """``launch_ranks`` behind emulated links of ``rate`` (built and torn down here), or on loopback."""
+    print(f"running N={world_size} on {rate or 'loopback'} ...", flush=True)
+    if rate is None:
+        launch_ranks(world_size, argv, timeout=timeout)
+        return
+    with EmulatedLinks(world_size, rate) as links:
+        launch_ranks(world_size, argv, links=links, timeout=timeout)

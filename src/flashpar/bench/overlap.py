@@ -255,7 +255,7 @@ def _parse_variants(text: str | None) -> list[tuple[str, int | None]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashpar.bench.netlink import EmulatedLinks, launch_ranks, links_available
+    from flashpar.bench.netlink import chosen_rate, launch_on_links
 
     sizes = [int(v) for v in str(args.nproc).split(",") if v.strip()]
     if any(s < 2 for s in sizes):
@@ -267,13 +267,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"flashpar bench overlap: unknown --ops {unknown}; expected some of {OP_KEYS}", file=sys.stderr)
         return 2
-    rate = None if str(args.link_rate).lower() in ("none", "loopback", "") else args.link_rate
-    if rate is not None:
-        ok, why = links_available()
-        if not ok:
-            print(f"emulated links unavailable ({why}); skipping the link emulation, running on loopback, "
-                  "where communication is nearly free and overlap cannot show", flush=True)
-            rate = None
+    rate = chosen_rate(args.link_rate)
     reports = []
     for n in sizes:
         with tempfile.TemporaryDirectory(prefix="flashpar-bench-") as tmp:
@@ -283,12 +277,7 @@ def run(args: argparse.Namespace) -> int:
                       "width": args.width, "rounds": args.rounds, "variants": variants,
                       "link_rate": rate or "loopback", "shapes": args.shapes.split(","), "ops": ops}
             argv = [sys.executable, "-m", "flashpar.bench.overlap", "--worker", json.dumps(config)]
-            print(f"running N={n} on {rate or 'loopback'} ...", flush=True)
-            if rate is not None:
-                with EmulatedLinks(n, rate) as links:
-                    launch_ranks(n, argv, links=links, timeout=args.timeout)
-            else:
-                launch_ranks(n, argv, timeout=args.timeout)
+            launch_on_links(n, argv, rate, timeout=args.timeout)
             with open(out) as f:
                 report = json.load(f)
         report["command"] = " ".join(["flashpar bench overlap", *sys.argv[3:]]) if len(sys.argv) > 2 else ""

@@ -5,9 +5,10 @@ Without a launcher it checks the arguments, then spawns ``--nproc`` CPU processe
 same job, with NCCL on GPUs when ``--device cuda``.  ``--check`` runs one step of the mesh model
 against the single-process model instead of training and prints PASS / FAIL per parameter group.
 
-Bad arguments (a mesh whose product is not the world size, heads / kv heads / FFN not divisible by
-tp, a sequence too short for the cp size, an unwritable output folder, no documents) stop with one
-line before any process group starts.  A rank that fails makes the launcher stop the others; every
+Bad arguments (a mesh whose product is not the world size, heads / kv heads / FFN / vocabulary not
+divisible by tp, a sequence too short for the cp size, an unwritable output folder, no documents,
+a checkpoint made with other model or data settings) stop with one line before any process group
+starts.  A rank that fails makes the launcher stop the others; every
 wait has the ``--timeout``.
 """
 
