@@ -27,7 +27,6 @@ measured imbalance; the predicted imbalance column is the model's, per rank, wit
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -207,7 +206,7 @@ def worker(config: dict) -> None:
     dist.all_gather_object(gathered, samples)
     if rank == 0:
         report = {"world_size": n, "config": config, "packs": [len(x) for x in packs], "tokens": config["tokens"],
-                  "fwd_cost": dataclasses.asdict(fwd_cost), "bwd_cost": dataclasses.asdict(bwd_cost), "rows": {}}
+                  "fwd_cost": fwd_cost.to_dict(), "bwd_cost": bwd_cost.to_dict(), "rows": {}}
         for s in strategies:
             row = {k: 0.0 for k in ("overlapped", "compute", "comm", "forward", "backward", "bytes",
                                     "pred_step", "pred_compute")}

@@ -341,7 +341,7 @@ def _unregister(links: EmulatedLinks) -> None:
 # ---- launching ranks ------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -387,7 +387,7 @@ def launch_ranks(
     if links is not None and links.world_size != world_size:
         raise ValueError(f"links are built for {links.world_size} ranks, not {world_size}")
     if port is None:
-        port = 29500 if links is not None else _free_port()  # a fresh namespace has every port free
+        port = 29500 if links is not None else free_port()  # a fresh namespace has every port free
     procs: list[subprocess.Popen] = []
     with contextlib.ExitStack() as files:
         # temp files, not pipes: a chatty rank cannot block while we wait on another one

@@ -38,18 +38,21 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig: rotary embeddings need an even head_dim, got {self.head_dim}")
 
     @property
-    def params(self) -> int:
-        """Parameter count."""
+    def block_matmul_params(self) -> int:
+        """Projection weights of one block: q, k, v, o and the SwiGLU gate, up and down."""
         attn = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim + self.heads * self.head_dim * self.hidden
-        block = attn + 3 * self.hidden * self.ffn + 2 * self.hidden
+        return attn + 3 * self.hidden * self.ffn
+
+    @property
+    def params(self) -> int:
+        """Parameter count: the blocks (projections and two norms), the embedding (and untied head), the final norm."""
         embed = self.vocab_size * self.hidden * (1 if self.tie_embeddings else 2)
-        return self.layers * block + embed + self.hidden
+        return self.layers * (self.block_matmul_params + 2 * self.hidden) + embed + self.hidden
 
     @property
     def matmul_params(self) -> int:
         """Weights used in matmuls per token: the blocks' projections and the output head."""
-        attn = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim + self.heads * self.head_dim * self.hidden
-        return self.layers * (attn + 3 * self.hidden * self.ffn) + self.hidden * self.vocab_size
+        return self.layers * self.block_matmul_params + self.hidden * self.vocab_size
 
     def flops_per_token(self, keys_per_token: float) -> float:
         """Model FLOPs of one token, forward + backward (3x the forward): ``6 matmul_params`` plus causal

@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from flashpar.dist import all_gather_single, reduce_scatter_single
 from flashpar.overlap.modules import ColumnParallelLinear, RowParallelLinear
-from flashpar.overlap.ops import all_gather_matmul, matmul_reduce_scatter
 from flashpar.overlap.sharded import shard_rows
 
 
@@ -90,7 +89,7 @@ def gather_rows(rows: torch.Tensor, group, total: int) -> torch.Tensor:
 
 
 class _ZeroRows:
-    """Mixin: ``weight`` keeps this dp rank's rows of the tp shard; ``full_weight()`` gathers them."""
+    """Mixin: ``weight`` keeps this dp rank's rows of the tp shard; ``_weight()`` gathers them for the op."""
 
     def _keep_rows(self, dp_group) -> None:
         self.dp_group = dp_group
@@ -99,7 +98,7 @@ class _ZeroRows:
         lo, hi = shard_rows(self.total_rows, n, r)
         self.weight = torch.nn.Parameter(self.weight.data[lo:hi].clone())
 
-    def full_weight(self) -> torch.Tensor:
+    def _weight(self) -> torch.Tensor:
         return gather_rows(self.weight, self.dp_group, self.total_rows)
 
 
@@ -108,16 +107,8 @@ class ZeroColumnParallelLinear(_ZeroRows, ColumnParallelLinear):
         super().__init__(*args, **kwargs)
         self._keep_rows(dp_group)
 
-    def forward(self, x_shard, *, split_sizes=None):
-        return all_gather_matmul(x_shard, self.full_weight(), None, group=self.group, mode=self.mode,
-                                 chunks=self.chunks, split_sizes=split_sizes, timeout_s=self.timeout_s)
-
 
 class ZeroRowParallelLinear(_ZeroRows, RowParallelLinear):
     def __init__(self, *args, dp_group, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._keep_rows(dp_group)
-
-    def forward(self, x, *, split_sizes=None):
-        return matmul_reduce_scatter(x, self.full_weight(), None, group=self.group, mode=self.mode,
-                                     chunks=self.chunks, split_sizes=split_sizes, timeout_s=self.timeout_s)

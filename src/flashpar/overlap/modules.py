@@ -61,6 +61,10 @@ class _ParallelLinear(nn.Module):
     def _shard_of(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
+    def _weight(self) -> torch.Tensor:
+        """The weight the op uses (subclasses that store less of it, such as ZeRO-3 rows, assemble it here)."""
+        return self.weight
+
     def extra_repr(self) -> str:
         w = self.weight
         return f"weight={tuple(w.shape)}, bias={self.bias is not None}, tp={self.tp_size}, mode={self.mode}"
@@ -82,7 +86,7 @@ class ColumnParallelLinear(_ParallelLinear):
         _init_like_linear(self.weight.data, self.bias.data if bias else None, in_features)
 
     def forward(self, x_shard: torch.Tensor, *, split_sizes: list[int] | None = None) -> torch.Tensor:
-        return all_gather_matmul(x_shard, self.weight, self.bias, group=self.group, mode=self.mode,
+        return all_gather_matmul(x_shard, self._weight(), self.bias, group=self.group, mode=self.mode,
                                  chunks=self.chunks, split_sizes=split_sizes, save_gathered=self.save_gathered,
                                  timeout_s=self.timeout_s)
 
@@ -108,7 +112,7 @@ class RowParallelLinear(_ParallelLinear):
         _init_like_linear(self.weight.data, self.bias.data if bias else None, in_features)
 
     def forward(self, x: torch.Tensor, *, split_sizes: list[int] | None = None) -> torch.Tensor:
-        return matmul_reduce_scatter(x, self.weight, self.bias, group=self.group, mode=self.mode,
+        return matmul_reduce_scatter(x, self._weight(), self.bias, group=self.group, mode=self.mode,
                                      chunks=self.chunks, split_sizes=split_sizes, timeout_s=self.timeout_s)
 
     def _shard_of(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -15,10 +15,8 @@ wait has the ``--timeout``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -112,7 +110,7 @@ def config_from(args: argparse.Namespace) -> dict:
     if args.save_every < 0:
         raise ValueError(f"save-every must be >= 0, got {args.save_every}")
     return {"resume": resume, "save_every": args.save_every, "trace": args.trace, "plot": args.plot,
-            "model": dataclasses.asdict(model),
+            "model": model.to_dict(),
             "dp": args.dp, "cp": args.cp, "tp": args.tp, "dp_mode": args.dp_mode, "steps": args.steps,
             "seq_len": args.seq_len, "strategy": args.strategy, "mode": args.mode, "lr": args.lr, "seed": args.seed,
             "max_docs": args.max_docs, "device": args.device, "threads": args.threads, "workers": args.workers,
@@ -162,12 +160,6 @@ def _spawned(rank: int, world: int, port: int, config: dict, result_path: str) -
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from(args)
@@ -184,10 +176,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import torch.multiprocessing as mp
 
+    from flashpar.bench.netlink import free_port
+
     result = Path(config["out"]) / (".check.json" if config["check"] else ".result.json")  # rank 0's return
     result.unlink(missing_ok=True)
     try:
-        mp.start_processes(_spawned, args=(args.nproc, _free_port(), config, str(result)), nprocs=args.nproc,
+        mp.start_processes(_spawned, args=(args.nproc, free_port(), config, str(result)), nprocs=args.nproc,
                            join=True, start_method="spawn")
     except mp.ProcessRaisedException as err:  # the rank's exception: its traceback, then one line
         text = str(err).strip()
