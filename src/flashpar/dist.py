@@ -16,6 +16,7 @@ flag, so its peers raise too rather than waiting for data that never comes.
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass
 
 import torch
@@ -163,3 +164,17 @@ def exchange_metadata(
     if int(table[:, 1].min()) != int(table[:, 1].max()):
         raise RuntimeError(f"{op_name}: ranks disagree on the number of input dimensions: {table[:, 1].tolist()}")
     return table[:, 2 : 2 + len(values)]
+
+
+def all_gather_blocks(rows: torch.Tensor, sizes: list[int], group=None, *,
+                      timeout_s: float = DEFAULT_TIMEOUT_S) -> list[torch.Tensor]:
+    """Every rank's block of rows (rank ``p`` holds ``sizes[p]`` rows of the same trailing shape), in rank
+    order: one all-gather of blocks padded to the largest (gloo gathers only equal, flat tensors)."""
+    n, longest = len(sizes), max(sizes)
+    width = math.prod(rows.shape[1:])
+    padded = rows.new_zeros((longest * width,))
+    padded[: rows.numel()] = rows.reshape(-1)
+    flat = rows.new_empty((n * longest * width,))
+    all_gather_single(flat, padded, group=group, async_op=True).wait(as_timedelta(timeout_s))
+    blocks = flat.view(n, longest, *rows.shape[1:])
+    return [blocks[p, : sizes[p]] for p in range(n)]

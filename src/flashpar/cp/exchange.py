@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,8 +40,6 @@ class CommCounter:
     bwd_sent: int = 0
     fwd_recv: int = 0
     bwd_recv: int = 0
-    calls: int = 0
-    steps: list[int] = field(default_factory=list)  # forward bytes sent per step of the last call
 
 
 def _nbytes(*ts: torch.Tensor) -> int:
@@ -87,24 +85,21 @@ class Transfers:
         """Post every step; returns the receive buffers by origin rank (filled when their step completes)."""
         lo, n = self.layout, self.layout.n
         bufs = self.buffers(k, v)
-        steps = []
+        sent = 0
         for j in range(1, n):
             send_to, recv_from = lo.step_peers(j)
             origin = lo.origin(j)
             if lo.pattern == "ring":
                 held = (k, v) if j == 1 else bufs[lo.origin(j - 1)]  # forwarded as it arrived
                 make = functools.partial(tuple, held)
-                sent = _nbytes(*held)
+                sent += _nbytes(*held)
             else:
                 make = functools.partial(lambda rows: (_take(k, rows), _take(v, rows)), lo.send_rows[send_to])
-                sent = lo.send_tokens(send_to) * 2 * math.prod(k.shape[1:]) * k.element_size()
-            steps.append(sent)
+                sent += lo.send_tokens(send_to) * 2 * math.prod(k.shape[1:]) * k.element_size()
             self._submit(j, send_to, make, recv_from, bufs[origin], "K/V")
         if self.counter is not None:
-            self.counter.fwd_sent += sum(steps)
+            self.counter.fwd_sent += sent
             self.counter.fwd_recv += sum(_nbytes(*b) for b in bufs.values())
-            self.counter.steps = steps
-            self.counter.calls += 1
         return bufs
 
     # ------------------------------------------------------------------------------------------

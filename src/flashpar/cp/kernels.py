@@ -104,17 +104,6 @@ class Batch:
     def keys(self):
         return slice(*self.k_span) if self.k_span is not None else self.k_rows
 
-    @property
-    def pairs(self) -> int:
-        """(query, key) pairs computed, padding included."""
-        if self.cu_q is not None:
-            lq, lk = self.cu_q.diff().tolist(), self.cu_k.diff().tolist()
-            return sum(a * (a + 1) // 2 if self.causal else a * b for a, b in zip(lq, lk, strict=True))
-        if self.q_span is not None:
-            lq, lk = self.q_span[1] - self.q_span[0], self.k_span[1] - self.k_span[0]
-            return lq * (lq + 1) // 2 if self.causal else lq * lk
-        return self.B * (self.Lq * (self.Lq + 1) // 2 if self.causal else self.Lq * self.Lk)
-
     def to(self, device: torch.device) -> Batch:
         if self.q_span is not None or self.q_rows.device == device:
             return self

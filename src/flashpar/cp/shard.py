@@ -7,12 +7,10 @@ back in global order (an all-gather; not differentiable, for checks and outputs)
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from flashpar.cp.plan import CPPlan
-from flashpar.dist import DEFAULT_TIMEOUT_S, all_gather_single, as_timedelta, resolve_group
+from flashpar.dist import DEFAULT_TIMEOUT_S, all_gather_blocks, resolve_group
 
 
 def shard(x: torch.Tensor, plan: CPPlan, rank: int, dim: int = 0) -> torch.Tensor:
@@ -35,12 +33,6 @@ def gather(x_local: torch.Tensor, plan: CPPlan, group=None, dim: int = 0, *,
     if info.world_size == 1:
         full[plan.local_indices(0).to(x.device)] = x
         return full.movedim(0, dim)
-    width, longest = math.prod(x.shape[1:]), max(counts)
-    padded = x.new_zeros((longest * width,))
-    padded[: x.numel()] = x.reshape(-1)
-    flat = x.new_empty((info.world_size * longest * width,))
-    all_gather_single(flat, padded, group=info.group, async_op=True).wait(as_timedelta(timeout_s))
-    blocks = flat.view(info.world_size, longest, *x.shape[1:])
-    for r in range(info.world_size):
-        full[plan.local_indices(r).to(x.device)] = blocks[r, : counts[r]]
+    for r, block in enumerate(all_gather_blocks(x, counts, info.group, timeout_s=timeout_s)):
+        full[plan.local_indices(r).to(x.device)] = block
     return full.movedim(0, dim)

@@ -15,26 +15,19 @@ embedding (``flashpar.models.vocab``).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
-from flashpar.dist import all_gather_single, reduce_scatter_single
+from flashpar.dist import all_gather_blocks, reduce_scatter_single
 from flashpar.overlap.modules import ColumnParallelLinear, RowParallelLinear
 from flashpar.overlap.sharded import shard_rows
 
 
 def _all_gather_rows(rows: torch.Tensor, group, total: int) -> torch.Tensor:
-    """``[total, ...]`` from every rank's block ``shard_rows(total, n, p)`` (padded to the largest)."""
+    """``[total, ...]`` from every rank's block ``shard_rows(total, n, p)``."""
     n = dist.get_world_size(group)
-    longest = -(-total // n)
-    padded = rows.new_zeros((longest, *rows.shape[1:]))
-    padded[: rows.shape[0]] = rows
-    flat = rows.new_empty((n * longest * math.prod(rows.shape[1:]),))
-    all_gather_single(flat, padded.reshape(-1), group=group)
-    blocks = flat.view(n, longest, *rows.shape[1:])
-    return torch.cat([blocks[p, : hi - lo] for p, (lo, hi) in enumerate(shard_rows(total, n, q) for q in range(n))])
+    sizes = [hi - lo for lo, hi in (shard_rows(total, n, p) for p in range(n))]
+    return torch.cat(all_gather_blocks(rows, sizes, group))
 
 
 def _reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:
