@@ -277,11 +277,26 @@ def _submit_exchange(lane: Lane, step: Exchange, buffers: Buffers, info: GroupIn
 
 
 def _post_p2p(ops: list) -> list:
+    """Post point-to-point ops (one batch where they share a group).
+
+    The transport takes dense memory only: a send of a strided view (K/V split out of a fused
+    QKV projection, a column slice) is sent from a contiguous copy made here, at post time, so
+    every caller may hand it the views it holds.  Receive buffers are allocated dense by their
+    callers and are written in place."""
     if not ops:
         return []
+    ops = [_dense_send(op) for op in ops]
     if len({id(op.group) for op in ops}) == 1:
         return dist.batch_isend_irecv(ops)
     return [op.op(op.tensor, op.peer, group=op.group, tag=op.tag) for op in ops]  # batches take one group only
+
+
+def _dense_send(op: dist.P2POp) -> dist.P2POp:
+    if op.op is dist.isend and not op.tensor.is_contiguous():
+        return dist.P2POp(op.op, op.tensor.contiguous(), op.peer, op.group, tag=op.tag)
+    if not op.tensor.is_contiguous():
+        raise ValueError(f"receive buffer for rank {op.peer} is not contiguous (shape {tuple(op.tensor.shape)})")
+    return op
 
 
 def _submit_collective(lane: Lane, step: Collective, buffers: Buffers, info: GroupInfo) -> None:
