@@ -192,7 +192,7 @@ def test_plan_cli_side_by_side(tmp_path):
 
 def _sized_plan(doc_lens, n, doc, parts):
     """Document ``doc`` in unequal head-tail parts over ranks 0.., every other document whole on the last rank."""
-    from flashpar.cp.plan import doc_starts_of
+    from flashpar.cp.cp_plan import doc_starts_of
     from flashpar.cp.strategies import Placement
 
     starts = doc_starts_of(doc_lens)
@@ -235,7 +235,7 @@ def test_unequal_headtail_holds_every_token_once_and_receives_what_the_mask_need
 def test_unequal_headtail_pairs_are_mirrored():
     """Member i of an unequal split takes [h_i, h_{i+1}) and its mirror [L - h_{i+1}, L - h_i): (h_{i+1} - h_i) L
     causal pairs, proportional to its tokens."""
-    from flashpar.cp.plan import causal_pairs
+    from flashpar.cp.cp_plan import causal_pairs
     from flashpar.cp.strategies import sized_pieces
 
     length = 1000

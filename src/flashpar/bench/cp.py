@@ -161,7 +161,7 @@ def predict(p, fwd_cost, bwd_cost, cores: float) -> dict:
     """The cost model's step (forward + backward, slowest rank each) and compute imbalance of plan ``p``
     on this box: per rank ``max(compute, comm + compute on remote K/V)``, with compute played on
     ``cores`` shared cores (``shared_finish``; remote compute stretched alike)."""
-    from flashpar.cp.plan import rank_figures
+    from flashpar.cp.cp_plan import rank_figures
 
     step, compute = 0.0, [0.0] * p.cp_size
     for cost in (fwd_cost, bwd_cost):

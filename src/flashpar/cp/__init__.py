@@ -15,7 +15,7 @@ import time
 from flashpar.cp import flashcp as _flashcp
 from flashpar.cp import strategies as _strategies
 from flashpar.cp.cost import CostModel
-from flashpar.cp.plan import CPPlan
+from flashpar.cp.cp_plan import CPPlan
 
 STRATEGIES = ("contiguous", "headtail", "per_doc", "per_doc_aware", "torch_per_doc", "whole_doc", "flashcp")
 COMM = {"contiguous": "all", "headtail": "all", "per_doc": "all", "torch_per_doc": "all",

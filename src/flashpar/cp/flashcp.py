@@ -43,7 +43,7 @@ import dataclasses
 import math
 
 from flashpar.cp.cost import CostModel
-from flashpar.cp.plan import causal_pairs, doc_starts_of, rank_figures
+from flashpar.cp.cp_plan import causal_pairs, doc_starts_of, rank_figures
 from flashpar.cp.strategies import Placement, chunk_bounds, contiguous, headtail, per_doc, sized_pieces, torch_per_doc
 
 TOLERANCES = (0.0, 0.02, 0.05)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from flashpar.cp.plan import CPPlan
+from flashpar.cp.cp_plan import CPPlan
 from flashpar.dist import DEFAULT_TIMEOUT_S, all_gather_blocks, resolve_group
 
 

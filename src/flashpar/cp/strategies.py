@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 
-from flashpar.cp.plan import doc_starts_of
+from flashpar.cp.cp_plan import doc_starts_of
 
 
 def chunk_bounds(start: int, length: int, parts: int) -> list[int]:
