@@ -24,9 +24,9 @@ import zlib
 import torch
 
 from flashpar.cp import kernels
+from flashpar.cp.cp_plan import CPPlan
 from flashpar.cp.exchange import CommCounter, Transfers
 from flashpar.cp.layout import RankLayout, rank_layout
-from flashpar.cp.cp_plan import CPPlan
 from flashpar.dist import DEFAULT_TIMEOUT_S, GroupInfo, dtype_code, exchange_metadata, p2p_group, resolve_group
 from flashpar.overlap.executor import _ONLY
 from flashpar.overlap.lane import Lane

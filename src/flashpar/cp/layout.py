@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flashpar.cp.kernels import Batch, Task, make_batches
 from flashpar.cp.cp_plan import CPPlan
+from flashpar.cp.kernels import Batch, Task, make_batches
 
 PATTERNS = {"contiguous": "ring", "headtail": "ring", "per_doc": "allgather", "torch_per_doc": "allgather"}
 
