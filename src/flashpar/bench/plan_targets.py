@@ -2,7 +2,7 @@
 
 1. MagiAttention's anchor: its length histogram, 8K tokens per rank at N = 8 (packs of 64K), mean
    of 3 packs, documents uncapped and capped at a quarter of the pack, attention work alone.
-2. Every length list of shared/data and the long-context bucket mix: packs of 128K tokens at
+2. Every shipped length list (``flashpar/data``) and the long-context bucket mix: packs of 128K tokens at
    N = 8 and 512K at N = 32, default cost model (attention + linear).
 3. Planning time for 1M tokens at N = 64.
 
@@ -15,11 +15,9 @@ estimated step time against every baseline, planning time.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 
-LISTS = ("wlbllm", "prolong", "python311_stdlib", "spamassassin", "sotu")
 BASELINES = ("contiguous", "headtail", "per_doc", "per_doc_aware", "torch_per_doc", "whole_doc")
 
 
@@ -46,16 +44,16 @@ def _timed(doc_lens, n, **kw):
 
 def magi(seed: int) -> list[str]:
     from flashpar.cp import CostModel
-    from flashpar.cp.lengths import data_dir, read_histogram, sample_packs
+    from flashpar.cp.lengths import resolve_lengths
 
-    buckets = read_histogram(data_dir() / "magi_doclen_histogram.csv")
+    histogram = resolve_lengths("magi")
     cost = CostModel(linear=False)
     lines = ["MagiAttention anchor: histogram lengths, N=8, 64K-token packs (8K per rank), mean of 3 packs, "
              "attention work alone",
              f"{'documents':<12}{'strategy':<15}{'attn imb':>9}{'compute imb':>12}{'token imb':>10}"
              f"{'kv_worst_frac':>14}{'plan ms':>9}"]
     for label, cap in (("uncapped", None), ("capped 16K", 16384)):
-        packs = sample_packs(buckets, 65536, 3, random.Random(seed), cap=cap)
+        packs = histogram.packs(65536, 3, seed=seed, cap=cap)
         for strategy in ("per_doc_aware", "whole_doc", "flashcp"):
             rows = []
             for doc_lens in packs:
@@ -70,18 +68,15 @@ def magi(seed: int) -> list[str]:
 
 def lists(n_packs: int, seed: int) -> list[str]:
     from flashpar.cp import STRATEGIES
-    from flashpar.cp.lengths import LONG_CONTEXT_MIX, data_dir, pack, read_lengths, sample_packs
+    from flashpar.cp.lengths import LISTS, resolve_lengths
 
     lines = ["Length lists: flashcp per pack against the baselines (default cost model: attention + linear)",
              f"{'list':<18}{'tokens':>7}{'N':>4}{'packs':>6}{'compute imb':>16}{'token imb':>10}{'kv/per_doc':>11}"
              f"{'>aware':>7}{'slower':>7}{'x headtail':>11}{'x per_doc':>10}{'plan ms':>14}"]
-    sources = {name: read_lengths(data_dir() / f"{name}.lengths") for name in LISTS}
+    sources = {name: resolve_lengths(name) for name in (*LISTS, "long-context")}
     for tokens, n in ((131072, 8), (524288, 32)):
-        for name in (*LISTS, "long-context mix"):
-            if name == "long-context mix":
-                packs = sample_packs(LONG_CONTEXT_MIX, tokens, n_packs, random.Random(seed))
-            else:
-                packs = pack(sources[name], tokens)[:n_packs]
+        for name, source in sources.items():
+            packs = source.packs(tokens, n_packs, seed=seed)
             imb, tok, vs_ht, vs_pd, plan_ms = [], [], [], [], []
             kv_ratio_num = kv_ratio_den = over_aware = slower = 0
             for doc_lens in packs:
@@ -99,7 +94,8 @@ def lists(n_packs: int, seed: int) -> list[str]:
                 vs_pd.append(base["per_doc"]["est_step_time"] / s["est_step_time"])
                 plan_ms.append(dt * 1e3)
             kv = f"{kv_ratio_num / kv_ratio_den:.2f}" if kv_ratio_den else "-"
-            lines.append(f"{name:<18}{tokens // 1024:>6}K{n:>4}{len(packs):>6}"
+            label = "long-context mix" if name == "long-context" else name
+            lines.append(f"{label:<18}{tokens // 1024:>6}K{n:>4}{len(packs):>6}"
                          f"{statistics.mean(imb):>8.3f} ({max(imb):.3f}){max(tok):>10.3f}{kv:>11}{over_aware:>7}"
                          f"{slower:>7}{statistics.mean(vs_ht):>11.2f}{statistics.mean(vs_pd):>10.2f}"
                          f"{statistics.mean(plan_ms):>7.1f} ({max(plan_ms):.0f})")
@@ -107,13 +103,13 @@ def lists(n_packs: int, seed: int) -> list[str]:
 
 
 def planning_time(seed: int) -> list[str]:
-    from flashpar.cp.lengths import data_dir, pack, read_lengths
+    from flashpar.cp.lengths import resolve_lengths
 
     lines = ["Planning time, flashcp (ms, mean / max over 5 packs)"]
     for name in ("wlbllm", "prolong"):
-        lengths = read_lengths(data_dir() / f"{name}.lengths")
+        lengths = resolve_lengths(name)
         for tokens, n in ((131072, 8), (1 << 20, 64)):
-            times = [_timed(doc_lens, n)[1] * 1e3 for doc_lens in pack(lengths, tokens)[:5]]
+            times = [_timed(doc_lens, n)[1] * 1e3 for doc_lens in lengths.packs(tokens, 5)]
             lines.append(f"  {name:<10} {tokens // 1024:>5}K tokens, N={n:<3}: {statistics.mean(times):7.1f} / "
                          f"{max(times):.1f}")
     return lines
