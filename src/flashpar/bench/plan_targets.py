@@ -2,9 +2,9 @@
 
 1. MagiAttention's anchor: its length histogram, 8K tokens per rank at N = 8 (packs of 64K), mean
    of 3 packs, documents uncapped and capped at a quarter of the pack, attention work alone.
-2. Every shipped length list (``flashpar/data``) and the long-context bucket mix: packs of 128K tokens at
-   N = 8 and 512K at N = 32, default cost model (attention + linear).
-3. Planning time for 1M tokens at N = 64.
+2. Every shipped length list (``flashpar/data``) and the long-context bucket mix (or the ``--lists``
+   given): packs of 128K tokens at N = 8 and 512K at N = 32, default cost model (attention + linear).
+3. Planning time for 1M tokens at N = 64 (5 packs, or ``--packs`` if fewer).
 
 Figures: compute imbalance (max / mean of the cost model's per-rank compute), attention imbalance
 (max / mean of causal pairs), token imbalance, ``kv_worst_frac`` (the worst rank's K/V received
@@ -16,14 +16,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 BASELINES = ("contiguous", "headtail", "per_doc", "per_doc_aware", "torch_per_doc", "whole_doc")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--packs", type=int, default=12, help="packs per list and size (default 12)")
+    p.add_argument("--packs", type=int, default=12, help="packs per list and size (default 12; planning time: "
+                                                         "at most 5)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lists", default=None,
+                   help="comma-separated --lengths names or files for the length-list block (default: every shipped "
+                        "list and the long-context mix)")
 
 
 def _timed(doc_lens, n, **kw):
@@ -66,14 +71,16 @@ def magi(seed: int) -> list[str]:
     return lines
 
 
-def lists(n_packs: int, seed: int) -> list[str]:
+def lists(n_packs: int, seed: int, names=None) -> list[str]:
+    """flashcp against the baselines on packs of 128K (N = 8) and 512K (N = 32) tokens of each of ``names``
+    (``--lengths`` names or files; default every shipped list and the long-context mix)."""
     from flashpar.cp import STRATEGIES
-    from flashpar.cp.lengths import LISTS, resolve_lengths
+    from flashpar.cp.lengths import LISTS
 
     lines = ["Length lists: flashcp per pack against the baselines (default cost model: attention + linear)",
              f"{'list':<18}{'tokens':>7}{'N':>4}{'packs':>6}{'compute imb':>16}{'token imb':>10}{'kv/per_doc':>11}"
              f"{'>aware':>7}{'slower':>7}{'x headtail':>11}{'x per_doc':>10}{'plan ms':>14}"]
-    sources = {name: resolve_lengths(name) for name in (*LISTS, "long-context")}
+    sources = sources_of(names or (*LISTS, "long-context"))
     for tokens, n in ((131072, 8), (524288, 32)):
         for name, source in sources.items():
             packs = source.packs(tokens, n_packs, seed=seed)
@@ -102,21 +109,41 @@ def lists(n_packs: int, seed: int) -> list[str]:
     return lines
 
 
-def planning_time(seed: int) -> list[str]:
+def planning_time(n_packs: int) -> list[str]:
+    """flashcp's planning time on the first ``min(5, n_packs)`` packs of 128K and 1M tokens of two lists."""
     from flashpar.cp.lengths import resolve_lengths
 
-    lines = ["Planning time, flashcp (ms, mean / max over 5 packs)"]
+    count = min(5, n_packs)
+    lines = [f"Planning time, flashcp (ms, mean / max over {count} packs)"]
     for name in ("wlbllm", "prolong"):
         lengths = resolve_lengths(name)
         for tokens, n in ((131072, 8), (1 << 20, 64)):
-            times = [_timed(doc_lens, n)[1] * 1e3 for doc_lens in lengths.packs(tokens, 5)]
+            times = [_timed(doc_lens, n)[1] * 1e3 for doc_lens in lengths.packs(tokens, count)]
             lines.append(f"  {name:<10} {tokens // 1024:>5}K tokens, N={n:<3}: {statistics.mean(times):7.1f} / "
                          f"{max(times):.1f}")
     return lines
 
 
+def sources_of(names) -> dict:
+    """``{name: resolve_lengths(name)}``, in order."""
+    from flashpar.cp.lengths import resolve_lengths
+
+    return {name: resolve_lengths(name) for name in names}
+
+
 def run(args: argparse.Namespace) -> int:
-    for block in (magi(args.seed), lists(args.packs, args.seed), planning_time(args.seed)):
+    names = [n.strip() for n in args.lists.split(",") if n.strip()] if args.lists is not None else None
+    try:
+        if args.packs < 1:
+            raise ValueError(f"--packs must be >= 1, got {args.packs}")
+        if names is not None:
+            if not names:
+                raise ValueError("--lists is empty")
+            sources_of(names)
+    except (OSError, ValueError) as err:
+        print(f"flashpar bench plan: {err}", file=sys.stderr)
+        return 2
+    for block in (magi(args.seed), lists(args.packs, args.seed, names), planning_time(args.packs)):
         print("\n".join(block), flush=True)
         print()
     return 0
