@@ -3,6 +3,7 @@ too; ``--lengths`` is a name or a path in every command, and a bad one is one li
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -11,6 +12,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flashpar.cp.lengths import DISTRIBUTIONS, LISTS, NAMES, Packing, pack, resolve_lengths
 
@@ -55,6 +58,21 @@ def test_packing_cuts_the_stream_and_skips_empty_documents():
         p.pieces(3)
     with pytest.raises(ValueError, match=">= 0"):
         Packing([3, -1], 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 30), max_size=20), st.integers(1, 25))
+def test_packing_equals_cutting_the_token_stream_brute_force(lengths, tokens):
+    stream = [d for d, n in enumerate(lengths) for _ in range(n)]  # the document id of every stream position
+    p = Packing(lengths, tokens)
+    assert len(p) == len(stream) // tokens
+    for i in range(len(p)):
+        window = stream[i * tokens: (i + 1) * tokens]
+        runs = [(d, len(list(g))) for d, g in itertools.groupby(window)]
+        last = (i + 1) * tokens - 1
+        ends = [True] * (len(runs) - 1) + [last + 1 == len(stream) or stream[last + 1] != window[-1]]
+        assert p.pieces(i) == [(d, n, e) for (d, n), e in zip(runs, ends, strict=True)]
+    assert pack(lengths, tokens) == [p.doc_lens(i) for i in range(len(p))]
 
 
 def test_installed_package_outside_the_repository_loads_every_list(tmp_path):
