@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     cost = CostModel(linear=not args.attention_only)
     per_pack = {s: [] for s in strategies}
     plans = {}
-    with tqdm(total=len(packs) * len(strategies), desc="flashpar plan", unit="plan", file=sys.stderr) as bar:
+    with tqdm(total=len(packs) * len(strategies), desc="flashpar plan", unit="plan", file=sys.stderr,
+              mininterval=1.0) as bar:
         for doc_lens in packs:
             for s in strategies:
                 p = plan(doc_lens, args.cp, strategy=s, cost=cost)
