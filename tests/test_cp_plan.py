@@ -190,6 +190,35 @@ def test_plan_cli_side_by_side(tmp_path):
     assert bad.returncode == 2 and "unknown strategy 'ring'" in bad.stderr
 
 
+def test_plan_cli_lengths_names_errors_and_column_widths(tmp_path, capsys):
+    from flashpar.cli import main
+    from flashpar.cp.cli import COLUMNS, format_columns
+
+    assert format_columns([["a", "b"], ["long name", "1234567 (89)"]]) == ["a                     b",
+                                                                            "long name  1234567 (89)"]
+    assert main(["plan", "--lengths", "sotu", "--cp", "4", "--tokens", "65536", "--packs", "2"]) == 0
+    out = capsys.readouterr()
+    lines = out.out.splitlines()
+    assert lines[0].startswith("== sotu: 2 pack(s) of 65536 tokens") and "2/2" not in out.out
+    header, rows = lines[1], lines[2:]
+    assert len(rows) == len(STRATEGIES) and len({len(line) for line in lines[1:]}) == 1  # one width for all rows
+    # every column ends where its header ends, and cells are separated by at least two spaces
+    ends, at = [], 0
+    for _, label in COLUMNS:
+        at = header.index(label, at) + len(label)
+        ends.append(at)
+    for row in rows:
+        assert all(row[e - 1] != " " and (e == len(row) or row[e: e + 2] == "  ") for e in ends), row
+    assert "flashpar plan" in out.err  # the progress bar, on stderr
+    for argv, words in ((["--lengths", "nope"], "unknown lengths 'nope': expected a shipped name (wlbllm,"),
+                        (["--lengths", "magi"], "magi is a sampled distribution: give --tokens and --packs"),
+                        (["--lengths", "sotu", "--tokens", "10000000"], "make no full pack of 10000000"),
+                        (["--lengths", "sotu", "--tokens", "0"], "--tokens must be >= 1")):
+        assert main(["plan", "--cp", "4", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert words in err and len(err.splitlines()) == 1, err
+
+
 def _sized_plan(doc_lens, n, doc, parts):
     """Document ``doc`` in unequal head-tail parts over ranks 0.., every other document whole on the last rank."""
     from flashpar.cp.cp_plan import doc_starts_of

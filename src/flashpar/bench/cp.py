@@ -6,7 +6,8 @@ The parent starts N gloo ranks (behind emulated rate-limited links with ``--link
 1. calibrates: the CPU flash-attention rate forward and backward on a long and a short causal
    block (fitting the cost model's plateau and half-efficiency length) and the link bandwidth;
    rank 0's values go into one ``CostModel`` (attention work alone, this model's heads and dtype);
-2. packs real document lengths (``--lengths``, a list of shared/data), divided by ``--scale``
+2. packs real document lengths (``--lengths``: a shipped name or a file, as in every command;
+   validated in the parent before any rank starts), divided by ``--scale``
    (default 16: 8K-token packs with the shape of 128K-token packs, which a CPU cannot run), into
    sequences of ``--tokens`` tokens and plans every strategy with that cost model;
 3. runs, round by round with the strategies' order rotated, ``flashpar.cp.attention`` forward and
@@ -35,6 +36,7 @@ import tempfile
 import time
 
 from flashpar.cp import STRATEGIES
+from flashpar.cp.lengths import LENGTHS_HELP
 
 KINDS = ("overlapped", "compute", "comm")
 
@@ -98,17 +100,11 @@ def calibrate_costs(config: dict):
 
 
 def _packs(config: dict) -> list[list[int]]:
-    from flashpar.cp.lengths import LONG_CONTEXT_MIX, data_dir, pack, read_lengths, sample
+    """The benchmark's packs: ``--lengths`` divided by ``--scale``, cut into ``--tokens`` (sampled with seed 0)."""
+    from flashpar.cp.lengths import resolve_lengths
 
-    name, scale = config["lengths"], config["scale"]
-    if name == "long-context":
-        import random
-
-        raw = sample(LONG_CONTEXT_MIX, 64 * config["packs"], random.Random(0))  # mean length > 50K
-    else:
-        raw = read_lengths(data_dir() / f"{name}.lengths")
-    lengths = [max(1, x // scale) for x in raw]
-    return pack(lengths, config["tokens"])[: config["packs"]]
+    source = resolve_lengths(config["lengths"])
+    return source.packs(config["tokens"], config["packs"], seed=0, scale=config["scale"])
 
 
 def _measure(p, q, k, v, dout, rank, kind, group=None):
@@ -278,9 +274,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
     p.add_argument("--link-rate", default="300mbit",
                    help="emulated per-rank link (tc rate); 'none' = loopback (default 300mbit)")
-    p.add_argument("--lengths", default="wlbllm",
-                   help="document lengths: a list of shared/data (wlbllm, prolong, python311_stdlib, spamassassin, "
-                        "sotu) or long-context (default wlbllm)")
+    p.add_argument("--lengths", default="wlbllm", help=LENGTHS_HELP + " (default wlbllm)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per packed sequence (default 8192)")
     p.add_argument("--scale", type=int, default=16,
                    help="divide every document length by this (default 16: 8K-token packs shaped like 128K packs, "
@@ -299,23 +293,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=3600.0)
 
 
+def check_arguments(nproc: int, config: dict) -> str | None:
+    """The first problem with the arguments, as one line, or ``None``: checked in the parent, before any rank
+    starts (the ranks rebuild the same packs from ``config``)."""
+    unknown = [s for s in config["strategies"] if s not in STRATEGIES]
+    if unknown or not config["strategies"]:
+        return f"--strategies: unknown {unknown or 'empty list'}; expected names from {STRATEGIES}"
+    for key, least in (("nproc", 2), ("tokens", 1), ("scale", 1), ("packs", 1), ("rounds", 1), ("threads", 1),
+                       ("heads", 1), ("kv_heads", 1), ("head_dim", 1)):
+        value = nproc if key == "nproc" else config[key]
+        if value < least:
+            return f"--{key.replace('_', '-')} must be >= {least}, got {value}"
+    if config["heads"] % config["kv_heads"]:
+        return f"--heads {config['heads']} is not a multiple of --kv-heads {config['kv_heads']}"
+    try:
+        packs = _packs(config)
+    except (OSError, ValueError) as err:
+        return f"--lengths: {err}"
+    if not packs:
+        return f"--lengths {config['lengths']} / {config['scale']} makes no full pack of {config['tokens']} tokens"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from flashpar.bench.netlink import chosen_rate, launch_on_links
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown or args.nproc < 2:
-        print(f"flashpar bench cp: need --nproc >= 2 and strategies from {STRATEGIES}; got {args.nproc}, {unknown}",
-              file=sys.stderr)
+    config = {"threads": args.threads, "dtype": args.dtype, "rounds": args.rounds,
+              "strategies": strategies, "lengths": args.lengths,
+              "tokens": args.tokens, "scale": args.scale, "packs": args.packs, "heads": args.heads,
+              "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+              "cores": args.cores or len(os.sched_getaffinity(0))}
+    problem = check_arguments(args.nproc, config)
+    if problem:
+        print(f"flashpar bench cp: {problem}", file=sys.stderr)
         return 2
     rate = chosen_rate(args.link_rate)
     with tempfile.TemporaryDirectory(prefix="flashpar-bench-cp-") as tmp:
         out = os.path.join(tmp, "report.json")
-        config = {"threads": args.threads, "dtype": args.dtype, "out": out, "rounds": args.rounds,
-                  "strategies": strategies, "link_rate": rate or "loopback", "lengths": args.lengths,
-                  "tokens": args.tokens, "scale": args.scale, "packs": args.packs, "heads": args.heads,
-                  "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-                  "cores": args.cores or len(os.sched_getaffinity(0))}
+        config.update(out=out, link_rate=rate or "loopback")
         argv = [sys.executable, "-m", "flashpar.bench.cp", "--worker", json.dumps(config)]
         launch_on_links(args.nproc, argv, rate, timeout=args.timeout)
         with open(out) as f:

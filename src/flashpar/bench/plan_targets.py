@@ -2,9 +2,9 @@
 
 1. MagiAttention's anchor: its length histogram, 8K tokens per rank at N = 8 (packs of 64K), mean
    of 3 packs, documents uncapped and capped at a quarter of the pack, attention work alone.
-2. Every length list of shared/data and the long-context bucket mix: packs of 128K tokens at
-   N = 8 and 512K at N = 32, default cost model (attention + linear).
-3. Planning time for 1M tokens at N = 64.
+2. Every shipped length list (``flashpar/data``) and the long-context bucket mix (or the ``--lists``
+   given): packs of 128K tokens at N = 8 and 512K at N = 32, default cost model (attention + linear).
+3. Planning time for 1M tokens at N = 64 (5 packs, or ``--packs`` if fewer).
 
 Figures: compute imbalance (max / mean of the cost model's per-rank compute), attention imbalance
 (max / mean of causal pairs), token imbalance, ``kv_worst_frac`` (the worst rank's K/V received
@@ -15,17 +15,20 @@ estimated step time against every baseline, planning time.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
+import sys
 import time
 
-LISTS = ("wlbllm", "prolong", "python311_stdlib", "spamassassin", "sotu")
 BASELINES = ("contiguous", "headtail", "per_doc", "per_doc_aware", "torch_per_doc", "whole_doc")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--packs", type=int, default=12, help="packs per list and size (default 12)")
+    p.add_argument("--packs", type=int, default=12, help="packs per list and size (default 12; planning time: "
+                                                         "at most 5)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lists", default=None,
+                   help="comma-separated --lengths names or files for the length-list block (default: every shipped "
+                        "list and the long-context mix)")
 
 
 def _timed(doc_lens, n, **kw):
@@ -46,16 +49,16 @@ def _timed(doc_lens, n, **kw):
 
 def magi(seed: int) -> list[str]:
     from flashpar.cp import CostModel
-    from flashpar.cp.lengths import data_dir, read_histogram, sample_packs
+    from flashpar.cp.lengths import resolve_lengths
 
-    buckets = read_histogram(data_dir() / "magi_doclen_histogram.csv")
+    histogram = resolve_lengths("magi")
     cost = CostModel(linear=False)
     lines = ["MagiAttention anchor: histogram lengths, N=8, 64K-token packs (8K per rank), mean of 3 packs, "
              "attention work alone",
              f"{'documents':<12}{'strategy':<15}{'attn imb':>9}{'compute imb':>12}{'token imb':>10}"
              f"{'kv_worst_frac':>14}{'plan ms':>9}"]
     for label, cap in (("uncapped", None), ("capped 16K", 16384)):
-        packs = sample_packs(buckets, 65536, 3, random.Random(seed), cap=cap)
+        packs = histogram.packs(65536, 3, seed=seed, cap=cap)
         for strategy in ("per_doc_aware", "whole_doc", "flashcp"):
             rows = []
             for doc_lens in packs:
@@ -68,20 +71,19 @@ def magi(seed: int) -> list[str]:
     return lines
 
 
-def lists(n_packs: int, seed: int) -> list[str]:
+def lists(n_packs: int, seed: int, names=None) -> list[str]:
+    """flashcp against the baselines on packs of 128K (N = 8) and 512K (N = 32) tokens of each of ``names``
+    (``--lengths`` names or files; default every shipped list and the long-context mix)."""
     from flashpar.cp import STRATEGIES
-    from flashpar.cp.lengths import LONG_CONTEXT_MIX, data_dir, pack, read_lengths, sample_packs
+    from flashpar.cp.lengths import LISTS
 
     lines = ["Length lists: flashcp per pack against the baselines (default cost model: attention + linear)",
              f"{'list':<18}{'tokens':>7}{'N':>4}{'packs':>6}{'compute imb':>16}{'token imb':>10}{'kv/per_doc':>11}"
              f"{'>aware':>7}{'slower':>7}{'x headtail':>11}{'x per_doc':>10}{'plan ms':>14}"]
-    sources = {name: read_lengths(data_dir() / f"{name}.lengths") for name in LISTS}
+    sources = sources_of(names or (*LISTS, "long-context"))
     for tokens, n in ((131072, 8), (524288, 32)):
-        for name in (*LISTS, "long-context mix"):
-            if name == "long-context mix":
-                packs = sample_packs(LONG_CONTEXT_MIX, tokens, n_packs, random.Random(seed))
-            else:
-                packs = pack(sources[name], tokens)[:n_packs]
+        for name, source in sources.items():
+            packs = source.packs(tokens, n_packs, seed=seed)
             imb, tok, vs_ht, vs_pd, plan_ms = [], [], [], [], []
             kv_ratio_num = kv_ratio_den = over_aware = slower = 0
             for doc_lens in packs:
@@ -99,28 +101,49 @@ def lists(n_packs: int, seed: int) -> list[str]:
                 vs_pd.append(base["per_doc"]["est_step_time"] / s["est_step_time"])
                 plan_ms.append(dt * 1e3)
             kv = f"{kv_ratio_num / kv_ratio_den:.2f}" if kv_ratio_den else "-"
-            lines.append(f"{name:<18}{tokens // 1024:>6}K{n:>4}{len(packs):>6}"
+            label = "long-context mix" if name == "long-context" else name
+            lines.append(f"{label:<18}{tokens // 1024:>6}K{n:>4}{len(packs):>6}"
                          f"{statistics.mean(imb):>8.3f} ({max(imb):.3f}){max(tok):>10.3f}{kv:>11}{over_aware:>7}"
                          f"{slower:>7}{statistics.mean(vs_ht):>11.2f}{statistics.mean(vs_pd):>10.2f}"
                          f"{statistics.mean(plan_ms):>7.1f} ({max(plan_ms):.0f})")
     return lines
 
 
-def planning_time(seed: int) -> list[str]:
-    from flashpar.cp.lengths import data_dir, pack, read_lengths
+def planning_time(n_packs: int) -> list[str]:
+    """flashcp's planning time on the first ``min(5, n_packs)`` packs of 128K and 1M tokens of two lists."""
+    from flashpar.cp.lengths import resolve_lengths
 
-    lines = ["Planning time, flashcp (ms, mean / max over 5 packs)"]
+    count = min(5, n_packs)
+    lines = [f"Planning time, flashcp (ms, mean / max over {count} packs)"]
     for name in ("wlbllm", "prolong"):
-        lengths = read_lengths(data_dir() / f"{name}.lengths")
+        lengths = resolve_lengths(name)
         for tokens, n in ((131072, 8), (1 << 20, 64)):
-            times = [_timed(doc_lens, n)[1] * 1e3 for doc_lens in pack(lengths, tokens)[:5]]
+            times = [_timed(doc_lens, n)[1] * 1e3 for doc_lens in lengths.packs(tokens, count)]
             lines.append(f"  {name:<10} {tokens // 1024:>5}K tokens, N={n:<3}: {statistics.mean(times):7.1f} / "
                          f"{max(times):.1f}")
     return lines
 
 
+def sources_of(names) -> dict:
+    """``{name: resolve_lengths(name)}``, in order."""
+    from flashpar.cp.lengths import resolve_lengths
+
+    return {name: resolve_lengths(name) for name in names}
+
+
 def run(args: argparse.Namespace) -> int:
-    for block in (magi(args.seed), lists(args.packs, args.seed), planning_time(args.seed)):
+    names = [n.strip() for n in args.lists.split(",") if n.strip()] if args.lists is not None else None
+    try:
+        if args.packs < 1:
+            raise ValueError(f"--packs must be >= 1, got {args.packs}")
+        if names is not None:
+            if not names:
+                raise ValueError("--lists is empty")
+            sources_of(names)
+    except (OSError, ValueError) as err:
+        print(f"flashpar bench plan: {err}", file=sys.stderr)
+        return 2
+    for block in (magi(args.seed), lists(args.packs, args.seed, names), planning_time(args.packs)):
         print("\n".join(block), flush=True)
         print()
     return 0

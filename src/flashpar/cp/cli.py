@@ -1,11 +1,14 @@
 """``flashpar plan``: plan packed sequences of real document lengths with every CP strategy, side by side.
 
-    flashpar plan --lengths FILE --cp N [--tokens T] [--strategy NAME|all] [--json OUT] [--plot OUT.png]
+    flashpar plan --lengths NAME|FILE --cp N [--tokens T] [--packs K] [--strategy NAME|all] [--json OUT]
+                  [--plot OUT.png]
 
+``--lengths`` is a shipped name or a file, as in every command (:func:`flashpar.cp.lengths.resolve_lengths`).
 Without ``--tokens`` the whole list is one packed sequence; with it, the document stream is cut
-into packs of exactly ``T`` tokens (:func:`flashpar.cp.lengths.pack`) and every figure is the
-mean and the worst over the packs.  Speedups are estimated step times of ``headtail`` and
-``per_doc`` over this strategy's, pack by pack.
+into packs of exactly ``T`` tokens (:class:`flashpar.cp.lengths.Packing`) and every figure is the
+mean and the worst over the packs (a sampled distribution needs ``--tokens`` and ``--packs``).
+Speedups are estimated step times of ``headtail`` and ``per_doc`` over this strategy's, pack by
+pack.  Progress goes to stderr, the table to stdout, each column as wide as its widest cell.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import json
 import statistics
 import sys
 
+from flashpar.cp.lengths import LENGTHS_HELP
+
 COLUMNS = (("compute_imbalance", "compute imb"), ("attn_imbalance", "attn imb"), ("token_imbalance", "token imb"),
            ("total_kv_bytes", "KV total MB"), ("max_kv_bytes", "KV max MB"), ("kv_worst_frac", "KV worst frac"),
            ("est_step_time", "step ms"), ("vs_headtail", "x headtail"), ("vs_per_doc", "x per_doc"),
@@ -23,7 +28,7 @@ SCALE = {"total_kv_bytes": 1e-6, "max_kv_bytes": 1e-6, "est_step_time": 1e3, "pl
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lengths", required=True, help="document lengths: one per line, or a JSON list")
+    p.add_argument("--lengths", required=True, help=LENGTHS_HELP)
     p.add_argument("--cp", type=int, required=True, help="context-parallel size N")
     p.add_argument("--tokens", type=int, default=None, help="cut the stream into packs of exactly T tokens")
     p.add_argument("--packs", type=int, default=None, help="use only the first K packs")
@@ -34,11 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     from flashpar.cp import STRATEGIES, CostModel, plan
-    from flashpar.cp.lengths import pack, read_lengths
 
     try:
-        lengths = read_lengths(args.lengths)
+        packs = _packs(args)
     except (OSError, ValueError) as err:
         print(f"flashpar plan: {err}", file=sys.stderr)
         return 2
@@ -50,19 +56,17 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"flashpar plan: unknown strategy {unknown[0]!r}; expected one of {STRATEGIES} or 'all'", file=sys.stderr)
         return 2
-    packs = pack(lengths, args.tokens) if args.tokens else [lengths]
-    packs = packs[: args.packs] if args.packs else packs
-    if not packs:
-        print(f"flashpar plan: {sum(lengths)} tokens make no full pack of {args.tokens}", file=sys.stderr)
-        return 2
     cost = CostModel(linear=not args.attention_only)
     per_pack = {s: [] for s in strategies}
     plans = {}
-    for doc_lens in packs:
-        for s in strategies:
-            p = plan(doc_lens, args.cp, strategy=s, cost=cost)
-            per_pack[s].append(p.stats())
-            plans[s] = p
+    with tqdm(total=len(packs) * len(strategies), desc="flashpar plan", unit="plan", file=sys.stderr,
+              mininterval=1.0) as bar:
+        for doc_lens in packs:
+            for s in strategies:
+                p = plan(doc_lens, args.cp, strategy=s, cost=cost)
+                per_pack[s].append(p.stats())
+                plans[s] = p
+                bar.update()
     summary = _summarize(per_pack)
     print(_table(summary, args, len(packs), sum(map(len, packs))))
     if args.json:
@@ -72,6 +76,25 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         return _plot(plans.get("flashcp") or next(iter(plans.values())), args.plot)
     return 0
+
+
+def _packs(args: argparse.Namespace) -> list[list[int]]:
+    """The packs to plan: the whole list as one, or its first ``--packs`` packs of ``--tokens`` (one-line errors)."""
+    from flashpar.cp.lengths import resolve_lengths
+
+    source = resolve_lengths(args.lengths)
+    if args.tokens is not None and args.tokens < 1:
+        raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
+    if args.packs is not None and args.packs < 1:
+        raise ValueError(f"--packs must be >= 1, got {args.packs}")
+    if source.sampled and (args.tokens is None or args.packs is None):
+        raise ValueError(f"--lengths {args.lengths} is a sampled distribution: give --tokens and --packs")
+    if args.tokens is None:
+        return [list(source.values)]
+    packs = source.packs(args.tokens, args.packs)
+    if not packs:
+        raise ValueError(f"--lengths {args.lengths}: {sum(source.values)} tokens make no full pack of {args.tokens}")
+    return packs
 
 
 def _summarize(per_pack: dict) -> dict:
@@ -92,21 +115,23 @@ def _summarize(per_pack: dict) -> dict:
 
 
 def _table(summary: dict, args, n_packs: int, tokens: int) -> str:
-    head = f"{'strategy':<15}" + "".join(f"{label:>15}" for _, label in COLUMNS)
     what = f"{n_packs} pack(s) of {args.tokens} tokens" if args.tokens else f"one pack of {tokens} tokens"
-    lines = [f"== {args.lengths}: {what}, N={args.cp}, "
-             f"{'attention only' if args.attention_only else 'attention + linear'}; mean (worst) over packs ==",
-             head]
+    cell = lambda fig, k: f"{fig['mean'] * k:.3g} ({fig['worst'] * k:.3g})"  # noqa: E731
+    rows = [["strategy", *(label for _, label in COLUMNS)]]
     for s, cols in summary.items():
-        cells = []
-        for key, _ in COLUMNS:
-            if key not in cols:
-                cells.append(f"{'-':>15}")
-                continue
-            k = SCALE.get(key, 1.0)
-            cells.append(f"{cols[key]['mean'] * k:>8.3g} ({cols[key]['worst'] * k:.3g})".rjust(15))
-        lines.append(f"{s:<15}" + "".join(cells))
-    return "\n".join(lines)
+        rows.append([s, *(cell(cols[key], SCALE.get(key, 1.0)) if key in cols else "-" for key, _ in COLUMNS)])
+    work = "attention only" if args.attention_only else "attention + linear"
+    title = f"== {args.lengths}: {what}, N={args.cp}, {work}; mean (worst) over packs =="
+    return "\n".join([title, *format_columns(rows)])
+
+
+def format_columns(rows: list[list[str]], gap: int = 2) -> list[str]:
+    """Rows of cells as lines, each column as wide as its widest cell plus ``gap``: the first left-aligned,
+    the others right-aligned, so no two columns run together whatever the values."""
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    return ["".join(cell.ljust(w) if c == 0 else cell.rjust(w + gap) for c, (cell, w) in enumerate(zip(row, widths,
+                                                                                                          strict=True)))
+            for row in rows]
 
 
 def _plot(p, path: str) -> int:

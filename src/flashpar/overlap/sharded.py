@@ -215,11 +215,14 @@ class ShardedLinear(nn.Module):
 
 
 def shard_linears(model: nn.Module, group=None, **kwargs) -> nn.Module:
-    """Replace every ``nn.Linear`` in ``model`` (in place) by its :class:`ShardedLinear`; returns ``model``.
+    """Replace every ``nn.Linear`` in ``model`` (in place) by its :class:`ShardedLinear`; returns ``model``,
+    or, for a bare ``nn.Linear`` (which cannot be replaced in place), its :class:`ShardedLinear`.
 
     Every rank must call it on the same model (same weights).  Other parameters stay replicated:
     average their gradients with :func:`average_replicated_grads` (or a DDP wrapper over them).
     """
+    if isinstance(model, nn.Linear):
+        return ShardedLinear.from_linear(model, group, **kwargs)
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
             setattr(model, name, ShardedLinear.from_linear(child, group, **kwargs))

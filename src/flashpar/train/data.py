@@ -5,10 +5,10 @@ deterministic order, ``random.Random(seed).shuffle`` of their indices, and conca
 stream with the document boundaries kept.  With ``S`` the total number of tokens and ``L = seq_len``,
 sequence ``i`` (``0 <= i < S // L``) is the stream slice ``[i * L, (i + 1) * L)``: a document crossing a
 sequence boundary is split there and its remainder starts the next sequence, and the final partial
-sequence is dropped, the rule of :func:`flashpar.cp.lengths.pack`.  The label of stream position ``p``
-is the token at ``p + 1`` when ``p + 1`` lies in the same document (even when it lies in the next
-sequence) and ``-100`` (ignored by ``cross_entropy``) when ``p`` is the last token of its document, so
-no target crosses a document boundary.
+sequence is dropped; the cutting is :class:`flashpar.cp.lengths.Packing`, the packing of every command.
+The label of stream position ``p`` is the token at ``p + 1`` when ``p + 1`` lies in the same document
+(even when it lies in the next sequence) and ``-100`` (ignored by ``cross_entropy``) when ``p`` is the
+last token of its document, so no target crosses a document boundary.
 
 Planning (:class:`PlannedSequences`).  Data-parallel rank ``d`` of ``D`` takes the global sequences
 ``start + d, start + d + D, start + 2D + d, ...``: its item ``j`` is sequence ``start + j * D + d``, to
@@ -23,8 +23,6 @@ seen next, on every rank.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import operator
 import random
 
@@ -34,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 from flashpar import corpus
 from flashpar.cp import STRATEGIES, CostModel
 from flashpar.cp import plan as cp_plan
+from flashpar.cp.lengths import Packing
 from flashpar.models.llama import IGNORE
 
 IGNORE_INDEX = IGNORE  # the loss's 'no target' label
@@ -56,16 +55,16 @@ class PackedCorpus(Dataset):
         self.seq_len, self.max_docs, self.seed = seq_len, max_docs, seed
         lengths = corpus.document_lengths(max_docs)
         self.order = shuffled_order(len(lengths), seed)  # stream position -> corpus document index
-        self.lens = [lengths[k] for k in self.order]  # document lengths in stream order
-        self.starts = list(itertools.accumulate(self.lens, initial=0))[:-1]  # stream offset of each document
-        self.total = sum(self.lens)
+        self.packing = Packing([lengths[k] for k in self.order], seq_len)  # the stream, cut into sequences
+        # document lengths in stream order, stream offset of each document, tokens in the stream
+        self.lens, self.starts, self.total = self.packing.lengths, self.packing.starts, self.packing.total
         if self.total < seq_len:
             raise ValueError(f"the corpus ({len(self.lens)} documents, {self.total} tokens) is shorter than one "
                              f"sequence of seq_len={seq_len} tokens; use more documents or a shorter seq_len")
         self._stream: torch.Tensor | None = None
 
     def __len__(self) -> int:
-        return self.total // self.seq_len
+        return len(self.packing)
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -74,17 +73,18 @@ class PackedCorpus(Dataset):
 
     def doc_lens(self, i: int) -> list[int]:
         """Pieces of documents in sequence ``i``, in order (they sum to ``seq_len``); reads no tokens."""
-        return [piece for piece, _ in self._pieces(*self._bounds(i))]
+        return self.packing.doc_lens(operator.index(i))
 
     def __getitem__(self, i: int) -> dict:
-        a, b = self._bounds(i)
+        i = operator.index(i)
+        a, b = self.packing.bounds(i)
         stream = self.stream()
         tokens = stream[a:b].long()
         labels = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
         n = min(b + 1, self.total) - (a + 1)  # positions whose next token exists in the stream
         labels[:n] = stream[a + 1: a + 1 + n].long()
         pieces, end = [], 0
-        for piece, ends_doc in self._pieces(a, b):
+        for _, piece, ends_doc in self.packing.pieces(i):
             pieces.append(piece)
             end += piece
             if ends_doc:
@@ -96,22 +96,6 @@ class PackedCorpus(Dataset):
         if self._stream is None:
             self._stream = read_stream(self.max_docs, self.order, self.starts, self.lens)
         return self._stream
-
-    def _bounds(self, i: int) -> tuple[int, int]:
-        i = operator.index(i)
-        n = len(self)
-        if not 0 <= i < n:
-            raise IndexError(f"sequence {i} out of range: the corpus packs into {n} sequences")
-        return i * self.seq_len, (i + 1) * self.seq_len
-
-    def _pieces(self, a: int, b: int):
-        """``(length, ends_its_document)`` of each document piece in the stream slice ``[a, b)``."""
-        d = bisect.bisect_right(self.starts, a) - 1  # the document holding token a
-        while a < b:
-            doc_end = self.starts[d] + self.lens[d]
-            end = min(doc_end, b)
-            yield end - a, end == doc_end
-            a, d = end, d + 1
 
 
 def shuffled_order(count: int, seed: int) -> list[int]:

@@ -1,0 +1,53 @@
+"""The README's Python snippets are the files of docs/examples, and every one of them runs.
+
+Each ```python block of the README is preceded by a link to its file and equals that file's text, so the
+docs cannot drift from what this test runs: the multi-rank examples' ``main(rank, world)`` at N=2 (one
+spawn for all of them, as ``torchrun --nproc-per-node 2`` would), the single-process ones as scripts.
+"""
+
+from __future__ import annotations
+
+import re
+import runpy
+from pathlib import Path
+
+import pytest
+
+from dist_harness import run_ranks
+from examples_workers import EXAMPLES, run_examples
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+MULTI_RANK = ("tp_mlp", "sharded_dp", "ulysses", "cp_attention")  # main(rank, world)
+SINGLE = ("plan",)  # a script
+
+
+def readme_snippets() -> list[tuple[str, str]]:
+    """``(linked example file name, code)`` of every ```python block of the README."""
+    text = README.read_text()
+    out = []
+    for m in re.finditer(r"```python\n(.*?)```", text, flags=re.S):
+        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        link = re.search(r"docs/examples/(\w+\.py)", before)
+        out.append((link.group(1) if link else f"<no docs/examples link before: {before!r}>", m.group(1)))
+    return out
+
+
+def test_readme_python_blocks_are_the_example_files():
+    snippets = readme_snippets()
+    files = sorted(p.name for p in EXAMPLES.glob("*.py"))
+    assert sorted(name for name, _ in snippets) == files == sorted(f"{n}.py" for n in (*MULTI_RANK, *SINGLE))
+    for name, code in snippets:
+        assert code == (EXAMPLES / name).read_text(), f"README block linked to docs/examples/{name} differs from it"
+
+
+def test_multi_rank_examples_run_at_two_ranks():
+    per_rank = run_ranks(2, run_examples, list(MULTI_RANK))
+    failures = {(r, name): tb for r, out in enumerate(per_rank) for name, tb in out.items() if tb is not None}
+    assert sorted(per_rank[0]) == sorted(MULTI_RANK) and not failures, "\n".join(
+        f"rank {r} {name}:\n{tb}" for (r, name), tb in failures.items())
+
+
+@pytest.mark.parametrize("name", SINGLE)
+def test_single_process_examples_run(name, capsys):
+    runpy.run_path(str(EXAMPLES / f"{name}.py"), run_name="__main__")
+    assert float(capsys.readouterr().out.split()[-1]) >= 1.0  # plan.py prints a compute imbalance (max / mean)

@@ -1,0 +1,130 @@
+"""Every command the README shows in a ```bash block runs (shortened: few steps, one round, loopback, small
+packs), so a documented command cannot break silently.
+
+``RUNS`` is the table: each README command maps to the run that exercises it.  Commands that a run
+shares (``flashpar train`` with ``--save-every``, ``--trace --plot``) are grouped into one invocation, and
+the shortening flags come after the README's, so they override its values (``--steps``, ``--link-rate``);
+the README's resume and its ``per_doc`` / ``ring`` mesh are one run (a resume on that other mesh).
+A run must carry every option of each README command it stands for (checked), so grouping cannot drop
+one.  Commands that cannot run here are listed in ``SKIPPED`` with the reason; a README command in
+neither table fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from flashpar.cli import main
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+# every training run: a short corpus and sequence, plans made in the rank (no data-loader process to start)
+TRAIN = ["--seq-len", "256", "--max-docs", "40", "--workers", "0"]
+OVERLAP = ["--link-rate", "none", "--rounds", "1", "--shapes", "small-M", "--modes", "flash:1",
+           "--seq-local", "16", "--width", "32"]
+CP = ["--nproc", "2", "--link-rate", "none", "--tokens", "1024", "--packs", "1", "--rounds", "1", "--heads", "2",
+      "--kv-heads", "1", "--head-dim", "16"]
+HF_CONFIG = {"vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 64}
+
+# run name -> argv, in the order they run (the resume run needs the first run's checkpoints)
+RUNS = {
+    "train": ["train", "--save-every", "2", "--trace", "--plot", "--steps", "3", *TRAIN],
+    # resumed on another mesh, as the README's resume, and that mesh is the README's per_doc / ring one
+    "train-resume-per-doc-ring": ["train", "--resume", "runs/train/checkpoints", "--dp", "2", "--cp", "2", "--tp", "1",
+                                  "--strategy", "per_doc", "--mode", "ring", "--steps", "5", "--out", "runs/resumed",
+                                  *TRAIN],
+    "train-check-hf": ["train", "--check", "--hf-config", "path/to/config.json", "--out", "runs/check", *TRAIN],
+    "plan-wlbllm": ["plan", "--lengths", "wlbllm", "--cp", "8", "--tokens", "131072", "--packs", "2"],
+    "plan-file": ["plan", "--lengths", "my_lengths.txt", "--cp", "4"],
+    "bench-plan": ["bench", "plan", "--packs", "1", "--lists", "sotu,long-context"],
+    "bench-overlap": ["bench", "overlap", "--nproc", "2,4", *OVERLAP],  # all five ops (a superset of --ops)
+    "bench-cp": ["bench", "cp", "--lengths", "prolong", *CP],
+}
+COMMANDS = {  # README command -> the run that exercises it
+    "flashpar train": "train",
+    "flashpar train --dp 2 --cp 2 --tp 1 --strategy per_doc --mode ring --steps 100 --seq-len 4096":
+        "train-resume-per-doc-ring",
+    "flashpar train --check": "train-check-hf",
+    "flashpar train --save-every 100": "train",
+    "flashpar train --resume runs/train/checkpoints --steps 800 --cp 4 --tp 1": "train-resume-per-doc-ring",
+    "flashpar train --trace --plot": "train",
+    "flashpar train --hf-config path/to/config.json": "train-check-hf",
+    "flashpar plan --lengths wlbllm --cp 8 --tokens 131072": "plan-wlbllm",
+    "flashpar plan --lengths my_lengths.txt --cp 4": "plan-file",
+    "flashpar bench plan": "bench-plan",
+    "flashpar bench overlap --nproc 2 --link-rate 1gbit --rounds 15 --shapes hidden": "bench-overlap",
+    "flashpar bench overlap --nproc 4 --link-rate 300mbit --rounds 9 --shapes hidden": "bench-overlap",
+    "flashpar bench overlap --nproc 2 --link-rate 1gbit --rounds 5 --shapes comm-heavy,small-M --ops fsdp,qkv,out":
+        "bench-overlap",
+    "flashpar bench overlap --nproc 4 --link-rate 300mbit --rounds 3 --shapes comm-heavy,small-M --ops fsdp,qkv,out":
+        "bench-overlap",
+    "flashpar bench cp --nproc 4 --link-rate 300mbit --packs 2 --rounds 5": "bench-cp",
+    "flashpar bench cp --nproc 4 --link-rate 300mbit --lengths prolong": "bench-cp",
+}
+SKIPPED = {
+    "make run": "sets up .venv and trains 400 steps (minutes); its `flashpar train` is run here shortened",
+    "make test": "is this test suite (ruff + pytest, what CI runs)",
+    "make bench": "runs the benchmarks at full size (about 6 minutes); their commands are run here shortened",
+}
+OVERRIDDEN = {"--ops"}  # options a run may leave out: it runs every op instead
+
+
+def readme_commands() -> list[str]:
+    """Each command line of the README's ```bash blocks, comments stripped."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
+        for line in block.splitlines():
+            command = line.split(" #", 1)[0].strip()
+            if command and not command.startswith("#"):
+                lines.append(command)
+    return lines
+
+
+def options(argv: list[str]) -> set[str]:
+    return {a for a in argv if a.startswith("--")}
+
+
+def test_every_readme_command_is_run_or_skipped_with_a_reason():
+    shown = readme_commands()
+    unknown = [c for c in shown if c not in COMMANDS and c not in SKIPPED]
+    assert not unknown, f"README commands with no run in tests/test_readme_commands.py: {unknown}"
+    stale = (set(COMMANDS) | set(SKIPPED)) - set(shown)
+    assert not stale, f"table entries the README no longer shows: {stale}"
+    for command, run in COMMANDS.items():
+        words = shlex.split(command)[1:]
+        subcommand = [w for w in words if not w.startswith("-")][: 2 if words[0] == "bench" else 1]
+        assert RUNS[run][: len(subcommand)] == subcommand, (command, run)
+        missing = options(words) - options(RUNS[run]) - OVERRIDDEN
+        assert not missing, f"run {run!r} drops {missing} of README command {command!r}"
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "path" / "to").mkdir(parents=True)
+    (tmp_path / "path" / "to" / "config.json").write_text(json.dumps(HF_CONFIG))
+    (tmp_path / "my_lengths.txt").write_text("\n".join(map(str, [900, 30, 4000, 120, 77, 2500, 60, 3100] * 4)))
+    return tmp_path
+
+
+def test_training_commands_run(in_tmp, capsys):
+    for name in ("train", "train-resume-per-doc-ring", "train-check-hf"):
+        assert main(RUNS[name]) == 0, name
+    out = capsys.readouterr().out
+    assert out.count("trained ") == 2 and "mesh dp=2 cp=2 tp=1" in out and "PASS" in out and "FAIL" not in out
+    assert (in_tmp / "runs/train/train.png").is_file() and list((in_tmp / "runs/train").glob("trace_rank*.json"))
+    assert list((in_tmp / "runs/train/checkpoints").glob("step_*")) and (in_tmp / "runs/resumed/summary.json").is_file()
+
+
+def test_planning_and_benchmark_commands_run(in_tmp, capsys):
+    for name in ("plan-wlbllm", "plan-file", "bench-plan", "bench-overlap", "bench-cp"):
+        assert main(RUNS[name]) == 0, name
+    out = capsys.readouterr().out
+    assert "== wlbllm: 2 pack(s) of 131072 tokens" in out and "== my_lengths.txt: one pack of" in out
+    assert "MagiAttention anchor" in out and "Planning time" in out
+    assert "running N=4" in out and "ovl/ideal" in out and "prolong lengths / 16" in out
