@@ -270,7 +270,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="which shape families to run: hidden, comm-heavy, small-M (default all)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--calibrate", action="store_true", help="store the measured calibration for mode='auto'")
+    p.add_argument("--calibrate", action="store_true",
+                   help="store the measured figures in the calibration file that mode='auto' reads "
+                   "(~/.cache/flashpar/hardware.json; see flashpar.cost.store)")
     p.add_argument("--json", default=None, help="write the results (all world sizes) to this JSON file")
     p.add_argument("--timeout", type=float, default=1800.0)
 

@@ -43,6 +43,9 @@ _LEGACY = {"flops": "flops", "bandwidth": "link_bytes_per_s", "attn_peak": "attn
 
 @dataclass(frozen=True)
 class CostModel:
+    """A model's layer shape on a device: ``hardware`` is a :class:`flashpar.cost.Hardware` or a preset's
+    name (``CostModel(hardware="h100-nvlink")``)."""
+
     hidden: int = 4096
     ffn: int = 14336
     heads: int = 32
