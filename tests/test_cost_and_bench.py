@@ -51,7 +51,7 @@ def test_reduce_scatter_local_last_covers_the_last_send():
 
 
 def test_auto_prefers_none_at_small_m_and_flash_at_large_m():
-    cpu = cost.DEFAULTS["cpu"]
+    cpu = cost.preset("cpu")
     assert choose_mode("ag_matmul", 4, 16, 512, 512, 4, "cpu", cpu) == ("none", 1)
     mode, _ = choose_mode("ag_matmul", 4, 8192, 1024, 1024, 4, "cpu", cpu)
     assert mode == "flash"
@@ -80,13 +80,16 @@ def test_simulate_counts_every_lane_item():
 
 def test_calibration_round_trip(tmp_path):
     path = tmp_path / "hw.json"
-    assert cost.load("cpu", path) == cost.DEFAULTS["cpu"]
+    assert cost.load("cpu", path) == cost.preset("cpu")
     mine = Hardware(1e11, 8, 1e-5, 2e8, 5e-5, 2e10)
     cost.save(mine, "cpu", path)
-    cost.save(cost.DEFAULTS["cuda"], "cuda", path)
-    assert cost.load("cpu", path) == mine and cost.load("cuda", path) == cost.DEFAULTS["cuda"]
-    path.write_text("{not json")
-    assert cost.load("cpu", path) == cost.DEFAULTS["cpu"]
+    cost.save(cost.preset("cuda"), "cuda", path)
+    assert cost.load("cpu", path) == mine and cost.load("cuda", path) == cost.preset("cuda")
+    assert json.loads(path.read_text())["cpu"]["flops"] == 1e11  # both entries on disk, as written
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(ValueError, match=r"calibration file .*broken\.json: not JSON"):
+        cost.load("cpu", broken)
     with cost.use(mine):
         assert cost.load("cpu") == mine
 

@@ -3,9 +3,10 @@
 The parent starts N gloo ranks (behind emulated rate-limited links with ``--link-rate``, as
 ``flashpar bench overlap`` does; loopback otherwise).  Each rank
 
-1. calibrates: the CPU flash-attention rate forward and backward on a long and a short causal
-   block (fitting the cost model's plateau and half-efficiency length) and the link bandwidth;
-   rank 0's values go into one ``CostModel`` (attention work alone, this model's heads and dtype);
+1. calibrates (:mod:`flashpar.cost.calibrate`): the GEMM rate, the link, and the CPU
+   flash-attention rate forward and backward on a long and a short causal block (fitting the
+   attention curve's plateau and half-efficiency length); rank 0's values go into one
+   ``CostModel`` per direction (attention work alone, this model's heads and dtype);
 2. packs real document lengths (``--lengths``: a shipped name or a file, as in every command;
    validated in the parent before any rank starts), divided by ``--scale``
    (default 16: 8K-token packs with the shape of 128K-token packs, which a CPU cannot run), into
@@ -45,58 +46,19 @@ KINDS = ("overlapped", "compute", "comm")
 # worker (one per rank)
 
 
-def _attn_rate(heads: int, kv_heads: int, head_dim: int, length: int, dtype) -> tuple[float, float]:
-    """(forward, backward) FLOP/s of the CPU flash kernel on one causal block of ``length`` tokens."""
-    import torch
-
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    q = torch.randn(1, heads, length, head_dim, dtype=dtype)
-    k, v = (torch.randn(1, kv_heads, length, head_dim, dtype=dtype) for _ in range(2))
-    out, lse = op(q, k, v, 0.0, True)
-    dout = torch.randn_like(out)
-    reps = max(1, 2_000_000 // (length * length))
-    times = []
-    for fn in (lambda: op(q, k, v, 0.0, True), lambda: bwd(dout, q, k, v, out, lse, 0.0, True)):
-        samples = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            samples.append((time.perf_counter() - t0) / reps)
-        times.append(statistics.median(samples))
-    flops = 4.0 * heads * head_dim * length * (length + 1) / 2
-    return flops / times[0], flops / times[1]
-
-
 def calibrate_costs(config: dict):
     """(forward CostModel, backward CostModel) fitted on this machine; rank 0's values on every rank."""
     import torch
-    import torch.distributed as dist
 
-    from flashpar.bench.calibrate import measure_link
+    from flashpar.cost.calibrate import calibrate, calibrate_attention
     from flashpar.cp import CostModel
 
     dtype = getattr(torch, config["dtype"])
     h, hkv, d = config["heads"], config["kv_heads"], config["head_dim"]
-    long_len, short_len = 2048, 128
-    rates = [_attn_rate(h, hkv, d, n, dtype) for n in (long_len, short_len)]
-    bw, _ = measure_link()
-    values = [rates, bw]
-    dist.broadcast_object_list(values, src=0)
-    (long_f, long_b), (short_f, short_b) = values[0]
-    bw = values[1]
-    costs = []
-    for long_rate, short_rate in ((long_f, short_f), (long_b, short_b)):
-        # eff(L, L) = peak (L / (L + half))^2: solve the two measured rates for peak and half
-        ratio = (short_rate / long_rate) ** 0.5  # = short (long + half) / (long (short + half))
-        floor = short_len / long_len
-        half = short_len * (1 - ratio) / max(ratio - floor, 1e-3) if ratio < 1 else 1.0
-        peak = long_rate / (long_len / (long_len + half)) ** 2
-        costs.append(CostModel(hidden=h * d, heads=h, kv_heads=hkv, head_dim=d, layers=1,
-                               dtype_bytes=torch.empty((), dtype=dtype).element_size(), flops=peak,
-                               bandwidth=bw, linear=False, attn_peak=1.0, attn_half=half))
-    return costs[0], costs[1]
+    fwd, bwd = calibrate_attention(calibrate(dtype=dtype), h, hkv, d, dtype)
+    shape = {"hidden": h * d, "heads": h, "kv_heads": hkv, "head_dim": d, "layers": 1,
+             "dtype_bytes": torch.empty((), dtype=dtype).element_size(), "linear": False}
+    return CostModel(**shape, hardware=fwd), CostModel(**shape, hardware=bwd)
 
 
 def _packs(config: dict) -> list[list[int]]:
@@ -242,14 +204,15 @@ def worker(config: dict) -> None:
 def format_report(report: dict) -> str:
     rows, n = report["rows"], report["world_size"]
     c = report["config"]
-    fc, bc = report["fwd_cost"], report["bwd_cost"]
+    fc, bc = report["fwd_cost"]["hardware"], report["bwd_cost"]["hardware"]
     lines = [
         f"N={n}, link {c['link_rate']}, {c['lengths']} lengths / {c['scale']} packed into {report['tokens']} tokens "
         f"({len(report['packs'])} packs, {sum(report['packs'])} documents), heads {c['heads']}/{c['kv_heads']}, "
         f"head_dim {c['head_dim']}, {c['dtype']}, {c['rounds']} rounds, median of the slowest rank, summed over packs",
-        f"calibrated: attention {fc['flops'] / 1e9:.1f} GFLOP/s forward, {bc['flops'] / 1e9:.1f} backward "
+        f"calibrated: attention {fc['flops'] * fc['attn_peak'] / 1e9:.1f} GFLOP/s forward, "
+        f"{bc['flops'] * bc['attn_peak'] / 1e9:.1f} backward "
         f"(half efficiency at {fc['attn_half']:.0f} / {bc['attn_half']:.0f} tokens), "
-        f"link {fc['bandwidth'] / 1e6:.1f} MB/s; {c['cores']:g} cores shared by the ranks",
+        f"link {fc['link_bytes_per_s'] / 1e6:.1f} MB/s; {c['cores']:g} cores shared by the ranks",
         "",
         f"{'strategy':<15}{'step ms':>9}{'fwd':>7}{'bwd':>7}{'compute':>9}{'comm':>7}{'ovl/ideal':>10}"
         f"{'sent MB':>9}{'imb':>6}{'x headtail':>11}{'x per_doc':>10} | {'pred ms':>8}{'imb':>6}"

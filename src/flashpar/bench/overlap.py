@@ -7,7 +7,8 @@ The parent process starts N gloo ranks (each in its own network namespace behind
 a rate-limited link with ``--link-rate``, on loopback otherwise) running
 :func:`worker`.  The worker
 
-1. calibrates GEMM rate and link (:mod:`flashpar.bench.calibrate`), rank 0's values for all;
+1. calibrates GEMM rate and link (:mod:`flashpar.cost.calibrate`, plus the executor's own
+   overheads per GEMM piece and lane item), rank 0's values for all;
 2. sizes the shapes: for a target communication/compute ratio (``--ratio``) the free dim that
    sets the GEMM work is scaled from a measured probe, plus a small-M shape;
 3. runs, round by round with the order of the variants rotated, each variant three ways:
@@ -105,12 +106,42 @@ def _measure(shape: BenchShape, mode: str, chunks, kind: str, n: int, dtype, rep
     return t_fwd / reps, t_bwd / reps
 
 
+def measure_schedule_overheads(group, dtype) -> tuple[float, float]:
+    """(seconds per GEMM piece, seconds per lane item) that the executor adds on top of the kernels
+    and the wire: dispatch, views and bookkeeping per piece; the hand-off to the lane and back per
+    transfer.  Measured on a tiny all_gather_matmul, compute-only flash(k=4) vs none for the piece,
+    communication-only flash(k=1) for the item.  Decomposition pays these per piece, which is what
+    makes it lose at small M."""
+    import torch
+    import torch.distributed as dist
+
+    from flashpar.cost.calibrate import median_time
+    from flashpar.overlap import all_gather_matmul
+    from flashpar.overlap.executor import only
+
+    n = dist.get_world_size(group)
+    x, w = torch.randn(4, 64, dtype=dtype), torch.randn(64, 64, dtype=dtype)
+    calls = 20
+
+    def per_call(part: str, mode: str, chunks: int) -> float:
+        def run():
+            with only(part):
+                for _ in range(calls):
+                    all_gather_matmul(x, w, group=group, mode=mode, chunks=chunks, check=False)
+        run()  # warm-up
+        return median_time(run, 5, barrier=True, group=group) / calls
+
+    piece = (per_call("compute", "flash", 4) - per_call("compute", "none", 1)) / ((n - 1) * 4)
+    item = per_call("comm", "flash", 1) / (n - 1)
+    return max(piece, 0.0), item
+
+
 def worker(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
     from flashpar import cost
-    from flashpar.bench.calibrate import calibrate
+    from flashpar.cost.calibrate import calibrate
     from flashpar.overlap.simulate import choose_mode, predict
 
     dist.init_process_group("gloo")
@@ -119,7 +150,7 @@ def worker(config: dict) -> None:
     torch.manual_seed(rank)
     dtype = getattr(torch, config["dtype"])
     elem = torch.empty((), dtype=dtype).element_size()
-    hw = calibrate(dtype=dtype)
+    hw = calibrate(dtype=dtype, overheads=measure_schedule_overheads)
     if config["calibrate"] and rank == 0:
         path = cost.save(hw, "cpu")
         print(f"calibration stored in {path}", flush=True)
@@ -239,7 +270,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="which shape families to run: hidden, comm-heavy, small-M (default all)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--calibrate", action="store_true", help="store the measured calibration for mode='auto'")
+    p.add_argument("--calibrate", action="store_true",
+                   help="store the measured figures in the calibration file that mode='auto' reads "
+                   "(~/.cache/flashpar/hardware.json; see flashpar.cost.store)")
     p.add_argument("--json", default=None, help="write the results (all world sizes) to this JSON file")
     p.add_argument("--timeout", type=float, default=1800.0)
 

@@ -2,33 +2,50 @@
 
 Shared by the planner (to score candidates), the execution benchmarks and the simulator.
 Everything is per transformer layer and per forward pass (the backward scales attention and
-linear work alike, so ratios between plans do not change).
+linear work alike, so ratios between plans do not change).  The model's shape is here; the
+device's figures are one :class:`flashpar.cost.Hardware` (``hardware``, default the
+``h100-ib`` preset, which is also what ``cuda`` means to ``mode="auto"``).
 
     attention flops of a (query, key) pair   4 heads head_dim            (Q K^T and P V, 2 flops per MAC)
     linear flops per token                    2 [hidden (heads + 2 kv_heads) head_dim      QKV
                                                  + heads head_dim hidden                   output projection
                                                  + 3 hidden ffn]                           SwiGLU MLP
     K/V bytes of one token                    2 kv_heads head_dim dtype_bytes
-    attention task time   pairs * 4 h d / (flops * eff(q_len, k_len))
-    eff(q, k)             attn_peak * q / (q + attn_half) * k / (k + attn_half)
+    attention task time   hardware.attn_time(pairs * 4 h d, q_len, k_len)
+                          = pairs 4 h d / (flops attn_peak q/(q + attn_half) k/(k + attn_half))
+    linear time           tokens * linear flops / hardware.gemm_flops     (the large-M rate: a
+                                                                           rank holds thousands of rows)
+    K/V time              bytes / hardware.link_bytes_per_s               (bandwidth only: the messages
+                                                                           are megabytes)
     rank time             max(compute, comm + compute that needs remote K/V)      local-first overlap
     step time             max over ranks
 
-The efficiency curve approximates FlashAttention-2's published forward throughput (causal,
-head dim 128): roughly half of the long-sequence rate at 512 tokens, near the plateau beyond 8K,
-the plateau at about 60% of the device peak.  ``flashpar bench`` replaces it by measured values
-on a GPU.  Defaults: a Llama-3-8B layer (hidden 4096, FFN 14336, 32 heads, 8 kv heads, head dim
-128, bf16) on an H100-class GPU (989 TFLOP/s dense bf16) with a 400 Gb/s link (50 GB/s).
+Default: a Llama-3-8B layer (hidden 4096, FFN 14336, 32 heads, 8 kv heads, head dim 128, bf16)
+on an H100 with a 400 Gb/s InfiniBand link per GPU (``h100-ib``: 989 TFLOP/s dense bf16,
+linear layers at 0.7 of it, attention on FlashAttention-2's curve, 50 GB/s).
+``flashpar bench cp`` replaces the device by values measured on this machine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+from flashpar.cost import Hardware, preset
+
+DEFAULT_HARDWARE = "h100-ib"
+
+_LEGACY = {"flops": "flops", "bandwidth": "link_bytes_per_s", "attn_peak": "attn_peak", "attn_half": "attn_half",
+           "linear_eff": "gemm_eff"}
+"""Device keys of the flat ``to_dict`` before the device moved into ``hardware`` -> Hardware field."""
 
 
 @dataclass(frozen=True)
 class CostModel:
+    """A model's layer shape on a device: ``hardware`` is a :class:`flashpar.cost.Hardware` or a preset's
+    name (``CostModel(hardware="h100-nvlink")``)."""
+
     hidden: int = 4096
     ffn: int = 14336
     heads: int = 32
@@ -36,12 +53,16 @@ class CostModel:
     head_dim: int = 128
     layers: int = 1
     dtype_bytes: int = 2
-    flops: float = 989e12  # device FLOP/s (dense, dtype above)
-    bandwidth: float = 50e9  # link bytes/s per rank (400 Gb/s)
     linear: bool = True  # False: attention work alone (to compare with solvers that balance only attention)
-    attn_peak: float = 0.6  # fraction of ``flops`` a long attention kernel reaches
-    attn_half: float = 256.0  # query / key length at which a kernel runs at half its plateau
-    linear_eff: float = 0.7  # fraction of ``flops`` the linear layers reach
+    hardware: Hardware = field(default_factory=lambda: preset(DEFAULT_HARDWARE))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hardware, str):  # a preset's name
+            object.__setattr__(self, "hardware", preset(self.hardware))
+
+    def with_hardware(self, **figures) -> CostModel:
+        """This model on a device whose figures differ by ``figures`` (``Hardware`` field names)."""
+        return dataclasses.replace(self, hardware=dataclasses.replace(self.hardware, **figures))
 
     @functools.cached_property
     def flops_per_pair(self) -> float:
@@ -60,20 +81,26 @@ class CostModel:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.kv_heads * self.head_dim * self.dtype_bytes * self.layers
 
-    def efficiency(self, q_len: int, k_len: int) -> float:
-        h = self.attn_half
-        return self.attn_peak * (q_len / (q_len + h)) * (k_len / (k_len + h))
-
     def attn_time(self, pairs: float, q_len: int, k_len: int) -> float:
         if pairs <= 0:
             return 0.0
-        return pairs * self.flops_per_pair / (self.flops * self.efficiency(q_len, k_len))
+        return self.hardware.attn_time(pairs * self.flops_per_pair, q_len, k_len)
 
     def linear_time(self, tokens: int) -> float:
-        return tokens * self.flops_per_token / (self.flops * self.linear_eff)
+        return tokens * self.flops_per_token / self.hardware.gemm_flops
 
     def comm_time(self, kv_tokens: int) -> float:
-        return kv_tokens * self.kv_bytes_per_token / self.bandwidth
+        return kv_tokens * self.kv_bytes_per_token / self.hardware.link_bytes_per_s
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        """Inverse of :meth:`to_dict`; also reads the flat form that held the device figures beside the
+        shape (``flops``, ``bandwidth``, ``attn_peak``, ``attn_half``, ``linear_eff``) over ``h100-ib``."""
+        d = dict(d)
+        hw = d.pop("hardware", None)
+        legacy = {_LEGACY[k]: d.pop(k) for k in list(d) if k in _LEGACY}
+        hardware = Hardware(**hw) if hw is not None else dataclasses.replace(preset(DEFAULT_HARDWARE), **legacy)
+        return cls(**d, hardware=hardware)

@@ -229,4 +229,4 @@ class CPPlan:
         d = json.loads(text)
         return cls(d["cp_size"], tuple(d["doc_lens"]), d["strategy"],
                    tuple(tuple((a, b) for a, b in segs) for segs in d["segments"]), d["comm"],
-                   CostModel(**d["cost"]), d["token_slack"])
+                   CostModel.from_dict(d["cost"]), d["token_slack"])

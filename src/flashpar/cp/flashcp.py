@@ -386,7 +386,7 @@ def whole_doc(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) 
 def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) -> Placement:
     cap = token_cap(doc_lens, n, token_slack)
     # attention alone: balance the attention work itself (pairs), as the solvers it is compared with do
-    greedy = _Greedy(doc_lens, n, cost if cost.linear else dataclasses.replace(cost, attn_half=0.0), cap)
+    greedy = _Greedy(doc_lens, n, cost if cost.linear else cost.with_hardware(attn_half=0.0), cap)
     starts = doc_starts_of(doc_lens)
     first = greedy.calibrate()  # the pass (tol 0, force 0, share 1), where the mean did not move
     # beyond 16 ranks a pass costs O(N) per document: a smaller grid keeps 1M tokens at N=64 near 200 ms

@@ -27,22 +27,12 @@ import torch
 import torch.distributed as dist
 
 from flashpar import cp
+from flashpar.cost.calibrate import peak_flops
 from flashpar.cp import CostModel
 from flashpar.models import Llama, LlamaConfig
 from flashpar.models.parallel import ParallelLlama
 from flashpar.train import checkpoint
 from flashpar.train.data import PackedCorpus, PlannedSequences, make_loader
-
-GPU_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}  # dense bf16 FLOP/s
-
-
-def peak_flops(device: torch.device) -> float:
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return next((v for k, v in GPU_PEAK.items() if k in name), 989e12)
-    from flashpar.bench.calibrate import measure_gemm
-
-    return measure_gemm(256, 256, torch.float32, repeats=3)[0]
 
 
 def setup(config: dict):

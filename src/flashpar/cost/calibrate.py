@@ -1,0 +1,185 @@
+"""Measures :class:`flashpar.cost.Hardware` on the running group, and the trainer's MFU peak.
+
+Called on every rank at once (so CPU sharing between ranks is part of what is measured);
+rank 0's values are broadcast, so every rank holds the same numbers and ``auto`` picks the
+same mode everywhere.
+
+    GEMM:      t(m) = overhead + 2 k n (m + half_rows) / flops, fitted on a sweep of m (gemm_eff 1:
+               on a CPU the measured large-M rate is the peak)
+    link:      t(b) = latency + b / bandwidth, from pairwise exchanges (shift r -> r+1)
+               of a small and a large message, the same pattern as a flash exchange
+    memory:    an in-place add over a few MB
+    attention: the flash kernel's rate r(L) on a long and a short causal block, forward and
+               backward, solved for the curve r(L) = plateau (L / (L + attn_half))^2
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from flashpar.cost.hardware import Hardware
+from flashpar.cost.presets import PRESETS, gpu_preset, preset
+from flashpar.dist import p2p_group, resolve_group
+
+
+def peak_flops(device: torch.device) -> float:
+    """The MFU denominator of one rank: the datasheet's dense bf16 rate of the GPU's preset
+    (:func:`flashpar.cost.gpu_preset`), or on CPU a GEMM probe of this rank (called on every
+    rank at once, so it is each rank's share of the cores)."""
+    if device.type == "cuda":
+        return PRESETS[gpu_preset(torch.cuda.get_device_name(device))].flops
+    return measure_gemm(256, 256, torch.float32, repeats=3)[0]
+
+
+def median_time(fn, repeats: int, *, barrier: bool = False, group=None) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls (each after a barrier of ``group`` if ``barrier``)."""
+    times = []
+    for _ in range(repeats):
+        if barrier:
+            dist.barrier(group)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_gemm(k: int, n: int, dtype: torch.dtype, *, repeats: int = 5) -> tuple[float, float, float]:
+    """(flops, half_rows, overhead_s) for ``[m, k] @ [k, n]`` GEMMs on this process."""
+    w = torch.randn(k, n, dtype=dtype)
+    tiny_a, tiny_b = torch.randn(1, 8, dtype=dtype), torch.randn(8, 8, dtype=dtype)
+    overhead = median_time(lambda: torch.mm(tiny_a, tiny_b), 50)
+    ms = [64, 256, 1024, 2048]
+    ts = []
+    for m in ms:
+        a = torch.randn(m, k, dtype=dtype)
+        out = torch.empty(m, n, dtype=dtype)
+        torch.mm(a, w, out=out)  # warm-up
+        ts.append(median_time(lambda a=a, out=out: torch.mm(a, w, out=out), repeats))
+    # least squares t = a0 + b0 * m
+    mean_m, mean_t = statistics.fmean(ms), statistics.fmean(ts)
+    b0 = sum((m - mean_m) * (t - mean_t) for m, t in zip(ms, ts, strict=True)) / sum((m - mean_m) ** 2 for m in ms)
+    b0 = max(b0, ts[-1] / ms[-1] * 0.5)
+    a0 = mean_t - b0 * mean_m
+    flops = 2.0 * k * n / b0
+    half_rows = max(0.0, (a0 - overhead) / b0)
+    return flops, half_rows, overhead
+
+
+def measure_link(group=None, *, small: int = 16 << 10, large: int = 4 << 20, repeats: int = 5) -> tuple[float, float]:
+    """(bytes_per_s, latency_s) of one rank's link, from pairwise exchanges with neighbours."""
+    info = resolve_group(group)
+    n, r = info.world_size, info.rank
+    if n == 1:
+        return preset("cpu").link_bytes_per_s, preset("cpu").link_latency_s
+    to, frm = info.global_rank((r + 1) % n), info.global_rank((r - 1) % n)
+    send_group, recv_group = p2p_group(info, r, (r + 1) % n), p2p_group(info, (r - 1) % n, r)
+
+    def exchange(nbytes: int):
+        send = torch.empty(nbytes, dtype=torch.uint8)
+        recv = torch.empty(nbytes, dtype=torch.uint8)
+
+        def run():
+            works = [dist.isend(send, to, group=send_group), dist.irecv(recv, frm, group=recv_group)]
+            for w in works:
+                w.wait()
+        return run
+
+    t_small = median_time(exchange(small), repeats * 2, barrier=True, group=info.group)
+    t_large = median_time(exchange(large), repeats, barrier=True, group=info.group)
+    bw = (large - small) / max(t_large - t_small, 1e-9)
+    latency = max(t_small - small / bw, 1e-6)
+    return bw, latency
+
+
+def measure_memory(dtype: torch.dtype) -> float:
+    a = torch.randn(1 << 20, dtype=dtype)
+    b = torch.randn(1 << 20, dtype=dtype)
+    t = median_time(lambda: a.add_(b), 10)
+    return 3 * a.numel() * a.element_size() / t
+
+
+def calibrate(group=None, *, k: int = 1024, n: int = 512, dtype: torch.dtype = torch.float32,
+              overheads: Callable[[object, torch.dtype], tuple[float, float]] | None = None) -> Hardware:
+    """Measure on every rank of ``group`` (a collective call); returns rank 0's values everywhere.
+
+    ``overheads(group, dtype)``, a collective the caller supplies, measures (seconds per GEMM
+    piece, seconds per lane item) that its executor adds on top of the kernel and the wire
+    (``flashpar bench overlap`` passes its own); they raise the GEMM overhead and the latency."""
+    flops, half_rows, overhead = measure_gemm(k, n, dtype)
+    bw, latency = measure_link(group)
+    mem = measure_memory(dtype)
+    many = dist.is_initialized() and dist.get_world_size(group) > 1
+    if overheads is not None and many:
+        piece, item = overheads(group, dtype)
+        overhead, latency = max(overhead, piece), max(latency, item)
+    return _from_rank0(Hardware(flops, half_rows, overhead, bw, latency, mem), group)
+
+
+def _from_rank0(value, group=None):
+    """Rank 0's ``value`` (any picklable object) on every rank of ``group``."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    return box[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# attention kernel
+
+ATTN_LONG, ATTN_SHORT = 2048, 128
+"""Block lengths (tokens) of the two attention probes."""
+
+
+def measure_attention(heads: int, kv_heads: int, head_dim: int, length: int, dtype) -> tuple[float, float]:
+    """(forward, backward) FLOP/s of the CPU flash kernel on one causal block of ``length`` tokens
+    (``4 heads head_dim`` FLOPs per causal (query, key) pair)."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    q = torch.randn(1, heads, length, head_dim, dtype=dtype)
+    k, v = (torch.randn(1, kv_heads, length, head_dim, dtype=dtype) for _ in range(2))
+    out, lse = op(q, k, v, 0.0, True)
+    dout = torch.randn_like(out)
+    reps = max(1, 2_000_000 // (length * length))
+    times = []
+    for fn in (lambda: op(q, k, v, 0.0, True), lambda: bwd(dout, q, k, v, out, lse, 0.0, True)):
+        samples = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            samples.append((time.perf_counter() - t0) / reps)
+        times.append(statistics.median(samples))
+    flops = 4.0 * heads * head_dim * length * (length + 1) / 2
+    return flops / times[0], flops / times[1]
+
+
+def fit_attention_curve(long_len: int, long_rate: float, short_len: int, short_rate: float) -> tuple[float, float]:
+    """(plateau FLOP/s, attn_half) of ``r(L) = plateau (L / (L + half))^2`` through two measured rates.
+
+    ``sqrt(r(s) / r(l)) = s (l + half) / (l (s + half))`` solves to
+    ``half = s (1 - ratio) / (ratio - s / l)``; a short block as fast as the long one gives ``half = 1``."""
+    ratio = (short_rate / long_rate) ** 0.5
+    floor = short_len / long_len
+    half = short_len * (1 - ratio) / max(ratio - floor, 1e-3) if ratio < 1 else 1.0
+    plateau = long_rate / (long_len / (long_len + half)) ** 2
+    return plateau, half
+
+
+def calibrate_attention(hw: Hardware, heads: int, kv_heads: int, head_dim: int, dtype, group=None,
+                        ) -> tuple[Hardware, Hardware]:
+    """``hw`` with the attention curve of this machine's flash kernel, (forward, backward): measured on
+    every rank of ``group`` at once (a collective call), rank 0's values everywhere."""
+    rates = _from_rank0([measure_attention(heads, kv_heads, head_dim, n, dtype) for n in (ATTN_LONG, ATTN_SHORT)],
+                        group)
+    out = []
+    for d in (0, 1):  # forward, backward
+        plateau, half = fit_attention_curve(ATTN_LONG, rates[0][d], ATTN_SHORT, rates[1][d])
+        out.append(replace(hw, attn_peak=plateau / hw.flops, attn_half=half))
+    return out[0], out[1]

@@ -1,0 +1,78 @@
+"""One machine's figures (:class:`Hardware`) and the times they give: GEMM, attention, link, memory.
+
+    gemm_rate(m)        = flops gemm_eff m / (m + half_rows)              small-M curve: half the
+                                                                          sustained rate at half_rows
+    gemm_time(m, k, n)  = gemm_overhead_s + 2 m k n / gemm_rate(m)
+                        = gemm_overhead_s + 2 k n (m + half_rows) / (flops gemm_eff)
+    attn_efficiency(q, k) = attn_peak q / (q + attn_half) k / (k + attn_half)
+    attn_time(w, q, k)  = w / (flops attn_efficiency(q, k))              w: the kernel's FLOPs
+    transfer_time(b)    = link_latency_s + b / link_bytes_per_s          one message, one direction
+    memory_time(b)      = b / memory_bytes_per_s                         element-wise passes
+
+``flops`` is the device's peak (the datasheet's dense rate on a GPU, the measured large-M GEMM
+rate on a calibrated CPU, where ``gemm_eff`` is 1): the trainer's MFU divides by it, and every
+kernel's sustained rate is a fraction of it.  The overlap simulator times GEMM pieces with
+``gemm_time``; the CP planner (:class:`flashpar.cp.CostModel`) charges linear layers at the
+large-M rate ``flops gemm_eff`` and attention through ``attn_efficiency``.  Named machines are in
+:mod:`flashpar.cost.presets`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+_AT_LEAST_ZERO = ("half_rows", "gemm_overhead_s", "link_latency_s", "attn_half")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    flops: float  # peak FLOP/s of one device (dense; datasheet on GPU, measured GEMM rate on CPU)
+    half_rows: float  # rows at which a GEMM reaches half of its sustained rate
+    gemm_overhead_s: float  # fixed cost per GEMM call
+    link_bytes_per_s: float  # one direction of one rank's link
+    link_latency_s: float  # per message
+    memory_bytes_per_s: float
+    gemm_eff: float = 1.0  # fraction of ``flops`` a large-M GEMM sustains
+    attn_peak: float = 0.6  # fraction of ``flops`` a long attention kernel reaches
+    attn_half: float = 256.0  # query / key length at which an attention kernel runs at half its plateau
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise ValueError(f"Hardware.{f.name} must be a finite number, got {v!r}")
+            if v < 0 or (v == 0 and f.name not in _AT_LEAST_ZERO):
+                bound = ">= 0" if f.name in _AT_LEAST_ZERO else "> 0"
+                raise ValueError(f"Hardware.{f.name} must be {bound}, got {v!r}")
+
+    @property
+    def gemm_flops(self) -> float:
+        """Sustained FLOP/s of a large-M GEMM: ``flops gemm_eff``."""
+        return self.flops * self.gemm_eff
+
+    def gemm_rate(self, m: int) -> float:
+        """Sustained FLOP/s of an ``m``-row GEMM (the small-M curve, without the call overhead)."""
+        return self.gemm_flops * m / (m + self.half_rows) if m > 0 else 0.0
+
+    def gemm_time(self, m: int, k: int, n: int) -> float:
+        if m <= 0:
+            return 0.0
+        return self.gemm_overhead_s + 2.0 * k * n * (m + self.half_rows) / self.gemm_flops
+
+    def attn_efficiency(self, q_len: int, k_len: int) -> float:
+        """Fraction of ``flops`` an attention kernel of ``q_len`` queries over ``k_len`` keys reaches."""
+        h = self.attn_half
+        return self.attn_peak * (q_len / (q_len + h)) * (k_len / (k_len + h))
+
+    def attn_time(self, work: float, q_len: int, k_len: int) -> float:
+        """Seconds of ``work`` attention FLOPs in kernels of ``q_len`` queries over ``k_len`` keys."""
+        if work <= 0:
+            return 0.0
+        return work / (self.flops * self.attn_efficiency(q_len, k_len))
+
+    def transfer_time(self, nbytes: float) -> float:
+        return self.link_latency_s + nbytes / self.link_bytes_per_s
+
+    def memory_time(self, nbytes: float) -> float:
+        return nbytes / self.memory_bytes_per_s

@@ -1,0 +1,84 @@
+"""Named machines: datasheet figures of the GPUs, and the development box's calibrated CPU.
+
+A GPU preset's ``flops`` is the datasheet's dense bf16 Tensor Core rate (half the "with
+sparsity" figure); ``memory_bytes_per_s`` its HBM bandwidth; ``link_bytes_per_s`` one
+direction of one GPU's link: NVLink's total bandwidth is quoted for both directions, so half of
+it; on InfiniBand, one 400 Gb/s ConnectX-7 port per GPU (as in a DGX H100) is 50 GB/s.  The
+rest are estimates shared by every GPU preset, not datasheet figures:
+
+* ``gemm_eff = 0.7``: the fraction of peak a large bf16 GEMM sustains.
+* ``half_rows = flops gemm_eff / memory_bytes_per_s``: a GEMM of ``m`` rows does ``m`` FLOPs
+  per byte of its bf16 weight (``2 m k n`` FLOPs, ``2 k n`` bytes), so below this many rows
+  reading the weight takes longer than the arithmetic.
+* ``gemm_overhead_s = 8 us`` per GEMM launch, link latency 10 us per message on NVLink and
+  15 us on InfiniBand (NCCL small-message point-to-point times, order of magnitude).
+* ``attn_peak = 0.6``, ``attn_half = 256``: an approximation of FlashAttention-2's published
+  forward throughput (causal, head dim 128): half the long-sequence rate at 512 tokens, near
+  the plateau beyond 8K, the plateau at about 60% of the device peak.
+
+``cpu`` and ``cuda`` are the names ``mode="auto"`` asks for (the tensor's device type).
+"""
+
+from __future__ import annotations
+
+from flashpar.cost.hardware import Hardware
+
+_GEMM_EFF = 0.7
+
+
+def _gpu(*, tflops: float, hbm_tb_s: float, link_gb_s: float, latency_s: float) -> Hardware:
+    flops, memory = tflops * 1e12, hbm_tb_s * 1e12
+    return Hardware(flops=flops, half_rows=round(flops * _GEMM_EFF / memory), gemm_overhead_s=8e-6,
+                    link_bytes_per_s=link_gb_s * 1e9, link_latency_s=latency_s, memory_bytes_per_s=memory,
+                    gemm_eff=_GEMM_EFF, attn_peak=0.6, attn_half=256.0)
+
+
+NVLINK_LATENCY_S, IB_LATENCY_S = 10e-6, 15e-6
+
+PRESETS: dict[str, Hardware] = {
+    # H100 SXM5: 989 TFLOP/s dense bf16, HBM3 3.35 TB/s, NVLink 4 900 GB/s (450 GB/s each way)
+    "h100-nvlink": _gpu(tflops=989, hbm_tb_s=3.35, link_gb_s=450, latency_s=NVLINK_LATENCY_S),
+    # the same GPU across nodes: one 400 Gb/s NDR InfiniBand port per GPU, 50 GB/s each way
+    "h100-ib": _gpu(tflops=989, hbm_tb_s=3.35, link_gb_s=50, latency_s=IB_LATENCY_S),
+    # H200 SXM: H100's 989 TFLOP/s dense bf16, HBM3e 4.8 TB/s, NVLink 4 900 GB/s (450 GB/s each way)
+    "h200": _gpu(tflops=989, hbm_tb_s=4.8, link_gb_s=450, latency_s=NVLINK_LATENCY_S),
+    # A100 SXM4 80 GB: 312 TFLOP/s dense bf16, HBM2e 2.039 TB/s, NVLink 3 600 GB/s (300 GB/s each way)
+    "a100": _gpu(tflops=312, hbm_tb_s=2.039, link_gb_s=300, latency_s=NVLINK_LATENCY_S),
+    # B200 (HGX B200): 2.25 PFLOP/s dense bf16, HBM3e 8 TB/s, NVLink 5 1.8 TB/s (900 GB/s each way)
+    "b200": _gpu(tflops=2250, hbm_tb_s=8.0, link_gb_s=900, latency_s=NVLINK_LATENCY_S),
+    # The 2-core development box, one gloo rank per core share, rounded from its calibrations
+    # (docs/bench-overlap.md, docs/bench-cp.md): GEMM 48 GFLOP/s per rank at 4 ranks (97 at 2) ->
+    # 4e10 at full rate (gemm_eff 1: measured, not a datasheet); a 1 Gbit/s link (1.25e8 B/s;
+    # measured 121-124 MB/s); 100 us per loopback message (the calibrations' 0.6-1.3 ms also hold
+    # the lane hand-off per item); the CPU flash kernel's forward plateau 33.8 GFLOP/s (0.85 of
+    # the GEMM rate) with half efficiency at 51 tokens.  Small-M terms and memory are estimates.
+    "cpu-calibrated": Hardware(flops=4e10, half_rows=16, gemm_overhead_s=2e-5, link_bytes_per_s=1.25e8,
+                               link_latency_s=1e-4, memory_bytes_per_s=1e10, gemm_eff=1.0, attn_peak=0.85,
+                               attn_half=51.0),
+}
+
+ALIASES: dict[str, str] = {"cpu": "cpu-calibrated", "cuda": "h100-ib"}
+
+GPU_NAMES = (("H100", "h100-nvlink"), ("H200", "h200"), ("A100", "a100"), ("B200", "b200"))
+"""Substrings of ``torch.cuda.get_device_name`` and the preset each one means."""
+
+
+def preset(name: str) -> Hardware:
+    """The named machine (``PRESETS`` or an alias in ``ALIASES``)."""
+    hw = PRESETS.get(ALIASES.get(name, name))
+    if hw is None:
+        known = ", ".join([*PRESETS, *ALIASES])
+        raise ValueError(f"unknown hardware preset {name!r}; known: {known}")
+    return hw
+
+
+def preset_name(name: str) -> str:
+    """``name`` with its alias resolved (``cpu`` -> ``cpu-calibrated``)."""
+    preset(name)
+    return ALIASES.get(name, name)
+
+
+def gpu_preset(device_name: str) -> str:
+    """The preset of a CUDA device by its name (``NVIDIA H100 80GB HBM3`` -> ``h100-nvlink``);
+    ``cuda``'s preset for a GPU not listed."""
+    return next((p for key, p in GPU_NAMES if key in device_name), ALIASES["cuda"])
