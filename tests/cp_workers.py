@@ -84,7 +84,7 @@ def run_case(rank, n, doc_lens, strategy, dtype=torch.float32, heads=(H, HKV), b
         bad["gather"] = _rel(whole, ref[0])
     stats = p.stats()
     return {"bad": bad or None, "fwd_sent": counter.fwd_sent, "bwd_sent": counter.bwd_sent,
-            "fwd_recv": counter.fwd_recv, "plan_send": stats["kv_send_bytes"][rank],
+            "fwd_recv": counter.fwd_recv, "bwd_recv": counter.bwd_recv, "plan_send": stats["kv_send_bytes"][rank],
             "plan_recv": stats["kv_recv_bytes"][rank], "tokens": stats["tokens"]}
 
 
