@@ -16,7 +16,6 @@ flag, so its peers raise too rather than waiting for data that never comes.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import math
 import weakref
@@ -105,15 +104,11 @@ def p2p_group(info: GroupInfo, src: int, dst: int, *, op_name: str = "p2p", time
                 f"{op_name}: rank {info.rank}: creating the twin gloo group for point-to-point transfers timed "
                 f"out after {timeout_s:.0f}s: not all of {others} joined (died or took another code path)"
             ) from err
+        # The twin stays registered with torch until the world is destroyed: torch names such groups by
+        # a hash of (ranks, number of live groups), so destroying a twin would let the next twin take
+        # its name and meet stale rendezvous keys (measured: "connectFullMesh failed ... refused").
         _UPWARD_GROUPS[key] = twin
-        weakref.finalize(key, _destroy_twin, twin).atexit = False
     return twin
-
-
-def _destroy_twin(twin: dist.ProcessGroup) -> None:
-    """The shadowed group was freed: destroy its twin too (already gone if the world was destroyed)."""
-    with contextlib.suppress(RuntimeError, ValueError, AssertionError):
-        dist.destroy_process_group(twin)
 
 
 _DTYPE_CODES = {

@@ -57,19 +57,10 @@ from flashpar.overlap.schedule import A2A_MODES, Compute, Piece
 A2A_MODE_CHOICES = (*A2A_MODES, "auto")
 
 
-def matmul_all_to_all(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    group=None,
-    mode: str = "flash",
-    chunks: int | None = None,
-    split_sizes: list[int] | None = None,
-    reduce_weight_grad: bool = False,
-    check: bool = True,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> torch.Tensor:
+def matmul_all_to_all(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group=None,
+                      mode: str = "flash", chunks: int | None = None, split_sizes: list[int] | None = None,
+                      reduce_weight_grad: bool = False, check: bool = True,
+                      timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
     """``all_to_all(F.linear(x, weight, bias))`` from sequence to head-group sharding, overlapped.
 
     x ``[s_r, ..., in]`` (this rank's tokens), weight ``[N w, in]`` (rows grouped by head group),
@@ -80,19 +71,10 @@ def matmul_all_to_all(
     return _MatmulAllToAll.apply(x, weight, bias, call)
 
 
-def all_to_all_matmul(
-    o: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    group=None,
-    mode: str = "flash",
-    chunks: int | None = None,
-    split_sizes: list[int] | None = None,
-    reduce_weight_grad: bool = False,
-    check: bool = True,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> torch.Tensor:
+def all_to_all_matmul(o: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group=None,
+                      mode: str = "flash", chunks: int | None = None, split_sizes: list[int] | None = None,
+                      reduce_weight_grad: bool = False, check: bool = True,
+                      timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
     """``F.linear(all_to_all(o), weight, bias)`` from head-group to sequence sharding, overlapped.
 
     o ``[S, ..., u]`` (every token, this rank's head group), weight ``[out, N u]`` (columns grouped by

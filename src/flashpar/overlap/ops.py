@@ -69,19 +69,10 @@ from flashpar.overlap.executor import run_schedule
 from flashpar.overlap.schedule import Compute, Schedule, build_schedule
 
 
-def all_gather_matmul(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    group=None,
-    mode: str = "flash",
-    chunks: int | None = None,
-    split_sizes: list[int] | None = None,
-    save_gathered: bool = False,
-    check: bool = True,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> torch.Tensor:
+def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group=None,
+                      mode: str = "flash", chunks: int | None = None, split_sizes: list[int] | None = None,
+                      save_gathered: bool = False, check: bool = True,
+                      timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
     """``F.linear(all_gather(x, dim=0), weight, bias)`` with the all-gather hidden behind the GEMM.
 
     x ``[s_r, ..., in]`` (this rank's sequence block), weight ``[out_r, in]``, bias ``[out_r]``;
@@ -93,18 +84,9 @@ def all_gather_matmul(
     return _AllGatherMatmul.apply(x, weight, bias, dataclasses.replace(call, save_gathered=save_gathered))
 
 
-def matmul_reduce_scatter(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    group=None,
-    mode: str = "flash",
-    chunks: int | None = None,
-    split_sizes: list[int] | None = None,
-    check: bool = True,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> torch.Tensor:
+def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group=None,
+                          mode: str = "flash", chunks: int | None = None, split_sizes: list[int] | None = None,
+                          check: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
     """``reduce_scatter(F.linear(x, weight), dim=0) + bias`` with the reduce-scatter hidden behind the GEMM.
 
     x ``[S, ..., in_r]`` (full sequence, this rank's input features), weight ``[out, in_r]``, bias

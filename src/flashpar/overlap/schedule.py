@@ -2,7 +2,7 @@
 
 Pure Python: no tensors, no torch.distributed.  ``build_schedule(op, mode, N, r)``
 returns the step list that :mod:`flashpar.overlap.executor` runs and that a
-simulator (:func:`flashpar.overlap.cost.simulate`) times.  Tests check the
+simulator (:func:`flashpar.overlap.simulate.simulate`) times.  Tests check the
 properties of the lists for every (N, r) in one process.
 
 Vocabulary

@@ -41,25 +41,16 @@ from torch import nn
 from flashpar.dist import DEFAULT_TIMEOUT_S, dtype_code, resolve_group
 from flashpar.overlap.buffers import Buffers
 from flashpar.overlap.call import Call, Local, check_split, prepare
-from flashpar.overlap.modules import _init_like_linear
+from flashpar.overlap.modules import init_linear_params
 from flashpar.overlap.ops import run
 from flashpar.overlap.schedule import Compute
 
 OP_NAME = "sharded_linear"
 
 
-def sharded_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    group=None,
-    mode: str = "flash",
-    chunks: int | None = None,
-    split_sizes: list[int] | None = None,
-    check: bool = True,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> torch.Tensor:
+def sharded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group=None,
+                   mode: str = "flash", chunks: int | None = None, split_sizes: list[int] | None = None,
+                   check: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
     """``F.linear(x, all_gather(weight), all_gather(bias))`` with the gather hidden behind the GEMM and
     the gradients of ``weight`` / ``bias`` reduce-scattered (averaged) behind the backward GEMMs.
 
@@ -181,10 +172,7 @@ class ShardedLinear(nn.Module):
         self.split_sizes = [hi - lo for lo, hi in (shard_rows(out_features, info.world_size, j)
                                                    for j in range(info.world_size))]
         rows = self.split_sizes[info.rank]
-        kw = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(rows, in_features, **kw))
-        self.bias = nn.Parameter(torch.empty(rows, **kw)) if bias else None
-        _init_like_linear(self.weight.data, self.bias.data if bias else None, in_features)
+        init_linear_params(self, (rows, in_features), rows if bias else None, in_features, device=device, dtype=dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, **kwargs) -> ShardedLinear:

@@ -107,28 +107,22 @@ def op_shapes(op: str, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int
     ``matmul_a2a``: ``rows`` sequence rows, ``n_out`` features per head group.
     ``a2a_matmul``: ``rows`` sequence rows, ``n_in`` features per head group, ``n_out`` outputs.
     """
-    space = RowSpace(tuple([max(rows // n, 1)] * n), 1)
+    if op not in _GEMMS:
+        raise ValueError(f"unknown op {op!r}; expected one of {tuple(_GEMMS)}")
+    size = {"in": n_in, "out": n_out, "rows": rows}
+    space = RowSpace(tuple([max((n_out if op == "sharded" else rows) // n, 1)] * n), 1)
     dims = {"in": n_in, "out": n_out}
-    if op == "sharded":
-        out_space = RowSpace(tuple([max(n_out // n, 1)] * n), 1)
-        fwd = Shape(out_space, {"y": (n_in, rows)}, dims, elem_bytes)
-        bwd = Shape(out_space, {"gw": (rows, n_in), "gx": (rows, n_in)}, dims, elem_bytes)
-        return {"sharded": fwd, "sharded_bwd": bwd}
-    if op == "matmul_a2a":
-        fwd = Shape(space, {"p": (n_in, n_out)}, dims, elem_bytes)
-        bwd = Shape(space, {"gx": (n_out, n_in), "gw": (n_out, n_in)}, dims, elem_bytes)
-        return {"matmul_a2a": fwd, "matmul_a2a_bwd": bwd}
-    if op == "a2a_matmul":
-        fwd = Shape(space, {"y": (n_in, n_out)}, dims, elem_bytes)
-        bwd = Shape(space, {"p": (n_out, n_in), "gw": (n_out, n_in)}, dims, elem_bytes)
-        return {"a2a_matmul": fwd, "a2a_matmul_bwd": bwd}
-    if op == "ag_matmul":
-        fwd = Shape(space, {"y": (n_in, n_out)}, dims, elem_bytes)
-        bwd = Shape(space, {"p": (n_out, n_in), "gw": (n_out, n_in)}, dims, elem_bytes)
-        return {"ag_matmul": fwd, "ag_matmul_bwd": bwd}
-    fwd = Shape(space, {"p": (n_in, n_out)}, dims, elem_bytes)
-    bwd = Shape(space, {"gx": (n_out, n_in), "gw": (n_out, n_in)}, dims, elem_bytes)
-    return {"matmul_rs": fwd, "matmul_rs_bwd": bwd}
+    fwd, bwd = ({g: (size[k], size[m]) for g, (k, m) in gemms.items()} for gemms in _GEMMS[op])
+    return {op: Shape(space, fwd, dims, elem_bytes), f"{op}_bwd": Shape(space, bwd, dims, elem_bytes)}
+
+
+_GEMMS = {  # op -> (forward gemms, backward gemms): gemm -> (k, n) named by the op's dims
+    "ag_matmul": ({"y": ("in", "out")}, {"p": ("out", "in"), "gw": ("out", "in")}),
+    "matmul_rs": ({"p": ("in", "out")}, {"gx": ("out", "in"), "gw": ("out", "in")}),
+    "sharded": ({"y": ("in", "rows")}, {"gw": ("rows", "in"), "gx": ("rows", "in")}),  # rows: the batch
+    "matmul_a2a": ({"p": ("in", "out")}, {"gx": ("out", "in"), "gw": ("out", "in")}),
+    "a2a_matmul": ({"y": ("in", "out")}, {"p": ("out", "in"), "gw": ("out", "in")}),
+}
 
 
 CANDIDATES = (("none", 1), ("flash", 1), ("flash", 2), ("flash", 4))
