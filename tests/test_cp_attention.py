@@ -26,7 +26,7 @@ def results():
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_output_and_gradients_match_float64_reference(results, n):
     per_rank = results(n)
-    assert len(per_rank[0]) == 6 * len(STRATEGIES) + 9
+    assert len(per_rank[0]) == 6 * len(STRATEGIES) + 12
     failures = {(r, case): out["bad"] for r, rank_out in enumerate(per_rank) for case, out in rank_out.items()
                 if out["bad"] is not None}
     assert not failures, failures
