@@ -319,3 +319,14 @@ def test_a2a_modes_and_collectives():
         for mode, k in (("slice", 3), ("none", 1)):
             items = build_schedule(op, mode, 3, 1, chunks=k).lane_items()
             assert len(items) == k and all(isinstance(i, Collective) and i.kind == "all_to_all" for i in items)
+
+
+def test_the_simulator_imports_without_torch_distributed():
+    """The pure layer (schedules, row spaces, the simulator) never loads the executor or torch.distributed."""
+    import subprocess
+    import sys
+
+    code = ("import sys, flashpar.overlap.simulate; "
+            "print(sorted(m for m in sys.modules if m == 'torch.distributed' or m.endswith(('executor', 'lane'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
