@@ -224,13 +224,12 @@ class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, call: Call):
         info, rows = call.info, call.rows
-        x2 = flat(x)
-        w_t = weight.t()
         y = torch.empty(rows.block_len(info.rank), weight.shape[0], dtype=x.dtype, device=x.device)
+        x2 = flat(x)
 
         def kernels(buffers: Buffers):
-            def gemm_p(step: Compute) -> None:
-                torch.mm(buffers.view("a", step.piece), w_t, out=buffers.view(step.dst, step.piece))
+            def gemm_p(step: Compute) -> None:  # this rank's partial of the output rows of a block
+                torch.mm(buffers.view("a", step.piece), weight.t(), out=buffers.view(step.dst, step.piece))
 
             return {"p": gemm_p}
 
