@@ -60,8 +60,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b).abs().max() / b.abs().max().clamp_min(1.0))
 
 
-def run_case(rank, n, doc_lens, strategy, dtype=torch.float32, heads=(H, HKV), backend=None, seed=0):
-    """This rank's relative errors and the bytes it sent; None where all is well."""
+def run_case(rank, n, doc_lens, strategy, dtype=torch.float32, heads=(H, HKV), backend=None, seed=0, fused=False):
+    """This rank's relative errors and the bytes it sent; None where all is well.  ``fused``: k and v
+    are strided views of one ``[T, 2 H_kv, D]`` tensor (as split out of a fused projection)."""
     h, hkv = heads
     cost = CostModel(kv_heads=hkv, head_dim=D, dtype_bytes=torch.finfo(dtype).bits // 8)
     p = plan(doc_lens, n, strategy=strategy, cost=cost)
@@ -73,9 +74,15 @@ def run_case(rank, n, doc_lens, strategy, dtype=torch.float32, heads=(H, HKV), b
     ref = reference(doc_lens, q, k, v, dout, scale)
     mine = [shard(x, p, rank).to(dtype).requires_grad_() for x in (q, k, v)]
     counter = CommCounter()
-    out = attention(*mine, p, softmax_scale=scale, counter=counter, backend=backend)
-    out.backward(shard(dout, p, rank).to(dtype))
-    got = [out.detach(), *(x.grad for x in mine)]
+    if fused:
+        kv = torch.cat(mine[1:], dim=1).detach().requires_grad_()
+        out = attention(mine[0], kv[:, :hkv], kv[:, hkv:], p, softmax_scale=scale, counter=counter, backend=backend)
+        out.backward(shard(dout, p, rank).to(dtype))
+        got = [out.detach(), mine[0].grad, kv.grad[:, :hkv], kv.grad[:, hkv:]]
+    else:
+        out = attention(*mine, p, softmax_scale=scale, counter=counter, backend=backend)
+        out.backward(shard(dout, p, rank).to(dtype))
+        got = [out.detach(), *(x.grad for x in mine)]
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     errors = {name: _rel(g, shard(r, p, rank)) for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref, strict=True)}
     bad = {k_: e for k_, e in errors.items() if not e <= tol}
@@ -84,7 +91,7 @@ def run_case(rank, n, doc_lens, strategy, dtype=torch.float32, heads=(H, HKV), b
         bad["gather"] = _rel(whole, ref[0])
     stats = p.stats()
     return {"bad": bad or None, "fwd_sent": counter.fwd_sent, "bwd_sent": counter.bwd_sent,
-            "fwd_recv": counter.fwd_recv, "plan_send": stats["kv_send_bytes"][rank],
+            "fwd_recv": counter.fwd_recv, "bwd_recv": counter.bwd_recv, "plan_send": stats["kv_send_bytes"][rank],
             "plan_recv": stats["kv_recv_bytes"][rank], "tokens": stats["tokens"]}
 
 
@@ -100,6 +107,7 @@ def all_cases(rank, n):
         out[("random", strategy, "mha")] = run_case(rank, n, lens, strategy, heads=(2, 2))
         out[("random", strategy, "math")] = run_case(rank, n, lens, strategy, backend="math")
         out[("random", strategy, "varlen")] = run_case(rank, n, lens, strategy, backend="varlen")
+        out[("random", strategy, "fused")] = run_case(rank, n, lens, strategy, fused=True)
     return out
 
 

@@ -128,4 +128,43 @@ def device_mesh(rank: int, n: int) -> dict[str, str]:
         peers = [r for r in range(4) if r // 2 == rank // 2]  # tp groups: {0,1}, {2,3}
         expect = torch.tensor(peers, dtype=torch.float32).repeat_interleave(2)
         out["sub_mesh"] = "ok" if torch.equal(y[:, 0], expect) else f"wrong {y[:, 0].tolist()}"
+    if n == 2:  # the lifetime does not depend on the group size
+        out["group_lifetime"] = group_lifetime(rank, n)
     return out
+
+
+def group_lifetime(rank: int, n: int) -> str:
+    """A destroyed group takes its lane worker and its twin-group entry with it; a later group gets its own."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from flashpar import dist as fdist
+    from flashpar.overlap import lane
+
+    def use(group) -> tuple[list, object]:
+        y = all_gather_matmul(torch.full((2, 4), float(rank)), torch.eye(4), group=group, mode="flash")
+        expect = torch.arange(n, dtype=torch.float32).repeat_interleave(2)
+        assert torch.equal(y[:, 0], expect), y[:, 0].tolist()
+        return lane.workers_of(group), fdist._UPWARD_GROUPS.get(group)
+
+    before = len(fdist._UPWARD_GROUPS)
+    group = dist.new_group(list(range(n)))
+    workers, twin = use(group)
+    if len(workers) != 1 or twin is None or len(fdist._UPWARD_GROUPS) != before + 1:
+        return f"expected one worker and one twin, got {workers}, {twin}"
+    alive = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    workers[0].thread.join(5.0)
+    if alive() is not None or workers[0].thread.is_alive():
+        return "the destroyed group or its lane worker is still alive"
+    if len(fdist._UPWARD_GROUPS) != before:
+        return f"the destroyed group's twin entry leaked ({len(fdist._UPWARD_GROUPS)} entries, was {before})"
+    again = dist.new_group(list(range(n)))
+    new_workers, new_twin = use(again)
+    if new_twin is None or new_twin is twin or new_workers[0] is workers[0]:
+        return "a new group reused the destroyed group's twin or worker"
+    return "ok"

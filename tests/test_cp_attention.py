@@ -26,7 +26,7 @@ def results():
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_output_and_gradients_match_float64_reference(results, n):
     per_rank = results(n)
-    assert len(per_rank[0]) == 6 * len(STRATEGIES) + 9
+    assert len(per_rank[0]) == 6 * len(STRATEGIES) + 12
     failures = {(r, case): out["bad"] for r, rank_out in enumerate(per_rank) for case, out in rank_out.items()
                 if out["bad"] is not None}
     assert not failures, failures
@@ -34,9 +34,12 @@ def test_output_and_gradients_match_float64_reference(results, n):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_bytes_sent_equal_the_plan(results, n):
-    """p2p and all-gather: every rank sends exactly the plan's ``kv_send_bytes`` and, backward, returns
-    one gradient per K/V row it received.  Ring: each rank forwards every block but its successor's,
-    so per rank it sends ``total - tokens[r + 1]`` tokens; the total equals the plan's."""
+    """The counter holds the ``nbytes`` the executor handed to the transport (measured at the posts,
+    not derived from the plan).  p2p and all-gather: every rank sends exactly the plan's
+    ``kv_send_bytes`` and, backward, returns one gradient per K/V row it received and receives one
+    per row it sent.  Ring: each rank forwards every block but its successor's, so per rank it sends
+    ``total - tokens[r + 1]`` tokens (the total equals the plan's); backward it sends the running
+    sums of every block but its own and receives those of every block but its predecessor's."""
     per_rank = results(n)
     for case in per_rank[0]:
         rows = [rank_out[case] for rank_out in per_rank]
@@ -47,9 +50,13 @@ def test_bytes_sent_equal_the_plan(results, n):
             tokens = rows[0]["tokens"]
             per_token = sum(fwd) / max(1, (n - 1) * sum(tokens))
             assert fwd == [(sum(tokens) - tokens[(r + 1) % n]) * per_token for r in range(n)], case
+            assert [x["bwd_sent"] for x in rows] == [(sum(tokens) - tokens[r]) * per_token for r in range(n)], case
+            assert [x["bwd_recv"] for x in rows] == [(sum(tokens) - tokens[r - 1]) * per_token for r in range(n)], \
+                case
         else:
             assert fwd == plan_send, case
             assert [x["bwd_sent"] for x in rows] == [x["fwd_recv"] for x in rows], case
+            assert [x["bwd_recv"] for x in rows] == fwd, case
 
 
 def test_sharding_aware_plans_send_less_than_all_gather(results):

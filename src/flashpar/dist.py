@@ -3,7 +3,8 @@
 Everything that takes ``group=`` accepts ``None`` (the default world group), a
 ``torch.distributed.ProcessGroup`` or a one-dimensional ``DeviceMesh``.  Callers
 pass groups explicitly; the only module-level state is a cache of twin gloo groups
-for point-to-point transfers (:func:`p2p_group`), keyed by the group they shadow.
+for point-to-point transfers (:func:`p2p_group`), weakly keyed by the group object
+they shadow (a freed group's entry goes with it; a new group never finds an old twin).
 
 Cross-rank check: a rank can validate only its own tensors.  Inputs that must
 agree across ranks (feature sizes, trailing dims, dtype, mode) are compared by
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +73,9 @@ def as_timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(seconds))
 
 
-_UPWARD_GROUPS: dict[int, tuple[object, dist.ProcessGroup]] = {}
+_UPWARD_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""group -> its twin for upward messages (the group itself off gloo).  Weak keys: an ``id()`` key
+would outlive a destroyed group and alias the next group allocated at the same address."""
 
 
 def p2p_group(info: GroupInfo, src: int, dst: int, *, op_name: str = "p2p", timeout_s: float = DEFAULT_TIMEOUT_S):
@@ -87,23 +91,24 @@ def p2p_group(info: GroupInfo, src: int, dst: int, *, op_name: str = "p2p", time
     if src > dst or info.world_size == 1:
         return info.group
     key = info.group if info.group is not None else dist.group.WORLD  # a re-initialised world is a new key
-    entry = _UPWARD_GROUPS.get(id(key))
-    if entry is None or entry[0] is not key:
+    twin = _UPWARD_GROUPS.get(key)
+    if twin is None:
         if dist.get_backend(info.group) != "gloo":
-            entry = (key, info.group)
-        else:
-            ranks = [info.global_rank(r) for r in range(info.world_size)]
-            try:
-                twin = dist.new_group(ranks, timeout=as_timedelta(timeout_s), use_local_synchronization=True)
-            except RuntimeError as err:
-                others = ", ".join(f"rank {p}" for p in range(info.world_size) if p != info.rank)
-                raise RuntimeError(
-                    f"{op_name}: rank {info.rank}: creating the twin gloo group for point-to-point transfers timed "
-                    f"out after {timeout_s:.0f}s: not all of {others} joined (died or took another code path)"
-                ) from err
-            entry = (key, twin)
-        _UPWARD_GROUPS[id(key)] = entry
-    return entry[1]
+            return info.group
+        ranks = [info.global_rank(r) for r in range(info.world_size)]
+        try:
+            twin = dist.new_group(ranks, timeout=as_timedelta(timeout_s), use_local_synchronization=True)
+        except RuntimeError as err:
+            others = ", ".join(f"rank {p}" for p in range(info.world_size) if p != info.rank)
+            raise RuntimeError(
+                f"{op_name}: rank {info.rank}: creating the twin gloo group for point-to-point transfers timed "
+                f"out after {timeout_s:.0f}s: not all of {others} joined (died or took another code path)"
+            ) from err
+        # The twin stays registered with torch until the world is destroyed: torch names such groups by
+        # a hash of (ranks, number of live groups), so destroying a twin would let the next twin take
+        # its name and meet stale rendezvous keys (measured: "connectFullMesh failed ... refused").
+        _UPWARD_GROUPS[key] = twin
+    return twin
 
 
 _DTYPE_CODES = {

@@ -13,6 +13,17 @@ step, the tasks on each peer's K/V as it arrives.  Partial results are merged by
 rule (``kernels.merge``).  Backward, reversed: the tasks on each peer's K/V first, each peer's
 dK/dV sent back as soon as it is complete, the local tasks last, covering the tail; gradients
 received for the local K/V are added where they belong.
+
+The exchange is a schedule (``exchange.kv_schedule``) run by the overlap executor; the attention
+tasks of each phase are its compute items.  What is in flight while each piece computes
+(N = 3, p2p / allgather; ``KV_o`` the K/V of block o, ``dKV_o`` its gradient)::
+
+    forward   lane:  | KV_r -> r+1, KV_{r-1} <- r-1 | KV_r -> r+2, KV_{r-2} <- r-2 |
+              main:  | tasks on KV_r (local)        | tasks on KV_{r-1}           | tasks on KV_{r-2} | merge
+    backward  lane:              | dKV_{r-1} -> r-1, <- r+1 | dKV_{r-2} -> r-2, <- r+2 |
+              main:  | dKV_{r-1} | dKV_{r-2}                | dKV_r (local)            | + received rows
+
+(ring: the same order, every transfer to r+1 / from r-1; see ``exchange``.)
 """
 
 from __future__ import annotations
@@ -25,11 +36,11 @@ import torch
 
 from flashpar.cp import kernels
 from flashpar.cp.cp_plan import CPPlan
-from flashpar.cp.exchange import CommCounter, Transfers
+from flashpar.cp.exchange import CommCounter, KVBuffers, add_rows, kv_schedule
 from flashpar.cp.layout import RankLayout, rank_layout
 from flashpar.dist import DEFAULT_TIMEOUT_S, GroupInfo, dtype_code, exchange_metadata, p2p_group, resolve_group
-from flashpar.overlap.executor import _ONLY
-from flashpar.overlap.lane import Lane
+from flashpar.overlap.executor import run_schedule
+from flashpar.overlap.schedule import Compute
 
 OP = "cp.attention"
 
@@ -47,51 +58,37 @@ class _Run:
     def __init__(self, layout: RankLayout, info: GroupInfo, scale: float, backend: str, timeout_s: float,
                  counter: CommCounter | None, device: torch.device) -> None:
         self.layout, self.info, self.scale, self.backend = layout, info, scale, backend
-        self.timeout_s, self.counter, self.device = timeout_s, counter, device
+        self.timeout_s, self.counter = timeout_s, counter
         self.phases = [[b.to(device) for b in phase] for phase in layout.phases]
 
-    def parts(self) -> tuple[bool, bool]:
-        """(run the transfers, run the kernels): both, except inside ``flashpar.overlap.executor.only``
-        (benchmarks: compute-only or communication-only baselines; results are meaningless there)."""
-        part = _ONLY.get()
-        return self.layout.n > 1 and part != "compute", part != "comm"
+    def phase(self, step: Compute) -> list:
+        """The batches of the compute item on block ``step.piece.block``: phase ``(r - o) mod N``."""
+        return self.phases[(self.layout.rank - step.piece.block) % self.layout.n]
 
-    def lane(self, what: str) -> Lane:
-        return Lane(f"{OP} {what}", self.info.rank, timeout_s=self.timeout_s, threaded=self.device.type == "cpu")
-
-
-def _add_rows(dst: torch.Tensor, rows, src: torch.Tensor) -> None:
-    if isinstance(rows, slice):
-        dst[rows] += src.to(dst.dtype)
-    else:
-        dst.index_add_(0, rows, src.to(dst.dtype))
+    def run(self, direction: str, buffers: KVBuffers, kernel: dict) -> None:
+        """Run the exchange of ``direction`` with the attention ``kernel`` as its compute items."""
+        traffic = run_schedule(kv_schedule(self.layout, direction), buffers, kernel, self.info,
+                               op_name=f"{OP} {direction}", timeout_s=self.timeout_s)
+        if self.counter is not None:
+            self.counter.add("fwd" if direction == "forward" else "bwd", traffic)
 
 
 class _CPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, run: _Run):
-        lo = run.layout
         acc = torch.promote_types(q.dtype, torch.float32)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:2], -math.inf, dtype=acc, device=q.device)
-        lane = run.lane("forward")
-        transfers = Transfers(lo, run.info, lane, run.counter)
-        comm, compute = run.parts()
-        try:
-            recv = transfers.start_forward(k, v) if comm else transfers.buffers(k, v)
-            bufs = {-1: (k, v), **recv}
-            for j, phase in enumerate(run.phases):
-                if j > 0 and comm:
-                    lane.wait(j)
-                for batch in phase if compute else ():
-                    rows, o, m = kernels.batch_forward(batch, q, *bufs[batch.buf], run.scale, run.backend)
-                    kernels.merge(out, lse, rows, o, m)
-            lane.close()
-        except BaseException:
-            lane.abort()
-            raise
+        buffers = KVBuffers(run.layout, k, v)
+
+        def attn(step: Compute) -> None:
+            for batch in run.phase(step):
+                rows, o, m = kernels.batch_forward(batch, q, *buffers.blocks[batch.buf], run.scale, run.backend)
+                kernels.merge(out, lse, rows, o, m)
+
+        run.run("forward", buffers, {"attn": attn})
         out = out.to(q.dtype)
-        ctx.run, ctx.recv = run, recv
+        ctx.run, ctx.recv = run, {b: kv for b, kv in buffers.blocks.items() if b != -1}
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -104,45 +101,22 @@ class _CPAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        bufs = {-1: (k, v), **ctx.recv}
-        lane = run.lane("backward")
-        transfers = Transfers(lo, run.info, lane, run.counter)
-        comm, compute = run.parts()
+        grads = {-1: (dk, dv)}
+        for o, (kb, vb) in ctx.recv.items():
+            grads[o] = (torch.zeros(kb.shape, dtype=acc, device=kb.device),
+                        torch.zeros(vb.shape, dtype=acc, device=vb.device))
+        buffers = KVBuffers(lo, k, v, received=ctx.recv, grads=grads)
 
-        def phase_grads(j: int, gk: torch.Tensor, gv: torch.Tensor) -> None:
-            for batch in run.phases[j] if compute else ():
-                kb, vb = bufs[batch.buf]
+        def attn_bwd(step: Compute) -> None:
+            gk, gv = grads[buffers.key(step.piece.block)]
+            for batch in run.phase(step):
+                kb, vb = buffers.blocks[batch.buf]
                 a, b, c = kernels.batch_backward(batch, q, kb, vb, dout, out, lse, run.scale, run.backend)
-                _add_rows(dq, batch.rows, a)
-                _add_rows(gk, batch.keys, b)  # padded batches may repeat keys: index_add_ sums them
-                _add_rows(gv, batch.keys, c)
+                add_rows(dq, batch.rows, a)
+                add_rows(gk, batch.keys, b)  # padded batches may repeat keys: index_add_ sums them
+                add_rows(gv, batch.keys, c)
 
-        try:
-            received = {}
-            for j in range(1, lo.n):  # remote K/V first: its gradient travels while the rest computes
-                origin = lo.origin(j)
-                kb, _ = bufs[origin]
-                gk = torch.zeros(kb.shape, dtype=acc, device=kb.device)
-                gv = torch.zeros(kb.shape[:1] + v.shape[1:], dtype=acc, device=kb.device)
-                phase_grads(j, gk, gv)
-                if not comm:
-                    continue
-                if lo.pattern == "ring" and j > 1:  # add the running sum for this block from rank r - 1
-                    lane.wait(j - 1)
-                    rk, rv = received.pop(j - 1)
-                    gk += rk
-                    gv += rv
-                received[j] = transfers.send_grad(j, gk.to(k.dtype), gv.to(v.dtype))
-            phase_grads(0, dk, dv)  # the local tasks cover the tail
-            for j, (rk, rv) in received.items():
-                lane.wait(j)
-                rows = None if lo.pattern == "ring" else transfers.grad_rows(j)
-                _add_rows(dk, slice(None) if rows is None else rows, rk)
-                _add_rows(dv, slice(None) if rows is None else rows, rv)
-            lane.close()
-        except BaseException:
-            lane.abort()
-            raise
+        run.run("backward", buffers, {"attn_bwd": attn_bwd})
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 

@@ -61,11 +61,11 @@ class RankLayout:
         rows = self.send_rows[dest]
         return self.tokens if rows is None else int(rows.numel())
 
-    def step_peers(self, step: int) -> tuple[int, int]:
-        """``(send_to, recv_from)`` of forward step ``step``."""
-        if self.pattern == "ring":
-            return (self.rank + 1) % self.n, (self.rank - 1) % self.n
-        return (self.rank + step) % self.n, (self.rank - step) % self.n
+    def held_rows(self, block: int, peer: int) -> int:
+        """Rows of the K/V originating at ``block`` in a message between this rank and ``peer``: of the
+        own block, the rows ``peer`` receives (``send_rows[peer]``, all where None); of another
+        block, the whole received buffer."""
+        return self.send_tokens(peer) if block == self.rank else self.recv_tokens(block)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,21 +1,36 @@
-"""FlashOverlap: collectives decomposed into point-to-point transfers, GEMMs ordered so no tail is exposed."""
+"""FlashOverlap: collectives decomposed into point-to-point transfers, GEMMs ordered so no tail is exposed.
 
-from flashpar.overlap.a2a import all_to_all_matmul, matmul_all_to_all
-from flashpar.overlap.modules import ColumnParallelLinear, RowParallelLinear
-from flashpar.overlap.ops import all_gather_matmul, matmul_reduce_scatter
-from flashpar.overlap.sharded import ShardedLinear, average_replicated_grads, shard_linears, sharded_linear
-from flashpar.overlap.ulysses import UlyssesAttention
+The public ops load on first use (PEP 562), so the pure parts (``schedule``, ``rows``, ``simulate``)
+import without torch.distributed.
+"""
 
-__all__ = [
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "ShardedLinear",
-    "UlyssesAttention",
-    "all_gather_matmul",
-    "all_to_all_matmul",
-    "average_replicated_grads",
-    "matmul_all_to_all",
-    "matmul_reduce_scatter",
-    "shard_linears",
-    "sharded_linear",
-]
+import importlib
+
+_HOME = {
+    "ColumnParallelLinear": "modules",
+    "RowParallelLinear": "modules",
+    "ShardedLinear": "sharded",
+    "UlyssesAttention": "ulysses",
+    "all_gather_matmul": "ops",
+    "all_to_all_matmul": "a2a",
+    "average_replicated_grads": "sharded",
+    "build_schedule": "schedule",
+    "matmul_all_to_all": "a2a",
+    "matmul_reduce_scatter": "ops",
+    "shard_linears": "sharded",
+    "sharded_linear": "sharded",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module 'flashpar.overlap' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"flashpar.overlap.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOME})

@@ -23,6 +23,18 @@ head group's term first while the others arrive.  Backward (flash): peers' piece
 each sent when computed, then the weight-gradient GEMMs (no communication), the local piece
 last.
 
+In flight (flash, rank r of N; ``p_j`` = this rank's tokens projected for head group j, ``o_j``
+= head group j's attention output for this rank's tokens, ``T_j`` = rank j's token block)::
+
+    matmul_all_to_all   lane:         | p_{r+1} -> r+1, T_{r-1} <- r-1 | p_{r+2} -> r+2, T_{r-2} <- r-2 |
+      forward           main:  p_{r+1} | p_{r+2}                        | ... | p_r (own group, last)  |
+    all_to_all_matmul   lane:  | o_r of T_{r+1} -> r+1, o_{r-1} <- r-1 | ... -> r+2, o_{r-2} <- r-2 |
+      forward           main:  | y += o_r Wo_r^T (local)               | y += o_{r-1} Wo_{r-1}^T    | ...
+
+The backward of each is the other's pattern: ``matmul_all_to_all``'s gathers ``grad_out`` pieces
+like ``all_to_all_matmul`` (own term first), ``all_to_all_matmul``'s computes and sends each
+peer's ``grad_o`` like ``matmul_all_to_all`` (own piece last, after the weight-gradient GEMMs).
+
 Weight gradients are this rank's terms (its tokens), as for any replicated parameter under
 data parallelism; ``reduce_weight_grad=True`` all-reduces them (sum) over the group inside the
 backward, so every rank holds the gradient of the whole sequence.
@@ -36,78 +48,50 @@ import math
 
 import torch
 
-from flashpar.dist import DEFAULT_TIMEOUT_S, dtype_code, resolve_group
-from flashpar.overlap.call import (
-    Call,
-    check_mode,
-    check_split,
-    check_tensors,
-    mid_named,
-    pick_mode,
-    row_space,
-    settle,
-)
-from flashpar.overlap.executor import Buffers, run_schedule
-from flashpar.overlap.ops import _flat, _gathered
-from flashpar.overlap.schedule import A2A_MODES, Compute, Piece, build_schedule
+from flashpar.dist import DEFAULT_TIMEOUT_S, dtype_code
+from flashpar.overlap.buffers import Buffers
+from flashpar.overlap.call import Call, Local, check_split, prepare
+from flashpar.overlap.ops import flat, run
+from flashpar.overlap.schedule import A2A_MODES, Compute, Piece
 
 A2A_MODE_CHOICES = (*A2A_MODES, "auto")
 
 
-def matmul_all_to_all(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    group=None,
-    mode: str = "flash",
-    chunks: int | None = None,
-    split_sizes: list[int] | None = None,
-    reduce_weight_grad: bool = False,
-    check: bool = True,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> torch.Tensor:
+def matmul_all_to_all(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group=None,
+                      mode: str = "flash", chunks: int | None = None, split_sizes: list[int] | None = None,
+                      reduce_weight_grad: bool = False, check: bool = True,
+                      timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
     """``all_to_all(F.linear(x, weight, bias))`` from sequence to head-group sharding, overlapped.
 
     x ``[s_r, ..., in]`` (this rank's tokens), weight ``[N w, in]`` (rows grouped by head group),
     bias ``[N w]``; returns ``[S, ..., w]``: every token, this rank's head group.
     """
-    return _call(_MatmulAllToAll, "matmul_all_to_all", x, weight, bias, group, mode, chunks, split_sizes,
-                 reduce_weight_grad, check, timeout_s)
+    call = _a2a_call("matmul_all_to_all", x, weight, bias, group, mode, chunks, split_sizes, reduce_weight_grad,
+                     check, timeout_s)
+    return _MatmulAllToAll.apply(x, weight, bias, call)
 
 
-def all_to_all_matmul(
-    o: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    group=None,
-    mode: str = "flash",
-    chunks: int | None = None,
-    split_sizes: list[int] | None = None,
-    reduce_weight_grad: bool = False,
-    check: bool = True,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> torch.Tensor:
+def all_to_all_matmul(o: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group=None,
+                      mode: str = "flash", chunks: int | None = None, split_sizes: list[int] | None = None,
+                      reduce_weight_grad: bool = False, check: bool = True,
+                      timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
     """``F.linear(all_to_all(o), weight, bias)`` from head-group to sequence sharding, overlapped.
 
     o ``[S, ..., u]`` (every token, this rank's head group), weight ``[out, N u]`` (columns grouped by
     head group), bias ``[out]``; returns ``[s_r, ..., out]``.  ``split_sizes``: tokens per rank
     (equal blocks when omitted).
     """
-    return _call(_AllToAllMatmul, "all_to_all_matmul", o, weight, bias, group, mode, chunks, split_sizes,
-                 reduce_weight_grad, check, timeout_s)
+    call = _a2a_call("all_to_all_matmul", o, weight, bias, group, mode, chunks, split_sizes, reduce_weight_grad,
+                     check, timeout_s)
+    return _AllToAllMatmul.apply(o, weight, bias, call)
 
 
-def _call(fn, op_name, x, weight, bias, group, mode, chunks, split_sizes, reduce_weight_grad, check, timeout_s):
-    info = resolve_group(group)
-    n, r = info.world_size, info.rank
-    scatter_side = fn is _MatmulAllToAll  # tokens per rank come from x; otherwise from split_sizes
-    error = None
-    mid_shape, local_len, named, chosen = (), 0, [], ("none", 1)
-    try:
-        check_mode(op_name, mode, chunks, A2A_MODE_CHOICES)
-        check_tensors(op_name, {"x": x, "weight": weight, "bias": bias})
+def _a2a_call(op_name, x, weight, bias, group, mode, chunks, split_sizes, reduce_weight_grad, check,
+              timeout_s) -> Call:
+    scatter_side = op_name == "matmul_all_to_all"  # tokens per rank come from x; otherwise from split_sizes
+
+    def describe(info) -> Local:
+        n, r = info.world_size, info.rank
         _check_shapes(op_name, n, x, weight, bias, scatter_side)
         if scatter_side:
             check_split(op_name, split_sizes, n, r, local=x.shape[0], what="tokens")
@@ -118,23 +102,18 @@ def _call(fn, op_name, x, weight, bias, group, mode, chunks, split_sizes, reduce
         mid_shape = tuple(x.shape[1:-1])
         rows = local_len * n * math.prod(mid_shape)
         if scatter_side:
-            chosen = pick_mode(mode, chunks, n, "matmul_a2a", rows, weight.shape[1], weight.shape[0] // n, x)
+            sim = ("matmul_a2a", rows, weight.shape[1], weight.shape[0] // n)
         else:
-            chosen = pick_mode(mode, chunks, n, "a2a_matmul", rows, x.shape[-1], weight.shape[0], x)
+            sim = ("a2a_matmul", rows, x.shape[-1], weight.shape[0])
         named = [("ndim", x.dim()), ("features", x.shape[-1]), ("weight rows", weight.shape[0]),
                  ("weight columns", weight.shape[1]), ("dtype", dtype_code(x.dtype)),
-                 ("bias present", int(bias is not None)), ("mode", A2A_MODE_CHOICES.index(mode))]
+                 ("bias present", int(bias is not None))]
         named += [] if scatter_side else [("sequence length", x.shape[0])]
-        named += mid_named(mid_shape)
-    except (ValueError, TypeError) as err:
-        error = err
-    device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-    sizes, chosen_mode, k = settle(op_name, info, error=error, local_len=local_len, named=named,
-                                   chosen=chosen, split_sizes=split_sizes, local_sizes=scatter_side, check=check,
-                                   device=device, timeout_s=timeout_s)
-    call = Call(op_name, info, chosen_mode, k, row_space(sizes, mid_shape), mid_shape, timeout_s,
-                reduce_weight=reduce_weight_grad)
-    return fn.apply(x, weight, bias, call)
+        return Local(local_len, sim, named, mid_shape)
+
+    return prepare(op_name, group, {"x": x, "weight": weight, "bias": bias}, describe, mode=mode, chunks=chunks,
+                   split_sizes=split_sizes, check=check, timeout_s=timeout_s, local_sizes=scatter_side,
+                   modes=A2A_MODE_CHOICES, reduce_weight=reduce_weight_grad)
 
 
 def _check_shapes(op_name, n, x, weight, bias, scatter_side) -> None:
@@ -152,13 +131,6 @@ def _check_shapes(op_name, n, x, weight, bias, scatter_side) -> None:
         raise ValueError(f"{op_name}: bias {tuple(bias.shape)} must be [{weight.shape[0]}]")
 
 
-def _peer_buffer(buffers: Buffers, name: str, call: Call, width: int) -> None:
-    """A ``per_peer`` buffer; slice / none modes receive or send it through one slab per slice."""
-    buffers.add_lazy(name, "per_peer", width)
-    if call.mode in ("slice", "none") and call.info.world_size > 1:
-        buffers.add_peer_slabs(name, call.chunks)
-
-
 def _peer_rows(buffers: Buffers, name: str, rank: int, peer: int, chunks: int) -> torch.Tensor:
     """Every row of ``name``'s piece of ``peer`` (one allocation, or slices of slabs joined)."""
     if chunks == 1 or buffers.slab(name, 0) is None:
@@ -166,22 +138,12 @@ def _peer_rows(buffers: Buffers, name: str, rank: int, peer: int, chunks: int) -
     return torch.cat([buffers.view(name, Piece(rank, c, chunks), peer=peer) for c in range(chunks)])
 
 
-def _run(call: Call, op: str, buffers: Buffers, kernels, **flags) -> None:
-    info = call.info
-    schedule = build_schedule(op, call.mode, info.world_size, info.rank, chunks=call.chunks,
-                              reduce_weight=call.reduce_weight, **flags)
-    run_schedule(schedule, buffers, kernels, info, op_name=call.op_name, timeout_s=call.timeout_s)
-
-
-def _weight_grad(buffers: Buffers, rows: int, cols: int, with_bias: bool, wanted: bool,
-                 like: torch.Tensor) -> torch.Tensor | None:
+def _weight_grad(rows: int, cols: int, with_bias: bool, wanted: bool, like: torch.Tensor) -> torch.Tensor | None:
     """The weight gradient ``[rows, cols]`` with the bias gradient as one more column (one all-reduce for
-    both), registered as buffer ``gw``; ``None`` when no weight or bias gradient is wanted."""
+    both), bound to buffer ``gw``; ``None`` when no weight or bias gradient is wanted."""
     if not wanted:
         return None
-    grad = torch.zeros(rows, cols + int(with_bias), dtype=like.dtype, device=like.device)
-    buffers.add_local("gw", grad)
-    return grad
+    return torch.zeros(rows, cols + int(with_bias), dtype=like.dtype, device=like.device)
 
 
 def _cols(group: int, width: int) -> slice:
@@ -192,56 +154,55 @@ def _cols(group: int, width: int) -> slice:
 class _MatmulAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, call: Call):
-        info, rows, r = call.info, call.rows, call.info.rank
-        w = weight.shape[0] // info.world_size
-        x2 = _flat(x)
-        buffers = Buffers(rows, r, dtype=x.dtype, device=x.device)
-        _gathered(buffers, "a", x2, info, x2.shape[1])
-        _peer_buffer(buffers, "send", call, w)
-        out = buffers.add_full("out", None, w)
+        rows = call.rows
+        w = weight.shape[0] // call.info.world_size
+        x2 = flat(x)
 
-        def gemm_p(step: Compute) -> None:
-            g = _cols(step.peer, w)
-            dst, src = buffers.view(step.dst, step.piece, step.peer), buffers.view("a", step.piece)
-            if bias is None:
-                torch.mm(src, weight[g].t(), out=dst)
-            else:
-                torch.addmm(bias[g], src, weight[g].t(), out=dst)
+        def kernels(buffers: Buffers):
+            def gemm_p(step: Compute) -> None:  # this rank's tokens for head group step.peer
+                g = _cols(step.peer, w)
+                dst, src = buffers.view(step.dst, step.piece, step.peer), buffers.view("a", step.piece)
+                if bias is None:
+                    torch.mm(src, weight[g].t(), out=dst)
+                else:
+                    torch.addmm(bias[g], src, weight[g].t(), out=dst)
 
-        _run(call, "matmul_a2a", buffers, {"p": gemm_p})
+            return {"p": gemm_p}
+
+        buffers = run(call, "matmul_a2a", kernels, dims={"out": w}, bind={"a": x2}, like=x2)
         ctx.save_for_backward(x2, weight)
         ctx.call, ctx.has_bias, ctx.x_shape = call, bias is not None, x.shape
-        return out.view(rows.total // rows.row_width, *call.mid_shape, w)
+        return buffers.tensor("out").view(rows.total // rows.row_width, *call.mid_shape, w)
 
     @staticmethod
     def backward(ctx, grad_out):
         call: Call = ctx.call
-        info, rows, r = call.info, call.rows, call.info.rank
+        rows = call.rows
         x2, weight = ctx.saved_tensors
-        w, n_in = weight.shape[0] // info.world_size, weight.shape[1]
+        w, n_in = weight.shape[0] // call.info.world_size, weight.shape[1]
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        g2 = _flat(grad_out)
-        buffers = Buffers(rows, r, dtype=g2.dtype, device=g2.device)
-        buffers.add_full("in", g2, w)
-        _peer_buffer(buffers, "recv", call, w)
+        g2 = flat(grad_out)
         grad_x = torch.zeros_like(x2) if need_x else None
         want_w = need_w or (need_b and ctx.has_bias)
-        grad_w = _weight_grad(buffers, weight.shape[0], n_in, ctx.has_bias, want_w, g2)
+        grad_w = _weight_grad(weight.shape[0], n_in, ctx.has_bias, want_w, g2)
 
-        def gemm_gx(step: Compute) -> None:
-            lo, hi = rows.rel(step.piece)
-            grad_x[lo:hi].addmm_(buffers.view(step.src, step.piece, step.peer), weight[_cols(step.peer, w)])
+        def kernels(buffers: Buffers):
+            def gemm_gx(step: Compute) -> None:
+                lo, hi = rows.rel(step.piece)
+                grad_x[lo:hi].addmm_(buffers.view(step.src, step.piece, step.peer), weight[_cols(step.peer, w)])
 
-        def gemm_gw(step: Compute) -> None:
-            lo, hi = rows.rel(step.piece)
-            g_piece = buffers.view(step.src, step.piece, step.peer)
-            block = grad_w[_cols(step.peer, w)]
-            block[:, :n_in].addmm_(g_piece.t(), x2[lo:hi])
-            if ctx.has_bias:
-                block[:, n_in].add_(g_piece.sum(0))
+            def gemm_gw(step: Compute) -> None:
+                lo, hi = rows.rel(step.piece)
+                g_piece = buffers.view(step.src, step.piece, step.peer)
+                block = grad_w[_cols(step.peer, w)]
+                block[:, :n_in].addmm_(g_piece.t(), x2[lo:hi])
+                if ctx.has_bias:
+                    block[:, n_in].add_(g_piece.sum(0))
 
-        _run(call, "matmul_a2a_bwd", buffers, {"gx": gemm_gx, "gw": gemm_gw}, grad_input=need_x,
-             grad_weight=want_w)
+            return {"gx": gemm_gx, "gw": gemm_gw}
+
+        run(call, "matmul_a2a_bwd", kernels, dims={"out": w}, bind={"in": g2, "gw": grad_w}, like=g2,
+            grad_input=need_x, grad_weight=want_w)
         return (grad_x.view(ctx.x_shape) if need_x else None, grad_w[:, :n_in] if need_w else None,
                 grad_w[:, n_in] if need_b and ctx.has_bias else None, None)
 
@@ -251,19 +212,19 @@ class _AllToAllMatmul(torch.autograd.Function):
     def forward(ctx, o, weight, bias, call: Call):
         rows, r, n = call.rows, call.info.rank, call.info.world_size
         u = o.shape[-1]
-        o2 = _flat(o)
-        buffers = Buffers(rows, r, dtype=o.dtype, device=o.device)
-        buffers.add_full("in", o2, u)
-        _peer_buffer(buffers, "recv", call, u)
+        o2 = flat(o)
         y = torch.zeros(rows.block_len(r), weight.shape[0], dtype=o.dtype, device=o.device)
         if bias is not None:
             y.add_(bias)
 
-        def gemm_y(step: Compute) -> None:
-            lo, hi = rows.rel(step.piece)
-            y[lo:hi].addmm_(buffers.view(step.src, step.piece, step.peer), weight[:, _cols(step.peer, u)].t())
+        def kernels(buffers: Buffers):
+            def gemm_y(step: Compute) -> None:  # head group step.peer's term of this rank's tokens
+                lo, hi = rows.rel(step.piece)
+                y[lo:hi].addmm_(buffers.view(step.src, step.piece, step.peer), weight[:, _cols(step.peer, u)].t())
 
-        _run(call, "a2a_matmul", buffers, {"y": gemm_y})
+            return {"y": gemm_y}
+
+        buffers = run(call, "a2a_matmul", kernels, dims={"in": u}, bind={"in": o2}, like=o2)
         # the weight gradient needs every head group's piece of this rank's tokens
         pieces = [o2[slice(*rows.rows(Piece(r)))] if j == r else _peer_rows(buffers, "recv", r, j, call.chunks)
                   for j in range(n)]
@@ -274,28 +235,28 @@ class _AllToAllMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         call: Call = ctx.call
-        info, rows, r, n = call.info, call.rows, call.info.rank, call.info.world_size
+        n = call.info.world_size
         weight, *pieces = ctx.saved_tensors
         u = weight.shape[1] // n
         need_o, need_w, need_b = ctx.needs_input_grad[:3]
-        g2 = _flat(grad_y)
-        buffers = Buffers(rows, r, dtype=g2.dtype, device=g2.device)
-        _gathered(buffers, "a", g2, info, g2.shape[1])
-        _peer_buffer(buffers, "send", call, u)
-        grad_o = buffers.add_full("out", None, u) if need_o else None
+        g2 = flat(grad_y)
         want_w = need_w or (need_b and ctx.has_bias)
-        grad_w = _weight_grad(buffers, weight.shape[0], n * u, ctx.has_bias, want_w, g2)
+        grad_w = _weight_grad(weight.shape[0], n * u, ctx.has_bias, want_w, g2)
         if want_w and ctx.has_bias:
             torch.sum(g2, dim=0, out=grad_w[:, n * u])
 
-        def gemm_p(step: Compute) -> None:
-            torch.mm(buffers.view("a", step.piece), weight[:, _cols(step.peer, u)],
-                     out=buffers.view(step.dst, step.piece, step.peer))
+        def kernels(buffers: Buffers):
+            def gemm_p(step: Compute) -> None:  # grad_o of head group step.peer for this rank's tokens
+                torch.mm(buffers.view("a", step.piece), weight[:, _cols(step.peer, u)],
+                         out=buffers.view(step.dst, step.piece, step.peer))
 
-        def gemm_gw(step: Compute) -> None:
-            torch.mm(g2.t(), pieces[step.peer], out=grad_w[:, _cols(step.peer, u)])
+            def gemm_gw(step: Compute) -> None:
+                torch.mm(g2.t(), pieces[step.peer], out=grad_w[:, _cols(step.peer, u)])
 
-        _run(call, "a2a_matmul_bwd", buffers, {"p": gemm_p, "gw": gemm_gw}, grad_input=need_o,
-             grad_weight=want_w)
-        return (grad_o.view(ctx.o_shape) if need_o else None, grad_w[:, : n * u] if need_w else None,
+            return {"p": gemm_p, "gw": gemm_gw}
+
+        buffers = run(call, "a2a_matmul_bwd", kernels, dims={"in": u}, bind={"a": g2, "gw": grad_w}, like=g2,
+                      grad_input=need_o, grad_weight=want_w)
+        grad_o = buffers.tensor("out").view(ctx.o_shape) if need_o else None
+        return (grad_o, grad_w[:, : n * u] if need_w else None,
                 grad_w[:, n * u] if need_b and ctx.has_bias else None, None)

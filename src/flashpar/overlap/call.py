@@ -1,5 +1,9 @@
 """What every overlapped op resolves before it runs: local checks, the cross-rank agreement, the mode.
 
+:func:`prepare` is the one preamble of every public op: it runs the common local checks and the
+op's own (a ``describe`` function returning :class:`Local`), settles the call across ranks and
+returns the :class:`Call` the op's autograd function runs.
+
 A rank can check only its own tensors (``check_*``, raised before any communication).
 What must agree across ranks (features, dtype, requested mode, block lengths) is
 settled by :func:`settle`: one small all-gather of integer metadata, after which every
@@ -11,12 +15,13 @@ waiting for data that never comes.  With ``mode="auto"`` rank 0's pick binds eve
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from flashpar.dist import GroupInfo, exchange_metadata
-from flashpar.overlap.executor import RowSpace
+from flashpar.dist import GroupInfo, exchange_metadata, resolve_group
+from flashpar.overlap.rows import RowSpace
 from flashpar.overlap.schedule import MODES
 
 MODE_CHOICES = (*MODES, "auto")
@@ -36,6 +41,48 @@ class Call:
     timeout_s: float
     save_gathered: bool = False
     reduce_weight: bool = False
+
+
+@dataclass(frozen=True)
+class Local:
+    """What an op's ``describe`` found on this rank: its block length (``local_len`` sequence
+    positions, or weight rows), the middle dims, the (what, value) pairs every rank must share,
+    and the simulator's view of the call (``sim``: op, rows, n_in, n_out) for ``mode="auto"``."""
+
+    local_len: int
+    sim: tuple[str, int, int, int]
+    named: list[tuple[str, int]] = field(default_factory=list)
+    mid_shape: tuple[int, ...] = ()
+
+
+def prepare(op_name: str, group, tensors: dict[str, torch.Tensor | None], describe: Callable[[GroupInfo], Local], *,
+            mode, chunks, split_sizes, check: bool, timeout_s: float, local_sizes: bool,
+            modes: tuple[str, ...] = MODE_CHOICES, reduce_weight: bool = False) -> Call:
+    """Validate one op call and agree on it across ranks; returns its :class:`Call`.
+
+    ``tensors``: the call's tensors by name, the first being the activation (its dtype and device
+    choose ``auto``'s cost model).  ``describe(info)`` raises ``ValueError`` / ``TypeError`` on bad
+    local input (caught here, so the rank still joins the cross-rank check and every rank raises)
+    and returns :class:`Local`.  ``local_sizes``: see :func:`settle`.
+    """
+    info = resolve_group(group)
+    x = next(iter(tensors.values()))
+    error: BaseException | None = None
+    local, chosen = Local(0, ("", 0, 0, 0)), ("none", 1)
+    try:
+        check_mode(op_name, mode, chunks, modes)
+        check_tensors(op_name, tensors)
+        local = describe(info)
+        chosen = pick_mode(mode, chunks, info.world_size, *local.sim, x)
+    except (ValueError, TypeError) as err:
+        error = err
+    named = [] if error is not None else [*local.named, ("mode", modes.index(mode)), *mid_named(local.mid_shape)]
+    device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+    sizes, chosen_mode, k = settle(op_name, info, error=error, local_len=local.local_len, named=named, chosen=chosen,
+                                   split_sizes=split_sizes, local_sizes=local_sizes, check=check, device=device,
+                                   timeout_s=timeout_s)
+    return Call(op_name, info, chosen_mode, k, RowSpace(sizes, math.prod(local.mid_shape)), local.mid_shape,
+                timeout_s, reduce_weight=reduce_weight)
 
 
 def check_mode(op_name: str, mode, chunks, choices: tuple[str, ...] = MODE_CHOICES) -> None:
@@ -129,6 +176,3 @@ def pick_mode(mode: str, chunks: int | None, n: int, sim_op: str, rows: int, n_i
 def mid_named(mid_shape: tuple[int, ...]) -> list[tuple[str, int]]:
     return [(f"dim {i + 1} of the middle shape", d) for i, d in enumerate(mid_shape)]
 
-
-def row_space(sizes: tuple[int, ...], mid_shape: tuple[int, ...]) -> RowSpace:
-    return RowSpace(sizes, math.prod(mid_shape))

@@ -1,10 +1,15 @@
 """Runs a :class:`~flashpar.overlap.schedule.Schedule` with torch.distributed.
 
-One executor for every op and mode: the schedule says what to do, the op supplies
+One executor for every op, mode and exchange (the overlap ops and the K/V exchange of
+``flashpar.cp.attention``): the schedule says what to do, the caller supplies
 
-* *buffers*: named tensors that pieces resolve to (see :class:`Buffers`), and
+* *buffers*: a resolver of the schedule's declared buffers (:class:`BufferResolver`; the
+  overlap ops' :class:`~flashpar.overlap.buffers.Buffers`, the CP exchange's
+  ``flashpar.cp.exchange.KVBuffers``), and
 * *kernels*: one function per gemm name that computes the rows of a piece,
   writing straight into its slice of the output (``torch.mm(..., out=view)``).
+
+Bytes are counted here, where tensors are handed to the transport (:class:`Traffic`).
 
 Communication goes through a :class:`~flashpar.overlap.lane.Lane`: exchanges are
 ``isend``/``irecv`` (batched with ``batch_isend_irecv`` where they share a group),
@@ -18,175 +23,56 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from flashpar.dist import GroupInfo, all_gather_single, p2p_group, reduce_scatter_single
+from flashpar.overlap.buffers import Buffers
 from flashpar.overlap.lane import Lane
-from flashpar.overlap.schedule import ALL, Add, Collective, Compute, Exchange, Piece, Schedule, Wait
+from flashpar.overlap.schedule import Add, Collective, Compute, Exchange, Piece, Schedule, Wait
 
 
 @dataclass(frozen=True)
-class RowSpace:
-    """Rows of a sequence-sharded 2-D view: rank ``j`` owns ``split_sizes[j]`` sequence positions,
-    each ``row_width`` rows of the flattened ``[s * prod(mid_dims), features]`` matrix."""
+class Deferred:
+    """A send payload made when the lane posts it (rows gathered, a cast), not at submission;
+    ``rows`` is known up front, so both ends agree on whether the message exists."""
 
-    split_sizes: tuple[int, ...]
-    row_width: int
-
-    @functools.cached_property
-    def offsets(self) -> tuple[int, ...]:
-        out, acc = [], 0
-        for s in self.split_sizes:
-            out.append(acc)
-            acc += s
-        return tuple(out)
-
-    @property
-    def total(self) -> int:
-        return sum(self.split_sizes) * self.row_width
-
-    def block_len(self, j: int) -> int:
-        return self.split_sizes[j] * self.row_width
-
-    def rel(self, piece: Piece) -> tuple[int, int]:
-        """Rows of ``piece`` relative to the start of its block."""
-        s = self.split_sizes[piece.block]
-        lo = s * piece.chunk // piece.chunks
-        hi = s * (piece.chunk + 1) // piece.chunks
-        return lo * self.row_width, hi * self.row_width
-
-    def rows(self, piece: Piece) -> tuple[int, int]:
-        """Global rows of ``piece``."""
-        if piece.block == ALL:
-            return 0, self.total
-        lo, hi = self.rel(piece)
-        base = self.offsets[piece.block] * self.row_width
-        return base + lo, base + hi
-
-    def max_chunk(self, chunk: int, chunks: int) -> int:
-        return max(self.rel(Piece(j, chunk, chunks))[1] - self.rel(Piece(j, chunk, chunks))[0]
-                   for j in range(len(self.split_sizes)))
+    rows: int
+    make: Callable[[], torch.Tensor]
 
 
-class Buffers:
-    """Named tensors of one call; ``view(name, piece, peer)`` resolves a piece to rows.
+Payload = torch.Tensor | Deferred
 
-    Kinds (registered by the op):
-    * ``full``: ``[total, F]`` in global row order; the local block may live in another
-      tensor (``local=``, e.g. the input shard, so it is never copied).
-    * ``local``: ``[s_r rows, F]``, pieces of this rank's block (the reduce-scatter output).
-    * ``per_peer``: one ``local``-shaped tensor per peer (received partials, all-to-all pieces).
-    * ``per_block``: one tensor per block, allocated on first use (partials to send).
-    * ``scratch``: ``[max block rows, F]``, pieces at block-relative rows (ring accumulators).
-    Collectives may land a piece elsewhere (a padded slab): ``land`` overrides the lookup.
-    """
 
-    def __init__(self, rows: RowSpace, rank: int, *, dtype: torch.dtype, device: torch.device) -> None:
-        self.rows, self.rank, self.dtype, self.device = rows, rank, dtype, device
-        self._kind: dict[str, str] = {}
-        self._t: dict[str, object] = {}
-        self._local: dict[str, torch.Tensor] = {}
-        self._width: dict[str, int] = {}
-        self._landed: dict[tuple[str, int, int, int, int], torch.Tensor] = {}
-        self._slabs: dict[tuple[str, int], torch.Tensor] = {}
+class BufferResolver(Protocol):
+    """What the executor asks of a schedule's buffers."""
 
-    def empty(self, n_rows: int, width: int) -> torch.Tensor:
-        return torch.empty(n_rows, width, dtype=self.dtype, device=self.device)
+    device: torch.device
 
-    def add_full(self, name: str, tensor: torch.Tensor | None, width: int, local: torch.Tensor | None = None):
-        self._kind[name], self._width[name] = "full", width
-        self._t[name] = tensor if tensor is not None else self.empty(self.rows.total, width)
-        if local is not None:
-            self._local[name] = local
-        return self._t[name]
+    def view(self, name: str, piece: Piece, peer: int = -1) -> Payload: ...
 
-    def add_local(self, name: str, tensor: torch.Tensor) -> None:
-        self._kind[name], self._t[name], self._width[name] = "local", tensor, tensor.shape[1]
+    def add(self, step: Add) -> None: ...
 
-    def add_lazy(self, name: str, kind: str, width: int) -> None:
-        """``per_peer`` / ``per_block`` / ``scratch`` buffers, allocated when first viewed."""
-        self._kind[name], self._t[name], self._width[name] = kind, {}, width
+    def nonempty(self, piece: Piece) -> bool: ...
 
-    def add_slabs(self, name: str, chunks: int, width: int) -> None:
-        """Per-slice send slabs ``{name}{c}`` of ``[N * pad_c, F]`` (padded blocks, rank-major) for
-        slice-mode reduce-scatter; pieces of ``name`` land in their block's rows of slab ``c``."""
-        n = len(self.rows.split_sizes)
-        self._width[name] = width
-        for c in range(chunks):
-            pad = self.rows.max_chunk(c, chunks)
-            slab = self.empty(n * pad, width)
-            self._t[f"{name}{c}"] = slab
-            for j in range(n):
-                lo, hi = self.rows.rel(Piece(j, c, chunks))
-                self.land(name, Piece(j, c, chunks), slab[j * pad : j * pad + hi - lo])
 
-    def add_peer_slabs(self, name: str, chunks: int) -> None:
-        """All-to-all: the ``per_peer`` pieces ``(rank, c)`` of every peer land in one slab ``[N * rows_c, F]``
-        (peer-major), so a collective sends or receives slice ``c`` without a copy."""
-        n = len(self.rows.split_sizes)
-        for c in range(chunks):
-            piece = Piece(self.rank, c, chunks)
-            lo, hi = self.rows.rel(piece)
-            slab = self._slabs[(name, c)] = self.empty(n * (hi - lo), self._width[name])
-            for j in range(n):
-                self.land(name, piece, slab[j * (hi - lo) : (j + 1) * (hi - lo)], peer=j)
+class Traffic:
+    """Bytes one run handed to the transport: ``sent`` (send payloads, as posted) and ``received``
+    (receive buffers posted), summed over point-to-point messages and collectives' in/outputs."""
 
-    def slab(self, name: str, chunk: int) -> torch.Tensor | None:
-        return self._slabs.get((name, chunk))
+    def __init__(self) -> None:
+        self.sent = self.received = 0
+        self._lock = threading.Lock()  # posts happen on the lane's thread and the caller's
 
-    def kind(self, name: str) -> str:
-        return self._kind[name]
-
-    def materialize(self, name: str, chunks: int) -> torch.Tensor:
-        """The ``full`` buffer ``name`` in global row order: copies in every piece (of ``chunks`` per
-        block) whose view lives elsewhere (the local shard, a collective's slab); the rest is in place."""
-        full = self.tensor(name)
-        for j in range(len(self.rows.split_sizes)):
-            for c in range(chunks):
-                piece = Piece(j, c, chunks)
-                lo, hi = self.rows.rows(piece)
-                src = self.view(name, piece)
-                if hi > lo and src.data_ptr() != full[lo:hi].data_ptr():
-                    full[lo:hi].copy_(src)
-        return full
-
-    def tensor(self, name: str) -> torch.Tensor:
-        return self._t[name]  # type: ignore[return-value]
-
-    def width(self, name: str) -> int:
-        return self._width[name]
-
-    def land(self, name: str, piece: Piece, view: torch.Tensor, peer: int = -1) -> None:
-        self._landed[(name, piece.block, piece.chunk, piece.chunks, peer)] = view
-
-    def view(self, name: str, piece: Piece, peer: int = -1) -> torch.Tensor:
-        kind, t = self._kind.get(name), self._t.get(name)
-        landed = self._landed.get((name, piece.block, piece.chunk, piece.chunks, peer if kind == "per_peer" else -1))
-        if landed is not None:
-            return landed
-        if kind == "full":
-            if piece.block == self.rank and name in self._local:
-                lo, hi = self.rows.rel(piece)
-                return self._local[name][lo:hi]
-            lo, hi = self.rows.rows(piece)
-            return t[lo:hi]  # type: ignore[index]
-        if piece.block == ALL:
-            return t  # type: ignore[return-value]
-        lo, hi = self.rows.rel(piece)
-        if kind == "local":
-            return t[lo:hi]  # type: ignore[index]
-        key = {"per_peer": peer, "per_block": piece.block, "scratch": 0}[kind]
-        store: dict = t  # type: ignore[assignment]
-        if key not in store:
-            n = self.rows.block_len(self.rank if kind == "per_peer" else piece.block)
-            if kind == "scratch":
-                n = max(self.rows.block_len(j) for j in range(len(self.rows.split_sizes)))
-            store[key] = self.empty(n, self._width[name])
-        return store[key][lo:hi]
+    def count(self, sent: int, received: int) -> None:
+        with self._lock:
+            self.sent += sent
+            self.received += received
 
 
 Kernel = Callable[[Compute], None]
@@ -210,106 +96,112 @@ def only(part: str) -> Iterator[None]:
 
 def run_schedule(
     schedule: Schedule,
-    buffers: Buffers,
+    buffers: BufferResolver,
     kernels: dict[str, Kernel],
     info: GroupInfo,
     *,
     op_name: str,
     timeout_s: float,
-) -> None:
-    """Run ``schedule``'s steps: compute on this thread, transfers on the lane."""
+) -> Traffic:
+    """Run ``schedule``'s steps: compute on this thread, transfers on the lane; returns the bytes
+    handed to the transport.  Any failure aborts the lane (its unposted items are skipped)."""
     # 'none' has nothing to overlap: its collective is posted and waited for on this thread.
     threaded = buffers.device.type != "cuda" and schedule.mode != "none"
-    lane = Lane(op_name, info.rank, timeout_s=timeout_s, threaded=threaded)
+    lane = Lane(op_name, info.rank, timeout_s=timeout_s, threaded=threaded, group=info.group)
+    traffic = Traffic()
     skip = {"compute": (Exchange, Collective, Wait), "comm": (Compute, Add)}.get(_ONLY.get(), ())
     try:
         for step in schedule.steps:
             if isinstance(step, skip):
                 continue
             if isinstance(step, Compute):
-                if _nonempty(buffers.rows, step.piece):
+                if buffers.nonempty(step.piece):
                     kernels[step.gemm](step)
             elif isinstance(step, Wait):
                 lane.wait(step.id)
             elif isinstance(step, Add):
-                if _nonempty(buffers.rows, step.piece):
-                    buffers.view(step.dst, step.piece).add_(buffers.view(step.src, step.piece, step.peer))
+                if buffers.nonempty(step.piece):
+                    buffers.add(step)
             elif isinstance(step, Exchange):
-                _submit_exchange(lane, step, buffers, info)
+                _submit_exchange(lane, step, schedule, buffers, info, traffic)
             elif isinstance(step, Collective):
-                _submit_collective(lane, step, buffers, info)
+                _submit_collective(lane, step, buffers, info, traffic)  # type: ignore[arg-type]
             else:  # pragma: no cover - the schedule vocabulary is closed
                 raise TypeError(f"unknown step {step!r}")
         lane.close()
     except BaseException:
         lane.abort()
         raise
+    return traffic
 
 
-def _nonempty(rows: RowSpace, piece: Piece) -> bool:
-    lo, hi = rows.rows(piece)
-    return hi > lo
+@dataclass(frozen=True)
+class _Message:
+    send: bool
+    payload: Payload
+    peer: int  # global rank
+    group: object
+    tag: int
 
 
-# Message channels: a send of one buffer lands in the peer's buffer of the same channel.  gloo matches
-# a receive to a send by (peer, tag) in posting order; when gathers and reduce-scatters share a lane
-# with different sequencing, their receives from one peer may be posted out of order, so each
-# channel has its own tag.  (NCCL ignores tags; there every transfer is posted in schedule order.)
-_TAGS = {"x": 1, "g": 2, "send": 3, "recv": 3, "in": 3, "out": 3, "acc0": 4, "acc1": 4, "accin0": 4, "accin1": 4}
-
-
-def _submit_exchange(lane: Lane, step: Exchange, buffers: Buffers, info: GroupInfo) -> None:
+def _submit_exchange(lane: Lane, step: Exchange, schedule: Schedule, buffers: BufferResolver, info: GroupInfo,
+                     traffic: Traffic) -> None:
     sends, recvs = [], []
-    for kind, transfers, ops in ((dist.isend, step.sends, sends), (dist.irecv, step.recvs, recvs)):
+    for is_send, transfers, msgs in ((True, step.sends, sends), (False, step.recvs, recvs)):
         for t in transfers:
-            view = buffers.view(t.buffer, t.piece, t.peer)
-            if view.numel():
-                src, dst = (info.rank, t.peer) if kind is dist.isend else (t.peer, info.rank)
+            payload = buffers.view(t.buffer, t.piece, t.peer)
+            if (payload.rows if isinstance(payload, Deferred) else payload.numel()) > 0:
+                src, dst = (info.rank, t.peer) if is_send else (t.peer, info.rank)
                 group = p2p_group(info, src, dst, op_name=lane.op_name, timeout_s=lane.timeout_s)
-                ops.append(dist.P2POp(kind, view, info.global_rank(t.peer), group, tag=_TAGS[t.buffer]))
+                msgs.append(_Message(is_send, payload, info.global_rank(t.peer), group, schedule.buffer(t.buffer).tag))
     what = "exchange " + ", ".join([f"send {t.buffer} to rank {t.peer}" for t in step.sends]
                                    + [f"recv {t.buffer} from rank {t.peer}" for t in step.recvs])
+    post = functools.partial(_post_p2p, traffic=traffic)
     if step.sequenced == "both" or not lane.threaded:
-        lane.submit(step.id, functools.partial(_post_p2p, sends + recvs), what)
+        lane.submit(step.id, functools.partial(post, sends + recvs), what)
     else:
         in_lane, now = {"sends": (sends, recvs), "recvs": (recvs, sends), "none": ([], sends + recvs)}[step.sequenced]
-        lane.submit(step.id, functools.partial(_post_p2p, in_lane), what, post_now=functools.partial(_post_p2p, now))
+        lane.submit(step.id, functools.partial(post, in_lane), what, post_now=functools.partial(post, now))
 
 
-def _post_p2p(ops: list) -> list:
-    """Post point-to-point ops (one batch where they share a group).
+def _post_p2p(msgs: list[_Message], *, traffic: Traffic) -> list:
+    """Post point-to-point messages (one batch where they share a group); counts their bytes.
 
     The transport takes dense memory only: a send of a strided view (K/V split out of a fused
     QKV projection, a column slice) is sent from a contiguous copy made here, at post time, so
-    every caller may hand it the views it holds.  Receive buffers are allocated dense by their
-    callers and are written in place."""
-    if not ops:
+    every caller may hand it the views it holds; a :class:`Deferred` payload is made here too.
+    Receive buffers are allocated dense by their resolvers and are written in place."""
+    if not msgs:
         return []
-    ops = [_dense_send(op) for op in ops]
+    ops = [dist.P2POp(dist.isend if m.send else dist.irecv, _tensor(m), m.peer, m.group, tag=m.tag) for m in msgs]
+    traffic.count(sum(op.tensor.nbytes for op in ops if op.op is dist.isend),
+                  sum(op.tensor.nbytes for op in ops if op.op is dist.irecv))
     if len({id(op.group) for op in ops}) == 1:
         return dist.batch_isend_irecv(ops)
     return [op.op(op.tensor, op.peer, group=op.group, tag=op.tag) for op in ops]  # batches take one group only
 
 
-def _dense_send(op: dist.P2POp) -> dist.P2POp:
-    if op.op is dist.isend and not op.tensor.is_contiguous():
-        return dist.P2POp(op.op, op.tensor.contiguous(), op.peer, op.group, tag=op.tag)
-    if not op.tensor.is_contiguous():
-        raise ValueError(f"receive buffer for rank {op.peer} is not contiguous (shape {tuple(op.tensor.shape)})")
-    return op
+def _tensor(m: _Message) -> torch.Tensor:
+    t = m.payload.make() if isinstance(m.payload, Deferred) else m.payload
+    if m.send and not t.is_contiguous():
+        return t.contiguous()
+    if not t.is_contiguous():
+        raise ValueError(f"receive buffer for rank {m.peer} is not contiguous (shape {tuple(t.shape)})")
+    return t
 
 
-def _submit_collective(lane: Lane, step: Collective, buffers: Buffers, info: GroupInfo) -> None:
+def _submit_collective(lane: Lane, step: Collective, buffers: Buffers, info: GroupInfo, traffic: Traffic) -> None:
     """Collectives over chunk ``c`` of every block; uneven blocks are padded to the largest."""
     rows, n, r = buffers.rows, info.world_size, info.rank
     c, k = step.chunk, step.chunks
     what = f"{step.kind} of {step.src} (slice {c}/{k}) over {n} ranks"
     if step.kind == "all_reduce":
-        fn = functools.partial(_async, dist.all_reduce, buffers.tensor(step.src), group=info.group)
+        t = buffers.tensor(step.src)
+        fn = functools.partial(_async, traffic, dist.all_reduce, t, t, group=info.group)
         lane.submit(step.id, fn, what)
         return
     if step.kind == "all_to_all":
-        _submit_all_to_all(lane, step, buffers, info)
+        _submit_all_to_all(lane, step, buffers, info, traffic)
         return
     width = buffers.width(step.src)
     pad = rows.max_chunk(c, k)
@@ -330,30 +222,30 @@ def _submit_collective(lane: Lane, step: Collective, buffers: Buffers, info: Gro
                 buffers.land(step.dst, Piece(j, c, k), slab[j * pad : j * pad + hi - lo])
             if k == 1:  # 'none' on uneven blocks: compact into global row order once it has arrived
                 after = functools.partial(buffers.materialize, step.dst, 1)
-                fn = functools.partial(_async, all_gather_single, slab, local, group=info.group)
+                fn = functools.partial(_async, traffic, all_gather_single, slab, local, group=info.group)
                 lane.submit(step.id, fn, what, after_done=after)
                 return
-        fn = functools.partial(_async, all_gather_single, slab, local, group=info.group)
+        fn = functools.partial(_async, traffic, all_gather_single, slab, local, group=info.group)
         lane.submit(step.id, fn, what)
         return
     # reduce_scatter: src is the full partial ('none') or a per-slice slab ('slice')
     out = buffers.view(step.dst, Piece(r, c, k))
-    if step.src == "full" and even:
-        slab = buffers.tensor("full")
-    elif step.src == "full":
+    if buffers.kind(step.src) == "full" and even:
+        slab = buffers.tensor(step.src)
+    elif buffers.kind(step.src) == "full":
         slab = buffers.empty(n * pad, width)
         for j in range(n):
             lo, hi = rows.rows(Piece(j))
-            slab[j * pad : j * pad + hi - lo].copy_(buffers.tensor("full")[lo:hi])
+            slab[j * pad : j * pad + hi - lo].copy_(buffers.tensor(step.src)[lo:hi])
     else:
-        slab = buffers.tensor(f"{step.src}{c}")
+        slab = buffers.slab(step.src, c)
     target = out if out.shape[0] == pad else buffers.empty(pad, width)
     after = None if target is out else functools.partial(_copy_rows, out, target)
-    fn = functools.partial(_async, reduce_scatter_single, target, slab, group=info.group)
+    fn = functools.partial(_async, traffic, reduce_scatter_single, target, slab, group=info.group)
     lane.submit(step.id, fn, what, after_done=after)
 
 
-def _submit_all_to_all(lane: Lane, step: Collective, buffers: Buffers, info: GroupInfo) -> None:
+def _submit_all_to_all(lane: Lane, step: Collective, buffers: Buffers, info: GroupInfo, traffic: Traffic) -> None:
     """Slice ``c`` of an all-to-all: the ``src`` piece for rank ``j`` lands in rank ``j``'s ``dst``.
 
     A ``per_peer`` buffer's pieces are ``(rank, c)`` of peer ``j`` (see ``Buffers.add_peer_slabs``); a
@@ -376,7 +268,7 @@ def _submit_all_to_all(lane: Lane, step: Collective, buffers: Buffers, info: Gro
     if dst_slab is None:
         dst_slab = buffers.empty(sum(v.shape[0] for v in dst_views), buffers.width(step.dst))
         after = functools.partial(_scatter_rows, dst_views, dst_slab)
-    fn = functools.partial(_async, dist.all_to_all_single, dst_slab, src_slab,
+    fn = functools.partial(_async, traffic, dist.all_to_all_single, dst_slab, src_slab,
                            [v.shape[0] for v in dst_views], [v.shape[0] for v in src_views], group=info.group)
     lane.submit(step.id, fn, f"all_to_all of {step.src} (slice {c}/{k}) over {n} ranks", after_done=after)
 
@@ -388,8 +280,12 @@ def _scatter_rows(views: list[torch.Tensor], slab: torch.Tensor) -> None:
         lo += v.shape[0]
 
 
-def _async(collective, *args, group) -> list:
-    return [collective(*args, group=group, async_op=True)]
+def _async(traffic: Traffic, collective, out: torch.Tensor, inp: torch.Tensor, *args, group) -> list:
+    """Post one async collective of ``inp`` into ``out`` (the same tensor for an all-reduce)."""
+    traffic.count(inp.nbytes, out.nbytes)
+    if collective is dist.all_reduce:
+        return [collective(out, group=group, async_op=True)]
+    return [collective(out, inp, *args, group=group, async_op=True)]
 
 
 def _copy_rows(out: torch.Tensor, padded: torch.Tensor) -> None:

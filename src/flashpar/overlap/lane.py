@@ -11,8 +11,10 @@ issued in order execute in order.
   and takes the next.  gloo would otherwise run every posted transfer at once,
   splitting the link between peers so that all peer blocks arrive together at
   the end, which is exactly the exposed tail the flash schedule exists to avoid.
-  One worker thread per calling thread is started on first use and reused by
-  every later op (starting a thread per call costs about a millisecond here).
+  One worker thread per (process group, calling thread) is started on first use
+  and reused by every later op on that group (starting a thread per call costs
+  about a millisecond here); it stops when its group is freed (after
+  ``destroy_process_group``), so no worker outlives the group it serves.
 * CUDA (NCCL): items are posted directly; NCCL orders them on its stream and
   ``Work.wait`` makes the compute stream wait, without blocking the host.
 
@@ -26,9 +28,11 @@ import atexit
 import gc
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from flashpar.dist import as_timedelta
 
@@ -61,8 +65,15 @@ class _Worker:
         self.thread.join(timeout_s)
 
 
-_workers: dict[int, _Worker] = {}
+_workers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> {thread id: _Worker}
 _workers_lock = threading.Lock()
+
+
+class _NoGroup:
+    """The key of lanes used without an initialised default group."""
+
+
+_NO_GROUP = _NoGroup()
 
 
 @atexit.register
@@ -74,24 +85,51 @@ def _shutdown() -> None:
     ("terminate called without an active exception"; measured with 2 ranks: 5 of 20 exits before
     this handler, 0 of 30 with it)."""
     with _workers_lock:
-        workers = list(_workers.values())
+        workers = [w for per_thread in _workers.values() for w in per_thread.values()]
         _workers.clear()
     for worker in workers:
         worker.stop()
     gc.collect()
 
 
-def _worker_for_this_thread() -> _Worker:
-    key = threading.get_ident()
+def _stop_all(per_thread: dict[int, _Worker]) -> None:
+    """The group of these workers was freed: stop them (without joining: this may run on any thread)."""
     with _workers_lock:
-        worker = _workers.get(key)
+        workers = list(per_thread.values())
+        per_thread.clear()
+    for worker in workers:
+        worker.jobs.put((None, None, None))
+
+
+def _group_key(group) -> object:
+    if group is not None:
+        return group
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else _NO_GROUP
+
+
+def workers_of(group) -> list[_Worker]:
+    """The live lane workers serving ``group`` (``None``: the default group); for tests and diagnostics."""
+    with _workers_lock:
+        return [w for w in _workers.get(_group_key(group), {}).values() if w.thread.is_alive()]
+
+
+def _worker_for(group) -> _Worker:
+    """The worker of this thread for ``group``, started on first use."""
+    key, thread = _group_key(group), threading.get_ident()
+    with _workers_lock:
+        per_thread = _workers.get(key)
+        if per_thread is None:
+            per_thread = _workers[key] = {}
+            weakref.finalize(key, _stop_all, per_thread)
+        worker = per_thread.get(thread)
         if worker is None or not worker.thread.is_alive():
-            worker = _workers[key] = _Worker()
+            worker = per_thread[thread] = _Worker()
         return worker
 
 
 class Lane:
-    def __init__(self, op_name: str, rank: int, *, timeout_s: float, threaded: bool) -> None:
+    def __init__(self, op_name: str, rank: int, *, timeout_s: float, threaded: bool, group=None) -> None:
+        """``group``: the process group the items run on; its worker thread serves this lane."""
         self.op_name = op_name
         self.rank = rank
         self.timeout_s = timeout_s
@@ -104,6 +142,7 @@ class Lane:
         self._error_item: int | None = None
         self._aborted = False
         self._worker: _Worker | None = None
+        self._group = weakref.ref(group) if group is not None else None  # never keeps a group alive
 
     def _fail_message(self, item: int, what: str) -> str:
         return f"{self.op_name}: rank {self.rank}: lane item #{item} ({what}) failed"
@@ -140,7 +179,7 @@ class Lane:
                 raise LaneError(self._fail_message(item, what) + f": {err}") from err
             return
         if self._worker is None:
-            self._worker = _worker_for_this_thread()
+            self._worker = _worker_for(self._group() if self._group is not None else None)
         self._worker.jobs.put((self, item, fn))
 
     def wait(self, item: int) -> None:

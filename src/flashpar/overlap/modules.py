@@ -28,12 +28,18 @@ def _shard_len(total: int, n: int, what: str) -> int:
     return total // n
 
 
-def _init_like_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
-    """nn.Linear's initialisation, with the fan-in of the full (unsharded) layer."""
+def init_linear_params(module: nn.Module, weight_shape: tuple[int, int], bias_len: int | None, fan_in: int, *,
+                       device=None, dtype=None) -> None:
+    """``module.weight [weight_shape]`` and ``module.bias [bias_len]`` (None: no bias) as parameters with
+    nn.Linear's initialisation, using the fan-in of the full (unsharded) layer."""
+    kw = {"device": device, "dtype": dtype}
+    module.weight = nn.Parameter(torch.empty(*weight_shape, **kw))
+    module.bias = nn.Parameter(torch.empty(bias_len, **kw)) if bias_len is not None else None
     bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-    nn.init.uniform_(weight, -bound, bound)  # = kaiming_uniform_(a=sqrt(5)) of nn.Linear
-    if bias is not None:
-        nn.init.uniform_(bias, -bound, bound)
+    with torch.no_grad():
+        nn.init.uniform_(module.weight, -bound, bound)  # = kaiming_uniform_(a=sqrt(5)) of nn.Linear
+        if module.bias is not None:
+            nn.init.uniform_(module.bias, -bound, bound)
 
 
 class _ParallelLinear(nn.Module):
@@ -80,10 +86,8 @@ class ColumnParallelLinear(_ParallelLinear):
         out_local = _shard_len(out_features, self.tp_size, "out_features")
         self.in_features, self.out_features = in_features, out_features
         self.save_gathered = save_gathered
-        kw = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(out_local, in_features, **kw))
-        self.bias = nn.Parameter(torch.empty(out_local, **kw)) if bias else None
-        _init_like_linear(self.weight.data, self.bias.data if bias else None, in_features)
+        init_linear_params(self, (out_local, in_features), out_local if bias else None, in_features, device=device,
+                           dtype=dtype)
 
     def forward(self, x_shard: torch.Tensor, *, split_sizes: list[int] | None = None) -> torch.Tensor:
         return all_gather_matmul(x_shard, self._weight(), self.bias, group=self.group, mode=self.mode,
@@ -106,10 +110,8 @@ class RowParallelLinear(_ParallelLinear):
         super().__init__(group, mode, chunks, timeout_s)
         in_local = _shard_len(in_features, self.tp_size, "in_features")
         self.in_features, self.out_features = in_features, out_features
-        kw = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(out_features, in_local, **kw))
-        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
-        _init_like_linear(self.weight.data, self.bias.data if bias else None, in_features)
+        init_linear_params(self, (out_features, in_local), out_features if bias else None, in_features,
+                           device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, *, split_sizes: list[int] | None = None) -> torch.Tensor:
         return matmul_reduce_scatter(x, self._weight(), self.bias, group=self.group, mode=self.mode,

@@ -62,35 +62,17 @@ import math
 
 import torch
 
-from flashpar.dist import DEFAULT_TIMEOUT_S, GroupInfo, dtype_code, resolve_group
-from flashpar.overlap.call import (
-    MODE_CHOICES,
-    Call,
-    check_mode,
-    check_split,
-    check_tensors,
-    mid_named,
-    pick_mode,
-    row_space,
-    settle,
-)
-from flashpar.overlap.executor import Buffers, run_schedule
-from flashpar.overlap.schedule import Compute, build_schedule
+from flashpar.dist import DEFAULT_TIMEOUT_S, dtype_code
+from flashpar.overlap.buffers import Buffers
+from flashpar.overlap.call import Call, Local, check_split, prepare
+from flashpar.overlap.executor import run_schedule
+from flashpar.overlap.schedule import Compute, Schedule, build_schedule
 
 
-def all_gather_matmul(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    group=None,
-    mode: str = "flash",
-    chunks: int | None = None,
-    split_sizes: list[int] | None = None,
-    save_gathered: bool = False,
-    check: bool = True,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> torch.Tensor:
+def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group=None,
+                      mode: str = "flash", chunks: int | None = None, split_sizes: list[int] | None = None,
+                      save_gathered: bool = False, check: bool = True,
+                      timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
     """``F.linear(all_gather(x, dim=0), weight, bias)`` with the all-gather hidden behind the GEMM.
 
     x ``[s_r, ..., in]`` (this rank's sequence block), weight ``[out_r, in]``, bias ``[out_r]``;
@@ -98,31 +80,19 @@ def all_gather_matmul(
     per peer (flash, ring) or slices (slice).  ``check``: cross-rank shape check (one tiny
     all-gather); switch it off only where shapes are known to agree.
     """
-    info = resolve_group(group)
-    call = _prepare("all_gather_matmul", info, x, weight, bias, mode, chunks, split_sizes, check, timeout_s)
-    call = dataclasses.replace(call, save_gathered=save_gathered)
-    return _AllGatherMatmul.apply(x, weight, bias, call)
+    call = _linear_call("all_gather_matmul", x, weight, bias, group, mode, chunks, split_sizes, check, timeout_s)
+    return _AllGatherMatmul.apply(x, weight, bias, dataclasses.replace(call, save_gathered=save_gathered))
 
 
-def matmul_reduce_scatter(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    group=None,
-    mode: str = "flash",
-    chunks: int | None = None,
-    split_sizes: list[int] | None = None,
-    check: bool = True,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> torch.Tensor:
+def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group=None,
+                          mode: str = "flash", chunks: int | None = None, split_sizes: list[int] | None = None,
+                          check: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
     """``reduce_scatter(F.linear(x, weight), dim=0) + bias`` with the reduce-scatter hidden behind the GEMM.
 
     x ``[S, ..., in_r]`` (full sequence, this rank's input features), weight ``[out, in_r]``, bias
     ``[out]`` (replicated); returns this rank's block ``[s_r, ..., out]``.
     """
-    info = resolve_group(group)
-    call = _prepare("matmul_reduce_scatter", info, x, weight, bias, mode, chunks, split_sizes, check, timeout_s)
+    call = _linear_call("matmul_reduce_scatter", x, weight, bias, group, mode, chunks, split_sizes, check, timeout_s)
     return _MatmulReduceScatter.apply(x, weight, bias, call)
 
 
@@ -130,61 +100,43 @@ def matmul_reduce_scatter(
 # validation and the cross-rank check
 
 
-def _prepare(op_name, info, x, weight, bias, mode, chunks, split_sizes, check, timeout_s) -> Call:
-    n, r = info.world_size, info.rank
+def _linear_call(op_name, x, weight, bias, group, mode, chunks, split_sizes, check, timeout_s) -> Call:
     gather_side = op_name == "all_gather_matmul"
-    error: BaseException | None = None
-    try:
-        _validate_local(op_name, n, r, x, weight, bias, mode, chunks, split_sizes, gather_side)
-    except (ValueError, TypeError) as err:
-        error = err
-    mid_shape, local_len, named, chosen = (), 0, [], ("none", 1)
-    if error is None:
+
+    def describe(info) -> Local:
+        n, r = info.world_size, info.rank
+        if x.dim() < 2 or weight.dim() != 2:
+            raise ValueError(f"{op_name}: x must be [s, ..., in] and weight [out, in]; got x {tuple(x.shape)}, "
+                             f"weight {tuple(weight.shape)}")
+        if x.shape[-1] != weight.shape[1]:
+            raise ValueError(f"{op_name}: input features {x.shape[-1]} of x {tuple(x.shape)} do not match weight "
+                             f"{tuple(weight.shape)} (expects {weight.shape[1]})")
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"{op_name}: bias shape {tuple(bias.shape)} does not match weight rows "
+                             f"{weight.shape[0]}")
         mid_shape = tuple(x.shape[1:-1])
         if gather_side:
+            check_split(op_name, split_sizes, n, r, local=x.shape[0], what="sequence rows")
             local_len = x.shape[0]
             total = local_len * n if split_sizes is None else sum(split_sizes)
         else:
+            check_split(op_name, split_sizes, n, r, total=x.shape[0], what="sequence length")
             total = x.shape[0]
             local_len = split_sizes[r] if split_sizes is not None else total // n
-        sim_op = "ag_matmul" if gather_side else "matmul_rs"
-        rows = total * math.prod(mid_shape)
-        chosen = pick_mode(mode, chunks, n, sim_op, rows, weight.shape[1], weight.shape[0], x)
         feat = weight.shape[1] if gather_side else weight.shape[0]
         named = [("ndim", x.dim()), ("features", feat), ("dtype", dtype_code(x.dtype)),
-                 ("bias present", int(bias is not None)), ("mode", MODE_CHOICES.index(mode))]
+                 ("bias present", int(bias is not None))]
         named += [] if gather_side else [("sequence length", x.shape[0])]
-        named += mid_named(mid_shape)
-    device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-    sizes, chosen_mode, k = settle(op_name, info, error=error, local_len=local_len, named=named,
-                                   chosen=chosen, split_sizes=split_sizes, local_sizes=gather_side, check=check,
-                                   device=device, timeout_s=timeout_s)
-    return Call(op_name, info, chosen_mode, k, row_space(sizes, mid_shape), mid_shape, timeout_s)
+        sim = ("ag_matmul" if gather_side else "matmul_rs", total * math.prod(mid_shape), weight.shape[1],
+               weight.shape[0])
+        return Local(local_len, sim, named, mid_shape)
 
-
-def _validate_local(op_name, n, r, x, weight, bias, mode, chunks, split_sizes, gather_side) -> None:
-    check_mode(op_name, mode, chunks)
-    check_tensors(op_name, {"x": x, "weight": weight, "bias": bias})
-    if x.dim() < 2 or weight.dim() != 2:
-        raise ValueError(f"{op_name}: x must be [s, ..., in] and weight [out, in]; got x {tuple(x.shape)}, "
-                         f"weight {tuple(weight.shape)}")
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"{op_name}: input features {x.shape[-1]} of x {tuple(x.shape)} do not match weight "
-                         f"{tuple(weight.shape)} (expects {weight.shape[1]})")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"{op_name}: bias shape {tuple(bias.shape)} does not match weight rows {weight.shape[0]}")
-    if gather_side:
-        check_split(op_name, split_sizes, n, r, local=x.shape[0], what="sequence rows")
-    else:
-        check_split(op_name, split_sizes, n, r, total=x.shape[0], what="sequence length")
+    return prepare(op_name, group, {"x": x, "weight": weight, "bias": bias}, describe, mode=mode, chunks=chunks,
+                   split_sizes=split_sizes, check=check, timeout_s=timeout_s, local_sizes=gather_side)
 
 
 # ----------------------------------------------------------------------------------------------
 # kernels
-
-
-def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    torch.mm(a, b, out=out)
 
 
 class _GradWeight:
@@ -197,58 +149,46 @@ class _GradWeight:
         self.value.addmm_(g_piece.t(), x_piece)
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """``[rows, ..., features]`` as the contiguous 2-D ``[rows * prod(...), features]`` the GEMMs run on."""
     return t.reshape(-1, t.shape[-1]).contiguous()
 
 
-def _gathered(buffers: Buffers, name: str, tensor: torch.Tensor, info: GroupInfo, width: int) -> None:
-    """Register the all-gathered input ``name``: its local block is ``tensor`` itself (never copied)."""
-    if info.world_size == 1:
-        buffers.add_full(name, tensor, width)
-    else:
-        buffers.add_full(name, None, width, local=tensor)
-
-
-def _reduce_buffers(buffers: Buffers, call: Call, width: int, out: torch.Tensor) -> None:
-    """Buffers of a GEMM+reduce-scatter whose local block lands in ``out``."""
-    buffers.add_local("y", out)
-    for name, kind in (("send", "per_block"), ("recv", "per_peer"), ("acc0", "scratch"), ("acc1", "scratch"),
-                       ("accin0", "scratch"), ("accin1", "scratch")):
-        buffers.add_lazy(name, kind, width)
-    if call.mode == "none" and call.info.world_size > 1:
-        buffers.add_full("full", None, width)
-    if call.mode == "slice":
-        buffers.add_slabs("slab", call.chunks, width)
-
-
-def _run(call: Call, schedule, buffers: Buffers, kernels) -> None:
-    run_schedule(schedule, buffers, kernels, call.info, op_name=call.op_name, timeout_s=call.timeout_s)
+def run(call: Call, op: str, kernels, *, dims: dict[str, int], bind: dict[str, torch.Tensor | None],
+        like: torch.Tensor, **flags) -> Buffers:
+    """Build ``op``'s schedule for this call, its buffers (``bind``: the op's tensors by buffer name,
+    ``dims``: the widths of the rest) and run it; returns the buffers."""
+    info = call.info
+    schedule: Schedule = build_schedule(op, call.mode, info.world_size, info.rank, chunks=call.chunks,
+                                        reduce_weight=call.reduce_weight, **flags)
+    buffers = Buffers(schedule, call.rows, dims=dims, bind=bind, dtype=like.dtype, device=like.device)
+    run_schedule(schedule, buffers, kernels(buffers), info, op_name=call.op_name, timeout_s=call.timeout_s)
+    return buffers
 
 
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, call: Call):
         info, rows = call.info, call.rows
-        x2 = _flat(x)
+        x2 = flat(x)
         w_t = weight.t()
-        buffers = Buffers(rows, info.rank, dtype=x.dtype, device=x.device)
-        _gathered(buffers, "x", x2, info, x2.shape[1])
-        y = buffers.add_full("y", None, weight.shape[0])
 
-        def gemm_y(step: Compute) -> None:
-            out = buffers.view("y", step.piece)
-            src = buffers.view(step.src, step.piece)
-            if bias is None:
-                torch.mm(src, w_t, out=out)
-            else:
-                torch.addmm(bias, src, w_t, out=out)
+        def kernels(buffers: Buffers):
+            def gemm_y(step: Compute) -> None:
+                out = buffers.view("y", step.piece)
+                src = buffers.view(step.src, step.piece)
+                if bias is None:
+                    torch.mm(src, w_t, out=out)
+                else:
+                    torch.addmm(bias, src, w_t, out=out)
 
-        schedule = build_schedule("ag_matmul", call.mode, info.world_size, info.rank, chunks=call.chunks)
-        _run(call, schedule, buffers, {"y": gemm_y})
-        keep = buffers.materialize("x", schedule.chunks) if call.save_gathered and info.world_size > 1 else x2
+            return {"y": gemm_y}
+
+        buffers = run(call, "ag_matmul", kernels, dims={"out": weight.shape[0]}, bind={"x": x2}, like=x2)
+        keep = buffers.materialize("x") if call.save_gathered and info.world_size > 1 else x2
         ctx.save_for_backward(keep, weight)
         ctx.call, ctx.has_bias, ctx.x_shape = call, bias is not None, x.shape
-        return y.view(rows.total // rows.row_width, *call.mid_shape, weight.shape[0])
+        return buffers.tensor("y").view(rows.total // rows.row_width, *call.mid_shape, weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -256,35 +196,26 @@ class _AllGatherMatmul(torch.autograd.Function):
         info, rows = call.info, call.rows
         x_saved, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        g2 = _flat(grad_y)
+        g2 = flat(grad_y)
         grad_b = g2.sum(0) if need_b and ctx.has_bias else None
         if not (need_x or need_w):
             return None, None, grad_b, None
         n_in = weight.shape[1]
-        buffers = Buffers(rows, info.rank, dtype=g2.dtype, device=g2.device)
-        buffers.add_full("a", g2, g2.shape[1])
-        buffers.add_full("g", g2, g2.shape[1])
-        saved_gather = call.save_gathered and info.world_size > 1
-        if saved_gather:
-            buffers.add_full("x", x_saved, n_in)
-        else:
-            _gathered(buffers, "x", x_saved, info, n_in)
         grad_x = torch.empty(rows.block_len(info.rank), n_in, dtype=g2.dtype, device=g2.device) if need_x else None
-        if need_x:
-            _reduce_buffers(buffers, call, n_in, grad_x)
         grad_w = _GradWeight(weight.shape[0], n_in, g2)
 
-        def gemm_p(step: Compute) -> None:
-            _mm_into(buffers.view(step.dst, step.piece), buffers.view("a", step.piece), weight)
+        def kernels(buffers: Buffers):
+            def gemm_p(step: Compute) -> None:  # this rank's partial of grad_x rows of a block
+                torch.mm(buffers.view("a", step.piece), weight, out=buffers.view(step.dst, step.piece))
 
-        def gemm_gw(step: Compute) -> None:
-            grad_w.add(buffers.view("g", step.piece), buffers.view("x", step.piece))
+            def gemm_gw(step: Compute) -> None:
+                grad_w.add(g2[slice(*rows.rows(step.piece))], buffers.view("x", step.piece))
 
-        schedule = build_schedule(
-            "ag_matmul_bwd", call.mode, info.world_size, info.rank, chunks=call.chunks,
-            grad_input=need_x, grad_weight=need_w, regather=not saved_gather,
-        )
-        _run(call, schedule, buffers, {"p": gemm_p, "gw": gemm_gw})
+            return {"p": gemm_p, "gw": gemm_gw}
+
+        saved_gather = call.save_gathered and info.world_size > 1
+        run(call, "ag_matmul_bwd", kernels, dims={"in": n_in}, bind={"a": g2, "x": x_saved, "gx": grad_x}, like=g2,
+            grad_input=need_x, grad_weight=need_w, regather=not saved_gather)
         gx = grad_x.view(ctx.x_shape) if need_x else None
         return gx, grad_w.value if need_w else None, grad_b, None
 
@@ -293,18 +224,16 @@ class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, call: Call):
         info, rows = call.info, call.rows
-        x2 = _flat(x)
-        w_t = weight.t()
-        buffers = Buffers(rows, info.rank, dtype=x.dtype, device=x.device)
-        buffers.add_full("a", x2, x2.shape[1])
         y = torch.empty(rows.block_len(info.rank), weight.shape[0], dtype=x.dtype, device=x.device)
-        _reduce_buffers(buffers, call, weight.shape[0], y)
+        x2 = flat(x)
 
-        def gemm_p(step: Compute) -> None:
-            _mm_into(buffers.view(step.dst, step.piece), buffers.view("a", step.piece), w_t)
+        def kernels(buffers: Buffers):
+            def gemm_p(step: Compute) -> None:  # this rank's partial of the output rows of a block
+                torch.mm(buffers.view("a", step.piece), weight.t(), out=buffers.view(step.dst, step.piece))
 
-        schedule = build_schedule("matmul_rs", call.mode, info.world_size, info.rank, chunks=call.chunks)
-        _run(call, schedule, buffers, {"p": gemm_p})
+            return {"p": gemm_p}
+
+        run(call, "matmul_rs", kernels, dims={"out": weight.shape[0]}, bind={"a": x2, "y": y}, like=x2)
         if bias is not None:
             y.add_(bias)
         ctx.save_for_backward(x2, weight)
@@ -314,36 +243,29 @@ class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         call: Call = ctx.call
-        info, rows = call.info, call.rows
         x2, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and ctx.has_bias
-        g_local = _flat(grad_y)
-        buffers = Buffers(rows, info.rank, dtype=g_local.dtype, device=g_local.device)
-        _gathered(buffers, "g", g_local, info, g_local.shape[1])
-        buffers.add_full("x", x2, x2.shape[1])
-        grad_x = buffers.add_full("gx", None, x2.shape[1]) if need_x else None
+        g_local = flat(grad_y)
+        grad_x = torch.empty(call.rows.total, x2.shape[1], dtype=x2.dtype, device=x2.device) if need_x else None
         grad_b = g_local.sum(0, keepdim=True) if need_b else None
-        if grad_b is not None:
-            buffers.add_local("gb", grad_b)
         grad_w = _GradWeight(weight.shape[0], weight.shape[1], g_local)
 
-        def gemm_gx(step: Compute) -> None:
-            _mm_into(buffers.view("gx", step.piece), buffers.view(step.src, step.piece), weight)
+        def kernels(buffers: Buffers):
+            def gemm_gx(step: Compute) -> None:
+                torch.mm(buffers.view(step.src, step.piece), weight, out=buffers.view("gx", step.piece))
 
-        def gemm_gw(step: Compute) -> None:
-            grad_w.add(buffers.view(step.src, step.piece), buffers.view("x", step.piece))
+            def gemm_gw(step: Compute) -> None:
+                grad_w.add(buffers.view(step.src, step.piece), x2[slice(*call.rows.rows(step.piece))])
+
+            return {"gx": gemm_gx, "gw": gemm_gw}
 
         if need_x or need_w or need_b:
-            schedule = build_schedule(
-                "matmul_rs_bwd", call.mode, info.world_size, info.rank, chunks=call.chunks,
-                grad_input=need_x, grad_weight=need_w, grad_bias=need_b,
-            )
-            _run(call, schedule, buffers, {"gx": gemm_gx, "gw": gemm_gw})
+            run(call, "matmul_rs_bwd", kernels, dims={}, bind={"g": g_local, "gx": grad_x, "gb": grad_b},
+                like=g_local, grad_input=need_x, grad_weight=need_w, grad_bias=need_b)
         return (
             grad_x.view(ctx.x_shape) if need_x else None,
             grad_w.value if need_w else None,
             grad_b.view(-1) if need_b else None,
             None,
         )
-

@@ -2,7 +2,7 @@
 
 Pure Python: no tensors, no torch.distributed.  ``build_schedule(op, mode, N, r)``
 returns the step list that :mod:`flashpar.overlap.executor` runs and that a
-simulator (:func:`flashpar.overlap.cost.simulate`) times.  Tests check the
+simulator (:func:`flashpar.overlap.simulate.simulate`) times.  Tests check the
 properties of the lists for every (N, r) in one process.
 
 Vocabulary
@@ -35,6 +35,11 @@ Ops
                     gemms per block, ``gx`` (``grad_x = grad_y @ W``) and ``gw``
                     (``grad_W += grad_y_j^T @ x_j``); the bias gradient is all-reduced
                     first (item ``gb``).
+``sharded``         forward of the sharded-DP linear: all-gather of the weight shards ``w``
+                    (row space = output features), gemm ``y`` per arriving shard.
+``sharded_bwd``     its backward: gather ``w`` again; gemm ``gw`` (this rank's ``grad_W`` of
+                    shard ``j``) is reduce-scattered to the shard's owner (local block last),
+                    gemm ``gx`` adds each gathered shard's ``grad_x`` term (local first).
 
 All-to-all ops (Ulysses).  Rank ``j`` owns token block ``j`` and head group ``j``;
 ``Compute.peer`` names the head group (the other end) a piece belongs to.
@@ -51,6 +56,13 @@ All-to-all ops (Ulysses).  Rank ``j`` owns token block ``j`` and head group ``j`
 ``a2a_matmul_bwd``  backward of ``a2a_matmul``: the ``matmul_a2a`` pattern, with gemm ``gw``
                     (on the pieces the forward received, no communication) just before the
                     local block; ``reduce_weight`` all-reduces ``gw`` behind that local block.
+
+Buffers
+-------
+Every name a step mentions is declared once, in :attr:`Schedule.buffers` (a
+:class:`BufferDecl`: name, kind, width rule, message tag).  The executor allocates and
+resolves buffers from it, the simulator sizes transfers from it, the ops bind their
+tensors to it by name; adding a buffer is one ``declare`` in the builder below.
 
 Modes
 -----
@@ -76,7 +88,7 @@ ALL = -1
 GATHER_SEQUENCE = "recvs"
 SCATTER_SEQUENCE = "none"
 
-OPS = ("ag_matmul", "matmul_rs", "ag_matmul_bwd", "matmul_rs_bwd")
+OPS = ("ag_matmul", "matmul_rs", "ag_matmul_bwd", "matmul_rs_bwd", "sharded", "sharded_bwd")
 A2A_OPS = ("matmul_a2a", "a2a_matmul", "matmul_a2a_bwd", "a2a_matmul_bwd")
 MODES = ("flash", "ring", "slice", "none")
 A2A_MODES = ("flash", "slice", "none")
@@ -171,6 +183,39 @@ class Add:
 Step = Exchange | Collective | Compute | Wait | Add
 
 
+# Message channels: a send of one buffer lands in the peer's buffer of the same tag.  gloo matches a
+# receive to a send by (peer, tag) in posting order; when gathers and reduce-scatters share a lane
+# with different sequencing, their receives from one peer may be posted out of order, so each
+# channel has its own tag.  (NCCL ignores tags; there every transfer is posted in schedule order.)
+TAG_GATHER, TAG_GATHER_GRAD, TAG_DIRECT, TAG_RING = 1, 2, 3, 4
+
+BUFFER_KINDS = {
+    "gathered": "[S, F] in global row order; the local block is the op's own tensor (never copied)",
+    "full": "[S, F] in global row order (bound by the op, else allocated)",
+    "local": "[s_r, F]: this rank's block (bound by the op)",
+    "per_peer": "one [s_r, F] tensor per peer, allocated on first use",
+    "per_block": "one [s_j, F] tensor per block j, allocated on first use",
+    "scratch": "[max s_j, F]; pieces at block-relative rows (ring accumulators)",
+    "slabs": "slice-mode reduce-scatter sends: one [N pad_c, F] slab per slice c, blocks padded",
+    "peer_slabs": "per_peer, slice c of every peer in one [N rows_c, F] slab (all-to-all collectives)",
+    "kernel": "memory the op's kernel owns (an accumulator, a saved tensor); the executor never views it",
+}
+"""Buffer kinds of the overlap ops (``S`` rows of the row space, ``s_j`` those of block ``j``).  Other
+executors' buffer resolvers add their own (the CP exchange: ``flashpar.cp.exchange``)."""
+
+
+@dataclass(frozen=True)
+class BufferDecl:
+    """One buffer a schedule names: ``kind`` (how rows are laid out, :data:`BUFFER_KINDS`), ``width``
+    (the shape rule: which of the op's dimensions is its feature count, e.g. ``"in"`` / ``"out"``
+    of the forward weight) and ``tag`` (the message channel of its transfers, 0: never sent)."""
+
+    name: str
+    kind: str
+    width: str
+    tag: int = 0
+
+
 @dataclass(frozen=True)
 class Schedule:
     op: str
@@ -179,12 +224,30 @@ class Schedule:
     rank: int
     chunks: int
     steps: tuple[Step, ...] = field(repr=False)
+    buffers: tuple[BufferDecl, ...] = field(default=(), repr=False)
 
     def lane_items(self) -> list[Exchange | Collective]:
         return [s for s in self.steps if isinstance(s, (Exchange, Collective))]
 
     def computes(self) -> list[Compute]:
         return [s for s in self.steps if isinstance(s, Compute)]
+
+    def buffer(self, name: str) -> BufferDecl:
+        """The declaration of ``name`` (KeyError naming the op if the schedule does not declare it)."""
+        for decl in self.buffers:
+            if decl.name == name:
+                return decl
+        raise KeyError(f"schedule {self.op}/{self.mode} declares no buffer {name!r}")
+
+    def named(self) -> set[str]:
+        """Every buffer name the steps mention (each must be declared)."""
+        out: set[str] = set()
+        for s in self.steps:
+            if isinstance(s, Exchange):
+                out |= {t.buffer for t in (*s.sends, *s.recvs)}
+            elif isinstance(s, (Collective, Compute, Add)):
+                out |= {s.src, s.dst}
+        return out
 
     def describe(self) -> str:
         """One line per step, for printing and debugging."""
@@ -209,10 +272,21 @@ def _describe(step: Step) -> str:
     return f"add {step.dst}[{pc(step.piece)}] += {step.src}(r{step.peer})"
 
 
-class _Builder:
+class ScheduleBuilder:
+    """Appends steps with fresh lane item ids and collects buffer declarations (used by every builder)."""
+
     def __init__(self) -> None:
         self.steps: list[Step] = []
         self.next_id = 0
+        self.decls: dict[str, BufferDecl] = {}
+
+    def declare(self, name: str, kind: str, width: str, tag: int = 0) -> None:
+        decl = BufferDecl(name, kind, width, tag)
+        if self.decls.setdefault(name, decl) != decl:
+            raise AssertionError(f"buffer {name!r} declared twice: {self.decls[name]} and {decl}")
+
+    def schedule(self, op: str, mode: str, n: int, r: int, chunks: int) -> Schedule:
+        return Schedule(op, mode, n, r, chunks, tuple(self.steps), tuple(self.decls.values()))
 
     def exchange(self, sends: list[Transfer], recvs: list[Transfer], sequenced: str = "both") -> int:
         self.steps.append(Exchange(self.next_id, tuple(sends), tuple(recvs), sequenced))
@@ -247,10 +321,12 @@ def build_schedule(
     regather: bool = True,
     reduce_weight: bool = False,
 ) -> Schedule:
-    """The step list of ``rank`` for ``op`` in ``mode``.
+    """The step list of ``rank`` for ``op`` in ``mode``, with the buffers it names.
 
     ``chunks``: sub-blocks per peer block (flash, ring) or slices (slice).
-    ``grad_input`` / ``grad_weight`` / ``grad_bias``: which gradients a backward op computes.
+    ``grad_input`` / ``grad_weight`` / ``grad_bias``: which gradients a backward op computes
+    (``sharded_bwd``: ``grad_weight`` is the reduce-scattered gemm ``gw``, ``grad_input`` the gemm
+    ``gx`` on the gathered shards).
     ``regather``: ``ag_matmul_bwd`` gathers ``x`` again (True) or reads the gathered copy saved
     by the forward (False).
     ``reduce_weight``: all-to-all backward ops all-reduce ``gw`` over the group.
@@ -261,27 +337,69 @@ def build_schedule(
         raise ValueError(f"unknown op {op!r}; expected one of {OPS + A2A_OPS}")
     _check(mode, MODES, world_size, rank, chunks)
     n, r = world_size, rank
-    b = _Builder()
-    if op == "ag_matmul":
-        _all_gather(b, mode, n, r, chunks, ("y",), src="x")
+    b = ScheduleBuilder()
+    if op in ("ag_matmul", "sharded"):  # the gathered operand: activations x, or the weight shards w
+        src = "x" if op == "ag_matmul" else "w"
+        b.declare(src, "gathered", "in", TAG_GATHER)
+        b.declare("y", "full" if op == "ag_matmul" else "kernel", "out")
+        _all_gather(b, mode, n, r, chunks, ("y",), src=src)
     elif op == "matmul_rs_bwd":
-        gb = b.collective("all_reduce", "gb", "gb") if grad_bias and n > 1 else None
+        gb = None
+        if grad_bias and n > 1:
+            b.declare("gb", "local", "out")
+            gb = b.collective("all_reduce", "gb", "gb")
         gemms = tuple(g for g, need in (("gx", grad_input), ("gw", grad_weight)) if need)
+        b.declare("g", "gathered", "out", TAG_GATHER_GRAD)
+        if grad_input:
+            b.declare("gx", "full", "in")
+        if grad_weight:
+            b.declare("gw", "kernel", "in")
         _all_gather(b, mode, n, r, chunks, gemms, src="g")
         if gb is not None:
             b.wait(gb)
     elif op == "matmul_rs":
-        _reduce_scatter(b, mode, n, r, chunks, extra=(), gather_x=False)
-    else:  # ag_matmul_bwd
+        b.declare("a", "full", "in")
+        _reduce_scatter(b, mode, n, r, chunks, Scatter("p", "a", "y", "out"))
+    elif op == "ag_matmul_bwd":
+        # grad_x [s_r, in] = ReduceScatter(grad_y @ W) (gemm p on a = grad_y); grad_W on the gathered x
         if grad_input:
-            extra = ("gw",) if grad_weight else ()
-            _reduce_scatter(b, mode, n, r, chunks, extra=extra, gather_x=grad_weight and regather)
-        elif grad_weight and regather:
-            _all_gather(b, mode, n, r, chunks, ("gw",), src="x")
-        elif grad_weight:
-            b.compute(("gw",), WHOLE, "x")
-    steps = tuple(b.steps)
-    return Schedule(op, mode, n, r, chunks if mode in ("flash", "ring", "slice") else 1, steps)
+            b.declare("a", "full", "out")
+        _gather_scatter(b, mode, n, r, chunks, Scatter("p", "a", "gx", "in") if grad_input else None,
+                        "gw" if grad_weight else None, "x", regather)
+    else:  # sharded_bwd: grad_W of shard j [o_j, in] reduce-scattered to j; grad_x terms on the gathered shards
+        if grad_weight:
+            b.declare("g", "kernel", "out")
+        _gather_scatter(b, mode, n, r, chunks, Scatter("gw", "g", "gw", "in") if grad_weight else None,
+                        "gx" if grad_input else None, "w", True)
+    return b.schedule(op, mode, n, r, chunks if mode in ("flash", "ring", "slice") else 1)
+
+
+@dataclass(frozen=True)
+class Scatter:
+    """The reduce-scattered gemm of a schedule: ``gemm`` reads ``src``; the sum of every rank's rows of
+    block ``r`` lands in ``out`` (``[s_r, width]``, the op's output)."""
+
+    gemm: str
+    src: str
+    out: str
+    width: str
+
+
+def _gather_scatter(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, scatter: Scatter | None,
+                    gathered_gemm: str | None, gathered: str, regather: bool) -> None:
+    """A GEMM+reduce-scatter (``scatter``) and/or a gemm on every block of ``gathered`` (all-gathered
+    again when ``regather``, else the op's saved copy), sharing one lane: the gather goes first."""
+    if gathered_gemm is not None:
+        b.declare(gathered_gemm, "kernel", "in")
+        b.declare(gathered, "gathered" if regather else "full", "in", TAG_GATHER if regather else 0)
+    if scatter is not None:
+        extra = (gathered_gemm,) if gathered_gemm is not None else ()
+        _reduce_scatter(b, mode, n, r, k, scatter, extra=extra, gathered=gathered,
+                        gather_x=gathered_gemm is not None and regather)
+    elif gathered_gemm is not None and regather:
+        _all_gather(b, mode, n, r, k, (gathered_gemm,), src=gathered)
+    elif gathered_gemm is not None:
+        b.compute((gathered_gemm,), WHOLE, gathered)
 
 
 def _check(mode: str, modes: tuple[str, ...], world_size: int, rank: int, chunks: int) -> None:
@@ -296,35 +414,48 @@ def _check(mode: str, modes: tuple[str, ...], world_size: int, rank: int, chunks
 def _a2a_schedule(op, mode, n, r, k, grad_input, grad_weight, reduce_weight) -> Schedule:
     _check(mode, A2A_MODES, n, r, k)
     k = k if mode in ("flash", "slice") else 1
-    b = _Builder()
+    b = ScheduleBuilder()
     reduce = reduce_weight and grad_weight and n > 1
+    peer_kind = "peer_slabs" if mode in ("slice", "none") and n > 1 else "per_peer"
+    if op in ("matmul_a2a_bwd", "a2a_matmul_bwd") and grad_weight:
+        b.declare("gw", "local" if reduce else "kernel", "-")
     if op == "matmul_a2a":
-        _a2a_scatter(b, mode, n, r, k, extra=False, reduce=False)
+        b.declare("a", "local", "in")
+        _a2a_scatter(b, mode, n, r, k, extra=False, reduce=False, width="out", peer_kind=peer_kind)
     elif op == "a2a_matmul":
-        _a2a_gather(b, mode, n, r, k, ("y",))
+        b.declare("y", "kernel", "out")
+        _a2a_gather(b, mode, n, r, k, ("y",), width="in", peer_kind=peer_kind)
     elif op == "matmul_a2a_bwd":
         gemms = tuple(g for g, need in (("gx", grad_input), ("gw", grad_weight)) if need)
+        if grad_input:
+            b.declare("gx", "kernel", "in")
         if gemms:
-            _a2a_gather(b, mode, n, r, k, gemms)
+            _a2a_gather(b, mode, n, r, k, gemms, width="out", peer_kind=peer_kind)
         if reduce:
             b.wait(b.collective("all_reduce", "gw", "gw"))
     elif grad_input:  # a2a_matmul_bwd
-        _a2a_scatter(b, mode, n, r, k, extra=grad_weight, reduce=reduce)
+        b.declare("a", "local", "out")
+        _a2a_scatter(b, mode, n, r, k, extra=grad_weight, reduce=reduce, width="in", peer_kind=peer_kind)
     elif grad_weight:
+        b.declare("saved", "kernel", "in")
         for j in range(n):
             b.compute(("gw",), Piece(r), "saved", peer=j)
         if reduce:
             b.wait(b.collective("all_reduce", "gw", "gw"))
-    return Schedule(op, mode, n, r, k, tuple(b.steps))
+    return b.schedule(op, mode, n, r, k)
 
 
-def _a2a_scatter(b: _Builder, mode: str, n: int, r: int, k: int, *, extra: bool, reduce: bool) -> None:
+def _a2a_scatter(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, *, extra: bool, reduce: bool, width: str,
+                 peer_kind: str) -> None:
     """GEMM then all-to-all (local block last).  Piece ``(r, c)`` of head group ``j`` goes to rank ``j``
     (buffer ``send`` of peer ``j``) and lands there in ``out[block r]``.  ``extra``: gemm ``gw`` on the
     forward's received pieces (``saved``, one per group) before the local block; ``reduce``: then an
     all-reduce of ``gw``, hidden behind the local block."""
     others = [to for to, _ in peer_order(n, r)]
     items = []
+    b.declare("out", "full", width, TAG_DIRECT)
+    if extra:
+        b.declare("saved", "kernel", width)
 
     def weight_terms() -> None:
         if extra:
@@ -337,6 +468,7 @@ def _a2a_scatter(b: _Builder, mode: str, n: int, r: int, k: int, *, extra: bool,
         b.compute(("p",), WHOLE, "a", "out", peer=r)
         weight_terms()
         return
+    b.declare("send", peer_kind, width, TAG_DIRECT)
     if mode == "flash":
         for to, frm in peer_order(n, r):
             for c in range(k):
@@ -355,12 +487,15 @@ def _a2a_scatter(b: _Builder, mode: str, n: int, r: int, k: int, *, extra: bool,
         b.wait(item)
 
 
-def _a2a_gather(b: _Builder, mode: str, n: int, r: int, k: int, gemms: tuple[str, ...]) -> None:
+def _a2a_gather(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, gemms: tuple[str, ...], *, width: str,
+                peer_kind: str) -> None:
     """All-to-all then GEMM (local block first): ``in[block j]`` goes to rank ``j``; head group ``j``'s
     piece of this rank's tokens arrives in ``recv`` of peer ``j`` and feeds ``gemms``."""
+    b.declare("in", "full", width, TAG_DIRECT)
     if n == 1:
         b.compute(gemms, WHOLE, "in", peer=r)
         return
+    b.declare("recv", peer_kind, width, TAG_DIRECT)
     if mode == "flash":
         items = []
         for to, frm in peer_order(n, r):
@@ -386,7 +521,7 @@ def peer_order(world_size: int, rank: int) -> list[tuple[int, int]]:
     return [((rank + t) % n, (rank - t) % n) for t in range(1, n)]
 
 
-def _gather_exchanges(b: _Builder, mode: str, n: int, r: int, k: int, buf: str) -> list[tuple[int, Piece]]:
+def _gather_exchanges(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, buf: str) -> list[tuple[int, Piece]]:
     """The exchanges of a point-to-point all-gather of ``buf``; returns (lane item, arriving piece).
 
     Exchange ``(t, c)`` brings chunk ``c`` of block ``r - t``: flash sends its own block straight to
@@ -405,7 +540,7 @@ def _gather_exchanges(b: _Builder, mode: str, n: int, r: int, k: int, buf: str) 
     return items
 
 
-def _all_gather(b: _Builder, mode: str, n: int, r: int, k: int, gemms, *, src: str) -> None:
+def _all_gather(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, gemms, *, src: str) -> None:
     """All-gather of ``src`` feeding ``gemms`` per arriving piece (local piece first)."""
     if n == 1 or mode == "none":
         if n > 1:
@@ -426,84 +561,94 @@ def _all_gather(b: _Builder, mode: str, n: int, r: int, k: int, gemms, *, src: s
         b.compute(gemms, piece, src)
 
 
-def _reduce_scatter(b: _Builder, mode: str, n: int, r: int, k: int, *, extra, gather_x: bool) -> None:
-    """GEMM+reduce-scatter of gemm ``p`` into ``y`` (local block last).
+def _reduce_scatter(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, sc: Scatter, *, extra=(),
+                    gathered: str = "x", gather_x: bool = False) -> None:
+    """GEMM+reduce-scatter of gemm ``sc.gemm`` into ``sc.out`` (local block last).
 
-    ``extra``: gemms computed per piece besides ``p`` (``gw`` in ``ag_matmul_bwd``);
-    ``gather_x``: those read an all-gathered ``x`` whose exchanges go first on the lane.
+    ``extra``: gemms computed per piece besides it, reading ``gathered`` (``gw`` of
+    ``ag_matmul_bwd``); ``gather_x``: ``gathered`` is all-gathered first on the lane.
     """
+    g, w = sc.gemm, sc.width
+    b.declare(sc.out, "local", w)
     if n == 1:
-        b.compute(("p",), WHOLE, "a", "y")
-        b.compute(extra, WHOLE, "x")
+        b.compute((g,), WHOLE, sc.src, sc.out)
+        b.compute(extra, WHOLE, gathered)
         return
     x_items: list[tuple[int, Piece]] = []
     if gather_x and mode in ("flash", "ring"):
-        x_items = _gather_exchanges(b, mode, n, r, k, "x")
+        x_items = _gather_exchanges(b, mode, n, r, k, gathered)
     elif gather_x:  # slice / none: collectives of x first
         slices = k if mode == "slice" else 1
-        x_items = [(b.collective("all_gather", "x", "x", c, slices), Piece(ALL, c, slices)) for c in range(slices)]
+        x_items = [(b.collective("all_gather", gathered, gathered, c, slices), Piece(ALL, c, slices))
+                   for c in range(slices)]
 
     def extra_terms() -> None:
-        """``gw`` terms on every gathered piece (local-first), or one GEMM on the saved gather."""
+        """``extra`` terms on every gathered piece (local-first), or one GEMM on the saved gather."""
         if not extra:
             return
         if not gather_x:
-            b.compute(extra, WHOLE, "x")
+            b.compute(extra, WHOLE, gathered)
             return
         if mode in ("flash", "ring"):
-            b.compute(extra, Piece(r), "x")
+            b.compute(extra, Piece(r), gathered)
         for item, piece in x_items:
             b.wait(item)
             if piece.block == ALL:  # a gathered slice: one term per block
                 for j in range(n):
-                    b.compute(extra, Piece(j, piece.chunk, piece.chunks), "x")
+                    b.compute(extra, Piece(j, piece.chunk, piece.chunks), gathered)
             else:
-                b.compute(extra, piece, "x")
+                b.compute(extra, piece, gathered)
 
     if mode == "none":
-        b.compute(("p",), WHOLE, "a", "full")
-        item = b.collective("reduce_scatter", "full", "y")
+        b.declare("full", "full", w)
+        b.compute((g,), WHOLE, sc.src, "full")
+        item = b.collective("reduce_scatter", "full", sc.out)
         extra_terms()
         b.wait(item)
         return
     if mode == "slice":
+        b.declare("slab", "slabs", w)
         items = []
         for c in range(k):
             for j in [to for to, _ in peer_order(n, r)] + [r]:
-                b.compute(("p",), Piece(j, c, k), "a", "slab")
-            items.append(b.collective("reduce_scatter", "slab", "y", c, k))
+                b.compute((g,), Piece(j, c, k), sc.src, "slab")
+            items.append(b.collective("reduce_scatter", "slab", sc.out, c, k))
         extra_terms()
         for item in items:
             b.wait(item)
         return
     if mode == "flash":
+        b.declare("send", "per_block", w, TAG_DIRECT)
+        b.declare("recv", "per_peer", w, TAG_DIRECT)
         recvs: list[tuple[int, Piece, int]] = []
         for to, frm in peer_order(n, r):
             for c in range(k):
-                b.compute(("p",), Piece(to, c, k), "a", "send")
+                b.compute((g,), Piece(to, c, k), sc.src, "send")
                 sends = [Transfer(to, "send", Piece(to, c, k))]
                 item = b.exchange(sends, [Transfer(frm, "recv", Piece(r, c, k))], sequenced=SCATTER_SEQUENCE)
                 recvs.append((item, Piece(r, c, k), frm))
         extra_terms()
-        b.compute(("p",), Piece(r), "a", "y")  # local last: covers the last sends
+        b.compute((g,), Piece(r), sc.src, sc.out)  # local last: covers the last sends
         for item, piece, frm in recvs:
             b.wait(item)
-            b.steps.append(Add("y", "recv", piece, frm))
+            b.steps.append(Add(sc.out, "recv", piece, frm))
         return
     # ring: the block for rank d starts at d + 1, gathers one partial per hop, ends at d.
     last: dict[int, int] = {}
     for t in range(1, n):
-        acc, acc_in = f"acc{t % 2}", f"accin{(t - 1) % 2}"
+        acc, acc_in, nxt_in = f"acc{t % 2}", f"accin{(t - 1) % 2}", f"accin{t % 2}"
+        for name in (acc, nxt_in):
+            b.declare(name, "scratch", w, TAG_RING)
         for c in range(k):
             piece = Piece((r - t) % n, c, k)
-            b.compute(("p",), piece, "a", acc)
+            b.compute((g,), piece, sc.src, acc)
             if t >= 2:
                 b.wait(last[c])
                 b.steps.append(Add(acc, acc_in, piece, (r - 1) % n))
             nxt = Piece((r - t - 1) % n, c, k)
-            last[c] = b.exchange([Transfer((r + 1) % n, acc, piece)], [Transfer((r - 1) % n, f"accin{t % 2}", nxt)])
+            last[c] = b.exchange([Transfer((r + 1) % n, acc, piece)], [Transfer((r - 1) % n, nxt_in, nxt)])
     extra_terms()
-    b.compute(("p",), Piece(r), "a", "y")
+    b.compute((g,), Piece(r), sc.src, sc.out)
     for c in range(k):
         b.wait(last[c])
-        b.steps.append(Add("y", f"accin{(n - 1) % 2}", Piece(r, c, k), (r - 1) % n))
+        b.steps.append(Add(sc.out, f"accin{(n - 1) % 2}", Piece(r, c, k), (r - 1) % n))

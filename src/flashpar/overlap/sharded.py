@@ -12,13 +12,20 @@ features) of the weight ``W [out, in]`` and of the bias, and its own batch ``x_r
 The gathered weight lives only inside the forward and the backward (the backward gathers
 it again, as ZeRO-3 / FSDP do); between them each rank keeps its shard and its input.
 
-Schedules: the forward is the ``ag_matmul`` schedule over the row space of ``W``'s output
-features (a piece of shard ``j`` is a block of output columns, written straight into its
-columns of ``y``); the backward is ``ag_matmul_bwd`` with its roles named for this layer:
-gemm ``p`` computes the peers' ``grad_W`` blocks first, each sent as soon as it is ready,
-the local block last, and gemm ``gw`` adds each arriving shard's ``grad_x`` term (local
-first).  The bias travels as one extra column of the weight shard, so one transfer per
-peer carries both and one reduce-scatter returns both gradients.
+Schedules (``flashpar.overlap.schedule``, row space = ``W``'s output features, so a piece of
+shard ``j`` is a block of output columns): the forward ``sharded`` gathers the shards ``w``,
+gemm ``y`` writing each arrived shard's columns of ``y``; the backward ``sharded_bwd`` gathers
+``w`` again for gemm ``gx`` (each shard's ``grad_x`` term, local first) while gemm ``gw``
+computes the peers' ``grad_W`` blocks first, each sent to its owner as soon as it is ready,
+the local block last.  The bias travels as one extra column of the weight shard, so one
+transfer per peer carries both and one reduce-scatter returns both gradients.
+
+In flight (flash, rank r of N; ``w_j`` = shard j, ``gW_j`` = this rank's term of its gradient)::
+
+    forward   lane:  | w_r -> r+1, w_{r-1} <- r-1 | w_r -> r+2, w_{r-2} <- r-2 | ...
+              main:  | y[:, O_r] (local)           | y[:, O_{r-1}]              | y[:, O_{r-2}] ...
+    backward  lane:  | w exchanges (re-gather)     | gW_{r+1} -> r+1 | gW_{r+2} -> r+2 | ...
+              main:  | gW_{r+1} | gW_{r+2} | ...   | grad_x terms as w arrives | gW_r (local) | + received
 
 Gradient convention: like torch's FSDP and DDP, the gradient of a shard is the *average*
 over the group of the ranks' gradients (each rank's loss is a mean over its own batch).
@@ -32,27 +39,18 @@ import torch
 from torch import nn
 
 from flashpar.dist import DEFAULT_TIMEOUT_S, dtype_code, resolve_group
-from flashpar.overlap.call import MODE_CHOICES, Call, check_mode, check_split, check_tensors, pick_mode, settle
-from flashpar.overlap.executor import Buffers, RowSpace, run_schedule
-from flashpar.overlap.modules import _init_like_linear
-from flashpar.overlap.ops import _gathered, _reduce_buffers
-from flashpar.overlap.schedule import Compute, build_schedule
+from flashpar.overlap.buffers import Buffers
+from flashpar.overlap.call import Call, Local, check_split, prepare
+from flashpar.overlap.modules import init_linear_params
+from flashpar.overlap.ops import run
+from flashpar.overlap.schedule import Compute
 
 OP_NAME = "sharded_linear"
 
 
-def sharded_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    group=None,
-    mode: str = "flash",
-    chunks: int | None = None,
-    split_sizes: list[int] | None = None,
-    check: bool = True,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> torch.Tensor:
+def sharded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group=None,
+                   mode: str = "flash", chunks: int | None = None, split_sizes: list[int] | None = None,
+                   check: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
     """``F.linear(x, all_gather(weight), all_gather(bias))`` with the gather hidden behind the GEMM and
     the gradients of ``weight`` / ``bias`` reduce-scattered (averaged) behind the backward GEMMs.
 
@@ -60,32 +58,23 @@ def sharded_linear(
     (this rank's output rows), bias ``[o_r]``; returns ``[..., sum_j o_j]``.  ``split_sizes``: the
     output rows of every rank (exchanged by the cross-rank check when omitted).
     """
-    info = resolve_group(group)
-    n, r = info.world_size, info.rank
-    error = None
-    named, chosen = [], ("none", 1)
-    try:
-        check_mode(OP_NAME, mode, chunks)
-        check_tensors(OP_NAME, {"x": x, "weight": weight, "bias": bias})
+
+    def describe(info) -> Local:
         if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
             raise ValueError(f"{OP_NAME}: x must be [..., in] and the weight shard [out_r, in] with the same in; "
                              f"got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
         if bias is not None and tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"{OP_NAME}: bias shard {tuple(bias.shape)} does not match the weight shard's "
                              f"{weight.shape[0]} rows")
-        check_split(OP_NAME, split_sizes, n, r, local=weight.shape[0], what="output rows")
-        out_total = sum(split_sizes) if split_sizes is not None else weight.shape[0] * n
+        check_split(OP_NAME, split_sizes, info.world_size, info.rank, local=weight.shape[0], what="output rows")
+        out_total = sum(split_sizes) if split_sizes is not None else weight.shape[0] * info.world_size
         tokens = max(x.numel() // max(x.shape[-1], 1), 1)
-        chosen = pick_mode(mode, chunks, n, "sharded", tokens, weight.shape[1], out_total, x)
         named = [("in features", weight.shape[1]), ("dtype", dtype_code(x.dtype)),
-                 ("bias present", int(bias is not None)), ("mode", MODE_CHOICES.index(mode))]
-    except (ValueError, TypeError) as err:
-        error = err
-    device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-    sizes, chosen_mode, k = settle(OP_NAME, info, error=error, local_len=weight.shape[0] if error is None else 0,
-                                   named=named, chosen=chosen, split_sizes=split_sizes, local_sizes=True,
-                                   check=check, device=device, timeout_s=timeout_s)
-    call = Call(OP_NAME, info, chosen_mode, k, RowSpace(sizes, 1), (), timeout_s)
+                 ("bias present", int(bias is not None))]
+        return Local(weight.shape[0], ("sharded", tokens, weight.shape[1], out_total), named)
+
+    call = prepare(OP_NAME, group, {"x": x, "weight": weight, "bias": bias}, describe, mode=mode, chunks=chunks,
+                   split_sizes=split_sizes, check=check, timeout_s=timeout_s, local_sizes=True)
     return _ShardedLinear.apply(x, weight, bias, call)
 
 
@@ -99,24 +88,23 @@ def _with_bias_column(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.
 class _ShardedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, call: Call):
-        info, rows = call.info, call.rows
+        rows = call.rows
         n_in = weight.shape[1]
         x2 = x.reshape(-1, n_in).contiguous()
-        shard = _with_bias_column(weight, bias)
-        buffers = Buffers(rows, info.rank, dtype=x.dtype, device=x.device)
-        _gathered(buffers, "x", shard, info, shard.shape[1])
         y = torch.empty(x2.shape[0], rows.total, dtype=x.dtype, device=x.device)
 
-        def gemm_y(step: Compute) -> None:
-            lo, hi = rows.rows(step.piece)
-            w = buffers.view("x", step.piece)
-            if bias is None:
-                torch.mm(x2, w.t(), out=y[:, lo:hi])
-            else:
-                torch.addmm(w[:, n_in], x2, w[:, :n_in].t(), out=y[:, lo:hi])
+        def kernels(buffers: Buffers):
+            def gemm_y(step: Compute) -> None:  # y[:, O_j] = x @ W_j^T + b_j for the arrived shard j
+                lo, hi = rows.rows(step.piece)
+                w = buffers.view("w", step.piece)
+                if bias is None:
+                    torch.mm(x2, w.t(), out=y[:, lo:hi])
+                else:
+                    torch.addmm(w[:, n_in], x2, w[:, :n_in].t(), out=y[:, lo:hi])
 
-        schedule = build_schedule("ag_matmul", call.mode, info.world_size, info.rank, chunks=call.chunks)
-        run_schedule(schedule, buffers, {"y": gemm_y}, info, op_name=call.op_name, timeout_s=call.timeout_s)
+            return {"y": gemm_y}
+
+        run(call, "sharded", kernels, dims={}, bind={"w": _with_bias_column(weight, bias)}, like=x2)
         ctx.save_for_backward(x2, weight, bias)
         ctx.call, ctx.x_shape = call, x.shape
         return y.view(*x.shape[:-1], rows.total)
@@ -131,29 +119,25 @@ class _ShardedLinear(torch.autograd.Function):
         n_in = weight.shape[1]
         g2 = grad_y.reshape(-1, rows.total).contiguous()
         shard = _with_bias_column(weight, bias)
-        width = shard.shape[1]
-        buffers = Buffers(rows, info.rank, dtype=g2.dtype, device=g2.device)
-        _gathered(buffers, "x", shard, info, width)
-        grad_shard = torch.empty(weight.shape[0], width, dtype=g2.dtype, device=g2.device)
-        if need_w or need_b:
-            _reduce_buffers(buffers, call, width, grad_shard)
+        grad_shard = torch.empty(weight.shape[0], shard.shape[1], dtype=g2.dtype, device=g2.device)
         grad_x = torch.zeros(x2.shape[0], n_in, dtype=g2.dtype, device=g2.device) if need_x else None
 
-        def gemm_grad_w(step: Compute) -> None:  # this rank's contribution to grad_W of a piece of a shard
-            lo, hi = rows.rows(step.piece)
-            out = buffers.view(step.dst, step.piece)
-            torch.mm(g2[:, lo:hi].t(), x2, out=out[:, :n_in])
-            if bias is not None:
-                torch.sum(g2[:, lo:hi], dim=0, out=out[:, n_in])
+        def kernels(buffers: Buffers):
+            def gemm_gw(step: Compute) -> None:  # this rank's term of grad_W (and grad_b) of a piece of a shard
+                lo, hi = rows.rows(step.piece)
+                out = buffers.view(step.dst, step.piece)
+                torch.mm(g2[:, lo:hi].t(), x2, out=out[:, :n_in])
+                if bias is not None:
+                    torch.sum(g2[:, lo:hi], dim=0, out=out[:, n_in])
 
-        def gemm_grad_x(step: Compute) -> None:  # one shard's term of grad_x
-            lo, hi = rows.rows(step.piece)
-            grad_x.addmm_(g2[:, lo:hi], buffers.view("x", step.piece)[:, :n_in])
+            def gemm_gx(step: Compute) -> None:  # the arrived shard's term of grad_x
+                lo, hi = rows.rows(step.piece)
+                grad_x.addmm_(g2[:, lo:hi], buffers.view("w", step.piece)[:, :n_in])
 
-        schedule = build_schedule("ag_matmul_bwd", call.mode, info.world_size, info.rank, chunks=call.chunks,
-                                  grad_input=need_w or need_b, grad_weight=need_x, regather=True)
-        run_schedule(schedule, buffers, {"p": gemm_grad_w, "gw": gemm_grad_x}, info, op_name=call.op_name,
-                     timeout_s=call.timeout_s)
+            return {"gw": gemm_gw, "gx": gemm_gx}
+
+        run(call, "sharded_bwd", kernels, dims={"in": shard.shape[1]}, bind={"w": shard, "gw": grad_shard}, like=g2,
+            grad_input=need_x, grad_weight=need_w or need_b)
         if need_w or need_b:
             grad_shard.div_(info.world_size)  # the data-parallel average (torch FSDP / DDP convention)
         return (
@@ -188,10 +172,7 @@ class ShardedLinear(nn.Module):
         self.split_sizes = [hi - lo for lo, hi in (shard_rows(out_features, info.world_size, j)
                                                    for j in range(info.world_size))]
         rows = self.split_sizes[info.rank]
-        kw = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(rows, in_features, **kw))
-        self.bias = nn.Parameter(torch.empty(rows, **kw)) if bias else None
-        _init_like_linear(self.weight.data, self.bias.data if bias else None, in_features)
+        init_linear_params(self, (rows, in_features), rows if bias else None, in_features, device=device, dtype=dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, **kwargs) -> ShardedLinear:

@@ -8,6 +8,10 @@ order; the lane runs each submitted item after the previous one.
     all_to_all with b bytes per peer = (N - 1) (latency + b / link)  (pairwise exchange)
     all_reduce of b bytes = 2 (N - 1) (latency + b / (N link))
     time      = when both agents are done
+
+A transfer's bytes are its piece's rows times the width its buffer declares
+(``Schedule.buffers``: the width rule names one of the shape's ``dims``).  Importable
+without torch.distributed: it reads schedules and row spaces only.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import functools
 from dataclasses import dataclass
 
 from flashpar.cost import Hardware, load
-from flashpar.overlap.executor import RowSpace
+from flashpar.overlap.rows import RowSpace
 from flashpar.overlap.schedule import (
     Add,
     Collective,
@@ -35,8 +39,11 @@ class Shape:
 
     rows: RowSpace
     gemm_dims: dict  # gemm name -> (k, n): flops = 2 * rows * k * n
-    widths: dict  # buffer name -> features per row
+    dims: dict  # width rule of a buffer (BufferDecl.width: "in", "out") -> features per row
     elem_bytes: int
+
+    def width(self, schedule: Schedule, buffer: str) -> int:
+        return self.dims.get(schedule.buffer(buffer).width, 0)
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,7 @@ def simulate(schedule: Schedule, shape: Shape, hw: Hardware) -> Timing:
 
     def nbytes(buffer: str, piece: Piece) -> float:
         lo, hi = rows.rows(piece)
-        return (hi - lo) * shape.widths.get(buffer, 0) * shape.elem_bytes
+        return (hi - lo) * shape.width(schedule, buffer) * shape.elem_bytes
 
     for step in schedule.steps:
         if isinstance(step, Compute):
@@ -65,7 +72,7 @@ def simulate(schedule: Schedule, shape: Shape, hw: Hardware) -> Timing:
             compute += dt
         elif isinstance(step, Add):
             lo, hi = rows.rows(step.piece)
-            dt = hw.memory_time(3 * (hi - lo) * shape.widths.get(step.dst, 0) * shape.elem_bytes)
+            dt = hw.memory_time(3 * (hi - lo) * shape.width(schedule, step.dst) * shape.elem_bytes)
             t_main += dt
             compute += dt
         elif isinstance(step, Wait):
@@ -76,15 +83,14 @@ def simulate(schedule: Schedule, shape: Shape, hw: Hardware) -> Timing:
                 recv = sum(nbytes(t.buffer, t.piece) for t in step.recvs)
                 dt = hw.transfer_time(max(sent, recv))
             else:
-                dt = _collective_time(step, rows, shape, hw, n)
+                dt = _collective_time(step, rows, shape.width(schedule, step.src), shape, hw, n)
             t_lane = max(t_main, t_lane) + dt
             done[step.id] = t_lane
             comm += dt
     return Timing(max(t_main, t_lane), compute, comm)
 
 
-def _collective_time(step: Collective, rows: RowSpace, shape: Shape, hw: Hardware, n: int) -> float:
-    width = shape.widths.get(step.src, 0)
+def _collective_time(step: Collective, rows: RowSpace, width: int, shape: Shape, hw: Hardware, n: int) -> float:
     if step.kind == "all_reduce":
         b = width * shape.elem_bytes
         return 2 * (n - 1) * (hw.link_latency_s + b / (n * hw.link_bytes_per_s))
@@ -101,31 +107,22 @@ def op_shapes(op: str, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int
     ``matmul_a2a``: ``rows`` sequence rows, ``n_out`` features per head group.
     ``a2a_matmul``: ``rows`` sequence rows, ``n_in`` features per head group, ``n_out`` outputs.
     """
-    space = RowSpace(tuple([max(rows // n, 1)] * n), 1)
-    if op == "sharded":
-        out_space = RowSpace(tuple([max(n_out // n, 1)] * n), 1)
-        fwd = Shape(out_space, {"y": (n_in, rows)}, {"x": n_in}, elem_bytes)
-        bwd = Shape(out_space, {"p": (rows, n_in), "gw": (rows, n_in)}, dict.fromkeys(_REDUCE_BUFFERS, n_in),
-                    elem_bytes)
-        return {"ag_matmul": fwd, "ag_matmul_bwd": bwd}
-    if op == "matmul_a2a":
-        fwd = Shape(space, {"p": (n_in, n_out)}, {"send": n_out, "out": n_out}, elem_bytes)
-        bwd = Shape(space, {"gx": (n_out, n_in), "gw": (n_out, n_in)}, {"in": n_out, "recv": n_out}, elem_bytes)
-        return {"matmul_a2a": fwd, "matmul_a2a_bwd": bwd}
-    if op == "a2a_matmul":
-        fwd = Shape(space, {"y": (n_in, n_out)}, {"in": n_in, "recv": n_in}, elem_bytes)
-        bwd = Shape(space, {"p": (n_out, n_in), "gw": (n_out, n_in)}, {"send": n_in, "out": n_in}, elem_bytes)
-        return {"a2a_matmul": fwd, "a2a_matmul_bwd": bwd}
-    if op == "ag_matmul":
-        fwd = Shape(space, {"y": (n_in, n_out)}, {"x": n_in}, elem_bytes)
-        bwd = Shape(space, {"p": (n_out, n_in), "gw": (n_out, n_in)}, dict.fromkeys(_REDUCE_BUFFERS, n_in), elem_bytes)
-        return {"ag_matmul": fwd, "ag_matmul_bwd": bwd}
-    fwd = Shape(space, {"p": (n_in, n_out)}, dict.fromkeys(_REDUCE_BUFFERS, n_out), elem_bytes)
-    bwd = Shape(space, {"gx": (n_out, n_in), "gw": (n_out, n_in)}, {"g": n_out, "gb": n_out}, elem_bytes)
-    return {"matmul_rs": fwd, "matmul_rs_bwd": bwd}
+    if op not in _GEMMS:
+        raise ValueError(f"unknown op {op!r}; expected one of {tuple(_GEMMS)}")
+    size = {"in": n_in, "out": n_out, "rows": rows}
+    space = RowSpace(tuple([max((n_out if op == "sharded" else rows) // n, 1)] * n), 1)
+    dims = {"in": n_in, "out": n_out}
+    fwd, bwd = ({g: (size[k], size[m]) for g, (k, m) in gemms.items()} for gemms in _GEMMS[op])
+    return {op: Shape(space, fwd, dims, elem_bytes), f"{op}_bwd": Shape(space, bwd, dims, elem_bytes)}
 
 
-_REDUCE_BUFFERS = ("x", "send", "recv", "full", "slab", "acc0", "acc1", "accin0", "accin1", "y")
+_GEMMS = {  # op -> (forward gemms, backward gemms): gemm -> (k, n) named by the op's dims
+    "ag_matmul": ({"y": ("in", "out")}, {"p": ("out", "in"), "gw": ("out", "in")}),
+    "matmul_rs": ({"p": ("in", "out")}, {"gx": ("out", "in"), "gw": ("out", "in")}),
+    "sharded": ({"y": ("in", "rows")}, {"gw": ("rows", "in"), "gx": ("rows", "in")}),  # rows: the batch
+    "matmul_a2a": ({"p": ("in", "out")}, {"gx": ("out", "in"), "gw": ("out", "in")}),
+    "a2a_matmul": ({"y": ("in", "out")}, {"p": ("out", "in"), "gw": ("out", "in")}),
+}
 
 
 CANDIDATES = (("none", 1), ("flash", 1), ("flash", 2), ("flash", 4))
