@@ -162,7 +162,7 @@ class KVBuffers:
     def add(self, step: Add) -> None:
         """``grad[block][rows for peer] += received`` (the own block: the rows sent to ``peer``)."""
         dst = self.grads[self.key(step.piece.block)][step.dst == "gv"]
-        src = self._recv_grads[(step.src, step.piece.block, step.peer)]
+        src = self.view(step.src, step.piece, step.peer)  # allocated by its receive (compute-only runs: here)
         rows = self._rows[step.peer] if step.piece.block == self.layout.rank else None
         add_rows(dst, rows, src)
 
