@@ -37,6 +37,7 @@ from flashpar.overlap.executor import Buffers, RowSpace, run_schedule
 from flashpar.overlap.modules import _init_like_linear
 from flashpar.overlap.ops import _gathered, _reduce_buffers
 from flashpar.overlap.schedule import Compute, build_schedule
+from flashpar.rows import shard_rows
 
 OP_NAME = "sharded_linear"
 
@@ -162,13 +163,6 @@ class _ShardedLinear(torch.autograd.Function):
             grad_shard[:, n_in] if need_b else None,
             None,
         )
-
-
-def shard_rows(total: int, n: int, rank: int) -> tuple[int, int]:
-    """Rows ``[lo, hi)`` of ``rank``: ``total // n`` each, the first ``total % n`` ranks one more."""
-    base, extra = divmod(total, n)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (rank < extra)
 
 
 class ShardedLinear(nn.Module):
