@@ -153,9 +153,15 @@ def layout_of(name: str) -> tuple[Replicated, list[str]]:
     return layout, [f"{prefix}{part}.{leaf}" for part in layout.parts(key)]
 
 
-def label_of(full_name: str) -> str:
-    """``--check``'s row for single-process parameter ``full_name`` (``blocks.3.k_proj.weight`` -> q/k/v)."""
-    key = _split(full_name)[1]
+def mesh_name(full_name: str) -> str:
+    """The mesh parameter that holds single-process parameter ``full_name`` (``blocks.3.k_proj.weight`` ->
+    ``blocks.3.qkv.weight``)."""
+    prefix, key, leaf = _split(full_name)
     if key not in _OWNER:
         raise KeyError(f"parameter {full_name!r}: {key!r} is not in flashpar.models.layout.LAYOUT")
-    return LAYOUT[_OWNER[key]].label
+    return f"{prefix}{_OWNER[key]}.{leaf}"
+
+
+def label_of(full_name: str) -> str:
+    """``--check``'s row for single-process parameter ``full_name`` (``blocks.3.k_proj.weight`` -> q/k/v)."""
+    return LAYOUT[_split(mesh_name(full_name))[1]].label

@@ -4,8 +4,9 @@ Every rank builds the same single-process ``Llama`` (one seed) and the same ``dp
 sequences; the reference loss and gradients come from that model on all sequences, the loss
 normalised by the global number of targets.  The mesh model takes its shards of the same
 weights, its dp rank's sequence, its cp shard (the plan) and its tp rows, and after one
-forward / backward and ``reduce_grads`` its loss (summed over ranks) and every gradient
-(tp shards gathered) are compared with the reference: relative error ``max |a - b| / max |b|``.
+``forward_backward`` (the step without the optimizer: ``flashpar.train.step``) its loss (summed
+over ranks) and every gradient (tp shards gathered) are compared with the reference: relative
+error ``max |a - b| / max |b|``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from flashpar import cp
 from flashpar.models import Llama, LlamaConfig, next_token_loss
 from flashpar.models.layout import LAYOUT, label_of
 from flashpar.models.parallel import ParallelLlama
+from flashpar.train.step import forward_backward
 
 TOL = 1e-4  # fp32: the mesh only reorders sums (~1e-6 relative); one misplaced shard is O(1)
 
@@ -36,10 +38,7 @@ def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, see
     d, c = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     tokens, labels, doc_lens = sequences[d]
     plan = cp.plan(doc_lens, mesh["cp"].size(), strategy=strategy)
-    loss = model(cp.shard(tokens, plan, c), plan, cp.shard(labels, plan, c), count)
-    loss.backward()
-    model.reduce_grads()
-    total = loss.detach().clone()
+    total = forward_backward(model, cp.shard(tokens, plan, c), cp.shard(labels, plan, c), plan, count).clone()
     dist.all_reduce(total)
     ref_value = float(ref_loss.detach())
     errors = {"loss": abs(float(total) - ref_value) / abs(ref_value)}
