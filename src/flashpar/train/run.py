@@ -149,6 +149,10 @@ def launch(config: TrainConfig, hooks=None) -> int:
         return 1
     finally:
         spawn_log.setLevel(level)
+    for r in range(config.nproc):  # keep only the logs that say something
+        log = _rank_log(out, r)
+        if log.is_file() and log.stat().st_size == 0:
+            log.unlink()
     return _report(json.loads(result.read_text()), config)
 
 
