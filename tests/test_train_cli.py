@@ -96,7 +96,7 @@ def test_a_rank_that_dies_stops_the_job_with_a_clear_error(tmp_path, capsys):
     says so, well within the 60 s timeout, instead of leaving ranks 0, 1 and 3 waiting for it."""
     import time
 
-    config = TrainConfig(steps=4, seq_len=256, max_docs=40, timeout=60.0, out=str(tmp_path))
+    config = TrainConfig(steps=3, seq_len=128, max_docs=40, workers=0, timeout=60.0, out=str(tmp_path))
     t0 = time.monotonic()
     rc = launch(config, hooks=Hooks(before_step=functools.partial(exit_at, rank=2, at=2)))
     assert rc == 1 and time.monotonic() - t0 < 60

@@ -26,13 +26,17 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flashpar.train.config import MODES, TrainConfig, add_arguments, from_args, ready
+
+if TYPE_CHECKING:
+    from flashpar.train.loop import Hooks
 
 __all__ = ["MODES", "add_arguments", "launch", "run"]
 
 
-def rank_main(config: TrainConfig, hooks=None) -> dict | None:
+def rank_main(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     """One rank: train, or check (returns rank 0's summary or check rows)."""
     if config.check:
         return _check(config)
@@ -63,7 +67,7 @@ def _check(config: TrainConfig):
 RAISED = 73  # a rank's exit status after an exception: its traceback ends its rank<r>.log
 
 
-def _spawned(rank: int, world: int, port: int, config: TrainConfig, result_path: str, hooks) -> None:
+def _spawned(rank: int, world: int, port: int, config: TrainConfig, result_path: str, hooks: Hooks | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     log = _own_stderr(rank, _rank_log(Path(config.out), rank))
@@ -115,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     return launch(config)
 
 
-def launch(config: TrainConfig, hooks=None) -> int:
+def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
     """Check the run's surroundings (``ready``), then run ``config.nproc`` spawned ranks, or this process as
     one rank under torchrun; print the report.  Exit status: 0 done, 1 a rank failed (or ``--check``
     failed), 2 bad settings.  ``hooks``: a ``flashpar.train.loop.Hooks``, run on every rank."""
