@@ -108,17 +108,19 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         plan = item["plan"]
         tokens = cp.shard(item["tokens"], plan, cp_rank).to(device)
         labels = cp.shard(item["labels"], plan, cp_rank).to(device)
-        count, pairs, figures = _batch_figures(item, dp_group)
+        count, pairs, figures = _batch_figures(item, dp_group, device)
         sent0 = model.kv_counter.fwd_sent
         profiler = _profiler(config, device) if step == min(first_step + 2, steps - 1) else None
         t0 = time.perf_counter()
         with profiler or contextlib.nullcontext():
             loss = train_step(model, opt, tokens, labels, plan, count)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the step's kernels, not only their launches, in step_s
         elapsed = time.perf_counter() - t0
         if profiler is not None:
             profiler.export_chrome_trace(str(out / f"trace_rank{rank}.json"))
         metrics = _measure(step + 1, loss, model.kv_counter.fwd_sent - sent0, elapsed, config, pairs, peak * world,
-                           1e3 * item["planning_s"], figures)
+                           1e3 * item["planning_s"], figures, device)
         if rank == 0:
             history.append(metrics)
             log.write(json.dumps(metrics.row()) + "\n")
@@ -142,28 +144,29 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     return result
 
 
-def _batch_figures(item: dict, dp_group) -> tuple[float, float, dict[str, float]]:
+def _batch_figures(item: dict, dp_group, device) -> tuple[float, float, dict[str, float]]:
     """The global batch's targets (the loss's divisor), causal mask pairs and plan figures: the dp ranks'
-    sums (times: the slowest dp rank).  A collective over dp, before the step."""
+    sums (times: the slowest dp rank).  A collective over dp, before the step (on ``device``: NCCL reduces
+    only device tensors)."""
     figures = dict(item["figures"])  # made in the loader worker
     summed = [k for k in figures if k.endswith("bytes")]
     slowest = [k for k in figures if k not in summed]
     sums = torch.tensor([float((item["labels"] != -100).sum()), _pairs(item["plan"]), *(figures[k] for k in summed)],
-                        dtype=torch.float64)
-    worst = torch.tensor([figures[k] for k in slowest], dtype=torch.float64)
+                        dtype=torch.float64, device=device)
+    worst = torch.tensor([figures[k] for k in slowest], dtype=torch.float64, device=device)
     dist.all_reduce(sums, group=dp_group)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=dp_group)
     figures.update(zip(summed, sums[2:].tolist(), strict=True))
     figures.update(zip(slowest, worst.tolist(), strict=True))
-    return float(sums[0]), float(sums[1]), figures
+    return float(sums[0]), float(sums[1]), figures  # host values: read between steps
 
 
 def _measure(step: int, loss: torch.Tensor, kv_sent: int, elapsed: float, config: TrainConfig, pairs: float,
-             peak_total: float, planning_ms: float, figures: dict[str, float]) -> StepMetrics:
+             peak_total: float, planning_ms: float, figures: dict[str, float], device) -> StepMetrics:
     """The step's figures reduced over every rank (a collective, after the step): the loss shares and K/V
     bytes summed, the time of the slowest rank."""
-    stats = torch.tensor([float(loss), kv_sent], dtype=torch.float64)
-    slowest = torch.tensor([elapsed], dtype=torch.float64)
+    stats = torch.tensor([float(loss), kv_sent], dtype=torch.float64, device=device)
+    slowest = torch.tensor([elapsed], dtype=torch.float64, device=device)
     dist.all_reduce(stats)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     tokens = config.seq_len * config.dp
