@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
+import torch
 
 from flashpar.cli import main
+from flashpar.train.config import TrainConfig
+from flashpar.train.loop import Hooks
 from flashpar.train.report import have_matplotlib
+from flashpar.train.run import launch
+from train_workers import exit_at, raise_at
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -17,6 +25,8 @@ from flashpar.train.report import have_matplotlib
     (["--seq-len", "6"], "too short"),
     (["--out", "/proc/flashpar-cannot-write"], "not writable"),
     (["--max-docs", "1", "--seq-len", "100000000"], "fewer than one global batch"),
+    (["--save-every", "-1"], "save-every must be an integer >= 0, got -1"),
+    pytest.param(["--device", "cuda"], "--device cuda: no CUDA device is available", marks=NO_CUDA),
 ])
 def test_bad_arguments_stop_with_one_line(argv, words, capsys):
     assert main(["train", *argv]) == 2
@@ -74,21 +84,35 @@ def test_resume_continues_the_same_loss_trajectory_on_any_mesh(tmp_path):
 def test_resume_with_other_data_settings_is_refused(tmp_path, capsys):
     common = ["train", "--steps", "1", "--max-docs", "40", "--save-every", "1"]
     assert main([*common, "--seq-len", "128", "--out", str(tmp_path / "a")]) == 0
+    assert not list((tmp_path / "a").glob("rank*.log"))  # the ranks' logs are kept only when they say something
     capsys.readouterr()
     assert main([*common, "--seq-len", "256", "--resume", str(tmp_path / "a" / "checkpoints"),
                  "--out", str(tmp_path / "b")]) == 2
     assert "seq_len 128 != 256" in capsys.readouterr().err
 
 
-def test_a_rank_that_dies_stops_the_job_with_a_clear_error(tmp_path, monkeypatch, capsys):
-    """Rank 2 exits at step 2 (FLASHPAR_CRASH_AT): the launcher stops the others and says so, well within
-    the 60 s timeout, instead of leaving ranks 0, 1 and 3 waiting for it."""
+def test_a_rank_that_dies_stops_the_job_with_a_clear_error(tmp_path, capsys):
+    """Rank 2 exits at step 2 (a fault-injection hook, ``Hooks.before_step``): the launcher stops the others and
+    says so, well within the 60 s timeout, instead of leaving ranks 0, 1 and 3 waiting for it."""
     import time
 
-    monkeypatch.setenv("FLASHPAR_CRASH_AT", "2:2")
+    config = TrainConfig(steps=3, seq_len=128, max_docs=40, workers=0, timeout=60.0, out=str(tmp_path))
     t0 = time.monotonic()
-    rc = main(["train", "--steps", "4", "--seq-len", "256", "--max-docs", "40", "--timeout", "60",
-               "--out", str(tmp_path)])
+    rc = launch(config, hooks=Hooks(before_step=functools.partial(exit_at, rank=2, at=2)))
     assert rc == 1 and time.monotonic() - t0 < 60
     err = capsys.readouterr().err
     assert "a rank failed" in err and "exit code 17" in err, err[-2000:]
+
+
+def test_a_rank_that_raises_prints_one_line_and_logs_its_traceback(tmp_path, capsys):
+    """A Python exception on rank 1: one line naming the rank, the error and the log, which ends with the
+    traceback (in the run's folder)."""
+    config = TrainConfig(steps=2, seq_len=128, max_docs=40, workers=0, timeout=60.0, out=str(tmp_path))
+    assert launch(config, hooks=Hooks(before_step=functools.partial(raise_at, rank=1, at=1))) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    log = tmp_path / "rank1.log"
+    want = f"flashpar train: a rank failed: rank 1: RuntimeError: injected fault at step 1 (traceback: {log})"
+    assert err[-1] == want, err
+    assert not any("Traceback" in line for line in err), err
+    text = log.read_text()
+    assert "Traceback (most recent call last)" in text and "raise_at" in text, text

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import warnings
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from flashpar.models import LlamaConfig
@@ -35,3 +38,98 @@ def check_mesh(rank, world, shape, dp_mode="zero3", tie=True, strategy="flashcp"
     cfg = CFG if tie else dataclasses.replace(CFG, tie_embeddings=False)
     errors = one_step(cfg, mesh, sequences(dp), strategy=strategy, mode=mode, dp_mode=dp_mode)
     return {k: v for k, v in errors.items() if not v <= TOL}, len(errors)
+
+
+# ---- fault-injection hooks (flashpar.train.loop.Hooks.before_step), pickled into the spawned ranks -----------
+
+
+def exit_at(step: int, *, rank: int, at: int, code: int = 17) -> None:
+    """Rank ``rank`` dies without a Python exception before step ``at`` (a killed or crashed process)."""
+    if dist.get_rank() == rank and step == at:
+        os._exit(code)
+
+
+def raise_at(step: int, *, rank: int, at: int) -> None:
+    """Rank ``rank`` raises before step ``at``."""
+    if dist.get_rank() == rank and step == at:
+        raise RuntimeError(f"injected fault at step {step}")
+
+
+# ---- every CP strategy x TP mode x dp mode through train_step, in one spawn ----------------------------------
+
+
+def train_combinations(rank, world, cases):
+    """``{(shape, strategy, mode, dp_mode): (float64 reference loss, [loss of step 1, step 2], FutureWarnings)}``
+    for every case: a fresh model (``build``: the same seeded weights) trained two steps with ``train_step`` on
+    the same batch, the loss summed over the ranks."""
+    from flashpar import cp
+    from flashpar.models import Llama, next_token_loss
+    from flashpar.train.config import TrainConfig
+    from flashpar.train.step import build, train_step
+
+    meshes, out = {}, {}
+    for shape, strategy, mode, dp_mode in cases:
+        if shape not in meshes:
+            meshes[shape] = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "cp", "tp"))
+        mesh, (dp, cpn, tp) = meshes[shape], shape
+        config = TrainConfig(nproc=world, dp=dp, cp=cpn, tp=tp, strategy=strategy, mode=mode, dp_mode=dp_mode,
+                             model=CFG, timeout=60.0)
+        batch = sequences(dp)
+        count = sum(int((lab != -100).sum()) for _, lab, _ in batch)
+        torch.manual_seed(config.seed)  # build's weights, in float64
+        ref = Llama(CFG).double()
+        with torch.no_grad():
+            ref_loss = float(sum(next_token_loss(ref(tok, lens), lab, count) for tok, lab, lens in batch))
+        tokens, labels, doc_lens = batch[mesh["dp"].get_local_rank()]
+        c = mesh["cp"].get_local_rank()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, model, opt = build(config, mesh, torch.device("cpu"))
+            losses = []
+            for _ in range(2):
+                plan = cp.plan(doc_lens, cpn, strategy=strategy)
+                loss = train_step(model, opt, cp.shard(tokens, plan, c), cp.shard(labels, plan, c), plan, count)
+                dist.all_reduce(loss)
+                losses.append(float(loss))
+        future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+        out[(shape, strategy, mode, dp_mode)] = (ref_loss, losses, future)
+    return out
+
+
+# ---- the vocabulary-parallel loss against float64 cross-entropy, tp groups of 1 to 4 ranks in one spawn ------
+
+
+def vocab_loss_cases(rank, world):
+    """``[(tp, loss relative error, gradient relative error, FutureWarnings)]`` of ``vocab_parallel_loss``
+    on the tp group ``range(tp)`` (this rank's vocabulary columns and rows) against ``F.cross_entropy`` of
+    the full float64 logits."""
+    import torch.nn.functional as F
+
+    from flashpar.models.vocab import vocab_parallel_loss
+    from flashpar.rows import shard_rows
+
+    out = []
+    for tp in range(1, world + 1):
+        group = dist.new_group(list(range(tp)))  # every rank creates every group
+        if rank >= tp:
+            continue
+        torch.manual_seed(tp)
+        full = (3 * torch.randn(10, 12, dtype=torch.float64)).requires_grad_()
+        labels = torch.randint(0, 12, (10,))
+        labels[[2, 7]] = -100
+        count = float((labels != -100).sum())
+        ref = F.cross_entropy(full, labels, ignore_index=-100, reduction="sum") / count
+        ref.backward()
+        lo, hi = shard_rows(12, tp, rank)
+        r0, r1 = shard_rows(10, tp, rank)
+        mine = full.detach()[:, lo:hi].clone().requires_grad_()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = vocab_parallel_loss(mine, labels, lo, group, slice(r0, r1), count)
+            loss.backward()
+        total = loss.detach().double()
+        dist.all_reduce(total, group=group)
+        want = full.grad[:, lo:hi]
+        out.append((tp, float(abs(total - ref) / ref), float((mine.grad - want).abs().max() / want.abs().max()),
+                    [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]))
+    return out

@@ -1,4 +1,4 @@
-"""Process groups, device meshes, timeouts and cross-rank input checks.
+"""Process groups, device meshes, timeouts, cross-rank input checks and free ports.
 
 Everything that takes ``group=`` accepts ``None`` (the default world group), a
 ``torch.distributed.ProcessGroup`` or a one-dimensional ``DeviceMesh``.  Callers
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import socket
 import weakref
 from dataclasses import dataclass
 
@@ -183,3 +184,10 @@ def all_gather_blocks(rows: torch.Tensor, sizes: list[int], group=None, *,
     all_gather_single(flat, padded, group=group, async_op=True).wait(as_timedelta(timeout_s))
     blocks = flat.view(n, longest, *rows.shape[1:])
     return [blocks[p, : sizes[p]] for p in range(n)]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the launcher's ``MASTER_PORT``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

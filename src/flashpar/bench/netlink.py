@@ -51,13 +51,14 @@ import queue
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
 import time
 from types import FrameType
 from typing import IO
+
+from flashpar.dist import free_port
 
 __all__ = ["EmulatedLinks", "launch_ranks", "links_available", "parse_rate"]
 
@@ -339,12 +340,6 @@ def _unregister(links: EmulatedLinks) -> None:
 
 
 # ---- launching ranks ------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -17,7 +17,8 @@ One rank holds, of one packed sequence and its ``CPPlan`` over the ``cp`` ranks:
 The all-gathers and reduce-scatters are FlashOverlap's (``mode``), the K/V exchange FlashCP's.
 The fused QKV (and gate / up) weight of a tp rank stacks its heads' rows of q, k and v, so one
 all-gather feeds all three.  Embedding and head hold the tp rank's vocabulary rows; the norms are
-replicated.
+replicated.  How each parameter is split is the one table ``flashpar.models.layout.LAYOUT``, read
+by loading (``shard_of``), checkpoints (``to_full``), the gradient sums and ``--check``.
 
 Data parallelism: ``dp_mode="zero3"`` (the default) keeps on each dp rank only its rows of the tp
 shards (and their optimizer state), gathered over dp before use and reduce-scattered in backward
@@ -40,17 +41,12 @@ from torch import nn
 from flashpar import cp
 from flashpar.dist import DEFAULT_TIMEOUT_S
 from flashpar.models.config import LlamaConfig
+from flashpar.models.layout import LAYOUT, layout_of
 from flashpar.models.llama import Llama, RMSNorm, rope
 from flashpar.models.vocab import embed_rows, vocab_parallel_loss
-from flashpar.models.zero import ZeroColumnParallelLinear, ZeroRowParallelLinear, gather_rows
-from flashpar.overlap.modules import ColumnParallelLinear, RowParallelLinear
+from flashpar.models.zero import gather_rows
 from flashpar.overlap.ops import all_gather_matmul
-from flashpar.overlap.sharded import shard_rows
-
-
-def sequence_split(rows: int, tp: int) -> list[int]:
-    """Rows of each tp rank's block: as even as possible, the larger blocks first."""
-    return [rows // tp + (1 if r < rows % tp else 0) for r in range(tp)]
+from flashpar.rows import row_sizes, shard_rows
 
 
 class ParallelBlock(nn.Module):
@@ -63,15 +59,14 @@ class ParallelBlock(nn.Module):
         self.attn_norm = RMSNorm(h, cfg.norm_eps)
         kw = {"bias": False, "group": tp_group, "mode": mode, "timeout_s": timeout_s}
         self.timeout_s = timeout_s
-        column, row = ColumnParallelLinear, RowParallelLinear
-        if dp_group is not None:  # ZeRO-3: each dp rank keeps rows of the tp shards
-            column, row = ZeroColumnParallelLinear, ZeroRowParallelLinear
+        zero3 = dp_group is not None  # ZeRO-3: each dp rank keeps rows of the tp shards
+        if zero3:
             kw["dp_group"] = dp_group
-        self.qkv = column(h, (cfg.heads + 2 * cfg.kv_heads) * d, **kw)
-        self.o_proj = row(cfg.heads * d, h, **kw)
+        self.qkv = LAYOUT["qkv"].linear(zero3)(h, (cfg.heads + 2 * cfg.kv_heads) * d, **kw)
+        self.o_proj = LAYOUT["o_proj"].linear(zero3)(cfg.heads * d, h, **kw)
         self.mlp_norm = RMSNorm(h, cfg.norm_eps)
-        self.gate_up = column(h, 2 * cfg.ffn, **kw)
-        self.down = row(cfg.ffn, h, **kw)
+        self.gate_up = LAYOUT["gate_up"].linear(zero3)(h, 2 * cfg.ffn, **kw)
+        self.down = LAYOUT["down"].linear(zero3)(cfg.ffn, h, **kw)
         self.kv_counter: cp.CommCounter | None = None  # set by ParallelLlama: K/V bytes of cp.attention
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, plan, split: list[int]) -> torch.Tensor:
@@ -129,24 +124,12 @@ class ParallelLlama(nn.Module):
 
     def shard_of(self, name: str, full: dict[str, torch.Tensor]) -> torch.Tensor:
         """This rank's part of parameter ``name`` built from the full model's tensors ``full``."""
-        part = self._tp_shard_of(name, full)
-        if self.zero and _is_zero(name):
+        layout, names = layout_of(name)
+        part = layout.shard([full[n] for n in names], self.tp_rank, self.tp)
+        if self.zero and layout.zero:
             lo, hi = shard_rows(part.shape[0], self.dp, self.dp_rank)
             part = part[lo:hi]
         return part
-
-    def _tp_shard_of(self, name: str, full: dict[str, torch.Tensor]) -> torch.Tensor:
-        t, n = self.tp_rank, self.tp
-        if ".qkv." in name or ".gate_up." in name:
-            base = name.rsplit(".", 2)[0]
-            parts = ("q_proj", "k_proj", "v_proj") if ".qkv." in name else ("gate", "up")
-            return torch.cat([_rows(full[f"{base}.{p}.weight"], t, n) for p in parts])
-        if ".o_proj." in name or ".down." in name:
-            w = full[name]
-            return w[:, t * w.shape[1] // n : (t + 1) * w.shape[1] // n]
-        if name in ("embed.weight", "head.weight"):  # vocabulary rows
-            return _rows(full[name], t, n)
-        return full[name]
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Gradients under the single-process model's parameter names (tp shards all-gathered)."""
@@ -157,28 +140,15 @@ class ParallelLlama(nn.Module):
         """Per-parameter tensors of this rank (parameters, gradients, optimizer moments: ``local[name]`` shaped
         like parameter ``name``) as the single-process model's full tensors, under its names; the inverse
         of ``shard_of``.  A collective over the tp group."""
-        cfg, out = self.cfg, {}
-        d = cfg.head_dim
+        out = {}
         modules = dict(self.named_modules())
         for name, g in local.items():
-            base = name.rsplit(".", 2)[0]
-            if self.zero and _is_zero(name):  # the dp rows first: the whole tp shard
-                rows = modules[name[: -len(".weight")]].total_rows
+            layout, names = layout_of(name)
+            if self.zero and layout.zero:  # the dp rows first: the whole tp shard
+                rows = modules[name.rsplit(".", 1)[0]].total_rows
                 with torch.no_grad():
                     g = gather_rows(g.detach(), self.mesh["dp"].get_group(), rows)
-            if ".qkv." in name:
-                sizes = [cfg.heads // self.tp * d, cfg.kv_heads // self.tp * d, cfg.kv_heads // self.tp * d]
-                for part, piece in zip(("q_proj", "k_proj", "v_proj"), g.split(sizes), strict=True):
-                    out[f"{base}.{part}.weight"] = self._gather_tp(piece, 0)
-            elif ".gate_up." in name:
-                for part, piece in zip(("gate", "up"), g.chunk(2), strict=True):
-                    out[f"{base}.{part}.weight"] = self._gather_tp(piece, 0)
-            elif ".o_proj." in name or ".down." in name:
-                out[name] = self._gather_tp(g, 1)
-            elif name in ("embed.weight", "head.weight"):
-                out[name] = self._gather_tp(g, 0)
-            else:
-                out[name] = g.detach().clone()
+            out.update(zip(names, layout.unshard(g, self._gather_tp, self.cfg, self.tp), strict=True))
         return out
 
     def _gather_tp(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -193,8 +163,7 @@ class ParallelLlama(nn.Module):
         for name, p in self.named_parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            kind = "copy" if not _is_tp_shard(name) else ("zero" if self.zero and _is_zero(name) else "shard")
-            group = self._sum_groups[kind]
+            group = self._sum_groups[layout_of(name)[0].grad_sum(self.zero)]
             if group is not None:
                 dist.all_reduce(p.grad, group=group)
 
@@ -205,7 +174,7 @@ class ParallelLlama(nn.Module):
         """This rank's share of the loss: ``tokens_cp`` / ``labels_cp`` are the cp rank's tokens and targets
         (``cp.shard(x, plan, cp_rank)``), ``count`` the global batch's number of targets; the shares of all
         ranks add up to the mean next-token loss."""
-        split = sequence_split(tokens_cp.shape[0], self.tp)
+        split = row_sizes(tokens_cp.shape[0], self.tp)
         start = sum(split[: self.tp_rank])
         rows = slice(start, start + split[self.tp_rank])
         positions = plan.position_ids(self.cp_rank).to(tokens_cp.device)
@@ -215,19 +184,6 @@ class ParallelLlama(nn.Module):
         head = self.embed.weight if self.head is None else self.head.weight
         logits = all_gather_matmul(self.norm(x), head, None, group=self.tp_group, mode=self.mode, split_sizes=split)
         return vocab_parallel_loss(logits, labels_cp, self.vocab_lo, self.tp_group, rows, count)
-
-
-def _rows(w: torch.Tensor, t: int, n: int) -> torch.Tensor:
-    return w[t * w.shape[0] // n : (t + 1) * w.shape[0] // n]
-
-
-def _is_zero(name: str) -> bool:
-    """The weights ZeRO-3 splits over dp (the tp-sharded projections)."""
-    return any(k in name for k in (".qkv.", ".gate_up.", ".o_proj.", ".down."))
-
-
-def _is_tp_shard(name: str) -> bool:
-    return _is_zero(name) or name in ("embed.weight", "head.weight")
 
 
 def _sum_groups(mesh) -> dict[str, dist.ProcessGroup | None]:

@@ -8,20 +8,44 @@ rank; each tp rank keeps the hidden states of its block of rows (``shard_rows``)
     logits:     z   = all_gather_matmul(norm(x_t), E_t)                                  [T, V / tp]
     loss row i: log sum_t sum_v exp(z_iv - m_i) + m_i - z_i[target_i]        (m_i: max over all v)
 
-The row maximum and the two sums are all-reduced over tp (the sums with autograd, so each tp
-rank's logits get their softmax gradient); rank ``t`` adds the losses of its block of rows only,
-so the loss summed over the ranks counts every target once.
+The row maximum and the two sums are all-reduced over tp.  The maximum only shifts the exponent
+(the loss does not depend on it), so it is reduced without autograd; the sums go through
+``all_reduce_sum``, whose gradient is the all-reduce of the gradients: every tp rank's loss
+terms use the same reduced sum ``y = sum_t x_t``, so ``dL/dx_t = sum_t' dL_t'/dy``.  Rank ``t``
+adds the losses of its block of rows only, so the loss summed over the ranks counts every target
+once.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 
 from flashpar.models.llama import IGNORE
 from flashpar.models.zero import reduce_scatter_rows
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """``sum_t x_t`` over the group on every rank; backward: the gradients summed over the group."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _AllReduceSum.apply(x, group)
 
 
 def embed_rows(tokens: torch.Tensor, weight: torch.Tensor, lo: int, group) -> torch.Tensor:
@@ -39,13 +63,10 @@ def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, lo: int, gro
     top = logits.detach().max(-1).values
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        total = dist_fn.all_reduce(torch.exp(logits - top.unsqueeze(-1)).sum(-1), group=group)
-    else:
-        total = torch.exp(logits - top.unsqueeze(-1)).sum(-1)
+    total = all_reduce_sum(torch.exp(logits - top.unsqueeze(-1)).sum(-1), group)
     valid = labels != IGNORE
     mine = valid & (labels >= lo) & (labels < lo + logits.shape[1])
     picked = logits.gather(1, (labels - lo).clamp(0, logits.shape[1] - 1).unsqueeze(-1)).squeeze(-1) * mine
-    if group is not None and dist.get_world_size(group) > 1:
-        picked = dist_fn.all_reduce(picked, group=group)
+    picked = all_reduce_sum(picked, group)
     per_row = (torch.log(total) + top - picked) * valid
     return per_row[rows].sum() / max(count, 1.0)

@@ -1,6 +1,6 @@
 """ZeRO-3 over the data-parallel group for the tensor-parallel weights of ``ParallelLlama``.
 
-Each dp rank stores rows ``shard_rows(R, dp, d)`` of its tp shard ``W_t`` (``R`` rows) and the
+Each dp rank stores rows ``shard_rows(R, dp, d)`` (``flashpar.rows``) of its tp shard ``W_t`` (``R`` rows) and the
 optimizer state of those rows only.  Before use the rows are all-gathered over dp; in backward the
 gradient of ``W_t`` is reduce-scattered (summed) back to the row owners:
 
@@ -20,14 +20,12 @@ import torch.distributed as dist
 
 from flashpar.dist import all_gather_blocks, reduce_scatter_single
 from flashpar.overlap.modules import ColumnParallelLinear, RowParallelLinear
-from flashpar.overlap.sharded import shard_rows
+from flashpar.rows import row_sizes, shard_rows
 
 
 def _all_gather_rows(rows: torch.Tensor, group, total: int) -> torch.Tensor:
     """``[total, ...]`` from every rank's block ``shard_rows(total, n, p)``."""
-    n = dist.get_world_size(group)
-    sizes = [hi - lo for lo, hi in (shard_rows(total, n, p) for p in range(n))]
-    return torch.cat(all_gather_blocks(rows, sizes, group))
+    return torch.cat(all_gather_blocks(rows, row_sizes(total, dist.get_world_size(group)), group))
 
 
 def _reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The overlap ops' buffers: a schedule's declared buffers (:class:`~flashpar.overlap.schedule.BufferDecl`)
-as tensors over a :class:`~flashpar.overlap.rows.RowSpace`.
+as tensors over a :class:`~flashpar.overlap.row_space.RowSpace`.
 
 ``Buffers(schedule, rows, dims=..., bind=...)`` allocates every declared buffer the op did not
 bind (lazily where the kind says so) and resolves ``view(name, piece, peer)`` to rows; the kinds
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from flashpar.overlap.rows import RowSpace
+from flashpar.overlap.row_space import RowSpace
 from flashpar.overlap.schedule import ALL, Add, Piece, Schedule
 
 _LAZY = {"per_peer", "per_block", "scratch", "peer_slabs"}

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashpar.dist import GroupInfo, exchange_metadata, resolve_group
-from flashpar.overlap.rows import RowSpace
+from flashpar.overlap.row_space import RowSpace
 from flashpar.overlap.schedule import MODES
 
 MODE_CHOICES = (*MODES, "auto")

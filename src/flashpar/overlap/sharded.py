@@ -44,6 +44,7 @@ from flashpar.overlap.call import Call, Local, check_split, prepare
 from flashpar.overlap.modules import init_linear_params
 from flashpar.overlap.ops import run
 from flashpar.overlap.schedule import Compute
+from flashpar.rows import row_sizes, shard_rows
 
 OP_NAME = "sharded_linear"
 
@@ -148,13 +149,6 @@ class _ShardedLinear(torch.autograd.Function):
         )
 
 
-def shard_rows(total: int, n: int, rank: int) -> tuple[int, int]:
-    """Rows ``[lo, hi)`` of ``rank``: ``total // n`` each, the first ``total % n`` ranks one more."""
-    base, extra = divmod(total, n)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (rank < extra)
-
-
 class ShardedLinear(nn.Module):
     """Drop-in for ``nn.Linear`` under sharded data parallelism: ``weight`` / ``bias`` are this rank's rows.
 
@@ -169,8 +163,7 @@ class ShardedLinear(nn.Module):
         self.group, self.mode, self.chunks, self.timeout_s = group, mode, chunks, timeout_s
         self.dp_size, self.dp_rank = info.world_size, info.rank
         self.in_features, self.out_features = in_features, out_features
-        self.split_sizes = [hi - lo for lo, hi in (shard_rows(out_features, info.world_size, j)
-                                                   for j in range(info.world_size))]
+        self.split_sizes = row_sizes(out_features, info.world_size)
         rows = self.split_sizes[info.rank]
         init_linear_params(self, (rows, in_features), rows if bias else None, in_features, device=device, dtype=dtype)
 

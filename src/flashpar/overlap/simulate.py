@@ -20,7 +20,7 @@ import functools
 from dataclasses import dataclass
 
 from flashpar.cost import Hardware, load
-from flashpar.overlap.rows import RowSpace
+from flashpar.overlap.row_space import RowSpace
 from flashpar.overlap.schedule import (
     Add,
     Collective,

@@ -4,25 +4,25 @@ Every rank builds the same single-process ``Llama`` (one seed) and the same ``dp
 sequences; the reference loss and gradients come from that model on all sequences, the loss
 normalised by the global number of targets.  The mesh model takes its shards of the same
 weights, its dp rank's sequence, its cp shard (the plan) and its tp rows, and after one
-forward / backward and ``reduce_grads`` its loss (summed over ranks) and every gradient
-(tp shards gathered) are compared with the reference: relative error ``max |a - b| / max |b|``.
+``forward_backward`` (the step without the optimizer: ``flashpar.train.step``) its loss (summed
+over ranks) and every gradient (tp shards gathered) are compared with the reference: relative
+error ``max |a - b| / max |b|``.
 """
 
 from __future__ import annotations
 
-import re
+import math
 
 import torch
 import torch.distributed as dist
 
 from flashpar import cp
 from flashpar.models import Llama, LlamaConfig, next_token_loss
+from flashpar.models.layout import LAYOUT, label_of
 from flashpar.models.parallel import ParallelLlama
+from flashpar.train.step import forward_backward
 
 TOL = 1e-4  # fp32: the mesh only reorders sums (~1e-6 relative); one misplaced shard is O(1)
-GROUPS = (("embedding", r"^embed\."), ("attention norm", r"attn_norm"), ("q/k/v", r"\.(q|k|v)_proj\."),
-          ("attention out", r"o_proj"), ("mlp norm", r"mlp_norm"), ("gate/up", r"\.(gate|up)\."),
-          ("mlp down", r"\.down\."), ("final norm", r"^norm\."), ("head", r"^head\."))
 
 
 def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, seed: int = 0,
@@ -38,10 +38,7 @@ def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, see
     d, c = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     tokens, labels, doc_lens = sequences[d]
     plan = cp.plan(doc_lens, mesh["cp"].size(), strategy=strategy)
-    loss = model(cp.shard(tokens, plan, c), plan, cp.shard(labels, plan, c), count)
-    loss.backward()
-    model.reduce_grads()
-    total = loss.detach().clone()
+    total = forward_backward(model, cp.shard(tokens, plan, c), cp.shard(labels, plan, c), plan, count).clone()
     dist.all_reduce(total)
     ref_value = float(ref_loss.detach())
     errors = {"loss": abs(float(total) - ref_value) / abs(ref_value)}
@@ -53,10 +50,16 @@ def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, see
 
 
 def by_group(errors: dict[str, float]) -> list[tuple[str, float, bool]]:
-    """``(group, worst relative error, passed)`` per parameter group, the loss first."""
-    rows = [("loss", errors["loss"], errors["loss"] <= TOL)]
-    for label, pattern in GROUPS:
-        worst = [e for n, e in errors.items() if n != "loss" and re.search(pattern, n)]
-        if worst:
-            rows.append((label, max(worst), max(worst) <= TOL))
-    return rows
+    """``(group, worst relative error, passed)`` per parameter group, the loss first; the groups are the
+    rows of ``flashpar.models.layout.LAYOUT``, in its order.  A NaN error is the worst and fails."""
+    found: dict[str, list[float]] = {}
+    for name, err in errors.items():
+        if name != "loss":
+            found.setdefault(label_of(name), []).append(err)
+    rows = [("loss", [errors["loss"]])] + [(lay.label, found[lay.label]) for lay in LAYOUT.values()
+                                            if lay.label in found]
+    return [(label, _worst(errs), all(e <= TOL for e in errs)) for label, errs in rows]
+
+
+def _worst(errs: list[float]) -> float:
+    return next((e for e in errs if math.isnan(e)), max(errs))

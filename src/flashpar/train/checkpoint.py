@@ -3,9 +3,10 @@
 A checkpoint holds the model and the AdamW moments as the single-process model's *full* tensors,
 under its parameter names (tp shards gathered with ``ParallelLlama.to_full``): every rank holds the
 same values, which DCP writes once.  Loading fills full tensors and each rank takes its shards
-(``ParallelLlama.shard_of``), whatever the mesh was when saving.  ``meta.json`` (rank 0) records the
+(``ParallelLlama.shard_of``), whatever the mesh was when saving: both read the parameter-layout table
+``flashpar.models.layout.LAYOUT``.  ``meta.json`` (rank 0) records the
 step, the global sequences consumed (``step x dp``: the data loader resumes there) and what must
-not change across a resume (model sizes, sequence length, corpus and seed).
+not change across a resume (``TrainConfig.kept()``: model sizes, sequence length, corpus and seed).
 """
 
 from __future__ import annotations
@@ -17,17 +18,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from flashpar.train.config import TrainConfig
+
 MOMENTS = ("exp_avg", "exp_avg_sq")
-KEEP = ("model", "seq_len", "max_docs", "seed")  # config entries a resume must share
 
 
-def save(path: Path, model, opt, step: int, config: dict) -> None:
+def save(path: Path, model, opt, step: int, config: TrainConfig) -> None:
     """Write step ``step`` to ``path`` (collective: every rank calls it)."""
     state = _full_state(model, opt)
     dcp.save(state, checkpoint_id=str(path))
     if dist.get_rank() == 0:
-        meta = {"step": step, "sequences": step * config["dp"], "mesh": [config["dp"], config["cp"], config["tp"]],
-                **{k: config[k] for k in KEEP}}
+        meta = {"step": step, "sequences": step * config.dp, "mesh": [config.dp, config.cp, config.tp],
+                **config.kept()}
         (path / "meta.json").write_text(json.dumps(meta, indent=1))
     dist.barrier()
 
@@ -42,13 +44,14 @@ def latest(path: Path) -> Path:
     return steps[-1].parent
 
 
-def read_meta(path: Path, config: dict) -> dict:
+def read_meta(path: Path, config: TrainConfig) -> dict:
     """The checkpoint's meta data; ``ValueError`` if the run would not continue the same training."""
     meta = json.loads((latest(path) / "meta.json").read_text())
-    differ = [k for k in KEEP if meta[k] != config[k]]
+    kept = config.kept()
+    differ = [k for k in kept if meta[k] != kept[k]]
     if differ:
         raise ValueError(f"checkpoint {path} was made with other {', '.join(differ)}: "
-                         + "; ".join(f"{k} {meta[k]} != {config[k]}" for k in differ))
+                         + "; ".join(f"{k} {meta[k]} != {kept[k]}" for k in differ))
     return meta
 
 

@@ -1,10 +1,12 @@
-"""The training loop of one rank: mesh, model, data, steps, metrics (see ``flashpar.train.run``).
+"""The training loop of one rank: mesh, model, data, steps and their bookkeeping (see ``flashpar.train.run``).
 
 Per step, on every rank of the (dp, cp, tp) mesh: the dp rank's packed sequence and its plan (made
-in a data-loader worker), this cp rank's tokens, the model's forward on this tp rank's rows, the
-next-token loss normalised by the global batch's targets, backward, gradients summed over copies,
-AdamW.  Rank 0 reports loss (summed over ranks), tokens/s, MFU and the K/V the plans moved, and
-writes one JSON line per step.
+in a data-loader worker), this cp rank's tokens, and ``train_step`` (``flashpar.train.step``: the
+model's forward on this tp rank's rows, the next-token loss normalised by the global batch's
+targets, backward, gradients summed over copies, AdamW).  Around it the loop keeps the books:
+rank 0 reports a ``StepMetrics`` (loss summed over ranks, tokens/s, MFU, the K/V the plans moved)
+to ``metrics.jsonl`` and the progress bar; checkpoints, the trace of the third step and the plot.
+``Hooks`` are callables the loop runs on every rank (fault injection for failure drills and tests).
 
     MFU = model FLOPs per second / (peak FLOP/s per rank x ranks)
     model FLOPs of a step = sum over sequences of T * cfg.flops_per_token(pairs / T)
@@ -21,6 +23,8 @@ import datetime
 import json
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,132 +33,143 @@ import torch.distributed as dist
 from flashpar import cp
 from flashpar.cost.calibrate import peak_flops
 from flashpar.cp import CostModel
-from flashpar.models import Llama, LlamaConfig
-from flashpar.models.parallel import ParallelLlama
 from flashpar.train import checkpoint
+from flashpar.train.config import TrainConfig
 from flashpar.train.data import PackedCorpus, PlannedSequences, make_loader
+from flashpar.train.metrics import StepMetrics, summary
+from flashpar.train.step import build, train_step
 
 
-def setup(config: dict):
+@dataclass(frozen=True)
+class Hooks:
+    """Callables ``train`` runs on every rank.  The launcher pickles them into the spawned ranks: use
+    module-level functions (or ``functools.partial`` of them)."""
+
+    before_step: Callable[[int], None] | None = None  # called with the 1-based step about to run
+
+
+def setup(config: TrainConfig):
     """Process group, device and mesh of this rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    cuda = config["device"] == "cuda"
+    cuda = config.device == "cuda"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=config["timeout"]))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=config.timeout))
     local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     else:
-        torch.set_num_threads(config["threads"])
-    mesh = init_device_mesh(device.type, (config["dp"], config["cp"], config["tp"]), mesh_dim_names=("dp", "cp", "tp"))
+        torch.set_num_threads(config.threads)
+    mesh = init_device_mesh(device.type, (config.dp, config.cp, config.tp), mesh_dim_names=("dp", "cp", "tp"))
     return device, mesh
 
 
-def build(config: dict, mesh, device):
-    cfg = LlamaConfig(**config["model"])
-    torch.manual_seed(config["seed"])
-    full = Llama(cfg)  # every rank the same weights; each keeps its shards
-    model = ParallelLlama(cfg, mesh, mode=config["mode"], timeout_s=config["timeout"],
-                          dp_mode=config.get("dp_mode", "zero3"))
-    model.load_full(full)
-    model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=config["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    return cfg, model, opt
-
-
-def train(config: dict) -> dict | None:
+def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
+    """Train on this rank (every rank calls it); rank 0 returns the summary, the others ``None``."""
+    hooks = hooks or Hooks()
     device, mesh = setup(config)
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg, model, opt = build(config, mesh, device)
     dp_group = mesh["dp"].get_group()
     dp_rank, cp_rank = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
-    data = PackedCorpus(config["seq_len"], max_docs=config["max_docs"], seed=config["seed"])
+    data = PackedCorpus(config.seq_len, max_docs=config.max_docs, seed=config.seed)
     # the planner's cost model with this model's shape (fp32 activations); device rates stay the defaults
     cost = CostModel(hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                      layers=cfg.layers, dtype_bytes=4)
     first_step, start = 0, 0
-    if config.get("resume"):
-        meta = checkpoint.read_meta(Path(config["resume"]), config)
-        checkpoint.load(Path(config["resume"]), model, opt)
+    if config.resume:
+        meta = checkpoint.read_meta(Path(config.resume), config)
+        checkpoint.load(Path(config.resume), model, opt)
         first_step, start = meta["step"], meta["sequences"]
-    planned = PlannedSequences(data, config["cp"], config["strategy"], cost, dp_rank=dp_rank, dp_size=config["dp"],
+    planned = PlannedSequences(data, config.cp, config.strategy, cost, dp_rank=dp_rank, dp_size=config.dp,
                                start=start)
-    steps = first_step + min(config["steps"] - first_step, len(planned))
-    loader = make_loader(planned, num_workers=config["workers"])
+    steps = first_step + min(config.steps - first_step, len(planned))
+    loader = make_loader(planned, num_workers=config.workers)
     peak = peak_flops(device)
-    out = Path(config["out"])
+    out = Path(config.out)
     log = open(out / "metrics.jsonl", "a" if first_step else "w") if rank == 0 else None  # noqa: SIM115
     bar = _progress(steps, first_step) if rank == 0 else None
-    history, t_start = [], time.perf_counter()
-    crash = os.environ.get("FLASHPAR_CRASH_AT", "")  # "rank:step": that rank dies there (failure drills, tests)
+    history: list[StepMetrics] = []
+    t_start = time.perf_counter()
     for step, item in zip(range(first_step, steps), loader, strict=False):
-        if crash == f"{rank}:{step + 1}":
-            os._exit(17)
+        if hooks.before_step is not None:
+            hooks.before_step(step + 1)
         plan = item["plan"]
         tokens = cp.shard(item["tokens"], plan, cp_rank).to(device)
         labels = cp.shard(item["labels"], plan, cp_rank).to(device)
-        savings = dict(item["figures"])  # made in the loader worker
-        summed = [k for k in savings if k.endswith("bytes")]  # over the dp sequences; times: the slowest
-        figures = torch.tensor([float((item["labels"] != -100).sum()), _pairs(plan), *(savings[k] for k in summed)],
-                               dtype=torch.float64)
-        slowest = torch.tensor([v for k, v in savings.items() if k not in summed], dtype=torch.float64)
-        dist.all_reduce(figures, group=dp_group)  # targets, mask pairs and plan bytes of the global batch
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=dp_group)
-        savings.update(zip(summed, figures[2:].tolist(), strict=True))
-        savings.update(zip([k for k in savings if k not in summed], slowest.tolist(), strict=True))
+        count, pairs, figures = _batch_figures(item, dp_group, device)
         sent0 = model.kv_counter.fwd_sent
         profiler = _profiler(config, device) if step == min(first_step + 2, steps - 1) else None
         t0 = time.perf_counter()
         with profiler or contextlib.nullcontext():
-            loss = model(tokens, plan, labels, float(figures[0]))
-            loss.backward()
-            model.reduce_grads()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss = train_step(model, opt, tokens, labels, plan, count)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the step's kernels, not only their launches, in step_s
+        elapsed = time.perf_counter() - t0
         if profiler is not None:
             profiler.export_chrome_trace(str(out / f"trace_rank{rank}.json"))
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        stats = torch.tensor([loss.item(), model.kv_counter.fwd_sent - sent0],
-                             dtype=torch.float64)
-        dist.all_reduce(stats)  # loss: each rank's share of the global mean; forward K/V bytes: every rank's
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        stats = torch.cat([stats, elapsed])
+        metrics = _measure(step + 1, loss, model.kv_counter.fwd_sent - sent0, elapsed, config, pairs, peak * world,
+                           1e3 * item["planning_s"], figures, device)
         if rank == 0:
-            tokens_step = config["seq_len"] * config["dp"]
-            flops = tokens_step * cfg.flops_per_token(float(figures[1]) / tokens_step)
-            row = {"step": step + 1, "loss": float(stats[0]), "step_s": float(stats[2]),
-                   "tokens_per_s": tokens_step / float(stats[2]), "mfu": flops / float(stats[2]) / (peak * world),
-                   "kv_bytes": int(stats[1]),
-                   "planning_ms_dp0": 1e3 * item["planning_s"], **savings}
-            history.append(row)
-            log.write(json.dumps(row) + "\n")
+            history.append(metrics)
+            log.write(json.dumps(metrics.row()) + "\n")
             log.flush()
             bar.update(1)
-            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", mfu=f"{row['mfu']:.1%}",
-                            kv=f"{row['kv_bytes'] / 1e6:.1f}MB", exposed=f"{row['exposed_comm_ms_est']:.3f}ms")
-        every = config.get("save_every") or 0
-        if every and ((step + 1) % every == 0 or step + 1 == steps):
+            bar.set_postfix(**metrics.postfix())
+        if config.save_every and ((step + 1) % config.save_every == 0 or step + 1 == steps):
             checkpoint.save(out / "checkpoints" / f"step_{step + 1}", model, opt, step + 1, config)
-    summary = None
+    result = None
     if rank == 0:
         bar.close()
         log.close()
-        summary = _summary(history, time.perf_counter() - t_start, config, peak)
-        if config.get("plot") and history:
+        result = summary(history, time.perf_counter() - t_start, config, peak)
+        if config.plot and history:
             from flashpar.train.report import plot
 
-            plot(history, plan, out / "train.png")
-            summary["plot"] = str(out / "train.png")
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+            plot([m.row() for m in history], plan, out / "train.png")
+            result["plot"] = str(out / "train.png")
+        (out / "summary.json").write_text(json.dumps(result, indent=1))
     dist.barrier()
-    return summary
+    return result
 
 
-def _profiler(config: dict, device):
+def _batch_figures(item: dict, dp_group, device) -> tuple[float, float, dict[str, float]]:
+    """The global batch's targets (the loss's divisor), causal mask pairs and plan figures: the dp ranks'
+    sums (times: the slowest dp rank).  A collective over dp, before the step (on ``device``: NCCL reduces
+    only device tensors)."""
+    figures = dict(item["figures"])  # made in the loader worker
+    summed = [k for k in figures if k.endswith("bytes")]
+    slowest = [k for k in figures if k not in summed]
+    sums = torch.tensor([float((item["labels"] != -100).sum()), _pairs(item["plan"]), *(figures[k] for k in summed)],
+                        dtype=torch.float64, device=device)
+    worst = torch.tensor([figures[k] for k in slowest], dtype=torch.float64, device=device)
+    dist.all_reduce(sums, group=dp_group)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=dp_group)
+    figures.update(zip(summed, sums[2:].tolist(), strict=True))
+    figures.update(zip(slowest, worst.tolist(), strict=True))
+    return float(sums[0]), float(sums[1]), figures  # host values: read between steps
+
+
+def _measure(step: int, loss: torch.Tensor, kv_sent: int, elapsed: float, config: TrainConfig, pairs: float,
+             peak_total: float, planning_ms: float, figures: dict[str, float], device) -> StepMetrics:
+    """The step's figures reduced over every rank (a collective, after the step): the loss shares and K/V
+    bytes summed, the time of the slowest rank."""
+    stats = torch.tensor([float(loss), kv_sent], dtype=torch.float64, device=device)
+    slowest = torch.tensor([elapsed], dtype=torch.float64, device=device)
+    dist.all_reduce(stats)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    tokens = config.seq_len * config.dp
+    step_s = float(slowest[0])
+    flops = tokens * config.model.flops_per_token(pairs / tokens)
+    return StepMetrics(step=step, loss=float(stats[0]), step_s=step_s, tokens_per_s=tokens / step_s,
+                       mfu=flops / step_s / peak_total, kv_bytes=int(stats[1]), planning_ms_dp0=planning_ms,
+                       plan=figures)
+
+
+def _profiler(config: TrainConfig, device):
     """torch.profiler over one step (the third) when ``--trace``: a Chrome / Perfetto trace per rank."""
-    if not config.get("trace"):
+    if not config.trace:
         return None
     from torch.profiler import ProfilerActivity, profile
 
@@ -178,20 +193,3 @@ def _progress(total: int, done: int = 0):
             def set_postfix(self, **kw): print(" ".join(f"{k}={v}" for k, v in kw.items()), flush=True)
             def close(self): pass
         return _Plain()
-
-
-def _summary(history: list[dict], wall_s: float, config: dict, peak: float) -> dict:
-    last = history[-5:] or [{}]
-    mean = lambda key: sum(r[key] for r in last) / len(last) if history else float("nan")  # noqa: E731
-    total = lambda key: sum(r[key] for r in history)  # noqa: E731
-    return {
-        "steps": len(history), "wall_s": wall_s, "final_loss": history[-1]["loss"] if history else float("nan"),
-        "first_loss": history[0]["loss"] if history else float("nan"),
-        "tokens_per_s": mean("tokens_per_s"), "mfu": mean("mfu"), "peak_flops_per_rank": peak,
-        "kv_bytes": total("kv_bytes"), "plan_kv_bytes": total("plan_kv_bytes"),
-        "per_doc_kv_bytes": total("per_doc_kv_bytes"), "headtail_kv_bytes": total("headtail_kv_bytes"),
-        "est_step_ms": total("est_step_ms"), "per_doc_est_step_ms": total("per_doc_est_step_ms"),
-        "headtail_est_step_ms": total("headtail_est_step_ms"),
-        "mesh": {"dp": config["dp"], "cp": config["cp"], "tp": config["tp"]}, "strategy": config["strategy"],
-        "out": config["out"],
-    }

@@ -1,0 +1,167 @@
+"""How each parameter of ``ParallelLlama`` is split: ONE table, read by loading, checkpoints, gradient sums,
+ZeRO-3 and ``flashpar train --check``.
+
+``LAYOUT`` is keyed by the parameter's module name (the name before ``.weight``:
+``blocks.3.qkv.weight`` -> ``qkv``).  With ``rows_t`` = ``shard_rows(R, tp, t)`` (``flashpar.rows``),
+tp rank ``t`` of ``tp`` holds:
+
+    kind          tp rank t holds                                       gradient summed over   ZeRO-3 (dp rows)
+    FusedRows     cat_p W_p[rows_t]   (q, k, v  or  gate, up)           cp x dp ranks of t     yes
+    Columns       W[:, cols_t]        (o_proj, down)                    cp x dp ranks of t     yes
+    Rows          W[rows_t]           (embedding, head: vocabulary)     cp x dp ranks of t     no
+    Replicated    W                   (norms)                           the whole mesh         no
+
+A fused parameter stacks, per tp rank, its rows of several single-process parameters
+(``blocks.3.qkv.weight`` holds rows of ``blocks.3.q_proj.weight``, ``k_proj`` and ``v_proj``), so one
+all-gather feeds all of them.  With ZeRO-3 each dp rank keeps only its rows ``shard_rows(R_t, dp, d)``
+of a ``zero`` parameter's tp shard (``flashpar.models.zero``).  ``label`` names the parameter's row of
+``--check``'s table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from flashpar.models.config import LlamaConfig
+from flashpar.models.zero import ZeroColumnParallelLinear, ZeroRowParallelLinear
+from flashpar.overlap.modules import ColumnParallelLinear, RowParallelLinear
+from flashpar.rows import shard_rows
+
+Gather = Callable[[torch.Tensor, int], torch.Tensor]  # all-gather over tp, concatenated along a dim
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """Every rank holds the whole parameter."""
+
+    label: str
+    tp_dim = None  # the dim split over tp
+    zero = False  # ZeRO-3 splits the tp shard's rows over dp
+
+    def parts(self, key: str) -> tuple[str, ...]:
+        """The single-process modules this parameter is made of."""
+        return (key,)
+
+    def shard(self, full: list[torch.Tensor], t: int, n: int) -> torch.Tensor:
+        """Tp rank ``t``'s part, from the single-process tensors of ``parts``."""
+        return full[0]
+
+    def unshard(self, local: torch.Tensor, gather: Gather, cfg: LlamaConfig, n: int) -> list[torch.Tensor]:
+        """The single-process tensors of ``parts`` from every tp rank's ``local`` (the inverse of ``shard``)."""
+        return [local.detach().clone()]
+
+    def grad_sum(self, zero3: bool) -> str:
+        """The ranks that hold a copy, over which the gradient is summed: ``copy`` (the whole mesh),
+        ``shard`` (the cp x dp ranks of this tp index) or ``zero`` (ZeRO-3 rows, whose reduce-scatter already
+        summed over dp: the cp group)."""
+        if self.tp_dim is None:
+            return "copy"
+        return "zero" if zero3 and self.zero else "shard"
+
+
+@dataclass(frozen=True)
+class Rows(Replicated):
+    """Tp rank ``t`` holds the rows ``shard_rows(R, tp, t)``."""
+
+    tp_dim = 0
+
+    def shard(self, full, t, n):
+        return _rows(full[0], t, n)
+
+    def unshard(self, local, gather, cfg, n):
+        return [gather(local, 0)]
+
+
+@dataclass(frozen=True)
+class Columns(Replicated):
+    """Tp rank ``t`` holds the columns ``shard_rows(C, tp, t)`` (a row-parallel linear's input features)."""
+
+    tp_dim, zero = 1, True
+
+    def shard(self, full, t, n):
+        lo, hi = shard_rows(full[0].shape[1], n, t)
+        return full[0][:, lo:hi]
+
+    def unshard(self, local, gather, cfg, n):
+        return [gather(local, 1)]
+
+    def linear(self, zero3: bool) -> type:
+        return ZeroRowParallelLinear if zero3 else RowParallelLinear
+
+
+@dataclass(frozen=True)
+class FusedRows(Replicated):
+    """Tp rank ``t`` holds ``cat_p W_p[shard_rows(R_p, tp, t)]`` over the parts ``names``, whose full row
+    counts are ``rows(cfg)``."""
+
+    names: tuple[str, ...]
+    rows: Callable[[LlamaConfig], tuple[int, ...]]
+    tp_dim, zero = 0, True
+
+    def parts(self, key):
+        return self.names
+
+    def shard(self, full, t, n):
+        return torch.cat([_rows(w, t, n) for w in full])
+
+    def unshard(self, local, gather, cfg, n):
+        pieces = local.split([r // n for r in self.rows(cfg)])  # the layer has divisible rows (checked there)
+        return [gather(piece, 0) for piece in pieces]
+
+    def linear(self, zero3: bool) -> type:
+        return ZeroColumnParallelLinear if zero3 else ColumnParallelLinear
+
+
+LAYOUT: dict[str, Replicated] = {  # in the order of --check's rows
+    "embed": Rows("embedding"),
+    "attn_norm": Replicated("attention norm"),
+    "qkv": FusedRows("q/k/v", ("q_proj", "k_proj", "v_proj"),
+                     lambda c: (c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim)),
+    "o_proj": Columns("attention out"),
+    "mlp_norm": Replicated("mlp norm"),
+    "gate_up": FusedRows("gate/up", ("gate", "up"), lambda c: (c.ffn, c.ffn)),
+    "down": Columns("mlp down"),
+    "norm": Replicated("final norm"),
+    "head": Rows("head"),
+}
+
+def _rows(w: torch.Tensor, t: int, n: int) -> torch.Tensor:
+    lo, hi = shard_rows(w.shape[0], n, t)
+    return w[lo:hi]
+
+
+_OWNER = {part: key for key, layout in LAYOUT.items() for part in layout.parts(key)}  # q_proj -> qkv
+
+
+def _split(name: str) -> tuple[str, str, str]:
+    """``blocks.3.qkv.weight`` -> (``blocks.3.``, ``qkv``, ``weight``)."""
+    *path, leaf = name.split(".")
+    if not path:
+        raise KeyError(f"parameter {name!r} has no module name")
+    return "".join(p + "." for p in path[:-1]), path[-1], leaf
+
+
+def layout_of(name: str) -> tuple[Replicated, list[str]]:
+    """The layout of mesh parameter ``name`` and the single-process parameter names it is made of."""
+    prefix, key, leaf = _split(name)
+    if key not in LAYOUT:
+        raise KeyError(f"parameter {name!r}: {key!r} is not in flashpar.models.layout.LAYOUT")
+    layout = LAYOUT[key]
+    return layout, [f"{prefix}{part}.{leaf}" for part in layout.parts(key)]
+
+
+def mesh_name(full_name: str) -> str:
+    """The mesh parameter that holds single-process parameter ``full_name`` (``blocks.3.k_proj.weight`` ->
+    ``blocks.3.qkv.weight``)."""
+    prefix, key, leaf = _split(full_name)
+    if key not in _OWNER:
+        raise KeyError(f"parameter {full_name!r}: {key!r} is not in flashpar.models.layout.LAYOUT")
+    return f"{prefix}{_OWNER[key]}.{leaf}"
+
+
+def label_of(full_name: str) -> str:
+    """``--check``'s row for single-process parameter ``full_name`` (``blocks.3.k_proj.weight`` -> q/k/v)."""
+    return LAYOUT[_split(mesh_name(full_name))[1]].label

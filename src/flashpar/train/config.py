@@ -1,0 +1,174 @@
+"""``TrainConfig``: every setting of a training run, typed, documented and validated in one place.
+
+``flashpar train``'s flags are made from these fields (``add_arguments``: the flag is the field name
+with dashes, its default and help are the field's) and ``from_args`` builds the config back from the
+parsed flags; the model sizes are ``LlamaConfig``'s (``--hidden`` ... ``--ffn``, or ``--hf-config``).
+
+Validation happens twice, each in one place, each error one line (``ValueError``):
+``TrainConfig.__post_init__`` checks the values themselves (choices, ranges, the mesh against the model
+sizes and the sequence length); ``ready(config, world_size)`` checks the run's surroundings before
+any process group starts (the number of processes, the output folder, the corpus, the checkpoint to
+resume, matplotlib for ``--plot``, CUDA for ``--device cuda``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flashpar.cp import STRATEGIES
+from flashpar.models import LlamaConfig
+
+MODES = ("flash", "ring", "slice", "none", "auto")
+DP_MODES = ("zero3", "replicate")
+DEVICES = ("cpu", "cuda")
+MODEL_FLAGS = ("hidden", "layers", "heads", "kv_heads", "ffn")  # LlamaConfig fields that are flags
+
+
+def _opt(default, doc: str, **cli):
+    """A field with its documentation (the flag's help) and flag settings (``choices``, ``type``)."""
+    return field(default=default, metadata={"doc": doc, **cli})
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run (or ``--check``) on a ``dp x cp x tp`` mesh; see ``flashpar.train.run``."""
+
+    nproc: int = _opt(4, "processes to spawn without torchrun")
+    dp: int = _opt(1, "data-parallel size of the mesh")
+    cp: int = _opt(2, "context-parallel size of the mesh")
+    tp: int = _opt(2, "tensor-parallel size of the mesh")
+    steps: int = _opt(400, "optimizer steps of the run (a resumed run continues up to this step)")
+    seq_len: int = _opt(2048, "tokens per packed sequence")
+    strategy: str = _opt("flashcp", "context-parallel plan", choices=STRATEGIES)
+    mode: str = _opt("flash", "TP overlap mode", choices=MODES)
+    dp_mode: str = _opt("zero3", "data parallelism: ZeRO-3 rows of the tp weights per dp rank, or whole copies",
+                        choices=DP_MODES)
+    lr: float = _opt(3e-3, "AdamW learning rate")
+    seed: int = _opt(0, "seed of the weights and of the corpus order")
+    max_docs: int | None = _opt(None, "use only this many corpus documents", type=int)
+    model: LlamaConfig = field(default_factory=LlamaConfig,
+                               metadata={"doc": "the model's sizes (flags --hidden ... --ffn, or --hf-config)"})
+    device: str = _opt("cpu", "cpu (gloo) or cuda (NCCL, one GPU per rank)", choices=DEVICES)
+    threads: int = _opt(1, "torch threads per CPU rank")
+    workers: int = _opt(1, "data-loader workers per rank (they run the planner)")
+    out: str = _opt("runs/train", "folder for metrics.jsonl, summary.json, traces, checkpoints and the ranks' logs")
+    timeout: float = _opt(300.0, "seconds any distributed wait may take")
+    check: bool = _opt(False, "compare one step against the single-process model instead of training")
+    trace: bool = _opt(False, "write a Chrome/Perfetto trace of the third step, per rank")
+    plot: bool = _opt(False, "write train.png: loss curve and per-rank work of the plans")
+    save_every: int = _opt(0, "checkpoint every K steps and at the end (0: never)")
+    resume: str | None = _opt(None, "continue from a checkpoint folder (or a run's checkpoints/ folder: its "
+                                    "newest); the mesh may differ", type=str)
+
+    def __post_init__(self) -> None:
+        for name in ("strategy", "mode", "dp_mode", "device"):
+            choices = _FIELDS[name].metadata["choices"]
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        for name, least in (("nproc", 1), ("dp", 1), ("cp", 1), ("tp", 1), ("steps", 1), ("threads", 1),
+                            ("workers", 0), ("save_every", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{_flag(name)} must be an integer >= {least}, got {value!r}")
+        if not self.timeout > 0 or not self.lr > 0:
+            raise ValueError(f"timeout and lr must be positive, got timeout {self.timeout}, lr {self.lr}")
+        if self.max_docs is not None and self.max_docs < 1:
+            raise ValueError(f"max-docs must be None or >= 1, got {self.max_docs}")
+        m = self.model
+        for name, size in (("heads", m.heads), ("kv heads", m.kv_heads), ("FFN size", m.ffn),
+                           ("vocabulary size", m.vocab_size)):
+            if size % self.tp:
+                raise ValueError(f"{name} = {size} is not divisible by tp = {self.tp}")
+        if self.seq_len < 2 * self.cp * self.tp:
+            raise ValueError(f"seq-len {self.seq_len} is too short for cp = {self.cp} x tp = {self.tp} "
+                             f"(at least {2 * self.cp * self.tp} tokens)")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp * self.tp
+
+    def kept(self) -> dict:
+        """What a resumed run must share with the checkpoint's run (model, data and seed), as JSON values."""
+        return {"model": self.model.to_dict(), "seq_len": self.seq_len, "max_docs": self.max_docs, "seed": self.seed}
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``flashpar train``'s flags, one per field (the model's sizes: ``LlamaConfig``'s fields)."""
+    for f in _FIELDS.values():
+        if f.name == "model":
+            for name in MODEL_FLAGS:
+                p.add_argument(f"--{_flag(name)}", type=int, default=getattr(LlamaConfig, name),
+                               help=f"model: {name.replace('_', ' ')} (default %(default)s)")
+            p.add_argument("--hf-config", default=None, help="a Hugging Face Llama config.json (overrides the sizes)")
+            continue
+        doc = f.metadata["doc"]
+        if f.type == "bool":
+            p.add_argument(f"--{_flag(f.name)}", action="store_true", help=doc)
+            continue
+        kw = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
+        kind = f.metadata.get("type", type(f.default))
+        shown = "" if f.default is None else " (default %(default)s)"
+        p.add_argument(f"--{_flag(f.name)}", type=kind, default=f.default, help=doc + shown, **kw)
+
+
+def from_args(args: argparse.Namespace) -> TrainConfig:
+    """The config of the parsed flags (``ValueError`` / ``FileNotFoundError``: one line)."""
+    if args.hf_config:
+        model = LlamaConfig.from_hf(args.hf_config)
+    else:
+        model = LlamaConfig(**{name: getattr(args, name) for name in MODEL_FLAGS})
+    values = {name: getattr(args, name) for name in _FIELDS if name != "model"}
+    return TrainConfig(model=model, **values)
+
+
+def ready(config: TrainConfig, world_size: int) -> TrainConfig:
+    """Check what the run needs around it, before any process starts; returns ``config`` with ``resume``
+    resolved to one checkpoint folder.  ``ValueError`` / ``FileNotFoundError`` with one line."""
+    if config.world_size != world_size:
+        raise ValueError(f"mesh dp x cp x tp = {config.dp} x {config.cp} x {config.tp} = {config.world_size} "
+                         f"does not match the {world_size} processes")
+    if config.device == "cuda":
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have == 0:
+            raise ValueError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    out = Path(config.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"output folder {out} is not writable: {err.strerror or err}") from err
+    from flashpar.corpus import document_lengths
+
+    try:
+        tokens = sum(document_lengths(config.max_docs))
+    except FileNotFoundError as err:
+        raise ValueError(f"no training documents: {err}") from err
+    if tokens < config.seq_len * config.dp:
+        raise ValueError(f"the corpus has {tokens} tokens, fewer than one global batch "
+                         f"({config.dp} x {config.seq_len})")
+    if config.plot:
+        from flashpar.train.report import have_matplotlib
+
+        if not have_matplotlib():
+            raise ValueError("--plot needs matplotlib (pip install 'flashpar[plot]')")
+    if config.resume:
+        from flashpar.train import checkpoint
+
+        resume = checkpoint.latest(Path(config.resume))  # FileNotFoundError: one line
+        checkpoint.read_meta(resume, config)  # same model, data and seed, or one line
+        config = dataclasses.replace(config, resume=str(resume))
+    return config

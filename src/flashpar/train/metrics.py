@@ -1,0 +1,54 @@
+"""What a training step reports (``StepMetrics``: one line of ``metrics.jsonl``, the progress bar) and the
+run's ``summary.json``.
+
+    tokens_per_s = dp x seq_len / step_s
+    MFU          = model FLOPs of the step / step_s / (peak FLOP/s per rank x ranks)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMetrics:
+    """One step, as rank 0 reports it (every figure already reduced over the ranks)."""
+
+    step: int  # 1-based
+    loss: float  # mean next-token loss of the global batch (nats): the ranks' shares summed
+    step_s: float  # wall time of train_step on the slowest rank
+    tokens_per_s: float  # global batch tokens / step_s
+    mfu: float  # model FLOPs / step_s / (peak per rank x ranks)
+    kv_bytes: int  # forward K/V bytes cp.attention sent, all ranks and layers (measured at the transport)
+    planning_ms_dp0: float  # the planner's time for dp rank 0's sequence (in its data-loader worker)
+    plan: dict[str, float]  # the plans' figures (train.data.plan_figures): bytes summed over dp, times the slowest
+
+    def row(self) -> dict:
+        """The ``metrics.jsonl`` line: the fields, with ``plan``'s entries flattened in."""
+        row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
+        return {**row, **self.plan}
+
+    def postfix(self) -> dict[str, str]:
+        """The progress bar's figures."""
+        return {"loss": f"{self.loss:.3f}", "tok_s": f"{self.tokens_per_s:.0f}", "mfu": f"{self.mfu:.1%}",
+                "kv": f"{self.kv_bytes / 1e6:.1f}MB", "exposed": f"{self.plan['exposed_comm_ms_est']:.3f}ms"}
+
+
+def summary(history: list[StepMetrics], wall_s: float, config, peak: float) -> dict:
+    """``summary.json``: the run's totals, the last five steps' mean speed, the mesh."""
+    rows = [m.row() for m in history]
+    last = rows[-5:] or [{}]
+    mean = lambda key: sum(r[key] for r in last) / len(last) if rows else float("nan")  # noqa: E731
+    total = lambda key: sum(r[key] for r in rows)  # noqa: E731
+    return {
+        "steps": len(rows), "wall_s": wall_s, "final_loss": rows[-1]["loss"] if rows else float("nan"),
+        "first_loss": rows[0]["loss"] if rows else float("nan"),
+        "tokens_per_s": mean("tokens_per_s"), "mfu": mean("mfu"), "peak_flops_per_rank": peak,
+        "kv_bytes": total("kv_bytes"), "plan_kv_bytes": total("plan_kv_bytes"),
+        "per_doc_kv_bytes": total("per_doc_kv_bytes"), "headtail_kv_bytes": total("headtail_kv_bytes"),
+        "est_step_ms": total("est_step_ms"), "per_doc_est_step_ms": total("per_doc_est_step_ms"),
+        "headtail_est_step_ms": total("headtail_est_step_ms"),
+        "mesh": {"dp": config.dp, "cp": config.cp, "tp": config.tp}, "strategy": config.strategy,
+        "out": config.out,
+    }
