@@ -7,18 +7,13 @@ results come back through a queue, and a rank's exception comes back with its tr
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from flashpar.dist import free_port
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args, results) -> None:
