@@ -33,7 +33,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 from flashpar.cp import STRATEGIES
@@ -279,7 +278,8 @@ def check_arguments(nproc: int, config: dict) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashpar.bench.netlink import chosen_rate, launch_on_links
+    from flashpar.bench.launch import run_workers, save_json
+    from flashpar.bench.netlink import chosen_rate
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     config = {"threads": args.threads, "dtype": args.dtype, "rounds": args.rounds,
@@ -292,25 +292,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"flashpar bench cp: {problem}", file=sys.stderr)
         return 2
     rate = chosen_rate(args.link_rate)
-    with tempfile.TemporaryDirectory(prefix="flashpar-bench-cp-") as tmp:
-        out = os.path.join(tmp, "report.json")
-        config.update(out=out, link_rate=rate or "loopback")
-        argv = [sys.executable, "-m", "flashpar.bench.cp", "--worker", json.dumps(config)]
-        launch_on_links(args.nproc, argv, rate, timeout=args.timeout)
-        with open(out) as f:
-            report = json.load(f)
+    report = run_workers("flashpar.bench.cp", args.nproc, config, rate, timeout=args.timeout)
     print(format_report(report), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {args.json}")
+    save_json(args.json, report)
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        worker(json.loads(sys.argv[2]))
-    else:
-        parser = argparse.ArgumentParser(prog="flashpar bench cp")
-        add_arguments(parser)
-        sys.exit(run(parser.parse_args()))
+    from flashpar.bench.launch import module_main
+
+    module_main("flashpar bench cp", add_arguments, run, worker)

@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 
 from flashpar.bench.overlap_ops import OP_KEYS, BenchShape, make_call, modes_for, with_free
@@ -288,7 +286,8 @@ def _parse_variants(text: str | None) -> list[tuple[str, int | None]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashpar.bench.netlink import chosen_rate, launch_on_links
+    from flashpar.bench.launch import run_workers, save_json
+    from flashpar.bench.netlink import chosen_rate
 
     sizes = [int(v) for v in str(args.nproc).split(",") if v.strip()]
     if any(s < 2 for s in sizes):
@@ -303,30 +302,19 @@ def run(args: argparse.Namespace) -> int:
     rate = chosen_rate(args.link_rate)
     reports = []
     for n in sizes:
-        with tempfile.TemporaryDirectory(prefix="flashpar-bench-") as tmp:
-            out = os.path.join(tmp, "report.json")
-            config = {"threads": args.threads, "dtype": args.dtype, "calibrate": args.calibrate, "out": out,
-                      "ratio": args.ratio or DEFAULT_RATIO.get(n, 0.6), "seq_local": args.seq_local,
-                      "width": args.width, "rounds": args.rounds, "variants": variants,
-                      "link_rate": rate or "loopback", "shapes": args.shapes.split(","), "ops": ops}
-            argv = [sys.executable, "-m", "flashpar.bench.overlap", "--worker", json.dumps(config)]
-            launch_on_links(n, argv, rate, timeout=args.timeout)
-            with open(out) as f:
-                report = json.load(f)
+        config = {"threads": args.threads, "dtype": args.dtype, "calibrate": args.calibrate,
+                  "ratio": args.ratio or DEFAULT_RATIO.get(n, 0.6), "seq_local": args.seq_local,
+                  "width": args.width, "rounds": args.rounds, "variants": variants,
+                  "shapes": args.shapes.split(","), "ops": ops}
+        report = run_workers("flashpar.bench.overlap", n, config, rate, timeout=args.timeout)
         report["command"] = " ".join(["flashpar bench overlap", *sys.argv[3:]]) if len(sys.argv) > 2 else ""
         reports.append(report)
         print(format_report(report), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(reports, f, indent=1)
-        print(f"wrote {args.json}")
+    save_json(args.json, reports)
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        worker(json.loads(sys.argv[2]))
-    else:
-        parser = argparse.ArgumentParser(prog="flashpar bench overlap")
-        add_arguments(parser)
-        sys.exit(run(parser.parse_args()))
+    from flashpar.bench.launch import module_main
+
+    module_main("flashpar bench overlap", add_arguments, run, worker)
