@@ -147,7 +147,7 @@ def test_flashcp_beats_ring_and_all_gather_baselines_on_real_packs():
 
 def test_pack_splits_documents_at_boundaries_and_drops_the_partial_tail():
     assert pack([5, 7, 2, 9], 6) == [[5, 1], [6], [2, 4]]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="tokens per sequence must be positive"):
         pack([3], 0)
 
 
@@ -272,7 +272,7 @@ def test_unequal_headtail_pairs_are_mirrored():
     assert pieces[0] == ((0, 200), (800, 1000)) and pieces[-1] == ((450, 550),)
     for parts, size in zip(pieces, [400, 300, 200, 100], strict=True):
         assert sum(causal_pairs(a, b, 0) for a, b in parts) == pytest.approx(size * (length + 1) / 2, rel=0.01)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="do not add up to the document's 8 tokens"):
         sized_pieces([3, 4], 0, 8)
 
 

@@ -53,7 +53,7 @@ def test_hugging_face_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ValueError, match="hidden_size"):
         LlamaConfig.from_hf(tmp_path / "config.json")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="no config.json at"):
         LlamaConfig.from_hf(tmp_path / "missing")
 
 

@@ -127,7 +127,7 @@ def test_bad_inputs_raise_value_error(ds, make, words):
 
 
 def test_out_of_range_items_raise_index_error(ds):
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match="out of range: the documents pack into"):
         ds[len(ds)]
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match="out of range: dp rank 0 has"):
         PlannedSequences(ds, 2)[len(ds)]
