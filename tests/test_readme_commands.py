@@ -4,7 +4,8 @@ packs), so a documented command cannot break silently.
 ``RUNS`` is the table: each README command maps to the run that exercises it.  Commands that a run
 shares (``flashpar train`` with ``--save-every``, ``--trace --plot``) are grouped into one invocation, and
 the shortening flags come after the README's, so they override its values (``--steps``, ``--link-rate``);
-the README's resume and its ``per_doc`` / ``ring`` mesh are one run (a resume on that other mesh).
+the training runs are the session's shared ones (``tests/train_runs.py``), which the trainer's own
+end-to-end tests read too.
 A run must carry every option of each README command it stands for (checked), so grouping cannot drop
 one.  Commands that cannot run here are listed in ``SKIPPED`` with the reason; a README command in
 neither table fails the test.
@@ -12,7 +13,6 @@ neither table fails the test.
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 from pathlib import Path
@@ -20,25 +20,19 @@ from pathlib import Path
 import pytest
 
 from flashpar.cli import main
+from train_runs import RUNS as TRAIN_RUNS
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-# every training run: a short corpus and sequence, plans made in the rank (no data-loader process to start)
-TRAIN = ["--seq-len", "256", "--max-docs", "40", "--workers", "0"]
 OVERLAP = ["--link-rate", "none", "--rounds", "1", "--shapes", "small-M", "--modes", "flash:1",
            "--seq-local", "16", "--width", "32"]
 CP = ["--nproc", "2", "--link-rate", "none", "--tokens", "1024", "--packs", "1", "--rounds", "1", "--heads", "2",
       "--kv-heads", "1", "--head-dim", "16"]
-HF_CONFIG = {"vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "intermediate_size": 64}
 
-# run name -> argv, in the order they run (the resume run needs the first run's checkpoints)
+# run name -> argv: the training runs are the session's shared ones (tests/train_runs.py: the resume runs
+# need the first run's checkpoints), the others run here in this order
+TRAINING = ("train", "resume-cp4", "resume-per-doc-ring", "check-hf")
 RUNS = {
-    "train": ["train", "--save-every", "2", "--trace", "--plot", "--steps", "3", *TRAIN],
-    # resumed on another mesh, as the README's resume, and that mesh is the README's per_doc / ring one
-    "train-resume-per-doc-ring": ["train", "--resume", "runs/train/checkpoints", "--dp", "2", "--cp", "2", "--tp", "1",
-                                  "--strategy", "per_doc", "--mode", "ring", "--steps", "5", "--out", "runs/resumed",
-                                  *TRAIN],
-    "train-check-hf": ["train", "--check", "--hf-config", "path/to/config.json", "--out", "runs/check", *TRAIN],
+    **{name: TRAIN_RUNS[name] for name in TRAINING},
     "plan-wlbllm": ["plan", "--lengths", "wlbllm", "--cp", "8", "--tokens", "131072", "--packs", "2"],
     "plan-file": ["plan", "--lengths", "my_lengths.txt", "--cp", "4"],
     "bench-plan": ["bench", "plan", "--packs", "1", "--lists", "sotu,long-context"],
@@ -48,12 +42,12 @@ RUNS = {
 COMMANDS = {  # README command -> the run that exercises it
     "flashpar train": "train",
     "flashpar train --dp 2 --cp 2 --tp 1 --strategy per_doc --mode ring --steps 100 --seq-len 4096":
-        "train-resume-per-doc-ring",
-    "flashpar train --check": "train-check-hf",
+        "resume-per-doc-ring",
+    "flashpar train --check": "check-hf",
     "flashpar train --save-every 100": "train",
-    "flashpar train --resume runs/train/checkpoints --steps 800 --cp 4 --tp 1": "train-resume-per-doc-ring",
+    "flashpar train --resume runs/train/checkpoints --steps 800 --cp 4 --tp 1": "resume-cp4",
     "flashpar train --trace --plot": "train",
-    "flashpar train --hf-config path/to/config.json": "train-check-hf",
+    "flashpar train --hf-config path/to/config.json": "check-hf",
     "flashpar plan --lengths wlbllm --cp 8 --tokens 131072": "plan-wlbllm",
     "flashpar plan --lengths my_lengths.txt --cp 4": "plan-file",
     "flashpar bench plan": "bench-plan",
@@ -106,19 +100,19 @@ def test_every_readme_command_is_run_or_skipped_with_a_reason():
 @pytest.fixture
 def in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "path" / "to").mkdir(parents=True)
-    (tmp_path / "path" / "to" / "config.json").write_text(json.dumps(HF_CONFIG))
     (tmp_path / "my_lengths.txt").write_text("\n".join(map(str, [900, 30, 4000, 120, 77, 2500, 60, 3100] * 4)))
     return tmp_path
 
 
-def test_training_commands_run(in_tmp, capsys):
-    for name in ("train", "train-resume-per-doc-ring", "train-check-hf"):
-        assert main(RUNS[name]) == 0, name
-    out = capsys.readouterr().out
-    assert out.count("trained ") == 2 and "mesh dp=2 cp=2 tp=1" in out and "PASS" in out and "FAIL" not in out
-    assert (in_tmp / "runs/train/train.png").is_file() and list((in_tmp / "runs/train").glob("trace_rank*.json"))
-    assert list((in_tmp / "runs/train/checkpoints").glob("step_*")) and (in_tmp / "runs/resumed/summary.json").is_file()
+def test_training_commands_run(train_runs):
+    for name in TRAINING:
+        assert train_runs[name].rc == 0, (name, train_runs[name].stderr[-3000:])
+    train, resumed, check = train_runs["train"], train_runs["resume-per-doc-ring"], train_runs["check-hf"]
+    assert "trained 4 steps" in train.stdout and "mesh dp=2 cp=2 tp=1" in resumed.stdout
+    assert "mesh dp=1 cp=4 tp=1" in train_runs["resume-cp4"].stdout
+    assert check.stdout.strip().endswith("PASS") and "FAIL" not in check.stdout
+    assert (train.out / "train.png").is_file() and list(train.out.glob("trace_rank*.json"))
+    assert list((train.out / "checkpoints").glob("step_*")) and (resumed.out / "summary.json").is_file()
 
 
 def test_planning_and_benchmark_commands_run(in_tmp, capsys):

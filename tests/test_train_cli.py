@@ -11,7 +11,6 @@ import torch
 from flashpar.cli import main
 from flashpar.train.config import TrainConfig
 from flashpar.train.loop import Hooks
-from flashpar.train.report import have_matplotlib
 from flashpar.train.run import launch
 from train_workers import exit_at, raise_at
 
@@ -34,61 +33,52 @@ def test_bad_arguments_stop_with_one_line(argv, words, capsys):
     assert words in err and len(err.splitlines()) == 1, err
 
 
-def test_train_runs_and_writes_metrics(tmp_path, capsys):
-    out = tmp_path / "run"
-    plot = ["--plot"] if have_matplotlib() else []  # matplotlib is the optional 'plot' extra
-    assert main(["train", "--steps", "3", "--seq-len", "256", "--max-docs", "40", "--trace", *plot,
-                 "--out", str(out)]) == 0
+def test_train_runs_and_writes_metrics(train_runs):
+    run = train_runs["train"]  # 4 steps, --save-every 2 --trace --plot (tests/train_runs.py)
+    assert run.rc == 0, run.stderr[-3000:]
+    out = run.out
     assert all(json.loads((out / f"trace_rank{r}.json").read_text())["traceEvents"] for r in range(4))
-    assert (out / "train.png").is_file() == bool(plot)
+    assert (out / "train.png").is_file()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # forward K/V bytes measured by the executor equal what the plans say
     assert all(r["kv_bytes"] == r["plan_kv_bytes"] for r in rows)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["final_loss"] < summary["first_loss"]
-    assert "trained 3 steps" in capsys.readouterr().out
+    assert summary["steps"] == 4 and summary["final_loss"] < summary["first_loss"]
+    assert "trained 4 steps" in run.stdout
+    # the ranks' logs are kept only when they say something (here: the profiler's C++ lines of --trace)
+    assert not list(train_runs["resume-same"].out.glob("rank*.log"))
 
 
-def test_check_passes(tmp_path, capsys):
-    assert main(["train", "--check", "--seq-len", "128", "--max-docs", "40", "--out", str(tmp_path)]) == 0
-    text = capsys.readouterr().out
-    assert "PASS  q/k/v" in text and text.strip().endswith("PASS")
+def test_check_passes(train_runs):
+    run = train_runs["check-hf"]  # --check on the sizes of a Hugging Face config.json
+    assert run.rc == 0, run.stdout + run.stderr[-3000:]
+    assert "PASS  q/k/v" in run.stdout and run.stdout.strip().endswith("PASS")
 
 
-def _losses(folder) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())}
-
-
-def test_resume_continues_the_same_loss_trajectory_on_any_mesh(tmp_path):
+def test_resume_continues_the_same_loss_trajectory_on_any_mesh(train_runs):
     """4 steps straight vs 2 steps, checkpoint, and 2 more: the same losses on the same mesh (only the
     data loader, weights and AdamW moments come back: bit-identical here), and within fp32 rounding
     (1e-5 relative: other reduction orders) when resumed on (dp, cp, tp) = (1, 4, 1)."""
-    common = ["train", "--steps", "4", "--seq-len", "256", "--max-docs", "40"]
-    assert main([*common, "--save-every", "2", "--out", str(tmp_path / "a")]) == 0
-    step2 = tmp_path / "a" / "checkpoints" / "step_2"
+    straight, same, other, dp2 = (train_runs[n] for n in ("train", "resume-same", "resume-cp4", "resume-per-doc-ring"))
+    for run in (straight, same, other, dp2):
+        assert run.rc == 0, run.stderr[-3000:]
+    step2 = straight.out / "checkpoints" / "step_2"
     assert json.loads((step2 / "meta.json").read_text())["sequences"] == 2
-    assert main([*common, "--resume", str(step2), "--out", str(tmp_path / "b")]) == 0
-    assert main([*common, "--resume", str(step2), "--cp", "4", "--tp", "1", "--out", str(tmp_path / "c")]) == 0
-    # ZeRO-3 over dp = 2 from the same checkpoint: other sequences per step, so only that it trains on
-    assert main([*common, "--resume", str(step2), "--dp", "2", "--cp", "2", "--tp", "1",
-                 "--out", str(tmp_path / "d")]) == 0
-    assert list(_losses(tmp_path / "d")) == [3, 4]
-    straight, same, other = (_losses(tmp_path / r) for r in "abc")
+    # ZeRO-3 over dp = 2 (per_doc, ring) from the same checkpoint: other sequences per step, so only that it trains on
+    assert list(dp2.losses()) == [3, 4] and "mesh dp=2 cp=2 tp=1" in dp2.stdout
+    straight, same, other = straight.losses(), same.losses(), other.losses()
     assert list(same) == list(other) == [3, 4]
     for step in (3, 4):
         assert same[step] == pytest.approx(straight[step], rel=1e-6)
         assert other[step] == pytest.approx(straight[step], rel=1e-5)
 
 
-def test_resume_with_other_data_settings_is_refused(tmp_path, capsys):
-    common = ["train", "--steps", "1", "--max-docs", "40", "--save-every", "1"]
-    assert main([*common, "--seq-len", "128", "--out", str(tmp_path / "a")]) == 0
-    assert not list((tmp_path / "a").glob("rank*.log"))  # the ranks' logs are kept only when they say something
-    capsys.readouterr()
-    assert main([*common, "--seq-len", "256", "--resume", str(tmp_path / "a" / "checkpoints"),
-                 "--out", str(tmp_path / "b")]) == 2
-    assert "seq_len 128 != 256" in capsys.readouterr().err
+def test_resume_with_other_data_settings_is_refused(train_runs, tmp_path, capsys):
+    checkpoints = train_runs["train"].out / "checkpoints"  # made with --seq-len 256
+    assert main(["train", "--steps", "5", "--max-docs", "40", "--seq-len", "128", "--resume", str(checkpoints),
+                 "--out", str(tmp_path)]) == 2
+    assert "seq_len 256 != 128" in capsys.readouterr().err
 
 
 def test_a_rank_that_dies_stops_the_job_with_a_clear_error(tmp_path, capsys):
