@@ -11,15 +11,23 @@ import torch
 from dist_harness import run_ranks
 from flashpar.models import Llama, LlamaConfig
 from flashpar.models.layout import layout_of, mesh_name
-from train_workers import check_mesh, vocab_loss_cases
+from train_workers import check_meshes, vocab_loss_cases
+
+MESH_CASES = [((1, 2, 2), "zero3", True), ((2, 2, 1), "zero3", True), ((2, 1, 2), "zero3", True),
+              ((4, 1, 1), "zero3", True), ((1, 4, 1), "zero3", True), ((2, 2, 1), "replicate", True),
+              ((2, 1, 2), "replicate", False), ((1, 2, 2), "zero3", False)]
 
 
-@pytest.mark.parametrize("shape, dp_mode, tie", [((1, 2, 2), "zero3", True), ((2, 2, 1), "zero3", True),
-                                                 ((2, 1, 2), "zero3", True), ((4, 1, 1), "zero3", True),
-                                                 ((1, 4, 1), "zero3", True), ((2, 2, 1), "replicate", True),
-                                                 ((2, 1, 2), "replicate", False), ((1, 2, 2), "zero3", False)])
-def test_parallel_model_matches_single_process(shape, dp_mode, tie):
-    per_rank = run_ranks(4, check_mesh, shape, dp_mode, tie)
+@pytest.fixture(scope="module")
+def mesh_results():
+    """Every case of ``MESH_CASES`` on 4 ranks, in one spawn: per case, each rank's (errors over TOL, count)."""
+    per_rank = run_ranks(4, check_meshes, MESH_CASES)
+    return {case: [r[i] for r in per_rank] for i, case in enumerate(MESH_CASES)}
+
+
+@pytest.mark.parametrize("shape, dp_mode, tie", MESH_CASES)
+def test_parallel_model_matches_single_process(mesh_results, shape, dp_mode, tie):
+    per_rank = mesh_results[(shape, dp_mode, tie)]
     bad = {r: errs for r, (errs, _) in enumerate(per_rank) if errs}
     # loss, 9 tensors per block, embedding, final norm (and the head when untied)
     assert per_rank[0][1] == 1 + 9 * 2 + 2 + (not tie) and not bad, bad

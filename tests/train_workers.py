@@ -40,6 +40,11 @@ def check_mesh(rank, world, shape, dp_mode="zero3", tie=True, strategy="flashcp"
     return {k: v for k, v in errors.items() if not v <= TOL}, len(errors)
 
 
+def check_meshes(rank, world, cases):
+    """``check_mesh`` for each ``(shape, dp_mode, tie)`` of ``cases``, in one spawn (start-up is most of a case)."""
+    return [check_mesh(rank, world, *case) for case in cases]
+
+
 # ---- fault-injection hooks (flashpar.train.loop.Hooks.before_step), pickled into the spawned ranks -----------
 
 
