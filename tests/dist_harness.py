@@ -66,3 +66,25 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 240.0) -> list:
     if len(out) < world_size:
         raise RuntimeError(f"only ranks {sorted(out)} of {world_size} reported within {timeout}s")
     return [out[r] for r in range(world_size)]
+
+
+def _many(rank: int, world_size: int, calls) -> dict:
+    return {name: fn(rank, world_size, *args) for name, fn, *args in calls}
+
+
+class SpawnCache:
+    """One spawn per world size for a whole test module (process start-up is most of a small case).
+
+    ``calls(n)`` lists the ``(name, fn, *args)`` that the module's tests need at world size ``n``; the
+    first test that asks for ``n`` runs them all, in order, on the same ranks (put cases that leave the
+    group unusable last), and ``cache(n)[name]`` is ``[fn(rank, n, *args) for rank in range(n)]``."""
+
+    def __init__(self, calls, *, timeout: float = 240.0) -> None:
+        self.calls, self.timeout, self.results = calls, timeout, {}
+
+    def __call__(self, n: int) -> dict[str, list]:
+        if n not in self.results:
+            calls = self.calls(n)
+            per_rank = run_ranks(n, _many, calls, timeout=self.timeout)
+            self.results[n] = {name: [out[name] for out in per_rank] for name, *_ in calls}
+        return self.results[n]

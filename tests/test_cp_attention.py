@@ -5,22 +5,25 @@ from __future__ import annotations
 
 import pytest
 
-from cp_workers import all_cases, bad_inputs
-from dist_harness import run_ranks
+from cp_workers import all_cases, bad_inputs, subgroup_case
+from dist_harness import SpawnCache
 from flashpar.cp import STRATEGIES
 from flashpar.cp.layout import PATTERNS
 
 
+def _calls(n: int) -> list[tuple]:
+    calls = [("cases", all_cases)] + ([("subgroups", subgroup_case)] if n == 4 else [])
+    return calls + [("bad", bad_inputs)] if n != 2 else calls  # bad input last
+
+
 @pytest.fixture(scope="module")
-def results():
-    cache: dict[int, list[dict]] = {}
+def spawned():
+    return SpawnCache(_calls)  # one spawn per world size for every test below
 
-    def get(n: int) -> list[dict]:
-        if n not in cache:
-            cache[n] = run_ranks(n, all_cases)
-        return cache[n]
 
-    return get
+@pytest.fixture(scope="module")
+def results(spawned):
+    return lambda n: spawned(n)["cases"]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -66,8 +69,8 @@ def test_sharding_aware_plans_send_less_than_all_gather(results):
 
 
 @pytest.mark.parametrize("n", [1, 3, 4])
-def test_bad_input_raises_on_every_rank(n):
-    per_rank = run_ranks(n, bad_inputs, timeout=120)
+def test_bad_input_raises_on_every_rank(spawned, n):
+    per_rank = spawned(n)["bad"]
     words = {"tokens": "plan gives it", "heads": "multiple of kv heads", "cp_size": f"cp_size {n + 1}",
              "plan": "disagree on plan", "layout": "disagree on tokens"}
     for name, word in words.items():
@@ -80,9 +83,7 @@ def test_bad_input_raises_on_every_rank(n):
             assert out[name] is not None and expected in out[name], (name, r, out[name])
 
 
-def test_cp_groups_inside_a_larger_world():
-    from cp_workers import subgroup_case
-
-    per_rank = run_ranks(4, subgroup_case)
+def test_cp_groups_inside_a_larger_world(spawned):
+    per_rank = spawned(4)["subgroups"]
     failures = {(r, s): e for r, out in enumerate(per_rank) for s, e in out.items() if e is not None}
     assert len(per_rank[0]) == 4 and not failures, failures

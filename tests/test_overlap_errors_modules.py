@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_harness import run_ranks
+from dist_harness import SpawnCache, run_ranks
 from overlap_workers import device_mesh, error_cases, missing_peer, mlp_modules, uneven_features
 
 LOCAL_ERRORS = {  # raised on the rank itself before any communication, with these words in the message
@@ -18,9 +18,23 @@ LOCAL_ERRORS = {  # raised on the rank itself before any communication, with the
 }
 
 
+MLP_MODES = ["flash", "ring", "slice", "none", "auto"]
+
+
+def _calls(n: int) -> list[tuple]:
+    calls = [("errors", error_cases), ("mlp", mlp_modules, MLP_MODES)]
+    calls += [("uneven", uneven_features)] * (n == 4)
+    return calls + [("mesh", device_mesh)] * (n in (2, 4))  # last: it destroys groups
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    return SpawnCache(_calls)  # one spawn per world size for the tests below (not the missing-peer ones)
+
+
 @pytest.fixture(scope="module", params=[1, 2, 3, 4])
-def errors(request):
-    return request.param, run_ranks(request.param, error_cases)
+def errors(request, spawned):
+    return request.param, spawned(request.param)["errors"]
 
 
 def test_local_errors_are_clear_on_every_rank(errors):
@@ -63,25 +77,22 @@ def test_missing_peer_times_out_with_a_clear_error(check):
     assert seconds < 5.0, f"the 2 s timeout took {seconds}s"
 
 
-MLP_MODES = ["flash", "ring", "slice", "none", "auto"]
-
-
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_parallel_mlp_matches_full_model(n):
-    per_rank = run_ranks(n, mlp_modules, MLP_MODES)
+def test_parallel_mlp_matches_full_model(spawned, n):
+    per_rank = spawned(n)["mlp"]
     failures = {(r, mode): p for r, out in enumerate(per_rank) for mode, p in out.items() if p is not None}
     assert not failures, failures
 
 
-def test_feature_split_must_divide():
-    per_rank = run_ranks(4, uneven_features)
+def test_feature_split_must_divide(spawned):
+    per_rank = spawned(4)["uneven"]
     assert all(out.startswith("ValueError") and "not divisible by the tensor-parallel size 4" in out
                for out in per_rank), per_rank
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_device_mesh_groups(n):
-    per_rank = run_ranks(n, device_mesh)
+def test_device_mesh_groups(spawned, n):
+    per_rank = spawned(n)["mesh"]
     for r, out in enumerate(per_rank):
         assert out["1d_mesh"] == "ok", (r, out)
         assert n != 2 or out["group_lifetime"] == "ok", (r, out)
