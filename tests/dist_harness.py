@@ -85,6 +85,11 @@ class SpawnCache:
     def __call__(self, n: int) -> dict[str, list]:
         if n not in self.results:
             calls = self.calls(n)
-            per_rank = run_ranks(n, _many, calls, timeout=self.timeout)
-            self.results[n] = {name: [out[name] for out in per_rank] for name, *_ in calls}
+            try:
+                per_rank = run_ranks(n, _many, calls, timeout=self.timeout)
+                self.results[n] = {name: [out[name] for out in per_rank] for name, *_ in calls}
+            except RuntimeError as err:  # a failed spawn fails every test that reads it, without a rerun each
+                self.results[n] = err
+        if isinstance(self.results[n], RuntimeError):
+            raise self.results[n]
         return self.results[n]
