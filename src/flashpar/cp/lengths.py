@@ -71,8 +71,7 @@ class Lengths:
             raise ValueError(f"pack count must be >= 0, got {count}")
         shrink = lambda n: max(1, (min(n, cap) if cap is not None else n) // scale)  # noqa: E731
         if not self.sampled:
-            out = pack([shrink(n) for n in self.values], tokens)
-            return out if count is None else out[:count]
+            return pack([shrink(n) for n in self.values], tokens, count)
         if count is None:
             raise ValueError(f"{self.name} is a sampled distribution: give a number of packs")
         if tokens <= 0:
@@ -82,7 +81,7 @@ class Lengths:
             drawn = [shrink(n) for n in sample(self.buckets, 256, rng)]
             lengths += drawn
             total += sum(drawn)
-        return pack(lengths, tokens)[:count]
+        return pack(lengths, tokens, count)
 
 
 def resolve_lengths(spec: str | os.PathLike) -> Lengths:
@@ -196,7 +195,8 @@ class Packing:
         return [n for _, n, _ in self.pieces(i)]
 
 
-def pack(lengths, tokens: int) -> list[list[int]]:
-    """Every sequence of :class:`Packing` ``(lengths, tokens)``, as its document pieces' lengths."""
+def pack(lengths, tokens: int, count: int | None = None) -> list[list[int]]:
+    """The first ``count`` sequences (every one when ``None``) of :class:`Packing` ``(lengths, tokens)``, as
+    their document pieces' lengths; sequences past ``count`` are not cut."""
     p = Packing(lengths, tokens)
-    return [p.doc_lens(i) for i in range(len(p))]
+    return [p.doc_lens(i) for i in range(len(p) if count is None else min(count, len(p)))]
