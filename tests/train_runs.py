@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flashpar.cli import main
+from flashpar.train.config import TrainConfig
 
 # every run: a short corpus and sequence, plans made in the rank (no data-loader process to start)
 TRAIN = ["--seq-len", "256", "--max-docs", "40", "--workers", "0"]
@@ -37,8 +38,6 @@ RUNS = {  # name -> argv (run in this order, in the session's folder)
                             "--mode", "ring", "--steps", "4", "--out", "runs/resumed", *TRAIN],
     "check-hf": ["train", "--check", "--hf-config", "path/to/config.json", "--out", "runs/check", *TRAIN],
 }
-OUT = {"train": "runs/train", "resume-same": "runs/same", "resume-cp4": "runs/cp4",
-       "resume-per-doc-ring": "runs/resumed", "check-hf": "runs/check"}
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,8 @@ def make_runs(root: Path) -> dict[str, Run]:
             with open(out_path, "w") as out, open(err_path, "w") as err, \
                     contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 rc = main(argv)
-            runs[name] = Run(rc, out_path.read_text(), err_path.read_text(), root / OUT[name])
+            out_dir = argv[argv.index("--out") + 1] if "--out" in argv else TrainConfig.out  # the run's --out
+            runs[name] = Run(rc, out_path.read_text(), err_path.read_text(), root / out_dir)
     finally:
         os.chdir(cwd)
     return runs
