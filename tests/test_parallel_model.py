@@ -1,5 +1,5 @@
-"""The parallel Llama on a (dp, cp, tp) mesh against the single-process model: loss and every gradient; the
-parameter-layout table against the single-process parameters."""
+"""The parallel Llama on a (dp, cp, ulysses, tp) mesh against the single-process model: loss and every gradient,
+checkpoints across meshes; the parameter-layout table against the single-process parameters."""
 
 from __future__ import annotations
 
@@ -8,29 +8,81 @@ import itertools
 import pytest
 import torch
 
-from dist_harness import run_ranks
+from dist_harness import SpawnCache
 from flashpar.models import Llama, LlamaConfig
 from flashpar.models.layout import layout_of, mesh_name
-from train_workers import check_meshes, vocab_loss_cases
+from flashpar.models.parallel import ulysses_qkv_rows
+from train_workers import check_meshes, checkpoint_across_meshes, vocab_loss_cases
 
-MESH_CASES = [((1, 2, 2), "zero3", True), ((2, 2, 1), "zero3", True), ((2, 1, 2), "zero3", True),
-              ((4, 1, 1), "zero3", True), ((1, 4, 1), "zero3", True), ((2, 2, 1), "replicate", True),
-              ((2, 1, 2), "replicate", False), ((1, 2, 2), "zero3", False)]
+# (dp, cp, ulysses, tp), dp mode, model (train_workers.MODELS) -> world size
+MESH_CASES = {
+    4: [((1, 2, 1, 2), "zero3", "base"), ((2, 2, 1, 1), "zero3", "base"), ((2, 1, 1, 2), "zero3", "base"),
+        ((4, 1, 1, 1), "zero3", "base"), ((1, 4, 1, 1), "zero3", "base"), ((2, 2, 1, 1), "replicate", "base"),
+        ((2, 1, 1, 2), "replicate", "untied"), ((1, 2, 1, 2), "zero3", "untied"),
+        # Ulysses inside cp; with ZeRO-3 over dp (MLP rows, attention whole); 2 kv heads replicated on 4 ranks
+        ((1, 2, 2, 1), "zero3", "base"), ((2, 1, 2, 1), "zero3", "base"), ((2, 1, 2, 1), "replicate", "untied"),
+        ((1, 1, 4, 1), "zero3", "base"), ((1, 1, 4, 1), "zero3", "untied")],
+    3: [((1, 1, 3, 1), "zero3", "heads6"), ((1, 1, 3, 1), "zero3", "heads6-mqa")],
+    2: [((1, 1, 2, 1), "zero3", "base"), ((1, 1, 2, 1), "replicate", "untied")],
+}
+CASE_IDS = [(n, case) for n, cases in MESH_CASES.items() for case in cases]
+# saved on a Ulysses mesh after one step, loaded on a tp mesh, a ZeRO-3 + Ulysses mesh and the same mesh
+CHECKPOINT_MESHES = ((1, 2, 2, 1), [(1, 2, 1, 2), (2, 1, 2, 1), (1, 2, 2, 1)])
+
+
+def _calls(n: int) -> list[tuple]:
+    calls = [("meshes", check_meshes, MESH_CASES[n])]
+    # the vocabulary cases last: their groups of 1..4 ranks leave the ranks with different numbers of groups,
+    # and torch names a later point-to-point twin group (flashpar.dist.p2p_group) by that number
+    return calls + [("checkpoint", checkpoint_across_meshes, *CHECKPOINT_MESHES), ("vocab", vocab_loss_cases)] \
+        if n == 4 else calls
 
 
 @pytest.fixture(scope="module")
-def mesh_results():
-    """Every case of ``MESH_CASES`` on 4 ranks, in one spawn: per case, each rank's (errors over TOL, count)."""
-    per_rank = run_ranks(4, check_meshes, MESH_CASES)
-    return {case: [r[i] for r in per_rank] for i, case in enumerate(MESH_CASES)}
+def spawned():
+    return SpawnCache(_calls, timeout=600.0)  # one spawn per world size for every test below
 
 
-@pytest.mark.parametrize("shape, dp_mode, tie", MESH_CASES)
-def test_parallel_model_matches_single_process(mesh_results, shape, dp_mode, tie):
-    per_rank = mesh_results[(shape, dp_mode, tie)]
+@pytest.mark.parametrize("n, case", CASE_IDS, ids=[f"{n}-{c}" for n, c in CASE_IDS])
+def test_parallel_model_matches_single_process(spawned, n, case):
+    """``one_step``'s loss and every gradient within ``flashpar.train.check.TOL`` (1e-4: fp32, the mesh only
+    reorders sums, measured <= 6e-7; a gradient not summed over the ulysses ranks, or a kv head read from the
+    wrong group, is O(1))."""
+    per_rank = [out[MESH_CASES[n].index(case)] for out in spawned(n)["meshes"]]
     bad = {r: errs for r, (errs, _) in enumerate(per_rank) if errs}
     # loss, 9 tensors per block, embedding, final norm (and the head when untied)
-    assert per_rank[0][1] == 1 + 9 * 2 + 2 + (not tie) and not bad, bad
+    assert per_rank[0][1] == 1 + 9 * 2 + 2 + (case[2] == "untied") and not bad, bad
+
+
+def test_checkpoint_of_a_ulysses_mesh_loads_on_other_meshes(spawned):
+    """DCP save after one AdamW step on (dp, cp, ulysses, tp) = (1, 2, 2, 1), load on each mesh of
+    ``CHECKPOINT_MESHES``: the loaded model's full weights and moments (``to_full``) equal the saved ones
+    exactly (pure copies and indexing), and its next loss equals the saved model's within fp32 reordering."""
+    for rank, cases in enumerate(spawned(4)["checkpoint"]):
+        assert [shape for shape, *_ in cases] == CHECKPOINT_MESHES[1], cases
+        for shape, differ, loss_saved, loss_loaded in cases:
+            assert differ == 0.0, (rank, shape, differ)
+            # 1e-5: the same weights on another mesh only reorder fp32 sums (measured ~1e-7)
+            assert loss_loaded == pytest.approx(loss_saved, rel=1e-5), (rank, shape)
+
+
+def test_ulysses_qkv_rows_take_each_head_groups_rows():
+    """Head group g holds q heads [g H/U, (g+1) H/U) and its kv head(s): every q row once, every kv row in
+    U / H_kv groups when H_kv < U (replicated), once when H_kv >= U."""
+    for heads, kv_heads, n in [(4, 2, 2), (4, 2, 4), (6, 3, 3), (6, 1, 3), (8, 8, 4)]:
+        cfg = LlamaConfig(hidden=8 * heads, heads=heads, kv_heads=kv_heads)
+        d, hq, hk = cfg.head_dim, heads // n, max(kv_heads // n, 1)
+        rows = ulysses_qkv_rows(cfg, n)
+        per_group = (hq + 2 * hk) * d
+        assert len(rows) == n * per_group
+        for g in range(n):
+            mine = rows[g * per_group : (g + 1) * per_group]
+            assert mine[: hq * d] == list(range(g * hq * d, (g + 1) * hq * d))
+            kv = (g * hk if kv_heads >= n else g * kv_heads // n) * d
+            assert mine[hq * d : (hq + hk) * d] == list(range(heads * d + kv, heads * d + kv + hk * d))
+            assert mine[(hq + hk) * d :] == [r + kv_heads * d for r in mine[hq * d : (hq + hk) * d]]
+        counts = torch.bincount(torch.tensor(rows), minlength=(heads + 2 * kv_heads) * d)
+        assert (counts[: heads * d] == 1).all() and (counts[heads * d :] == max(n // kv_heads, 1)).all()
 
 
 def _unshard_everywhere(layout, shards, cfg, n):
@@ -70,12 +122,12 @@ def test_layout_table_shards_tile_every_parameter_and_unshard_inverts(tp):
         layout_of("lm_head.weight")
 
 
-def test_vocabulary_parallel_loss_matches_float64_cross_entropy_at_tp_1_to_4():
+def test_vocabulary_parallel_loss_matches_float64_cross_entropy_at_tp_1_to_4(spawned):
     """Loss (summed over the tp ranks) and each rank's logit gradient against ``F.cross_entropy`` of the full
     float64 logits.  The loss computes in fp32 (``logits.float()``): ~1e-7 relative over 12 vocabulary
     columns and 10 rows, so 1e-5; a sum not all-reduced (forward or backward) is an O(1) error.  No
     FutureWarning: the all-reduces are ``flashpar.models.vocab``'s own autograd function."""
-    per_rank = run_ranks(4, vocab_loss_cases)
+    per_rank = spawned(4)["vocab"]
     assert [tp for tp, *_ in per_rank[0]] == [1, 2, 3, 4] and [len(r) for r in per_rank] == [4, 3, 2, 1]
     for rank, cases in enumerate(per_rank):
         for tp, loss_err, grad_err, future in cases:

@@ -12,9 +12,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from flashpar.models import LlamaConfig
+from flashpar.models.parallel import MESH_DIMS
 from flashpar.train.check import TOL, one_step
 
 CFG = LlamaConfig(hidden=32, layers=2, heads=4, kv_heads=2, ffn=64)
+MODELS = {  # the model of a case, by name (cases stay short, picklable tuples)
+    "base": CFG,
+    "untied": dataclasses.replace(CFG, tie_embeddings=False),
+    "heads6": dataclasses.replace(CFG, hidden=48, heads=6, kv_heads=3),  # ulysses 3: 2 q heads, 1 kv head per rank
+    "heads6-mqa": dataclasses.replace(CFG, hidden=48, heads=6, kv_heads=1),  # ulysses 3: the kv head on every rank
+}
 
 
 def sequences(dp: int, seed: int = 0):
@@ -32,16 +39,16 @@ def sequences(dp: int, seed: int = 0):
     return out
 
 
-def check_mesh(rank, world, shape, dp_mode="zero3", tie=True, strategy="flashcp", mode="flash"):
-    dp, cpn, tp = shape
-    mesh = init_device_mesh("cpu", (dp, cpn, tp), mesh_dim_names=("dp", "cp", "tp"))
-    cfg = CFG if tie else dataclasses.replace(CFG, tie_embeddings=False)
-    errors = one_step(cfg, mesh, sequences(dp), strategy=strategy, mode=mode, dp_mode=dp_mode)
+def check_mesh(rank, world, shape, dp_mode="zero3", model="base", strategy="flashcp", mode="flash"):
+    """``one_step``'s errors over ``TOL`` and their count on the (dp, cp, ulysses, tp) mesh ``shape``."""
+    dp = shape[0]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS)
+    errors = one_step(MODELS[model], mesh, sequences(dp), strategy=strategy, mode=mode, dp_mode=dp_mode)
     return {k: v for k, v in errors.items() if not v <= TOL}, len(errors)
 
 
 def check_meshes(rank, world, cases):
-    """``check_mesh`` for each ``(shape, dp_mode, tie)`` of ``cases``, in one spawn (start-up is most of a case)."""
+    """``check_mesh`` for each ``(shape, dp_mode, model)`` of ``cases``, in one spawn (start-up is most of a case)."""
     return [check_mesh(rank, world, *case) for case in cases]
 
 
@@ -75,10 +82,10 @@ def train_combinations(rank, world, cases):
     meshes, out = {}, {}
     for shape, strategy, mode, dp_mode in cases:
         if shape not in meshes:
-            meshes[shape] = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "cp", "tp"))
-        mesh, (dp, cpn, tp) = meshes[shape], shape
-        config = TrainConfig(nproc=world, dp=dp, cp=cpn, tp=tp, strategy=strategy, mode=mode, dp_mode=dp_mode,
-                             model=CFG, timeout=60.0)
+            meshes[shape] = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS)
+        mesh, (dp, cpn, ulysses, tp) = meshes[shape], shape
+        config = TrainConfig(nproc=world, dp=dp, cp=cpn, ulysses=ulysses, tp=tp, strategy=strategy, mode=mode,
+                             dp_mode=dp_mode, model=CFG, timeout=60.0)
         batch = sequences(dp)
         count = sum(int((lab != -100).sum()) for _, lab, _ in batch)
         torch.manual_seed(config.seed)  # build's weights, in float64
@@ -138,3 +145,64 @@ def vocab_loss_cases(rank, world):
         out.append((tp, float(abs(total - ref) / ref), float((mine.grad - want).abs().max() / want.abs().max()),
                     [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]))
     return out
+
+
+# ---- a checkpoint of a Ulysses mesh loaded on other meshes (DCP, one spawn) ------------------------------------
+
+
+def checkpoint_across_meshes(rank, world, saved, loaded):
+    """One ``train_step`` on mesh ``saved``, ``checkpoint.save``; then for each mesh of ``loaded``: a fresh model
+    (another seed), ``checkpoint.load``, and ``(shape, max |difference| of the full weights and AdamW moments
+    against the saved model's, loss of the saved model, loss of the loaded one)``; the losses are of one
+    sequence that every dp rank reads (so every mesh computes the same mean)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from flashpar import cp
+    from flashpar.train import checkpoint
+    from flashpar.train.config import TrainConfig
+    from flashpar.train.step import build, forward_backward, train_step
+
+    tokens, labels, doc_lens = sequences(1, seed=1)[0]
+    targets = int((labels != -100).sum())
+
+    def on(shape, seed):
+        dp, cpn, ulysses, tp = shape
+        config = TrainConfig(nproc=world, dp=dp, cp=cpn, ulysses=ulysses, tp=tp, model=CFG, timeout=60.0, seed=seed)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS)
+        _, model, opt = build(config, mesh, torch.device("cpu"))
+        return config, mesh, model, opt
+
+    def shards(mesh):  # this rank's tokens and targets of the sequence, its plan, the global targets
+        plan, c = cp.plan(doc_lens, mesh["cp"].size()), mesh["cp"].get_local_rank()
+        return cp.shard(tokens, plan, c), plan, cp.shard(labels, plan, c), targets * mesh["dp"].size()
+
+    def loss_of(mesh, model):  # the loss summed over the ranks, no update
+        tok, plan, lab, count = shards(mesh)
+        loss = forward_backward(model, tok, lab, plan, count)
+        model.zero_grad(set_to_none=True)
+        dist.all_reduce(loss)
+        return float(loss)
+
+    folder = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(folder)
+    path = Path(folder[0]) / "step_1"
+    try:
+        config, mesh, model, opt = on(saved, 0)
+        tok, plan, lab, count = shards(mesh)
+        train_step(model, opt, tok, lab, plan, count)
+        checkpoint.save(path, model, opt, 1, config)
+        want = checkpoint._full_state(model, opt)
+        out = []
+        for shape in loaded:
+            _, mesh2, model2, opt2 = on(shape, 1)
+            checkpoint.load(path, model2, opt2)
+            got = checkpoint._full_state(model2, opt2)
+            differ = max(float((got[k][n] - t).abs().max()) for k in want if k != "optim" for n, t in want[k].items())
+            out.append((shape, differ, loss_of(mesh, model), loss_of(mesh2, model2)))
+        return out
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(folder[0], ignore_errors=True)

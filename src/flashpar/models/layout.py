@@ -5,23 +5,32 @@ ZeRO-3 and ``flashpar train --check``.
 ``blocks.3.qkv.weight`` -> ``qkv``).  With ``rows_t`` = ``shard_rows(R, tp, t)`` (``flashpar.rows``),
 tp rank ``t`` of ``tp`` holds:
 
-    kind          tp rank t holds                                       gradient summed over   ZeRO-3 (dp rows)
-    FusedRows     cat_p W_p[rows_t]   (q, k, v  or  gate, up)           cp x dp ranks of t     yes
-    Columns       W[:, cols_t]        (o_proj, down)                    cp x dp ranks of t     yes
-    Rows          W[rows_t]           (embedding, head: vocabulary)     cp x dp ranks of t     no
-    Replicated    W                   (norms)                           the whole mesh         no
+    kind          tp rank t holds                                     gradient summed over     ZeRO-3 (dp rows)
+    FusedRows     cat_p W_p[rows_t]   (q, k, v  or  gate, up)         dp x cp x ulysses of t   yes (q, k, v: *)
+    Columns       W[:, cols_t]        (o_proj, down)                  dp x cp x ulysses of t   yes (o_proj: *)
+    Rows          W[rows_t]           (embedding, head: vocabulary)   dp x cp x ulysses of t   no
+    Replicated    W                   (norms)                         the whole mesh           no
+
+    * not under Ulysses (``ulysses_whole``, below)
 
 A fused parameter stacks, per tp rank, its rows of several single-process parameters
 (``blocks.3.qkv.weight`` holds rows of ``blocks.3.q_proj.weight``, ``k_proj`` and ``v_proj``), so one
 all-gather feeds all of them.  With ZeRO-3 each dp rank keeps only its rows ``shard_rows(R_t, dp, d)``
 of a ``zero`` parameter's tp shard (``flashpar.models.zero``).  ``label`` names the parameter's row of
 ``--check``'s table.
+
+Under Ulysses (``ulysses > 1``, then ``tp = 1``: both split the attention heads) every rank holds
+the attention projections whole (``ulysses_whole``): the GEMM fused with the all-to-all
+(``flashpar.overlap.a2a``) computes every head group's projection of the rank's tokens, so it
+needs all of the weight, and ZeRO-3 does not split them; their gradients (each rank's tokens'
+terms) are summed over dp x cp x ulysses.  The q/k/v weight stays ``cat(q, k, v)``; the model
+regroups it by head group on the fly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +49,8 @@ class Replicated:
     label: str
     tp_dim = None  # the dim split over tp
     zero = False  # ZeRO-3 splits the tp shard's rows over dp
+    # an attention projection: under Ulysses whole on every rank, never ZeRO-3 rows
+    ulysses_whole: bool = field(default=False, kw_only=True)
 
     def parts(self, key: str) -> tuple[str, ...]:
         """The single-process modules this parameter is made of."""
@@ -53,13 +64,18 @@ class Replicated:
         """The single-process tensors of ``parts`` from every tp rank's ``local`` (the inverse of ``shard``)."""
         return [local.detach().clone()]
 
-    def grad_sum(self, zero3: bool) -> str:
+    def zero_rows(self, zero3: bool, ulysses: bool = False) -> bool:
+        """Whether a dp rank keeps only its ZeRO-3 rows of the tp shard (``zero3``: ZeRO-3 over dp > 1;
+        ``ulysses``: the mesh has ulysses > 1, where the attention projections stay whole)."""
+        return zero3 and self.zero and not (ulysses and self.ulysses_whole)
+
+    def grad_sum(self, zero3: bool, ulysses: bool = False) -> str:
         """The ranks that hold a copy, over which the gradient is summed: ``copy`` (the whole mesh),
-        ``shard`` (the cp x dp ranks of this tp index) or ``zero`` (ZeRO-3 rows, whose reduce-scatter already
-        summed over dp: the cp group)."""
+        ``shard`` (the dp x cp x ulysses ranks of this tp index) or ``zero`` (ZeRO-3 rows, whose
+        reduce-scatter already summed over dp: the cp x ulysses ranks of this dp and tp index)."""
         if self.tp_dim is None:
             return "copy"
-        return "zero" if zero3 and self.zero else "shard"
+        return "zero" if self.zero_rows(zero3, ulysses) else "shard"
 
 
 @dataclass(frozen=True)
@@ -119,8 +135,9 @@ LAYOUT: dict[str, Replicated] = {  # in the order of --check's rows
     "embed": Rows("embedding"),
     "attn_norm": Replicated("attention norm"),
     "qkv": FusedRows("q/k/v", ("q_proj", "k_proj", "v_proj"),
-                     lambda c: (c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim)),
-    "o_proj": Columns("attention out"),
+                     lambda c: (c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim),
+                     ulysses_whole=True),
+    "o_proj": Columns("attention out", ulysses_whole=True),
     "mlp_norm": Replicated("mlp norm"),
     "gate_up": FusedRows("gate/up", ("gate", "up"), lambda c: (c.ffn, c.ffn)),
     "down": Columns("mlp down"),

@@ -1,10 +1,15 @@
-"""The Llama decoder on a (dp, cp, tp) device mesh: tensor + sequence parallel, context parallel, data parallel.
+"""The Llama decoder on a (dp, cp, ulysses, tp) device mesh: tensor + sequence parallel, Ulysses, context
+parallel, data parallel.
 
 One rank holds, of one packed sequence and its ``CPPlan`` over the ``cp`` ranks:
 
-    cp:  the tokens ``plan.local_indices(cp_rank)`` (T_cp of them, in the plan's local order)
-    tp:  a contiguous block of those rows between the blocks (``split_sizes``, sequence parallel),
-         all of them and 1/tp of the heads / FFN columns inside attention and the MLP
+    cp:       the tokens ``plan.local_indices(cp_rank)`` (T_cp of them, in the plan's local order)
+    ulysses:  the contiguous block ``row_sizes(T_cp, U)[u]`` of those (T_u; all of them when U = 1) between
+              the attention blocks, and all T_cp tokens for 1/U of the heads inside attention
+    tp:       a contiguous block of the T_u rows between the blocks (``split_sizes``, sequence parallel),
+              all of them and 1/tp of the heads / FFN columns inside attention and the MLP
+
+Tensor parallelism (U = 1):
 
     x_shard   = reduce_scatter_tp(embed_t(tokens))                          [T_cp/tp, h]   (vocab rows t)
     qkv       = all_gather_matmul(norm(x_shard), w_qkv[tp rank])            [T_cp, (H + 2 H_kv) D / tp]
@@ -13,6 +18,27 @@ One rank holds, of one packed sequence and its ``CPPlan`` over the ``cp`` ranks:
     x_shard  += matmul_reduce_scatter(silu(g) u, w_down[:, tp rank]),  (g, u) = all_gather_matmul(norm(x_shard), w_gu)
     logits_t  = all_gather_matmul(norm(x_shard), head_t)                   [T_cp, vocab / tp]
     loss      = vocab-parallel cross-entropy of this tp rank's rows        (``flashpar.models.vocab``)
+
+Ulysses (U > 1, tp = 1: both split the heads, so they do not compose here), USP style: Ulysses inside,
+context parallelism outside.  Ulysses rank u of the cp rank attends with head group u (``head_layout``:
+H / U query heads, max(H_kv / U, 1) kv heads; fewer kv heads than U are replicated):
+
+    x_u       = embed(tokens[block u])                                      [T_u, h]
+    qkv       = matmul_all_to_all(norm(x_u), w_qkv grouped by head group)   [T_cp, (H / U + 2 h_kv) D]
+    o         = cp.attention(rope(q), rope(k), v, plan, group=cp)          [T_cp, H / U, D]
+    x_u      += all_to_all_matmul(o, w_o)                                   [T_u, h]
+    x_u      += down(silu(g) u),  (g, u) = gate_up(norm(x_u))               (the rows T_u; ZeRO-3 over dp)
+    loss      = cross-entropy of the rows T_u
+
+The all-to-alls are FlashOverlap's (``flashpar.overlap.a2a``: each fused with the projection on its
+side); the rope positions of all T_cp tokens are the plan's (``plan.position_ids(cp_rank)``), known
+on every rank.  ``w_qkv`` stays ``cat(q, k, v)``; each forward regroups its rows by head group
+(``ulysses_qkv_rows``: [q_g; k_g; v_g] for g = 0..U-1), and the autograd of that gather sums the
+gradient of a kv head replicated on several groups.
+
+    ulysses rank u of U = 2 (one cp rank):  rows T_0 | T_1  --a2a-->  heads 0..H/2 | H/2..H of T_0 T_1
+    in flight (matmul_all_to_all, flash):   lane: x_u W_{1-u} -> peer, T_{1-u} W_u <- peer
+                                            main: x_u W_{1-u}  then  x_u W_u (own group, covers the send)
 
 The all-gathers and reduce-scatters are FlashOverlap's (``mode``), the K/V exchange FlashCP's.
 The fused QKV (and gate / up) weight of a tp rank stacks its heads' rows of q, k and v, so one
@@ -23,12 +49,13 @@ by loading (``shard_of``), checkpoints (``to_full``), the gradient sums and ``--
 Data parallelism: ``dp_mode="zero3"`` (the default) keeps on each dp rank only its rows of the tp
 shards (and their optimizer state), gathered over dp before use and reduce-scattered in backward
 (``flashpar.models.zero``); ``"replicate"`` keeps whole copies.  Embedding, head (vocabulary
-rows of the tp rank) and norms are not split over dp.
+rows of the tp rank) and norms are not split over dp; under Ulysses neither are the attention
+projections (the GEMM fused with the all-to-all needs the whole weight).
 
 Gradients: a parameter's gradient on a rank covers that rank's tokens only, and the loss is
 normalised by the global number of targets, so gradients are summed over every rank that holds a
-copy (``reduce_grads``): the tp shards over the cp x dp ranks of their tp index (ZeRO-3 rows: over
-cp, the reduce-scatter summed over dp), the norms over the whole mesh.
+copy (``reduce_grads``): the tp shards over the dp x cp x ulysses ranks of their tp index (ZeRO-3
+rows: over cp x ulysses, the reduce-scatter summed over dp), the norms over the whole mesh.
 """
 
 from __future__ import annotations
@@ -45,16 +72,53 @@ from flashpar.models.layout import LAYOUT, layout_of
 from flashpar.models.llama import Llama, RMSNorm, rope
 from flashpar.models.vocab import embed_rows, vocab_parallel_loss
 from flashpar.models.zero import gather_rows
+from flashpar.overlap.a2a import all_to_all_matmul, matmul_all_to_all
 from flashpar.overlap.ops import all_gather_matmul
+from flashpar.overlap.ulysses import head_layout
 from flashpar.rows import row_sizes, shard_rows
+
+MESH_DIMS = ("dp", "cp", "ulysses", "tp")  # the mesh's dims, outermost first (a mesh without "ulysses": U = 1)
+
+
+def ulysses_qkv_rows(cfg: LlamaConfig, n: int) -> list[int]:
+    """Rows of ``w_qkv = cat(q, k, v)`` laid out by head group: ``[q_g; k_g; v_g]`` for ``g = 0..n-1``
+    (``head_layout``: H / n query heads and max(H_kv / n, 1) kv heads per group; with H_kv < n kv head
+    ``g // (n / H_kv)``, so a kv head appears in ``n / H_kv`` groups)."""
+    hq, hk = head_layout(cfg.heads, cfg.kv_heads, n)
+    d, k0, v0 = cfg.head_dim, cfg.heads * cfg.head_dim, (cfg.heads + cfg.kv_heads) * cfg.head_dim
+    rows = []
+    for g in range(n):
+        kv = g * hk if cfg.kv_heads >= n else g // (n // cfg.kv_heads)
+        q_rows = range(g * hq * d, (g + 1) * hq * d)
+        kv_rows = range(kv * d, (kv + hk) * d)
+        rows += [*q_rows, *(k0 + r for r in kv_rows), *(v0 + r for r in kv_rows)]
+    return rows
+
+
+class WholeProjection(nn.Module):
+    """A projection weight ``[out, in]`` held whole on every rank (Ulysses: the GEMM fused with the all-to-all
+    computes every head group's part of the rank's tokens); the block calls the fused op on it."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features))  # filled by ParallelLlama.load_full
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, whole"
 
 
 class ParallelBlock(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp_group, cp_group, mode: str, timeout_s: float, dp_group=None) -> None:
+    def __init__(self, cfg: LlamaConfig, tp_group, cp_group, mode: str, timeout_s: float, dp_group=None,
+                 ulysses_group=None) -> None:
         super().__init__()
         tp = dist.get_world_size(tp_group) if tp_group is not None else 1
-        self.cfg, self.tp, self.cp_group = cfg, tp, cp_group
-        self.heads, self.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
+        u = dist.get_world_size(ulysses_group) if ulysses_group is not None else 1
+        self.cfg, self.tp, self.cp_group, self.mode = cfg, tp, cp_group, mode
+        self.ulysses_group = ulysses_group if u > 1 else None
+        if self.ulysses_group is None:
+            self.heads, self.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
+        else:
+            self.heads, self.kv_heads = head_layout(cfg.heads, cfg.kv_heads, u)
         h, d = cfg.hidden, cfg.head_dim
         self.attn_norm = RMSNorm(h, cfg.norm_eps)
         kw = {"bias": False, "group": tp_group, "mode": mode, "timeout_s": timeout_s}
@@ -62,28 +126,47 @@ class ParallelBlock(nn.Module):
         zero3 = dp_group is not None  # ZeRO-3: each dp rank keeps rows of the tp shards
         if zero3:
             kw["dp_group"] = dp_group
-        self.qkv = LAYOUT["qkv"].linear(zero3)(h, (cfg.heads + 2 * cfg.kv_heads) * d, **kw)
-        self.o_proj = LAYOUT["o_proj"].linear(zero3)(cfg.heads * d, h, **kw)
+        qkv_rows = (cfg.heads + 2 * cfg.kv_heads) * d
+        if self.ulysses_group is None:
+            self.qkv = LAYOUT["qkv"].linear(zero3)(h, qkv_rows, **kw)
+            self.o_proj = LAYOUT["o_proj"].linear(zero3)(cfg.heads * d, h, **kw)
+        else:  # whole on every rank (LAYOUT's ulysses_whole); q/k/v rows regrouped by head group per forward
+            self.qkv, self.o_proj = WholeProjection(h, qkv_rows), WholeProjection(cfg.heads * d, h)
+            self.register_buffer("qkv_rows", torch.tensor(ulysses_qkv_rows(cfg, u)), persistent=False)
         self.mlp_norm = RMSNorm(h, cfg.norm_eps)
         self.gate_up = LAYOUT["gate_up"].linear(zero3)(h, 2 * cfg.ffn, **kw)
         self.down = LAYOUT["down"].linear(zero3)(cfg.ffn, h, **kw)
         self.kv_counter: cp.CommCounter | None = None  # set by ParallelLlama: K/V bytes of cp.attention
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, plan, split: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, plan, split: list[int],
+                blocks: list[int]) -> torch.Tensor:
+        """``x`` this rank's rows; ``split`` the tp ranks' rows of the ulysses rank's block, ``blocks`` the
+        ulysses ranks' blocks of the cp rank's T_cp tokens (``positions``: all T_cp of them)."""
         cfg, d, t = self.cfg, self.cfg.head_dim, positions.shape[0]
-        qkv = self.qkv(self.attn_norm(x), split_sizes=split)
+        a = self.attn_norm(x)
+        if self.ulysses_group is None:  # every token of the cp rank, this tp rank's heads
+            qkv = self.qkv(a, split_sizes=split)
+        else:  # every token of the cp rank, this ulysses rank's head group
+            qkv = matmul_all_to_all(a, self.qkv.weight.index_select(0, self.qkv_rows), group=self.ulysses_group,
+                                    mode=self.mode, split_sizes=blocks, timeout_s=self.timeout_s)
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q = rope(q.reshape(t, self.heads, d), positions, cfg.rope_theta)
         k = rope(k.reshape(t, self.kv_heads, d), positions, cfg.rope_theta)
         o = cp.attention(q, k, v.reshape(t, self.kv_heads, d), plan, group=self.cp_group, counter=self.kv_counter,
-                         timeout_s=self.timeout_s)
-        x = x + self.o_proj(o.reshape(t, -1), split_sizes=split)
+                         timeout_s=self.timeout_s).reshape(t, -1)
+        if self.ulysses_group is None:
+            x = x + self.o_proj(o, split_sizes=split)
+        else:  # back to this rank's rows: head group g's columns of w_o are [g H/U D, (g + 1) H/U D)
+            x = x + all_to_all_matmul(o, self.o_proj.weight, group=self.ulysses_group, mode=self.mode,
+                                      split_sizes=blocks, timeout_s=self.timeout_s)
         g, u = self.gate_up(self.mlp_norm(x), split_sizes=split).chunk(2, dim=-1)
         return x + self.down(F.silu(g) * u, split_sizes=split)
 
 
 class ParallelLlama(nn.Module):
-    """The decoder on a mesh with dims ``("dp", "cp", "tp")`` (any of them may have size 1)."""
+    """The decoder on a mesh with dims ``MESH_DIMS = ("dp", "cp", "ulysses", "tp")`` (any of them may have size
+    1; a mesh without ``"ulysses"`` is one with U = 1).  Ulysses and tensor parallelism both split the heads:
+    ulysses > 1 needs tp = 1."""
 
     def __init__(self, cfg: LlamaConfig, mesh, *, mode: str = "flash", timeout_s: float = DEFAULT_TIMEOUT_S,
                  dp_mode: str = "zero3") -> None:
@@ -97,17 +180,30 @@ class ParallelLlama(nn.Module):
         self.tp_group, self.cp_group = mesh["tp"].get_group(), mesh["cp"].get_group()
         self.tp, self.tp_rank = mesh["tp"].size(), mesh["tp"].get_local_rank()
         self.cp_rank = mesh["cp"].get_local_rank()
+        has_u = "ulysses" in (mesh.mesh_dim_names or ())
+        self.ulysses, self.u_rank = (mesh["ulysses"].size(), mesh["ulysses"].get_local_rank()) if has_u else (1, 0)
+        ulysses_group = mesh["ulysses"].get_group() if self.ulysses > 1 else None
+        if self.ulysses > 1 and self.tp > 1:
+            raise ValueError(f"ParallelLlama: ulysses = {self.ulysses} and tp = {self.tp} both > 1 is not supported "
+                             "(both split the attention heads)")
+        if self.ulysses > 1 and mode == "ring":
+            raise ValueError("ParallelLlama: mode 'ring' does not apply to the Ulysses all-to-alls")
         for name, size in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads), ("ffn", cfg.ffn),
                            ("vocab_size", cfg.vocab_size)):
             if size % self.tp:
                 raise ValueError(f"ParallelLlama: {name} = {size} is not divisible by tp = {self.tp}")
+        if self.ulysses > 1:
+            try:
+                head_layout(cfg.heads, cfg.kv_heads, self.ulysses)
+            except ValueError as err:
+                raise ValueError(f"ParallelLlama: ulysses = {self.ulysses}: {err}") from None
         self.mode, self.vocab_lo = mode, self.tp_rank * cfg.vocab_size // self.tp
         self.embed = nn.Embedding(cfg.vocab_size // self.tp, cfg.hidden)  # this tp rank's vocabulary rows
-        self.blocks = nn.ModuleList(ParallelBlock(cfg, self.tp_group, self.cp_group, mode, timeout_s, dp_group)
-                                    for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(ParallelBlock(cfg, self.tp_group, self.cp_group, mode, timeout_s, dp_group,
+                                                  ulysses_group) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab_size // self.tp, bias=False)
-        self._sum_groups = _sum_groups(mesh)
+        self._sum_groups = _sum_groups(mesh, self.zero)
         self.kv_counter = cp.CommCounter()  # bytes this rank's attention sent and received, all layers
         for block in self.blocks:
             block.kv_counter = self.kv_counter
@@ -126,7 +222,7 @@ class ParallelLlama(nn.Module):
         """This rank's part of parameter ``name`` built from the full model's tensors ``full``."""
         layout, names = layout_of(name)
         part = layout.shard([full[n] for n in names], self.tp_rank, self.tp)
-        if self.zero and layout.zero:
+        if layout.zero_rows(self.zero, self.ulysses > 1):
             lo, hi = shard_rows(part.shape[0], self.dp, self.dp_rank)
             part = part[lo:hi]
         return part
@@ -144,7 +240,7 @@ class ParallelLlama(nn.Module):
         modules = dict(self.named_modules())
         for name, g in local.items():
             layout, names = layout_of(name)
-            if self.zero and layout.zero:  # the dp rows first: the whole tp shard
+            if layout.zero_rows(self.zero, self.ulysses > 1):  # the dp rows first: the whole tp shard
                 rows = modules[name.rsplit(".", 1)[0]].total_rows
                 with torch.no_grad():
                     g = gather_rows(g.detach(), self.mesh["dp"].get_group(), rows)
@@ -163,7 +259,7 @@ class ParallelLlama(nn.Module):
         for name, p in self.named_parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            group = self._sum_groups[layout_of(name)[0].grad_sum(self.zero)]
+            group = self._sum_groups[layout_of(name)[0].grad_sum(self.zero, self.ulysses > 1)]
             if group is not None:
                 dist.all_reduce(p.grad, group=group)
 
@@ -174,34 +270,53 @@ class ParallelLlama(nn.Module):
         """This rank's share of the loss: ``tokens_cp`` / ``labels_cp`` are the cp rank's tokens and targets
         (``cp.shard(x, plan, cp_rank)``), ``count`` the global batch's number of targets; the shares of all
         ranks add up to the mean next-token loss."""
-        split = row_sizes(tokens_cp.shape[0], self.tp)
+        blocks = row_sizes(tokens_cp.shape[0], self.ulysses)  # the ulysses ranks' rows (U = 1: all of them)
+        lo = sum(blocks[: self.u_rank])
+        tokens_u, labels_u = tokens_cp[lo : lo + blocks[self.u_rank]], labels_cp[lo : lo + blocks[self.u_rank]]
+        split = row_sizes(tokens_u.shape[0], self.tp)  # the tp ranks' rows of them
         start = sum(split[: self.tp_rank])
         rows = slice(start, start + split[self.tp_rank])
-        positions = plan.position_ids(self.cp_rank).to(tokens_cp.device)
-        x = embed_rows(tokens_cp, self.embed.weight, self.vocab_lo, self.tp_group)
+        positions = plan.position_ids(self.cp_rank).to(tokens_cp.device)  # all T_cp: attention sees every token
+        x = embed_rows(tokens_u, self.embed.weight, self.vocab_lo, self.tp_group)
         for block in self.blocks:
-            x = block(x, positions, plan, split)
+            x = block(x, positions, plan, split, blocks)
         head = self.embed.weight if self.head is None else self.head.weight
         logits = all_gather_matmul(self.norm(x), head, None, group=self.tp_group, mode=self.mode, split_sizes=split)
-        return vocab_parallel_loss(logits, labels_cp, self.vocab_lo, self.tp_group, rows, count)
+        return vocab_parallel_loss(logits, labels_u, self.vocab_lo, self.tp_group, rows, count)
 
 
-def _sum_groups(mesh) -> dict[str, dist.ProcessGroup | None]:
+def _mesh_ranks(mesh) -> torch.Tensor:
+    """The mesh's global ranks as ``[dp, cp, ulysses, tp]`` (a mesh without ``"ulysses"``: U = 1)."""
+    ranks = mesh.mesh
+    if "ulysses" not in (mesh.mesh_dim_names or ()):
+        ranks = ranks.unsqueeze(2)
+    return ranks
+
+
+def _sum_groups(mesh, zero: bool) -> dict[str, dist.ProcessGroup | None]:
     """The ranks a gradient is summed over: ``shard`` (a tp shard: the ranks with this rank's tp index,
-    cp x dp), ``zero`` (a ZeRO-3 row block, whose reduce-scatter already summed over dp: the cp group),
-    ``copy`` (replicated: the whole mesh).  Every rank creates every group in the same order
-    (``new_group`` is collective); ``None`` where the group is this rank alone."""
-    ranks = mesh.mesh  # [dp, cp, tp] global ranks
-    dp, cpn, tp = ranks.shape
+    dp x cp x ulysses), ``zero`` (a ZeRO-3 row block, whose reduce-scatter already summed over dp: the
+    cp x ulysses ranks of this dp and tp index; made only with ``zero``), ``copy`` (replicated: the whole
+    mesh).  Every rank creates every group in the same order (``new_group`` is collective); ``None``
+    where the group is this rank alone."""
+    ranks = _mesh_ranks(mesh)
+    dp, cpn, un, tp = ranks.shape
     me = dist.get_rank()
-    groups: dict[str, dist.ProcessGroup | None] = {"shard": None, "copy": None,
-                                                  "zero": mesh["cp"].get_group() if cpn > 1 else None}
-    if dp * cpn > 1:
-        for t in range(tp):
-            members = ranks[:, :, t].flatten().tolist()
+    groups: dict[str, dist.ProcessGroup | None] = {"shard": None, "copy": None, "zero": None}
+
+    def make(key: str, member_lists: list[list[int]]) -> None:
+        for members in member_lists:
             g = dist.new_group(members)
             if me in members:
-                groups["shard"] = g
-    if dp * cpn * tp > 1:
-        groups["copy"] = dist.new_group(ranks.flatten().tolist())
+                groups[key] = g
+
+    if dp * cpn * un > 1:
+        make("shard", [ranks[..., t].flatten().tolist() for t in range(tp)])
+    if zero and cpn * un > 1:
+        if un == 1:
+            groups["zero"] = mesh["cp"].get_group()
+        else:
+            make("zero", [ranks[d, :, :, t].flatten().tolist() for d in range(dp) for t in range(tp)])
+    if dp * cpn * un * tp > 1:
+        make("copy", [ranks.flatten().tolist()])
     return groups

@@ -28,7 +28,7 @@ def save(path: Path, model, opt, step: int, config: TrainConfig) -> None:
     state = _full_state(model, opt)
     dcp.save(state, checkpoint_id=str(path))
     if dist.get_rank() == 0:
-        meta = {"step": step, "sequences": step * config.dp, "mesh": [config.dp, config.cp, config.tp],
+        meta = {"step": step, "sequences": step * config.dp, "mesh": [config.dp, config.cp, config.ulysses, config.tp],
                 **config.kept()}
         (path / "meta.json").write_text(json.dumps(meta, indent=1))
     dist.barrier()

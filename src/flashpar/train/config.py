@@ -20,6 +20,7 @@ from pathlib import Path
 
 from flashpar.cp import STRATEGIES
 from flashpar.models import LlamaConfig
+from flashpar.overlap.ulysses import head_layout
 
 MODES = ("flash", "ring", "slice", "none", "auto")
 DP_MODES = ("zero3", "replicate")
@@ -34,18 +35,21 @@ def _opt(default, doc: str, **cli):
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """One training run (or ``--check``) on a ``dp x cp x tp`` mesh; see ``flashpar.train.run``."""
+    """One training run (or ``--check``) on a ``dp x cp x ulysses x tp`` mesh; see ``flashpar.train.run``."""
 
     nproc: int = _opt(4, "processes to spawn without torchrun")
     dp: int = _opt(1, "data-parallel size of the mesh")
     cp: int = _opt(2, "context-parallel size of the mesh")
-    tp: int = _opt(2, "tensor-parallel size of the mesh")
+    ulysses: int = _opt(1, "Ulysses size of the mesh: heads split over U ranks by all-to-alls fused with the QKV and "
+                           "output projections, inside each cp rank; needs --tp 1 (both split the heads); the "
+                           "attention projections stay whole on every rank (no ZeRO-3 for them)")
+    tp: int = _opt(2, "tensor-parallel size of the mesh (1 with --ulysses > 1)")
     steps: int = _opt(400, "optimizer steps of the run (a resumed run continues up to this step)")
     seq_len: int = _opt(2048, "tokens per packed sequence")
     strategy: str = _opt("flashcp", "context-parallel plan", choices=STRATEGIES)
     mode: str = _opt("flash", "TP overlap mode", choices=MODES)
-    dp_mode: str = _opt("zero3", "data parallelism: ZeRO-3 rows of the tp weights per dp rank, or whole copies",
-                        choices=DP_MODES)
+    dp_mode: str = _opt("zero3", "data parallelism: ZeRO-3 rows of the tp weights per dp rank (under --ulysses: "
+                                 "of the MLP weights), or whole copies", choices=DP_MODES)
     lr: float = _opt(3e-3, "AdamW learning rate")
     seed: int = _opt(0, "seed of the weights and of the corpus order")
     max_docs: int | None = _opt(None, "use only this many corpus documents", type=int)
@@ -68,8 +72,8 @@ class TrainConfig:
             choices = _FIELDS[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
-        for name, least in (("nproc", 1), ("dp", 1), ("cp", 1), ("tp", 1), ("steps", 1), ("threads", 1),
-                            ("workers", 0), ("save_every", 0)):
+        for name, least in (("nproc", 1), ("dp", 1), ("cp", 1), ("ulysses", 1), ("tp", 1), ("steps", 1),
+                            ("threads", 1), ("workers", 0), ("save_every", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{_flag(name)} must be an integer >= {least}, got {value!r}")
@@ -77,18 +81,31 @@ class TrainConfig:
             raise ValueError(f"timeout and lr must be positive, got timeout {self.timeout}, lr {self.lr}")
         if self.max_docs is not None and self.max_docs < 1:
             raise ValueError(f"max-docs must be None or >= 1, got {self.max_docs}")
+        if self.ulysses > 1 and self.tp > 1:
+            raise ValueError(f"--ulysses and --tp both > 1 is not supported: Ulysses and tensor parallelism both split "
+                             f"the attention heads (got ulysses = {self.ulysses}, tp = {self.tp}); compose Ulysses "
+                             "with --dp and --cp and pass --tp 1")
+        if self.ulysses > 1 and self.mode == "ring":
+            raise ValueError("mode ring does not apply to the Ulysses all-to-alls; with --ulysses use flash, slice, "
+                             "none or auto")
         m = self.model
         for name, size in (("heads", m.heads), ("kv heads", m.kv_heads), ("FFN size", m.ffn),
                            ("vocabulary size", m.vocab_size)):
             if size % self.tp:
                 raise ValueError(f"{name} = {size} is not divisible by tp = {self.tp}")
-        if self.seq_len < 2 * self.cp * self.tp:
-            raise ValueError(f"seq-len {self.seq_len} is too short for cp = {self.cp} x tp = {self.tp} "
-                             f"(at least {2 * self.cp * self.tp} tokens)")
+        if self.ulysses > 1:
+            try:
+                head_layout(m.heads, m.kv_heads, self.ulysses)
+            except ValueError as err:
+                raise ValueError(f"ulysses = {self.ulysses}: {err}") from None
+        seq_ranks = self.cp * self.ulysses * self.tp
+        if self.seq_len < 2 * seq_ranks:
+            raise ValueError(f"seq-len {self.seq_len} is too short for cp = {self.cp} x ulysses = {self.ulysses} x "
+                             f"tp = {self.tp} (at least {2 * seq_ranks} tokens)")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.cp * self.tp
+        return self.dp * self.cp * self.ulysses * self.tp
 
     def kept(self) -> dict:
         """What a resumed run must share with the checkpoint's run (model, data and seed), as JSON values."""
@@ -135,8 +152,8 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
     """Check what the run needs around it, before any process starts; returns ``config`` with ``resume``
     resolved to one checkpoint folder.  ``ValueError`` / ``FileNotFoundError`` with one line."""
     if config.world_size != world_size:
-        raise ValueError(f"mesh dp x cp x tp = {config.dp} x {config.cp} x {config.tp} = {config.world_size} "
-                         f"does not match the {world_size} processes")
+        raise ValueError(f"mesh dp x cp x ulysses x tp = {config.dp} x {config.cp} x {config.ulysses} x {config.tp} "
+                         f"= {config.world_size} does not match the {world_size} processes")
     if config.device == "cuda":
         import torch
 

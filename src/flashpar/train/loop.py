@@ -1,9 +1,10 @@
 """The training loop of one rank: mesh, model, data, steps and their bookkeeping (see ``flashpar.train.run``).
 
-Per step, on every rank of the (dp, cp, tp) mesh: the dp rank's packed sequence and its plan (made
-in a data-loader worker), this cp rank's tokens, and ``train_step`` (``flashpar.train.step``: the
-model's forward on this tp rank's rows, the next-token loss normalised by the global batch's
-targets, backward, gradients summed over copies, AdamW).  Around it the loop keeps the books:
+Per step, on every rank of the (dp, cp, ulysses, tp) mesh: the dp rank's packed sequence and its plan
+(made in a data-loader worker), this cp rank's tokens, and ``train_step`` (``flashpar.train.step``: the
+model's forward on this ulysses and tp rank's rows, which the model takes from the cp rank's tokens,
+the next-token loss normalised by the global batch's targets, backward, gradients summed over copies,
+AdamW).  Around it the loop keeps the books:
 rank 0 reports a ``StepMetrics`` (loss summed over ranks, tokens/s, MFU, the K/V the plans moved)
 to ``metrics.jsonl`` and the progress bar; checkpoints, the trace of the third step and the plot.
 ``Hooks`` are callables the loop runs on every rank (fault injection for failure drills and tests).
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from flashpar import cp
 from flashpar.cost.calibrate import peak_flops
 from flashpar.cp import CostModel
+from flashpar.models.parallel import MESH_DIMS
 from flashpar.train import checkpoint
 from flashpar.train.config import TrainConfig
 from flashpar.train.data import PackedCorpus, PlannedSequences, make_loader
@@ -61,7 +63,7 @@ def setup(config: TrainConfig):
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(config.threads)
-    mesh = init_device_mesh(device.type, (config.dp, config.cp, config.tp), mesh_dim_names=("dp", "cp", "tp"))
+    mesh = init_device_mesh(device.type, (config.dp, config.cp, config.ulysses, config.tp), mesh_dim_names=MESH_DIMS)
     return device, mesh
 
 

@@ -49,6 +49,7 @@ def summary(history: list[StepMetrics], wall_s: float, config, peak: float) -> d
         "per_doc_kv_bytes": total("per_doc_kv_bytes"), "headtail_kv_bytes": total("headtail_kv_bytes"),
         "est_step_ms": total("est_step_ms"), "per_doc_est_step_ms": total("per_doc_est_step_ms"),
         "headtail_est_step_ms": total("headtail_est_step_ms"),
-        "mesh": {"dp": config.dp, "cp": config.cp, "tp": config.tp}, "strategy": config.strategy,
+        "mesh": {"dp": config.dp, "cp": config.cp, "ulysses": config.ulysses, "tp": config.tp},
+        "strategy": config.strategy,
         "out": config.out,
     }

@@ -164,7 +164,8 @@ def _report(out, config: TrainConfig) -> int:
     if out is None:
         return 0
     if config.check:
-        print(f"check: mesh dp={config.dp} ({config.dp_mode}) cp={config.cp} tp={config.tp}, "
+        ulysses = f"ulysses={config.ulysses} " if config.ulysses > 1 else ""
+        print(f"check: mesh dp={config.dp} ({config.dp_mode}) cp={config.cp} {ulysses}tp={config.tp}, "
               f"strategy {config.strategy}, "
               f"mode {config.mode}, one step against the single-process model (relative error, fp32 bound 1e-4)")
         for name, err, ok in out["rows"]:
@@ -176,7 +177,8 @@ def _report(out, config: TrainConfig) -> int:
     if s["steps"] == 0:
         print(f"nothing to train: the run is already at --steps {config.steps}")
         return 0
-    print(f"\ntrained {s['steps']} steps on mesh dp={s['mesh']['dp']} cp={s['mesh']['cp']} tp={s['mesh']['tp']} "
+    mesh = " ".join(f"{k}={v}" for k, v in s["mesh"].items() if k != "ulysses" or v > 1)  # ulysses: when used
+    print(f"\ntrained {s['steps']} steps on mesh {mesh} "
           f"in {s['wall_s']:.0f} s: loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}, "
           f"{s['tokens_per_s']:.0f} tokens/s, MFU {s['mfu']:.1%} (of a GEMM-probe peak)")
     print(f"{s['strategy']} plans: forward K/V {s['kv_bytes'] / 1e6:.1f} MB sent (plans: "
