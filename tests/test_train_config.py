@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from flashpar.models import LlamaConfig
-from flashpar.train.config import TrainConfig, add_arguments, from_args
+from flashpar.train.config import TrainConfig, add_arguments, from_args, ready
 from flashpar.train.metrics import StepMetrics
 
 
@@ -44,12 +44,34 @@ def test_the_flags_default_to_the_dataclass_and_set_every_field():
     ({"max_docs": 0}, "max-docs must be None or >= 1"),
     ({"model": LlamaConfig(heads=6, kv_heads=3, hidden=96)}, "kv heads = 3 is not divisible by tp = 2"),
     ({"model": LlamaConfig(ffn=75)}, "FFN size = 75 is not divisible by tp = 2"),
-    ({"seq_len": 7}, r"seq-len 7 is too short for cp = 2 x tp = 2 \(at least 8 tokens\)"),
+    ({"seq_len": 7}, r"seq-len 7 is too short for cp = 2 x ulysses = 1 x tp = 2 \(at least 8 tokens\)"),
+    ({"ulysses": 0}, "ulysses must be an integer >= 1, got 0"),
+    ({"ulysses": 2}, "--ulysses and --tp both > 1 is not supported: Ulysses and tensor parallelism both split "
+                     r"the attention heads \(got ulysses = 2, tp = 2\); compose Ulysses with --dp and --cp and pass "
+                     "--tp 1"),
+    ({"ulysses": 2, "tp": 1, "mode": "ring"}, "mode ring does not apply to the Ulysses all-to-alls"),
+    ({"ulysses": 3, "tp": 1}, "ulysses = 3: heads = 4 is not divisible by the sequence-parallel size 3"),
+    ({"ulysses": 4, "tp": 1, "model": LlamaConfig(heads=6, kv_heads=3, hidden=96)},
+     "ulysses = 4: heads = 6 is not divisible"),
+    ({"ulysses": 4, "tp": 1, "model": LlamaConfig(heads=12, kv_heads=3, hidden=96)},
+     r"ulysses = 4: kv_heads = 3 < 4 ranks must divide 4"),
+    ({"ulysses": 2, "tp": 1, "cp": 4, "seq_len": 15}, r"cp = 4 x ulysses = 2 x tp = 1 \(at least 16 tokens\)"),
 ])
 def test_bad_values_are_named_in_one_line(kw, words):
     with pytest.raises(ValueError, match=words) as err:
         TrainConfig(**kw)
     assert "\n" not in str(err.value)
+
+
+def test_ulysses_meshes_are_accepted_and_count_in_the_world_size():
+    """``--ulysses U --tp 1`` with dp and cp: the world is dp x cp x ulysses x tp; fewer kv heads than U
+    (replicated) and heads divisible by 3 at U = 3 are fine."""
+    assert _parse("--ulysses", "2", "--tp", "1").world_size == 4
+    assert TrainConfig(dp=2, cp=2, ulysses=2, tp=1).world_size == 8
+    assert TrainConfig(cp=1, ulysses=4, tp=1, model=LlamaConfig(heads=4, kv_heads=2)).world_size == 4
+    assert TrainConfig(cp=1, ulysses=3, tp=1, model=LlamaConfig(hidden=48, heads=6, kv_heads=3)).world_size == 3
+    with pytest.raises(ValueError, match=r"mesh dp x cp x ulysses x tp = 1 x 2 x 2 x 1 = 4 does not match the 2 "):
+        ready(TrainConfig(ulysses=2, tp=1), 2)
 
 
 def test_step_metrics_line_has_the_fields_and_the_plan_figures():
