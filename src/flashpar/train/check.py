@@ -3,7 +3,7 @@
 Every rank builds the same single-process ``Llama`` (one seed) and the same ``dp`` packed
 sequences; the reference loss and gradients come from that model on all sequences, the loss
 normalised by the global number of targets.  The mesh model takes its shards of the same
-weights, its dp rank's sequence, its cp shard (the plan) and its tp rows, and after one
+weights, its dp rank's sequence, its cp shard (the plan) and its ulysses and tp rows, and after one
 ``forward_backward`` (the step without the optimizer: ``flashpar.train.step``) its loss (summed
 over ranks) and every gradient (tp shards gathered) are compared with the reference: relative
 error ``max |a - b| / max |b|``.
