@@ -1,4 +1,4 @@
-"""``flashpar train``: the Llama-style model on real packed documents with TP-SP or Ulysses + CP + DP, in one command.
+"""``flashpar train``: the Llama-style model on packed documents with TP-SP or Ulysses + CP + DP, in one command.
 
 Without a launcher it checks the arguments, then spawns ``--nproc`` CPU processes on gloo (default
 4: tp=2, cp=2).  Under ``torchrun`` (``RANK`` in the environment) every process is one rank of the
@@ -6,9 +6,10 @@ same job, with NCCL on GPUs when ``--device cuda``.  ``--check`` runs one step o
 against the single-process model instead of training and prints PASS / FAIL per parameter group.
 
 Bad arguments (a mesh whose product is not the world size, heads / kv heads / FFN / vocabulary not
-divisible by tp, heads Ulysses cannot split, ``--ulysses`` and ``--tp`` both > 1, a sequence too short for
-the mesh, an unwritable output folder, no documents, a checkpoint made with other model or data settings, ``--device cuda`` without CUDA) stop with one
-line before any process group starts (``flashpar.train.config``).  A rank that fails makes the
+divisible by tp, heads Ulysses cannot split, ``--ulysses`` and ``--tp`` both > 1, a sequence too short
+for the mesh, an unwritable output folder, no documents, a checkpoint made with other model or data
+settings, ``--device cuda`` without CUDA) stop with one line before any process group starts
+(``flashpar.train.config``).  A rank that fails makes the
 launcher stop the others and print one line naming it and its log: each rank's output below
 Python (torch's C++ warnings) and, but for rank 0's progress bar, its stderr go to ``rank<r>.log``
 in ``--out``, and a rank that raises ends its log with the traceback.  Every wait has the ``--timeout``.
