@@ -240,7 +240,7 @@ def modules_no_exchange(rank: int, world: int) -> dict[str, object]:
             out[f"{name}-rows"] = (torch.equal(zero.weight.detach(), plain.weight.detach()[lo:hi])
                                    and zero.total_rows == plain.weight.shape[0])
             y_plain, y_zero = plain(x, split_sizes=split), zero(x, split_sizes=split)
-            out[f"{name}-forward"] = _rel(y_zero, y_plain.double())
+            out[f"{name}-forward"] = _rel(y_zero, y_plain.detach().double())
     finally:
         call_module.exchange_metadata = real
     return out

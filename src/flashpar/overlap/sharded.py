@@ -38,24 +38,24 @@ is ready, its own rows last.  A gemm of the outer schedule runs an inner tp sche
 
 Lane workers are per (group, thread), so the dp lane keeps moving weight rows (forward, re-gather) and
 gradient rows (backward) while the inner tp schedule's lane moves activations.  In flight (flash, dp rank
-d, tp rank r; ``X_j``: the tp block j of the gathered activation)::
+d, tp rank r; ``X = AG_tp(x_shard)``, ``G = AG_tp(grad_y_shard)``, ``gY``: the column kind's ``grad_y``)::
 
     column forward
-      dp lane:  | w_d -> d+1, w_{d-1} <- d-1 ........................ | w_d -> d+2, w_{d-2} <- d-2 | ...
+      dp lane:  | w_d -> d+1, w_{d-1} <- d-1 ...................... | w_d -> d+2, w_{d-2} <- d-2 | ...
       tp lane:  | x_r -> r+1, x_{r-1} <- r-1 | x_r -> r+2, ... |
-      main:     | y[S_r, O_d] | y[S_{r-1}, O_d] | y[S_{r-2}, O_d] | y[:, O_{d-1}] = X w^T | y[:, O_{d-2}] ...
+      main:     | y[S_r, O_d] | y[S_{r-1}, O_d] | y[S_{r-2}, O_d]  | y[:, O_{d-1}] = X w^T | y[:, O_{d-2}] ...
     column backward
-      dp lane:  | w re-gather ......................................... | gW_{d+1} -> d+1 | gW_{d+2} -> ...
-      tp lane:  | x re-gather (inside the first gw) |                        | partials of grad_x (last gx)
-      main:     | gW_{d+1} per arriving x block | gW_{d+2} | gx terms as w arrives | last gx + tp RS | gW_d
+      dp lane:  | w re-gather ................................ | gW_{d+1} -> d+1 | gW_{d+2} -> d+2 | ...
+      tp lane:  | x re-gather (inside the first gw) |                   | grad_x partials -> tp peers (last gx)
+      main:     | gW_{d+1} per arriving x block | gW_{d+2} = gY^T X | gx terms as w arrives | last gx | gW_d
     row forward
-      dp lane:  | w_d -> d+1, w_{d-1} <- d-1 ..................... | w_d -> d+2 ...
-      tp lane:  | p -> r+1, p -> r+2, ... (piece d) | p -> r+1 ... (piece d-1) | ...
-      main:     | partials of y[:, O_d]  + own    | partials of y[:, O_{d-1}] | ...
+      dp lane:  | w_d -> d+1, w_{d-1} <- d-1 .................... | w_d -> d+2, w_{d-2} <- d-2 | ...
+      tp lane:  | partials of piece d -> tp peers | partials of piece d-1 -> tp peers | ...
+      main:     | x @ w_d^T, peers' rows first, own last | x @ w_{d-1}^T ...           | ...
     row backward
-      dp lane:  | w re-gather ......................................... | gW_{d+1} -> d+1 | ...
-      tp lane:  | grad_y re-... gather of G (inside the first gemm) |
-      main:     | gW_{d+1} per arriving G block | gW_{d+2} | gx terms as w arrives | gW_d (local) | + received
+      dp lane:  | w re-gather ................................ | gW_{d+1} -> d+1 | gW_{d+2} -> d+2 | ...
+      tp lane:  | grad_y gathered into G (inside the first gw) |
+      main:     | gW_{d+1} per arriving G block | gW_{d+2} = G^T x | gx terms as w arrives | gW_d | + received
 
 The gathered weight lives only inside the forward and the backward (the backward gathers it again);
 between them each rank keeps its rows, its input (``x_shard`` for the column kind, as Megatron's
@@ -68,9 +68,16 @@ does (its loss is normalised by the global number of targets).  Parameters that 
 ``ShardedLinear`` (norms, embeddings) stay replicated; average their gradients with a plain all-reduce
 (:func:`average_replicated_grads`).
 
-Cross-rank check: the tp group first, then the dp group, the first's error carried into the second,
-so a bad input on any rank raises on every rank of the mesh.  ``check=False`` with ``split_sizes``
-given exchanges nothing.
+Bytes (flash, per rank, in elements): the dp rows travel once per direction (``(D-1) o_d in`` sent,
+``(R - o_d) in`` received; the backward adds the same again for the gradient rows); the tp activation
+once per direction (the forward gather of ``x`` or the reduce-scatter of ``y`` in dp rounds of the same
+total; the backward's gather plus, for the column kind, the reduce-scatter of ``grad_x``).
+
+Cross-rank check: the tp group first, then the dp group, the first's error carried into the second, so
+a bad local input or a disagreement within a tp group raises on every rank of the mesh; a disagreement
+that only the dp check sees raises on that dp group (its tp peers then time out with the op's name).
+``check=False`` with ``split_sizes`` given exchanges nothing.  Benchmarks: ``executor.only("comm")``
+skips the gemms, and with them the inner tp schedules that run inside them.
 """
 
 from __future__ import annotations
