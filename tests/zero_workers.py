@@ -204,7 +204,7 @@ def in_flight(rank: int, world: int) -> dict[str, tuple[float, float]]:
 def modules_no_exchange(rank: int, world: int) -> dict[str, object]:
     """The four linear classes on the (2, 2) mesh (world 4) or (1, 1): forward + backward with ``check=False``
     and ``split_sizes`` exchange no metadata; with ``check=True`` they do.  The ZeRO layers match the plain
-    layers built from the same seed (their rows of the same weights)."""
+    layers built from the same seed (their rows of the same weights and biases)."""
     import flashpar.overlap.call as call_module
 
     dp, tp = (2, 2) if world == 4 else (1, 1)
@@ -224,9 +224,9 @@ def modules_no_exchange(rank: int, world: int) -> dict[str, object]:
                   ("row", RowParallelLinear, ZeroRowParallelLinear, 4, 5))
         for name, plain_cls, zero_cls, n_in, n_out in layers:
             torch.manual_seed(0)
-            plain = plain_cls(n_in, n_out, bias=False, group=tp_g)
+            plain = plain_cls(n_in, n_out, bias=True, group=tp_g)
             torch.manual_seed(0)
-            zero = zero_cls(n_in, n_out, bias=False, group=tp_g, dp_group=dp_g)
+            zero = zero_cls(n_in, n_out, bias=True, group=tp_g, dp_group=dp_g)
             x_rows = split[t] if name == "column" else 7
             torch.manual_seed(1 + d)
             x = torch.randn(x_rows, n_in if name == "column" else n_in // tp)
@@ -238,6 +238,7 @@ def modules_no_exchange(rank: int, world: int) -> dict[str, object]:
                 out[f"{name}-check{check}-exchanges"] = calls[0]
             lo, hi = shard_rows(plain.weight.shape[0], dp, d)
             out[f"{name}-rows"] = (torch.equal(zero.weight.detach(), plain.weight.detach()[lo:hi])
+                                   and torch.equal(zero.bias.detach(), plain.bias.detach()[lo:hi])
                                    and zero.total_rows == plain.weight.shape[0])
             y_plain, y_zero = plain(x, split_sizes=split), zero(x, split_sizes=split)
             out[f"{name}-forward"] = _rel(y_zero, y_plain.detach().double())
