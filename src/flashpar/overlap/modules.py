@@ -67,10 +67,6 @@ class _ParallelLinear(nn.Module):
     def _shard_of(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
-    def _weight(self) -> torch.Tensor:
-        """The weight the op uses (subclasses that store less of it, such as ZeRO-3 rows, assemble it here)."""
-        return self.weight
-
     def extra_repr(self) -> str:
         w = self.weight
         return f"weight={tuple(w.shape)}, bias={self.bias is not None}, tp={self.tp_size}, mode={self.mode}"
@@ -89,10 +85,13 @@ class ColumnParallelLinear(_ParallelLinear):
         init_linear_params(self, (out_local, in_features), out_local if bias else None, in_features, device=device,
                            dtype=dtype)
 
-    def forward(self, x_shard: torch.Tensor, *, split_sizes: list[int] | None = None) -> torch.Tensor:
-        return all_gather_matmul(x_shard, self._weight(), self.bias, group=self.group, mode=self.mode,
+    def forward(self, x_shard: torch.Tensor, *, split_sizes: list[int] | None = None,
+                check: bool = True) -> torch.Tensor:
+        """``check=False``: no cross-rank shape check (with ``split_sizes`` given, nothing is exchanged
+        before the op's own transfers); for callers that validate once per step."""
+        return all_gather_matmul(x_shard, self.weight, self.bias, group=self.group, mode=self.mode,
                                  chunks=self.chunks, split_sizes=split_sizes, save_gathered=self.save_gathered,
-                                 timeout_s=self.timeout_s)
+                                 check=check, timeout_s=self.timeout_s)
 
     def _shard_of(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's rows of ``linear.weight`` (and ``linear.bias``)."""
@@ -113,9 +112,11 @@ class RowParallelLinear(_ParallelLinear):
         init_linear_params(self, (out_features, in_local), out_features if bias else None, in_features,
                            device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, *, split_sizes: list[int] | None = None) -> torch.Tensor:
-        return matmul_reduce_scatter(x, self._weight(), self.bias, group=self.group, mode=self.mode,
-                                     chunks=self.chunks, split_sizes=split_sizes, timeout_s=self.timeout_s)
+    def forward(self, x: torch.Tensor, *, split_sizes: list[int] | None = None, check: bool = True) -> torch.Tensor:
+        """``check``: as :meth:`ColumnParallelLinear.forward`."""
+        return matmul_reduce_scatter(x, self.weight, self.bias, group=self.group, mode=self.mode,
+                                     chunks=self.chunks, split_sizes=split_sizes, check=check,
+                                     timeout_s=self.timeout_s)
 
     def _shard_of(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's columns of ``linear.weight``; the bias whole (it is replicated)."""
