@@ -172,6 +172,17 @@ def exchange_metadata(
     return table[:, 2 : 2 + len(values)]
 
 
+def host_group(ranks: list[int]):
+    """A gloo group of the global ``ranks`` for cross-rank checks of host integers (``None``: the default
+    group, where that is gloo over exactly these ranks).  On an NCCL mesh such a check then never waits
+    for the device: its integers stay on the host.  Collective where it creates a group: every rank of
+    the world calls it, in the same order (``new_group``)."""
+    ranks = sorted(ranks)
+    if dist.get_backend() == "gloo" and ranks == list(range(dist.get_world_size())):
+        return None
+    return dist.new_group(ranks, backend="gloo")
+
+
 def all_gather_blocks(rows: torch.Tensor, sizes: list[int], group=None, *,
                       timeout_s: float = DEFAULT_TIMEOUT_S) -> list[torch.Tensor]:
     """Every rank's block of rows (rank ``p`` holds ``sizes[p]`` rows of the same trailing shape), in rank

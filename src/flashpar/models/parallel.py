@@ -39,10 +39,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpar import cp
+from flashpar.cp.layout import to_device
 from flashpar.dist import DEFAULT_TIMEOUT_S
 from flashpar.models.config import LlamaConfig
 from flashpar.models.layout import LAYOUT, layout_of
 from flashpar.models.llama import Llama, RMSNorm, rope
+from flashpar.models.step_check import StepCheck
 from flashpar.models.vocab import embed_rows, vocab_parallel_loss
 from flashpar.models.zero import gather_rows
 from flashpar.overlap.ops import all_gather_matmul
@@ -71,15 +73,16 @@ class ParallelBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, plan, split: list[int]) -> torch.Tensor:
         cfg, d, t = self.cfg, self.cfg.head_dim, positions.shape[0]
-        qkv = self.qkv(self.attn_norm(x), split_sizes=split)
+        # check=False: ParallelLlama.forward checked this step's inputs across ranks once (models/step_check.py)
+        qkv = self.qkv(self.attn_norm(x), split_sizes=split, check=False)
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q = rope(q.reshape(t, self.heads, d), positions, cfg.rope_theta)
         k = rope(k.reshape(t, self.kv_heads, d), positions, cfg.rope_theta)
         o = cp.attention(q, k, v.reshape(t, self.kv_heads, d), plan, group=self.cp_group, counter=self.kv_counter,
-                         timeout_s=self.timeout_s)
-        x = x + self.o_proj(o.reshape(t, -1), split_sizes=split)
-        g, u = self.gate_up(self.mlp_norm(x), split_sizes=split).chunk(2, dim=-1)
-        return x + self.down(F.silu(g) * u, split_sizes=split)
+                         timeout_s=self.timeout_s, check=False)
+        x = x + self.o_proj(o.reshape(t, -1), split_sizes=split, check=False)
+        g, u = self.gate_up(self.mlp_norm(x), split_sizes=split, check=False).chunk(2, dim=-1)
+        return x + self.down(F.silu(g) * u, split_sizes=split, check=False)
 
 
 class ParallelLlama(nn.Module):
@@ -108,6 +111,8 @@ class ParallelLlama(nn.Module):
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab_size // self.tp, bias=False)
         self._sum_groups = _sum_groups(mesh)
+        self.step_check = StepCheck(mesh, (cfg, mode, dp_mode, tuple(mesh.mesh.shape), mesh.mesh_dim_names),
+                                    timeout_s=timeout_s)  # the cross-rank check of each step's inputs
         self.kv_counter = cp.CommCounter()  # bytes this rank's attention sent and received, all layers
         for block in self.blocks:
             block.kv_counter = self.kv_counter
@@ -173,16 +178,19 @@ class ParallelLlama(nn.Module):
     def forward(self, tokens_cp: torch.Tensor, plan, labels_cp: torch.Tensor, count: float) -> torch.Tensor:
         """This rank's share of the loss: ``tokens_cp`` / ``labels_cp`` are the cp rank's tokens and targets
         (``cp.shard(x, plan, cp_rank)``), ``count`` the global batch's number of targets; the shares of all
-        ranks add up to the mean next-token loss."""
+        ranks add up to the mean next-token loss.  Every rank raises (one line) on bad or disagreeing inputs,
+        checked once here; the layers' ops run unchecked (``flashpar.models.step_check``)."""
+        self.step_check(tokens_cp, labels_cp, plan, count, self.embed.weight, auto=self.mode == "auto")
         split = row_sizes(tokens_cp.shape[0], self.tp)
         start = sum(split[: self.tp_rank])
         rows = slice(start, start + split[self.tp_rank])
-        positions = plan.position_ids(self.cp_rank).to(tokens_cp.device)
+        positions = to_device(plan.position_ids(self.cp_rank), tokens_cp.device)  # no host wait on CUDA
         x = embed_rows(tokens_cp, self.embed.weight, self.vocab_lo, self.tp_group)
         for block in self.blocks:
             x = block(x, positions, plan, split)
         head = self.embed.weight if self.head is None else self.head.weight
-        logits = all_gather_matmul(self.norm(x), head, None, group=self.tp_group, mode=self.mode, split_sizes=split)
+        logits = all_gather_matmul(self.norm(x), head, None, group=self.tp_group, mode=self.mode, split_sizes=split,
+                                   check=False)
         return vocab_parallel_loss(logits, labels_cp, self.vocab_lo, self.tp_group, rows, count)
 
 

@@ -89,10 +89,12 @@ class ColumnParallelLinear(_ParallelLinear):
         init_linear_params(self, (out_local, in_features), out_local if bias else None, in_features, device=device,
                            dtype=dtype)
 
-    def forward(self, x_shard: torch.Tensor, *, split_sizes: list[int] | None = None) -> torch.Tensor:
+    def forward(self, x_shard: torch.Tensor, *, split_sizes: list[int] | None = None,
+                check: bool = True) -> torch.Tensor:
+        """``check``: the op's cross-rank shape check (off where the caller checked the step once)."""
         return all_gather_matmul(x_shard, self._weight(), self.bias, group=self.group, mode=self.mode,
                                  chunks=self.chunks, split_sizes=split_sizes, save_gathered=self.save_gathered,
-                                 timeout_s=self.timeout_s)
+                                 check=check, timeout_s=self.timeout_s)
 
     def _shard_of(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's rows of ``linear.weight`` (and ``linear.bias``)."""
@@ -113,9 +115,11 @@ class RowParallelLinear(_ParallelLinear):
         init_linear_params(self, (out_features, in_local), out_features if bias else None, in_features,
                            device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, *, split_sizes: list[int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, split_sizes: list[int] | None = None, check: bool = True) -> torch.Tensor:
+        """``check``: the op's cross-rank shape check (off where the caller checked the step once)."""
         return matmul_reduce_scatter(x, self._weight(), self.bias, group=self.group, mode=self.mode,
-                                     chunks=self.chunks, split_sizes=split_sizes, timeout_s=self.timeout_s)
+                                     chunks=self.chunks, split_sizes=split_sizes, check=check,
+                                     timeout_s=self.timeout_s)
 
     def _shard_of(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's columns of ``linear.weight``; the bias whole (it is replicated)."""
