@@ -20,62 +20,64 @@ from dist_harness import SpawnCache
 from step_sync_workers import COMM_KEYS, HOST_KEYS, bad_inputs, count_steps
 
 LAYERS = (1, 2, 3)
-MESHES = ((1, 2, 2), (2, 1, 2))
+MESHES = (((1, 2, 2), "flash", "flashcp"),  # TP-SP (point-to-point) + FlashCP (p2p K/V exchange)
+          ((2, 1, 2), "flash", "flashcp"),  # TP-SP + ZeRO-3 over dp
+          ((1, 2, 2), "none", "headtail"))  # blocking TP collectives + the ring K/V exchange
 
 
 def _calls(n: int):
-    return [*((f"count {shape}", count_steps, shape, LAYERS) for shape in MESHES),
+    return [*((f"count {case}", count_steps, case[0], LAYERS, case[1], "zero3", case[2]) for case in MESHES),
             ("bad", bad_inputs, (1, 2, 2))]
 
 
 spawn = SpawnCache(_calls, timeout=600.0)
 
 
-def _per_rank(shape):
-    return spawn(4)[f"count {shape}"]
+def _per_rank(case):
+    return spawn(4)[f"count {case}"]
 
 
-@pytest.mark.parametrize("shape", MESHES)
-def test_the_cross_rank_check_runs_once_per_step(shape):
+@pytest.mark.parametrize("case", MESHES, ids=str)
+def test_the_cross_rank_check_runs_once_per_step(case):
     """One ``exchange_metadata`` per step (``ParallelLlama``'s step check), whatever the depth: no op of the
     layer loop checks again (today's per-op checks: 6, 11, 16 at 1, 2, 3 layers)."""
-    for rank, by_layers in enumerate(_per_rank(shape)):
+    for rank, by_layers in enumerate(_per_rank(case)):
         meta = [by_layers[n][0].get("meta", 0) for n in LAYERS]
-        assert meta == [1, 1, 1], (shape, rank, meta)
+        assert meta == [1, 1, 1], (case, rank, meta)
 
 
-@pytest.mark.parametrize("shape", MESHES)
-def test_host_transfers_do_not_grow_with_the_layer_count(shape):
+@pytest.mark.parametrize("case", MESHES, ids=str)
+def test_host_transfers_do_not_grow_with_the_layer_count(case):
     """flashpar reads nothing back to the host and copies no index tensor to the device inside the layer
     loop: the counts (the step check's reads of its gloo table, the position ids and the plan's index
     tensors, once per step) are the same at 1, 2 and 3 layers."""
-    for rank, by_layers in enumerate(_per_rank(shape)):
+    for rank, by_layers in enumerate(_per_rank(case)):
         host = {n: {k: by_layers[n][0].get(k, 0) for k in HOST_KEYS} for n in LAYERS}
-        assert host[1] == host[2] == host[3], (shape, rank, host)
+        assert host[1] == host[2] == host[3], (case, rank, host)
 
 
-@pytest.mark.parametrize("shape", MESHES)
-def test_communication_grows_by_what_one_layer_needs(shape):
+@pytest.mark.parametrize("case", MESHES, ids=str)
+def test_communication_grows_by_what_one_layer_needs(case):
     """Each added layer adds exactly its ops' communication: the transfers and collectives of their
     schedules (the TP linears' and the K/V exchange's, forward and backward), the ZeRO-3 gathers /
     reduce-scatters and the gradient sums of its parameters; no new groups in a steady-state step."""
-    for rank, by_layers in enumerate(_per_rank(shape)):
+    for rank, by_layers in enumerate(_per_rank(case)):
         counts = {n: {k: by_layers[n][0].get(k, 0) for k in COMM_KEYS} for n in LAYERS}
         need = {k: by_layers[1][1].get(k, 0) for k in COMM_KEYS}
         assert all({k: by_layers[n][1].get(k, 0) for k in COMM_KEYS} == need for n in LAYERS)  # one plan
         for k in COMM_KEYS:
             steps = [counts[2][k] - counts[1][k], counts[3][k] - counts[2][k]]
-            assert steps == [need[k], need[k]], (shape, rank, k, steps, need[k], counts)
-        assert counts[1]["new_group"] == 0, (shape, rank)
-        assert need["p2p"] > 0, (shape, rank, need)  # the count sees the layer's transfers at all
+            assert steps == [need[k], need[k]], (case, rank, k, steps, need[k], counts)
+        assert counts[1]["new_group"] == 0, (case, rank)
+        assert need["p2p"] > 0, (case, rank, need)  # the count sees the layer's transfers at all
 
 
 def test_the_step_trains():
     """The counted steps are real steps: finite losses, the same on every rank of a loss sum."""
     import math
 
-    for shape in MESHES:
-        for by_layers in _per_rank(shape):
+    for case in MESHES:
+        for by_layers in _per_rank(case):
             assert all(math.isfinite(by_layers[n][2]) for n in LAYERS)
 
 
@@ -104,3 +106,28 @@ def test_bad_input_raises_one_line_on_every_rank(case):
             assert says in msg and kind == "ValueError", (rank, msg)
         else:
             assert kind == "RuntimeError" and f"rank(s) [{bad}] rejected their input" in msg, (rank, msg)
+
+
+def test_a_plan_is_placed_on_the_device_and_scheduled_once():
+    """What ``cp.attention`` needs of a plan besides the tensors is built by its first call and shared by
+    the later ones (every layer of a step): the layout with its index tensors on the device, and the
+    exchange schedules (which depend only on the pattern, N and the rank)."""
+    import torch
+
+    from flashpar import cp
+    from flashpar.cp.exchange import kv_schedule
+    from flashpar.cp.layout import device_layout, rank_layout, to_device
+
+    plan = cp.plan([5, 17, 3, 30, 8], 3)
+    cpu = torch.device("cpu")
+    for r in range(3):
+        placed = device_layout(plan, r, False, cpu)
+        assert device_layout(cp.plan([5, 17, 3, 30, 8], 3), r, False, cpu) is placed  # an equal plan: the same
+        layout = rank_layout(plan, r, False)
+        assert placed.layout is layout
+        assert all(a is b for pa, pb in zip(placed.phases, layout.phases, strict=True)
+                   for a, b in zip(pa, pb, strict=True))  # on its own device a batch is not copied
+        for direction in ("forward", "backward"):
+            assert kv_schedule(layout, direction) is kv_schedule(rank_layout(plan, r, True), direction)
+    t = torch.arange(4)
+    assert to_device(t, cpu) is t
