@@ -131,3 +131,24 @@ def test_a_plan_is_placed_on_the_device_and_scheduled_once():
             assert kv_schedule(layout, direction) is kv_schedule(rank_layout(plan, r, True), direction)
     t = torch.arange(4)
     assert to_device(t, cpu) is t
+
+
+def test_nccl_transfers_are_waited_for_by_the_stream_not_the_host():
+    """``Work.wait(timeout)`` on NCCL blocks the host until the transfer is done (torch >= 2.4); the lane's
+    and ZeRO's waits pass no timeout there (the stream waits), and keep it on gloo (the host waits)."""
+    import datetime
+
+    from flashpar.dist import stream_waits, wait_work
+
+    class Work:
+        def __init__(self):
+            self.calls = []
+
+        def wait(self, *args):
+            self.calls.append(args)
+
+    on_host, on_stream = Work(), Work()
+    wait_work(on_host, 7.0, host=True)
+    wait_work(on_stream, 7.0, host=False)
+    assert on_host.calls == [(datetime.timedelta(seconds=7),)] and on_stream.calls == [()]
+    assert not stream_waits(None)  # no process group here: nothing to wait for on a stream
