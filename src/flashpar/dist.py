@@ -74,6 +74,24 @@ def as_timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(seconds))
 
 
+def wait_work(work, timeout_s: float, *, host: bool) -> None:
+    """Complete one posted transfer or collective.  ``host=True`` (gloo, CPU tensors): this thread waits, at
+    most ``timeout_s``.  ``host=False`` (NCCL): the current stream waits for it and the host goes on; a
+    timeout there would make torch block the host until the transfer is done ("In case of blockingWait or
+    a timeout value is specified by the user, we block the CPU thread": ``WorkNCCL::wait``, torch >= 2.4),
+    a host synchronisation per transfer.  NCCL's watchdog bounds that wait by the group's own timeout."""
+    if host:
+        work.wait(as_timedelta(timeout_s))
+    else:
+        work.wait()
+
+
+def stream_waits(group) -> bool:
+    """Whether transfers on ``group`` (None: the default group) are waited for by the stream (NCCL), not
+    the host (:func:`wait_work`)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl"
+
+
 _UPWARD_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """group -> its twin for upward messages (the group itself off gloo).  Weak keys: an ``id()`` key
 would outlive a destroyed group and alias the next group allocated at the same address."""
@@ -172,6 +190,17 @@ def exchange_metadata(
     return table[:, 2 : 2 + len(values)]
 
 
+def host_group(ranks: list[int]):
+    """A gloo group of the global ``ranks`` for cross-rank checks of host integers (``None``: the default
+    group, where that is gloo over exactly these ranks).  On an NCCL mesh such a check then never waits
+    for the device: its integers stay on the host.  Collective where it creates a group: every rank of
+    the world calls it, in the same order (``new_group``)."""
+    ranks = sorted(ranks)
+    if dist.get_backend() == "gloo" and ranks == list(range(dist.get_world_size())):
+        return None
+    return dist.new_group(ranks, backend="gloo")
+
+
 def all_gather_blocks(rows: torch.Tensor, sizes: list[int], group=None, *,
                       timeout_s: float = DEFAULT_TIMEOUT_S) -> list[torch.Tensor]:
     """Every rank's block of rows (rank ``p`` holds ``sizes[p]`` rows of the same trailing shape), in rank
@@ -181,7 +210,7 @@ def all_gather_blocks(rows: torch.Tensor, sizes: list[int], group=None, *,
     padded = rows.new_zeros((longest * width,))
     padded[: rows.numel()] = rows.reshape(-1)
     flat = rows.new_empty((n * longest * width,))
-    all_gather_single(flat, padded, group=group, async_op=True).wait(as_timedelta(timeout_s))
+    wait_work(all_gather_single(flat, padded, group=group, async_op=True), timeout_s, host=not stream_waits(group))
     blocks = flat.view(n, longest, *rows.shape[1:])
     return [blocks[p, : sizes[p]] for p in range(n)]
 

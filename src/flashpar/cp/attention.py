@@ -37,7 +37,7 @@ import torch
 from flashpar.cp import kernels
 from flashpar.cp.cp_plan import CPPlan
 from flashpar.cp.exchange import CommCounter, KVBuffers, add_rows, kv_schedule
-from flashpar.cp.layout import RankLayout, rank_layout
+from flashpar.cp.layout import DeviceLayout, device_layout
 from flashpar.dist import DEFAULT_TIMEOUT_S, GroupInfo, dtype_code, exchange_metadata, p2p_group, resolve_group
 from flashpar.overlap.executor import run_schedule
 from flashpar.overlap.schedule import Compute
@@ -53,13 +53,14 @@ def plan_digest(plan: CPPlan) -> int:
 
 
 class _Run:
-    """Everything one call needs besides the tensors."""
+    """Everything one call needs besides the tensors (``placed``: the rank's layout with its index tensors
+    on the activations' device, shared by every call on the same plan)."""
 
-    def __init__(self, layout: RankLayout, info: GroupInfo, scale: float, backend: str, timeout_s: float,
-                 counter: CommCounter | None, device: torch.device) -> None:
-        self.layout, self.info, self.scale, self.backend = layout, info, scale, backend
+    def __init__(self, placed: DeviceLayout, info: GroupInfo, scale: float, backend: str, timeout_s: float,
+                 counter: CommCounter | None) -> None:
+        self.layout, self.info, self.scale, self.backend = placed.layout, info, scale, backend
         self.timeout_s, self.counter = timeout_s, counter
-        self.phases = [[b.to(device) for b in phase] for phase in layout.phases]
+        self.phases, self.send_rows = placed.phases, placed.send_rows
 
     def phase(self, step: Compute) -> list:
         """The batches of the compute item on block ``step.piece.block``: phase ``(r - o) mod N``."""
@@ -79,7 +80,7 @@ class _CPAttention(torch.autograd.Function):
         acc = torch.promote_types(q.dtype, torch.float32)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:2], -math.inf, dtype=acc, device=q.device)
-        buffers = KVBuffers(run.layout, k, v)
+        buffers = KVBuffers(run.layout, k, v, send_rows=run.send_rows)
 
         def attn(step: Compute) -> None:
             for batch in run.phase(step):
@@ -105,7 +106,7 @@ class _CPAttention(torch.autograd.Function):
         for o, (kb, vb) in ctx.recv.items():
             grads[o] = (torch.zeros(kb.shape, dtype=acc, device=kb.device),
                         torch.zeros(vb.shape, dtype=acc, device=vb.device))
-        buffers = KVBuffers(lo, k, v, received=ctx.recv, grads=grads)
+        buffers = KVBuffers(lo, k, v, received=ctx.recv, grads=grads, send_rows=run.send_rows)
 
         def attn_bwd(step: Compute) -> None:
             gk, gv = grads[buffers.key(step.piece.block)]
@@ -131,7 +132,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan, *
     default elsewhere) or ``"varlen"`` (FlashAttention-2's variable-length kernel on CUDA, fp16 /
     bf16; not yet run on a GPU, hence not the default there; on CPU it runs per task, for tests).  ``counter``: a
     ``CommCounter`` that accumulates the bytes sent and received.  ``check``: validate shapes and
-    cross-rank agreement (one small all-gather); every rank raises the same error on bad input.
+    cross-rank agreement (one small all-gather); every rank raises the same error on bad input.  With
+    ``check=False`` (a caller that checked its step once, as ``ParallelLlama`` does) a call communicates
+    only its K/V exchange and reads nothing back to the host; the plan's layout, schedules and index
+    tensors on the device are built by the first call on a plan and reused by the later ones.
     """
     info = resolve_group(group)
     error = _local_error(q, k, v, plan, info, backend)
@@ -140,9 +144,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan, *
     elif error is not None:
         raise error
     backend = backend or kernels.default_backend(q.device)
-    layout = rank_layout(plan, info.rank, backend == "varlen")
+    placed = device_layout(plan, info.rank, backend == "varlen", q.device)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    run = _Run(layout, info, scale, backend, timeout_s, counter, q.device)
+    run = _Run(placed, info, scale, backend, timeout_s, counter)
     if info.world_size > 1:
         p2p_group(info, 0, 1, op_name=OP, timeout_s=timeout_s)  # every rank creates the twin group now
     return _CPAttention.apply(q, k, v, run)

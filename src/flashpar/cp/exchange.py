@@ -72,8 +72,16 @@ class CommCounter:
 
 def kv_schedule(layout: RankLayout, direction: str) -> Schedule:
     """The exchange of ``layout.rank`` in ``direction`` (``"forward"``: K/V out, ``"backward"``: dK/dV
-    back), for its pattern (``p2p``, ``allgather``, ``ring``)."""
-    n, r, ring = layout.n, layout.rank, layout.pattern == "ring"
+    back), for its pattern (``p2p``, ``allgather``, ``ring``).  The steps depend only on (pattern, N, rank):
+    built once per such triple (every layer and step reuses them; a schedule is immutable)."""
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    return _kv_schedule(layout.pattern, layout.n, layout.rank, direction)
+
+
+@functools.lru_cache(maxsize=256)
+def _kv_schedule(pattern: str, n: int, r: int, direction: str) -> Schedule:
+    ring = pattern == "ring"
     b = ScheduleBuilder()
     b.declare("k", "kv", "kv", TAG_K)  # the compute items' source: the K/V of their block
     if direction == "forward":
@@ -88,9 +96,7 @@ def kv_schedule(layout: RankLayout, direction: str) -> Schedule:
         for item, o in items:
             b.wait(item)
             b.compute(("attn",), Piece(o), "k", "out")
-        return b.schedule("kv_forward", layout.pattern, n, r, 1)
-    if direction != "backward":
-        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+        return b.schedule("kv_forward", pattern, n, r, 1)
     for name, kind, tag in (("gk", "kv_grad", TAG_K), ("gv", "kv_grad", TAG_V), ("rk", "kv_recv_grad", TAG_K),
                             ("rv", "kv_recv_grad", TAG_V)):
         b.declare(name, kind, "kv", tag)
@@ -107,7 +113,7 @@ def kv_schedule(layout: RankLayout, direction: str) -> Schedule:
     for item, frm in returns[-1:] if ring else returns:  # ring: only the last exchange brings own rows
         b.wait(item)
         _add_grads(b, Piece(r), frm)
-    return b.schedule("kv_backward", layout.pattern, n, r, 1)
+    return b.schedule("kv_backward", pattern, n, r, 1)
 
 
 def _kv(peer: int, k: str, v: str, block: int) -> list[Transfer]:
@@ -125,12 +131,14 @@ class KVBuffers:
     ``blocks``: K/V by block (``-1``: the own, else the origin rank), the forward's receive buffers
     allocated (zeroed) here unless ``received`` passes them on to the backward.  ``grads``:
     backward only, the gradient accumulators by block (the own block's are dK / dV); they travel
-    cast to ``k.dtype``.
+    cast to ``k.dtype``.  ``send_rows``: ``layout.send_rows`` already on ``k``'s device (a
+    :class:`~flashpar.cp.layout.DeviceLayout`'s); omitted, they are copied there.
     """
 
     def __init__(self, layout: RankLayout, k: torch.Tensor, v: torch.Tensor, *,
                  received: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 grads: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+                 grads: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 send_rows: tuple[torch.Tensor | None, ...] | None = None) -> None:
         self.layout, self.device, self.wire = layout, k.device, k.dtype
         if received is None:
             received = {o: tuple(x.new_zeros((layout.recv_tokens(o), *x.shape[1:])) for x in (k, v))
@@ -138,7 +146,9 @@ class KVBuffers:
         self.blocks = {-1: (k, v), **received}
         self.grads = grads or {}
         self._recv_grads: dict[tuple[str, int, int], torch.Tensor] = {}
-        self._rows = [None if rows is None else rows.to(k.device) for rows in layout.send_rows]
+        if send_rows is None:
+            send_rows = tuple(None if rows is None else rows.to(k.device) for rows in layout.send_rows)
+        self._rows = send_rows
 
     def key(self, block: int) -> int:
         """The key of block ``block`` in ``blocks`` / ``grads`` (``-1``: this rank's own)."""

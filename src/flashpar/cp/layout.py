@@ -1,6 +1,8 @@
 """What one rank of a ``CPPlan`` sends, receives and computes: transfers and attention tasks.
 
 Pure and cached per (plan, rank): a training step with a fresh plan builds it once per rank.
+:func:`device_layout` is the same layout with its index tensors on the activations' device, cached
+per (plan, rank, device): the layers of a step share one copy, moved once, by the first layer.
 
 Communication patterns, chosen by the plan's strategy:
 
@@ -25,6 +27,7 @@ document's keys that end at or before ``a``.  Phase 0 holds the tasks on the ran
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -110,6 +113,44 @@ def rank_layout(plan: CPPlan, rank: int, varlen: bool = False) -> RankLayout:
     phase_bufs = [-1] + [(rank - j) % n for j in range(1, n)]
     phases = tuple(tuple(make_batches(tasks.get(buf, []), varlen)) for buf in phase_bufs)
     return RankLayout(rank, n, pattern, row, tuple(recv), tuple(send_rows), phases)
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceLayout:
+    """A :class:`RankLayout` with its index tensors on ``device``: the attention batches of every phase
+    and the send rows per destination (what every call of a step would otherwise copy again)."""
+
+    layout: RankLayout
+    device: torch.device
+    phases: tuple[tuple[Batch, ...], ...]
+    send_rows: tuple[torch.Tensor | None, ...]
+
+
+@functools.lru_cache(maxsize=8)  # a few plans' index tensors on the device (a step uses one)
+def device_layout(plan: CPPlan, rank: int, varlen: bool, device: torch.device) -> DeviceLayout:
+    """``rank_layout(plan, rank, varlen)`` with its index tensors copied to ``device`` once."""
+    layout = rank_layout(plan, rank, varlen)
+    phases = tuple(tuple(_batch_on(b, device) for b in phase) for phase in layout.phases)
+    rows = tuple(None if r is None else to_device(r, device) for r in layout.send_rows)
+    return DeviceLayout(layout, device, phases, rows)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a host wait: on CUDA copied from pinned memory, asynchronously
+    on the current stream (a plain copy from pageable memory synchronises the stream); elsewhere ``t``
+    itself, or a plain copy."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _batch_on(batch: Batch, device: torch.device) -> Batch:
+    """``batch`` with every index tensor it holds on ``device`` (the same object where none moves)."""
+    held = {f.name: v for f in dataclasses.fields(batch) if isinstance(v := getattr(batch, f.name), torch.Tensor)}
+    moved = {name: to_device(v, device) for name, v in held.items()}
+    return batch if all(moved[n] is v for n, v in held.items()) else dataclasses.replace(batch, **moved)
 
 
 def _split_at_docs(a: int, b: int, starts: list[int]):

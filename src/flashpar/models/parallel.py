@@ -47,8 +47,11 @@ replicated.  How each parameter is split is the one table ``flashpar.models.layo
 by loading (``shard_of``), checkpoints (``to_full``), the gradient sums and ``--check``.
 
 Data parallelism: ``dp_mode="zero3"`` (the default) keeps on each dp rank only its rows of the tp
-shards (and their optimizer state), gathered over dp before use and reduce-scattered in backward
-(``flashpar.models.zero``); ``"replicate"`` keeps whole copies.  Embedding, head (vocabulary
+shards (and their optimizer state); the dp all-gather of the rows is fused with the GEMMs that use
+them and composed with the tp all-gather / reduce-scatter of the activations, and the gradient rows
+are reduce-scattered (summed) over dp behind the backward GEMMs (``flashpar.models.zero``,
+``flashpar.overlap.sharded``); ``mode="none"`` runs the same decomposition with blocking
+collectives.  ``"replicate"`` keeps whole copies.  Embedding, head (vocabulary
 rows of the tp rank) and norms are not split over dp; under Ulysses neither are the attention
 projections (the GEMM fused with the all-to-all needs the whole weight).
 
@@ -66,10 +69,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpar import cp
+from flashpar.cp.layout import to_device
 from flashpar.dist import DEFAULT_TIMEOUT_S
 from flashpar.models.config import LlamaConfig
 from flashpar.models.layout import LAYOUT, layout_of
 from flashpar.models.llama import Llama, RMSNorm, rope
+from flashpar.models.step_check import StepCheck
 from flashpar.models.vocab import embed_rows, vocab_parallel_loss
 from flashpar.models.zero import gather_rows
 from flashpar.overlap.a2a import all_to_all_matmul, matmul_all_to_all
@@ -144,23 +149,25 @@ class ParallelBlock(nn.Module):
         ulysses ranks' blocks of the cp rank's T_cp tokens (``positions``: all T_cp of them)."""
         cfg, d, t = self.cfg, self.cfg.head_dim, positions.shape[0]
         a = self.attn_norm(x)
+        # check=False on every op: ParallelLlama.forward checked this step's inputs across ranks once
+        # (models/step_check.py)
         if self.ulysses_group is None:  # every token of the cp rank, this tp rank's heads
-            qkv = self.qkv(a, split_sizes=split)
+            qkv = self.qkv(a, split_sizes=split, check=False)
         else:  # every token of the cp rank, this ulysses rank's head group
             qkv = matmul_all_to_all(a, self.qkv.weight.index_select(0, self.qkv_rows), group=self.ulysses_group,
-                                    mode=self.mode, split_sizes=blocks, timeout_s=self.timeout_s)
+                                    mode=self.mode, split_sizes=blocks, check=False, timeout_s=self.timeout_s)
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q = rope(q.reshape(t, self.heads, d), positions, cfg.rope_theta)
         k = rope(k.reshape(t, self.kv_heads, d), positions, cfg.rope_theta)
         o = cp.attention(q, k, v.reshape(t, self.kv_heads, d), plan, group=self.cp_group, counter=self.kv_counter,
-                         timeout_s=self.timeout_s).reshape(t, -1)
+                         timeout_s=self.timeout_s, check=False).reshape(t, -1)
         if self.ulysses_group is None:
-            x = x + self.o_proj(o, split_sizes=split)
+            x = x + self.o_proj(o, split_sizes=split, check=False)
         else:  # back to this rank's rows: head group g's columns of w_o are [g H/U D, (g + 1) H/U D)
             x = x + all_to_all_matmul(o, self.o_proj.weight, group=self.ulysses_group, mode=self.mode,
-                                      split_sizes=blocks, timeout_s=self.timeout_s)
-        g, u = self.gate_up(self.mlp_norm(x), split_sizes=split).chunk(2, dim=-1)
-        return x + self.down(F.silu(g) * u, split_sizes=split)
+                                      split_sizes=blocks, check=False, timeout_s=self.timeout_s)
+        g, u = self.gate_up(self.mlp_norm(x), split_sizes=split, check=False).chunk(2, dim=-1)
+        return x + self.down(F.silu(g) * u, split_sizes=split, check=False)
 
 
 class ParallelLlama(nn.Module):
@@ -204,6 +211,8 @@ class ParallelLlama(nn.Module):
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab_size // self.tp, bias=False)
         self._sum_groups = _sum_groups(mesh, self.zero)
+        self.step_check = StepCheck(mesh, (cfg, mode, dp_mode, tuple(mesh.mesh.shape), mesh.mesh_dim_names),
+                                    timeout_s=timeout_s)  # the cross-rank check of each step's inputs
         self.kv_counter = cp.CommCounter()  # bytes this rank's attention sent and received, all layers
         for block in self.blocks:
             block.kv_counter = self.kv_counter
@@ -269,19 +278,23 @@ class ParallelLlama(nn.Module):
     def forward(self, tokens_cp: torch.Tensor, plan, labels_cp: torch.Tensor, count: float) -> torch.Tensor:
         """This rank's share of the loss: ``tokens_cp`` / ``labels_cp`` are the cp rank's tokens and targets
         (``cp.shard(x, plan, cp_rank)``), ``count`` the global batch's number of targets; the shares of all
-        ranks add up to the mean next-token loss."""
+        ranks add up to the mean next-token loss.  Every rank raises (one line) on bad or disagreeing inputs,
+        checked once here; the layers' ops run unchecked (``flashpar.models.step_check``)."""
+        self.step_check(tokens_cp, labels_cp, plan, count, self.embed.weight, auto=self.mode == "auto")
         blocks = row_sizes(tokens_cp.shape[0], self.ulysses)  # the ulysses ranks' rows (U = 1: all of them)
         lo = sum(blocks[: self.u_rank])
         tokens_u, labels_u = tokens_cp[lo : lo + blocks[self.u_rank]], labels_cp[lo : lo + blocks[self.u_rank]]
         split = row_sizes(tokens_u.shape[0], self.tp)  # the tp ranks' rows of them
         start = sum(split[: self.tp_rank])
         rows = slice(start, start + split[self.tp_rank])
-        positions = plan.position_ids(self.cp_rank).to(tokens_cp.device)  # all T_cp: attention sees every token
+        # all T_cp positions (attention sees every token of the cp rank), copied without a host wait on CUDA
+        positions = to_device(plan.position_ids(self.cp_rank), tokens_cp.device)
         x = embed_rows(tokens_u, self.embed.weight, self.vocab_lo, self.tp_group)
         for block in self.blocks:
             x = block(x, positions, plan, split, blocks)
         head = self.embed.weight if self.head is None else self.head.weight
-        logits = all_gather_matmul(self.norm(x), head, None, group=self.tp_group, mode=self.mode, split_sizes=split)
+        logits = all_gather_matmul(self.norm(x), head, None, group=self.tp_group, mode=self.mode, split_sizes=split,
+                                   check=False)
         return vocab_parallel_loss(logits, labels_u, self.vocab_lo, self.tp_group, rows, count)
 
 

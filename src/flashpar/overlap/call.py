@@ -133,7 +133,11 @@ def settle(op_name: str, info: GroupInfo, *, error: BaseException | None, local_
     pick; rank 0's binds.  ``local_len``: this rank's block length.  ``local_sizes=True``: the
     block lengths are the ranks' own lengths (exchanged when ``split_sizes`` is omitted, checked
     against it otherwise); ``False``: ``split_sizes`` (or equal blocks of ``local_len``) was given
-    to every rank and must be the same list everywhere.  ``check=False`` skips the exchange.
+    to every rank and must be the same list everywhere.  ``check=False`` skips the exchange: no
+    collective, nothing read back to the host; a local error is raised on this rank only, and with
+    ``mode="auto"`` each rank keeps its own pick.  That is for callers that checked their step once
+    across ranks (``flashpar.models.step_check``: the shapes, the mode and the cost model's hardware
+    agree there, so every rank's pick is the same function of the same numbers).
     """
     n = info.world_size
     if error is not None and (not check or n == 1):

@@ -18,8 +18,9 @@ issued in order execute in order.
 * CUDA (NCCL): items are posted directly; NCCL orders them on its stream and
   ``Work.wait`` makes the compute stream wait, without blocking the host.
 
-Every wait has a timeout; a failure names the op, this rank and the item
-(which says which peers were involved).
+Every wait has a timeout (on NCCL the group's own, enforced by its watchdog: a
+timeout passed to ``Work.wait`` would block the host, see ``flashpar.dist.wait_work``);
+a failure names the op, this rank and the item (which says which peers were involved).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from flashpar.dist import as_timedelta
+from flashpar.dist import as_timedelta, stream_waits, wait_work
 
 LaneFn = Callable[[], list]
 
@@ -143,6 +144,7 @@ class Lane:
         self._aborted = False
         self._worker: _Worker | None = None
         self._group = weakref.ref(group) if group is not None else None  # never keeps a group alive
+        self._host_waits = not stream_waits(group)  # NCCL: the stream waits, not the host (dist.wait_work)
 
     def _fail_message(self, item: int, what: str) -> str:
         return f"{self.op_name}: rank {self.rank}: lane item #{item} ({what}) failed"
@@ -195,7 +197,7 @@ class Lane:
                 ) from self._error
         try:
             for work in self._works.pop(item, []):
-                work.wait(as_timedelta(self.timeout_s))
+                wait_work(work, self.timeout_s, host=self._host_waits)
         except BaseException as err:
             raise LaneError(self._fail_message(item, what) + f": {err}") from err
         after = self._after.pop(item, None)

@@ -58,6 +58,7 @@ split; omitted means equal blocks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -154,13 +155,20 @@ def flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1]).contiguous()
 
 
+@functools.lru_cache(maxsize=1024)
+def _schedule(op: str, mode: str, n: int, r: int, chunks: int, reduce_weight: bool, flags: tuple) -> Schedule:
+    """``build_schedule`` once per distinct call: a schedule is immutable, and every layer of a model
+    (and every step) runs the same few."""
+    return build_schedule(op, mode, n, r, chunks=chunks, reduce_weight=reduce_weight, **dict(flags))
+
+
 def run(call: Call, op: str, kernels, *, dims: dict[str, int], bind: dict[str, torch.Tensor | None],
         like: torch.Tensor, **flags) -> Buffers:
     """Build ``op``'s schedule for this call, its buffers (``bind``: the op's tensors by buffer name,
     ``dims``: the widths of the rest) and run it; returns the buffers."""
     info = call.info
-    schedule: Schedule = build_schedule(op, call.mode, info.world_size, info.rank, chunks=call.chunks,
-                                        reduce_weight=call.reduce_weight, **flags)
+    schedule = _schedule(op, call.mode, info.world_size, info.rank, call.chunks, call.reduce_weight,
+                         tuple(sorted(flags.items())))
     buffers = Buffers(schedule, call.rows, dims=dims, bind=bind, dtype=like.dtype, device=like.device)
     run_schedule(schedule, buffers, kernels(buffers), info, op_name=call.op_name, timeout_s=call.timeout_s)
     return buffers
