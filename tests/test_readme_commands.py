@@ -30,7 +30,7 @@ CP = ["--nproc", "2", "--link-rate", "none", "--tokens", "1024", "--packs", "1",
 
 # run name -> argv: the training runs are the session's shared ones (tests/train_runs.py: the resume runs
 # need the first run's checkpoints), the others run here in this order
-TRAINING = ("train", "resume-cp4", "resume-per-doc-ring", "check-hf")
+TRAINING = ("train", "resume-ulysses", "resume-per-doc-ring", "check-hf")
 RUNS = {
     **{name: TRAIN_RUNS[name] for name in TRAINING},
     "plan-wlbllm": ["plan", "--lengths", "wlbllm", "--cp", "8", "--tokens", "131072", "--packs", "2"],
@@ -45,7 +45,7 @@ COMMANDS = {  # README command -> the run that exercises it
         "resume-per-doc-ring",
     "flashpar train --check": "check-hf",
     "flashpar train --save-every 100": "train",
-    "flashpar train --resume runs/train/checkpoints --steps 800 --cp 4 --tp 1": "resume-cp4",
+    "flashpar train --resume runs/train/checkpoints --steps 800 --ulysses 2 --tp 1": "resume-ulysses",
     "flashpar train --trace --plot": "train",
     "flashpar train --hf-config path/to/config.json": "check-hf",
     "flashpar plan --lengths wlbllm --cp 8 --tokens 131072": "plan-wlbllm",
@@ -109,7 +109,7 @@ def test_training_commands_run(train_runs):
         assert train_runs[name].rc == 0, (name, train_runs[name].stderr[-3000:])
     train, resumed, check = train_runs["train"], train_runs["resume-per-doc-ring"], train_runs["check-hf"]
     assert "trained 4 steps" in train.stdout and "mesh dp=2 cp=2 tp=1" in resumed.stdout
-    assert "mesh dp=1 cp=4 tp=1" in train_runs["resume-cp4"].stdout
+    assert "mesh dp=1 cp=2 ulysses=2 tp=1" in train_runs["resume-ulysses"].stdout
     assert check.stdout.strip().endswith("PASS") and "FAIL" not in check.stdout
     assert (train.out / "train.png").is_file() and list(train.out.glob("trace_rank*.json"))
     assert list((train.out / "checkpoints").glob("step_*")) and (resumed.out / "summary.json").is_file()

@@ -59,8 +59,10 @@ def test_check_passes(train_runs):
 def test_resume_continues_the_same_loss_trajectory_on_any_mesh(train_runs):
     """4 steps straight vs 2 steps, checkpoint, and 2 more: the same losses on the same mesh (only the
     data loader, weights and AdamW moments come back: bit-identical here), and within fp32 rounding
-    (1e-5 relative: other reduction orders) when resumed on (dp, cp, tp) = (1, 4, 1)."""
-    straight, same, other, dp2 = (train_runs[n] for n in ("train", "resume-same", "resume-cp4", "resume-per-doc-ring"))
+    (1e-5 relative: other reduction orders) when resumed on (dp, cp, ulysses, tp) = (1, 2, 2, 1):
+    the tp shards become Ulysses head groups."""
+    names = ("train", "resume-same", "resume-ulysses", "resume-per-doc-ring")
+    straight, same, other, dp2 = (train_runs[n] for n in names)
     for run in (straight, same, other, dp2):
         assert run.rc == 0, run.stderr[-3000:]
     step2 = straight.out / "checkpoints" / "step_2"

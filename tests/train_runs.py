@@ -9,7 +9,7 @@ The runs, in order, in one folder (the later runs resume the first one's checkpo
 
     train                4 steps, checkpoints at 2 and 4, trace, plot   (README: train, --save-every, --trace --plot)
     resume-same          from step 2, same mesh (1, 2, 2): steps 3, 4
-    resume-cp4           from step 2 on (1, 4, 1)                        (README: --resume ... --cp 4 --tp 1)
+    resume-ulysses       from step 2 on (1, 2, 2, 1): Ulysses inside cp  (README: --resume ... --ulysses 2 --tp 1)
     resume-per-doc-ring  from step 2 on (2, 2, 1), ZeRO-3, per_doc, ring (README: --dp 2 ... per_doc --mode ring)
     check-hf             --check on the sizes of a Hugging Face config   (README: --check, --hf-config)
 """
@@ -33,7 +33,8 @@ STEP2 = "runs/train/checkpoints/step_2"
 RUNS = {  # name -> argv (run in this order, in the session's folder)
     "train": ["train", "--steps", "4", "--save-every", "2", "--trace", "--plot", *TRAIN],
     "resume-same": ["train", "--resume", STEP2, "--steps", "4", "--out", "runs/same", *TRAIN],
-    "resume-cp4": ["train", "--resume", STEP2, "--cp", "4", "--tp", "1", "--steps", "4", "--out", "runs/cp4", *TRAIN],
+    "resume-ulysses": ["train", "--resume", STEP2, "--cp", "2", "--ulysses", "2", "--tp", "1", "--steps", "4",
+                       "--out", "runs/ulysses", *TRAIN],
     "resume-per-doc-ring": ["train", "--resume", STEP2, "--dp", "2", "--cp", "2", "--tp", "1", "--strategy", "per_doc",
                             "--mode", "ring", "--steps", "4", "--out", "runs/resumed", *TRAIN],
     "check-hf": ["train", "--check", "--hf-config", "path/to/config.json", "--out", "runs/check", *TRAIN],
