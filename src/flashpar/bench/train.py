@@ -355,12 +355,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--ffn", type=int, default=704)
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per packed sequence (per dp rank)")
-    p.add_argument("--link-rate", default="1gbit",
-                   help="emulated per-rank link (tc rate); 'none' = loopback (default 1gbit)")
+    p.add_argument("--link-rate", default="500mbit",
+                   help="emulated per-rank link (tc rate); 'none' = loopback (default 500mbit, docs/bench-train.md)")
     p.add_argument("--lengths", default="wlbllm", help=LENGTHS_HELP + " (default wlbllm)")
     p.add_argument("--scale", type=int, default=16, help="divide every document length by this (default 16)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per configuration and round (default 2)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5, help="rounds, the order rotated (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration first (default 2)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
