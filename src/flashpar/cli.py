@@ -1,4 +1,5 @@
-"""``flashpar`` command line: ``flashpar train ...``, ``flashpar bench overlap|cp|plan ...``, ``flashpar plan ...``."""
+"""``flashpar`` command line: ``flashpar train ...``, ``flashpar bench overlap|cp|plan|train ...``,
+``flashpar plan ...``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashpar.bench import cp as bench_cp
     from flashpar.bench import overlap as bench_overlap
     from flashpar.bench import plan_targets
+    from flashpar.bench import train as bench_train
     from flashpar.cp import cli as plan_cli
     from flashpar.train import run as train_run
 
@@ -22,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_overlap.add_arguments(ov)
     bc = bench_sub.add_parser("cp", help="every context-parallel strategy side by side, forward and backward")
     bench_cp.add_arguments(bc)
+    bt = bench_sub.add_parser("train", help="the trainer (flashpar, baseline) and torch's own stack side by side")
+    bench_train.add_arguments(bt)
     bp = bench_sub.add_parser("plan", help="the FlashCP planner against its targets on real document lengths")
     plan_targets.add_arguments(bp)
     tr = sub.add_parser("train", help="train the Llama-style model with TP-SP + CP + DP on real packed documents")
@@ -37,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_overlap.run(args)
     if args.command == "bench" and args.bench == "cp":
         return bench_cp.run(args)
+    if args.command == "bench" and args.bench == "train":
+        return bench_train.run(args)
     if args.command == "bench" and args.bench == "plan":
         return plan_targets.run(args)
     parser.error("unknown command")

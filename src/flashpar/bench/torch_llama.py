@@ -1,0 +1,125 @@
+"""The ``torch`` peer of ``flashpar bench train``: flashpar's Llama written with plain torch layers.
+
+The same decoder as :class:`flashpar.models.Llama` (RMSNorm, grouped-query attention with rotary
+embeddings inside each document, SwiGLU, an untied or tied head), laid out as torchtitan's Llama
+(an ``attn`` and an ``mlp`` submodule per block) so that torch's tensor-parallel plans apply to it
+(:mod:`flashpar.bench.torch_parallel`).  Parameter names map one to one onto the single-process
+model's (:func:`full_name`: ``blocks.3.attn.q_proj.weight`` <-> ``blocks.3.q_proj.weight``), so
+``load_full`` copies the same initial weights.
+
+One packed sequence per data-parallel rank, batch-first as torchtitan's model:
+
+    h       = embed(tokens [1, S_loc])                                   [1, S_loc, hidden]
+    h      += o_proj(sdpa(rope(q), gather_cp(rope(k)), gather_cp(v), mask))   per block
+    h      += down(silu(gate(norm(h))) * up(norm(h)))
+    logits  = head(norm(h))                                              [1, S_loc, vocab]
+
+``S_loc`` is this context-parallel rank's tokens (all of them without cp), ``positions [S_loc]`` their
+positions inside their documents and ``mask [S_loc, S]`` which of the cp group's keys, in the order
+``gather_cp`` concatenates them, each query may see.  ``gather_cp`` is the identity without cp and
+torch's autograd-aware functional all-gather over the cp group with it.  The head count is read from
+the projection's output (``view(.., -1, head_dim)``), so the block runs on a tensor-parallel rank's
+heads unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashpar.models.config import LlamaConfig
+from flashpar.overlap.ulysses import rotate
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden, cfg.head_dim
+        self.head_dim, self.theta = d, cfg.rope_theta
+        self.q_proj = nn.Linear(h, cfg.heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.heads * d, h, bias=False)
+        self.cp_group = None  # set by torch_parallel.apply_cp: K/V all-gathered over it
+
+    def gather_cp(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [1, S_loc, heads, D]`` of every cp rank, concatenated along the sequence (rank order)."""
+        if self.cp_group is None:
+            return x
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+        return all_gather_tensor_autograd(x.contiguous(), gather_dim=1, group=self.cp_group)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        d = self.head_dim
+        q = rotate(self.q_proj(x).view(b, s, -1, d).transpose(1, 2), positions, self.theta)
+        k = rotate(self.k_proj(x).view(b, s, -1, d).transpose(1, 2), positions, self.theta)
+        v = self.v_proj(x).view(b, s, -1, d)
+        k = self.gather_cp(k.transpose(1, 2)).transpose(1, 2)
+        v = self.gather_cp(v).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
+        self.up = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
+        self.down = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.mlp = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TorchLlama(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, positions, mask)
+        return self.head(self.norm(x))
+
+    def load_full(self, full: nn.Module) -> None:
+        """Copy the weights of a single-process :class:`flashpar.models.Llama` (call before parallelizing)."""
+        weights = dict(full.named_parameters())
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(weights[full_name(name, self.cfg)])
+
+
+_BLOCK_PARTS = ("attn", "mlp")  # the peer's submodules of a block; flashpar's Llama keeps their layers on the block
+
+
+def full_name(name: str, cfg: LlamaConfig) -> str:
+    """The single-process Llama's name of parameter ``name`` (``blocks.3.attn.q_proj.weight`` ->
+    ``blocks.3.q_proj.weight``; ``head.weight`` -> ``embed.weight`` when tied)."""
+    if name == "head.weight" and cfg.tie_embeddings:
+        return "embed.weight"
+    for part in _BLOCK_PARTS:
+        name = name.replace(f".{part}.", ".")
+    return name

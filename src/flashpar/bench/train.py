@@ -1,0 +1,444 @@
+"""``flashpar bench train``: the trainer's configurations and torch's own stack side by side, in one run.
+
+The parent validates the arguments (one line, exit 2, before any rank starts) and starts the ranks
+behind the emulated links (``--link-rate``; each rank its own namespace and shaped veth, loopback
+when not root), as ``bench cp`` and ``bench overlap`` do.  Every rank, for every configuration:
+
+    flashpar   ParallelLlama: FlashOverlap ("flash") TP-SP, ZeRO-3 and Ulysses (where the mesh has
+               them) fused with the GEMMs, FlashCP ("flashcp") plans    (flashpar.train.step)
+    baseline   the same trainer with mode "none" (blocking collectives, blocking ZeRO-3) and
+               "per_doc" plans
+    torch      the same Llama in plain torch layers, parallelized with torch's APIs only, as
+               torchtitan does (flashpar.bench.torch_parallel: DTensor TP-SP, FSDP2, per-document
+               head-tail context parallelism with K/V all-gathered)
+
+1. timing: every configuration built (same seed: the same initial weights as
+   ``flashpar.train.step.build``), ``--warmup`` steps each, then ``--rounds`` rounds with the order
+   rotated; in a round each configuration runs ``--steps`` steps as they are, then ``--steps`` steps
+   inside :func:`flashpar.bench.no_comm.no_comm` (every collective and p2p call a local no-op: the
+   same step with its communication skipped); every step starts after a barrier;
+2. memory and first loss: each configuration built fresh again, two optimizer steps on the same
+   packed sequences; the first step's loss (summed over the ranks) and the rank's peak memory
+   (see ``peak_memory``).
+
+Figures per configuration: ``step_ms`` the median over the timed steps of the slowest rank's step;
+``exposed_ms`` = step - the median no-communication step (the communication the step does not hide);
+``tokens_per_s`` = dp x seq_len / step; ``mfu`` = model FLOPs of the step (``LlamaConfig.flops_per_token``
+with the documents' causal pairs, as ``flashpar.train.loop``) / step / (peak FLOP/s per rank x ranks),
+the peak from ``flashpar.cost.calibrate.peak_flops`` (a GEMM probe on every rank at once on CPU,
+averaged over the ranks); ``peak_mem_mb`` the largest rank's peak; ``loss_step1``.  The first-step
+losses must agree (relative 1e-4) or the command exits 1.
+
+The data: ``--lengths`` (a shipped name or a file), each length divided by ``--scale``, packed into
+``dp`` sequences of ``--seq-len`` tokens in units of ``2 cp`` tokens (torch's per-document head-tail
+layout cuts every document into ``2 cp`` equal chunks, so every document piece is a multiple of
+``2 cp``; the same documents for every configuration), tokens seeded random in the vocabulary, each
+document's last token without a target.  Every step trains on the same sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import statistics
+import sys
+import time
+import warnings
+
+CONFIGS = ("flashpar", "baseline", "torch")
+LOSS_RTOL = 1e-4  # fp32 on every path; the sums differ in order only (observed ~1e-7 relative)
+
+
+# ----------------------------------------------------------------------------------------------
+# the setup shared by the parent (validation) and the ranks
+
+
+def model_config(config: dict):
+    from flashpar.models import LlamaConfig
+
+    # untied: torchtitan's Llama, and torch's TP plans cannot shard one tensor as both embedding and head
+    return LlamaConfig(hidden=config["hidden"], layers=config["layers"], heads=config["heads"],
+                       kv_heads=config["kv_heads"], ffn=config["ffn"], tie_embeddings=False)
+
+
+def train_config(config: dict, name: str):
+    """The trainer's ``TrainConfig`` of configuration ``name`` (``flashpar`` or ``baseline``)."""
+    import dataclasses
+
+    from flashpar.train.config import TrainConfig
+
+    kw = {"dp": config["dp"], "cp": config["cp"], "tp": config["tp"], "nproc": world_size(config),
+          "seq_len": config["seq_len"], "steps": 1, "lr": config["lr"], "seed": config["seed"],
+          "model": model_config(config), "threads": config["threads"], "timeout": config["rank_timeout"],
+          "dp_mode": "zero3", "workers": 0}
+    if config["ulysses"] > 1:
+        if "ulysses" not in {f.name for f in dataclasses.fields(TrainConfig)}:
+            raise ValueError(f"--ulysses {config['ulysses']} needs the ulysses mesh dimension in TrainConfig "
+                             "(not in this tree yet)")
+        kw["ulysses"] = config["ulysses"]
+    if name == "flashpar":
+        return TrainConfig(**kw, mode="flash", strategy="flashcp")
+    return TrainConfig(**kw, mode="none", strategy="per_doc")
+
+
+def world_size(config: dict) -> int:
+    return config["dp"] * config["cp"] * config["ulysses"] * config["tp"]
+
+
+def torch_cp(config: dict) -> int:
+    """The torch peer's context-parallel size: cp x ulysses (torch has no Ulysses; the same ranks split the
+    sequence)."""
+    return config["cp"] * config["ulysses"]
+
+
+def packed_docs(config: dict) -> list[list[int]]:
+    """The ``dp`` sequences' document lengths: ``--lengths`` / ``--scale`` packed in units of ``2 torch_cp``."""
+    from flashpar.cp.lengths import resolve_lengths
+
+    unit = 2 * torch_cp(config)
+    source = resolve_lengths(config["lengths"])
+    packs = source.packs(config["seq_len"] // unit, config["dp"], seed=config["seed"], scale=config["scale"] * unit)
+    return [[n * unit for n in p] for p in packs]
+
+
+def sequences(config: dict):
+    """``[(tokens [S], labels [S], doc_lens)]`` for the dp ranks: seeded random tokens, next-token labels inside
+    each document (``-100`` on a document's last token)."""
+    import torch
+
+    from flashpar.models.llama import IGNORE
+
+    out = []
+    gen = torch.Generator().manual_seed(config["seed"] + 1)
+    for doc_lens in packed_docs(config):
+        tokens = torch.randint(0, model_config(config).vocab_size, (config["seq_len"],), generator=gen)
+        labels = torch.roll(tokens, -1)
+        labels[torch.tensor(doc_lens).cumsum(0) - 1] = IGNORE
+        out.append((tokens, labels, doc_lens))
+    return out
+
+
+def step_flops(config: dict, seqs) -> float:
+    """Model FLOPs of one step (``flashpar.train.loop``: tokens x flops_per_token(causal pairs / tokens))."""
+    tokens = config["seq_len"] * config["dp"]
+    pairs = sum(n * (n + 1) // 2 for _, _, lens in seqs for n in lens)
+    return tokens * model_config(config).flops_per_token(pairs / tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# one configuration on one rank
+
+
+class Runner:
+    """One configuration built on this rank: ``step()`` is one optimizer step, returning this rank's loss share
+    (the shares of all ranks add up to the mean next-token loss)."""
+
+    def __init__(self, name: str, config: dict, seqs, meshes: dict) -> None:
+        import torch
+
+        from flashpar.models import Llama
+
+        self.name = name
+        cfg = model_config(config)
+        count = float(sum(int((lab != -100).sum()) for _, lab, _ in seqs))
+        device = torch.device("cpu")
+        if name == "torch":
+            from flashpar.bench import torch_parallel
+
+            mesh = meshes["torch"]
+            torch.manual_seed(config["seed"])  # flashpar.train.step.build's weights
+            full = Llama(cfg)
+            self.model, self.opt = torch_parallel.build(cfg, mesh, full, device, lr=config["lr"])
+            tokens, labels, doc_lens = seqs[mesh["dp"].get_local_rank()]
+            batch = torch_parallel.make_batch(tokens, labels, doc_lens, mesh, device)
+            tp = mesh["tp"].size()
+            self._step = lambda: torch_parallel.train_step(self.model, self.opt, batch, count, tp)
+            return
+        from flashpar import cp
+        from flashpar.cp import CostModel
+        from flashpar.train.step import build, train_step
+
+        tc = train_config(config, name)
+        mesh = meshes["flashpar"]
+        _, self.model, self.opt = build(tc, mesh, device)
+        tokens, labels, doc_lens = seqs[mesh["dp"].get_local_rank()]
+        cost = CostModel(hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                         head_dim=cfg.head_dim, layers=cfg.layers, dtype_bytes=4)  # as flashpar.train.loop
+        plan = cp.plan(doc_lens, tc.cp, strategy=tc.strategy, cost=cost)
+        cp_rank = mesh["cp"].get_local_rank()
+        tokens_cp, labels_cp = cp.shard(tokens, plan, cp_rank), cp.shard(labels, plan, cp_rank)
+        self._step = lambda: train_step(self.model, self.opt, tokens_cp, labels_cp, plan, count)
+
+    def step(self):
+        return self._step()
+
+
+def make_meshes(config: dict) -> dict:
+    """The trainer's mesh (``flashpar.train.loop.setup``: dp, cp, [ulysses,] tp) and the torch peer's."""
+    import torch
+
+    from flashpar.bench.torch_parallel import make_mesh
+    from flashpar.train.loop import setup
+
+    meshes = {}
+    if {"flashpar", "baseline"} & set(config["configs"]):
+        _, meshes["flashpar"] = setup(train_config(config, "flashpar"))
+    else:
+        torch.set_num_threads(config["threads"])
+    if "torch" in config["configs"]:
+        meshes["torch"] = make_mesh(config["dp"], torch_cp(config), config["tp"], "cpu")
+    return meshes
+
+
+# ----------------------------------------------------------------------------------------------
+# measuring
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def reset_peak_memory() -> int:
+    """Free what can be freed (garbage, malloc's free pages), reset the peak resident size (``VmHWM``) to the
+    current one (``/proc/self/clear_refs`` "5") and return the current resident size in kB."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: the peak may include memory malloc kept
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kb("VmRSS")
+
+
+def peak_memory(before_kb: int) -> float:
+    """MB the peak resident size rose above ``before_kb`` (CPU: torch has no allocator statistics there)."""
+    return (_status_kb("VmHWM") - before_kb) / 1024.0
+
+
+def _timed(step, barrier) -> float:
+    barrier()
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
+def worker(config: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from flashpar.bench.no_comm import no_comm
+    from flashpar.cost.calibrate import peak_flops
+    from flashpar.dist import as_timedelta
+
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # FSDP2 on the embedding's output
+    warnings.filterwarnings("ignore", message=".*sequential all_gather.*")
+    dist.init_process_group("gloo", timeout=as_timedelta(config["rank_timeout"]))
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(config["threads"])
+    seqs = sequences(config)
+    meshes = make_meshes(config)
+    names = config["configs"]
+
+    # 1. timing: every configuration built, warmed up, then rounds with the order rotated
+    runners = {name: Runner(name, config, seqs, meshes) for name in names}
+    for name in names:
+        for _ in range(config["warmup"]):
+            runners[name].step()
+    peak = torch.tensor([peak_flops(torch.device("cpu"))], dtype=torch.float64)
+    dist.all_reduce(peak)
+    samples = {(name, kind): [] for name in names for kind in ("step", "no_comm")}
+    barrier = dist.barrier
+    for rnd in range(config["rounds"]):
+        order = names[rnd % len(names):] + names[: rnd % len(names)]
+        for name in order:
+            step = runners[name].step
+            samples[(name, "step")] += [_timed(step, barrier) for _ in range(config["steps"])]
+            with no_comm():
+                samples[(name, "no_comm")] += [_timed(step, barrier) for _ in range(config["steps"])]
+    del runners, step
+
+    # 2. memory and first-step loss: each configuration built fresh (after the timing, so that one-time
+    #    allocations of the process -- imports, thread pools, groups' buffers -- are not charged to the first)
+    first, mem = {}, {}
+    for name in names:
+        dist.barrier()
+        before = reset_peak_memory()
+        runner = Runner(name, config, seqs, meshes)
+        losses = [runner.step() for _ in range(2)]
+        mem[name] = peak_memory(before)
+        first[name] = losses[0].detach().double().reshape(1)
+        del runner, losses
+    loss_sum = torch.cat([first[name] for name in names])
+    dist.all_reduce(loss_sum)
+    gathered = [None] * n
+    dist.all_gather_object(gathered, {"samples": samples, "mem": mem})
+    if rank == 0:
+        report = make_report(config, gathered, loss_sum.tolist(), float(peak) / n, seqs)
+        with open(config["out"], "w") as f:
+            json.dump(report, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank: float, seqs) -> dict:
+    names, n = config["configs"], len(gathered)
+    flops = step_flops(config, seqs)
+    tokens = config["seq_len"] * config["dp"]
+    rows = []
+    for name, loss in zip(names, losses, strict=True):
+        med = {}
+        for kind in ("step", "no_comm"):
+            per_step = zip(*(g["samples"][(name, kind)] for g in gathered), strict=True)
+            med[kind] = statistics.median(max(ts) for ts in per_step)
+        rows.append({"name": name, "tokens_per_s": tokens / med["step"], "step_ms": 1e3 * med["step"],
+                     "exposed_ms": 1e3 * (med["step"] - med["no_comm"]), "no_comm_ms": 1e3 * med["no_comm"],
+                     "mfu": flops / med["step"] / (peak_per_rank * n),
+                     "peak_mem_mb": max(g["mem"][name] for g in gathered), "loss_step1": loss})
+    ref = losses[0]
+    worst = max(abs(x - ref) / abs(ref) for x in losses)
+    setup = {key: config[key] for key in ("dp", "cp", "ulysses", "tp", "hidden", "layers", "heads", "kv_heads",
+                                          "ffn", "seq_len", "lengths", "scale", "steps", "rounds", "warmup",
+                                          "threads", "lr", "seed", "link_rate")}
+    setup.update(world_size=n, documents=[len(lens) for _, _, lens in seqs], flops_per_step=flops,
+                 peak_flops_per_rank=peak_per_rank, params=model_config(config).params,
+                 loss_rel_diff=worst, losses_agree=worst <= LOSS_RTOL, torch_cp=torch_cp(config),
+                 peak_mem="CPU: rise of the rank's peak resident set (VmHWM, reset via /proc/self/clear_refs) over "
+                          "its resident set before building, 2 steps of a fresh build; largest rank")
+    return {"setup": setup, "configs": rows}
+
+
+# ----------------------------------------------------------------------------------------------
+# parent
+
+
+def format_report(report: dict) -> str:
+    s, rows = report["setup"], report["configs"]
+    by = {r["name"]: r for r in rows}
+    lines = [
+        f"N={s['world_size']} (dp {s['dp']} x cp {s['cp']} x ulysses {s['ulysses']} x tp {s['tp']}), link "
+        f"{s['link_rate']}, Llama hidden {s['hidden']} x {s['layers']} layers, heads {s['heads']}/{s['kv_heads']}, "
+        f"ffn {s['ffn']} ({s['params'] / 1e6:.2f}M params), {s['seq_len']} tokens per dp rank "
+        f"({s['lengths']} / {s['scale']}: {s['documents']} documents), fp32, {s['threads']} thread(s)/rank",
+        f"median of {s['rounds']} rounds x {s['steps']} steps (slowest rank per step), {s['warmup']} warm-up steps; "
+        f"peak {s['peak_flops_per_rank'] / 1e9:.1f} GFLOP/s per rank",
+        "",
+        f"{'config':<10}{'tokens/s':>10}{'step ms':>9}{'no-comm':>9}{'exposed':>9}{'exp %':>7}{'MFU %':>7}"
+        f"{'mem MB':>8}{'loss step 1':>13}{'x baseline':>11}{'x torch':>9}",
+    ]
+    for r in rows:
+        ratio = lambda base, r=r: f"{r['tokens_per_s'] / by[base]['tokens_per_s']:.2f}" if base in by else "-"  # noqa: E731
+        lines.append(f"{r['name']:<10}{r['tokens_per_s']:>10.0f}{r['step_ms']:>9.0f}{r['no_comm_ms']:>9.0f}"
+                     f"{r['exposed_ms']:>9.0f}{100 * r['exposed_ms'] / r['step_ms']:>7.1f}{100 * r['mfu']:>7.2f}"
+                     f"{r['peak_mem_mb']:>8.1f}{r['loss_step1']:>13.7f}{ratio('baseline'):>11}{ratio('torch'):>9}")
+    agree = "agree" if s["losses_agree"] else "DISAGREE"
+    lines.append(f"first-step losses {agree}: largest relative difference {s['loss_rel_diff']:.2e} "
+                 f"(tolerance {LOSS_RTOL:g})")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from flashpar.cp.lengths import LENGTHS_HELP
+
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
+    p.add_argument("--cp", type=int, default=2, help="context-parallel size (default 2)")
+    p.add_argument("--ulysses", type=int, default=1, help="Ulysses size of flashpar's mesh (default 1)")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=704)
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per packed sequence (per dp rank)")
+    p.add_argument("--link-rate", default="500mbit",
+                   help="emulated per-rank link (tc rate); 'none' = loopback (default 500mbit, docs/bench-train.md)")
+    p.add_argument("--lengths", default="wlbllm", help=LENGTHS_HELP + " (default wlbllm)")
+    p.add_argument("--scale", type=int, default=16, help="divide every document length by this (default 16)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per configuration and round (default 2)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds, the order rotated (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration first (default 2)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (the trainer's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the report to this JSON file")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
+
+
+def config_of(args: argparse.Namespace) -> dict:
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    return {"dp": args.dp, "cp": args.cp, "ulysses": args.ulysses, "tp": args.tp, "hidden": args.hidden,
+            "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads, "ffn": args.ffn,
+            "seq_len": args.seq_len, "lengths": args.lengths, "scale": args.scale, "steps": args.steps,
+            "rounds": args.rounds, "warmup": args.warmup, "configs": configs, "threads": args.threads,
+            "lr": args.lr, "seed": args.seed, "rank_timeout": min(args.timeout, 600.0)}
+
+
+def check_arguments(config: dict) -> str | None:
+    """The first problem with the arguments, as one line, or ``None`` (checked before any rank starts)."""
+    unknown = [c for c in config["configs"] if c not in CONFIGS]
+    if unknown or not config["configs"] or len(set(config["configs"])) != len(config["configs"]):
+        return f"--configs: expected distinct names from {','.join(CONFIGS)}, got {','.join(config['configs'])!r}"
+    for key, least in (("dp", 1), ("cp", 1), ("ulysses", 1), ("tp", 1), ("hidden", 1), ("layers", 1),
+                       ("heads", 1), ("kv_heads", 1), ("ffn", 1), ("seq_len", 1), ("scale", 1), ("steps", 1),
+                       ("rounds", 1), ("warmup", 0), ("threads", 1)):
+        if config[key] < least:
+            return f"--{key.replace('_', '-')} must be >= {least}, got {config[key]}"
+    if world_size(config) < 2:
+        return "the mesh dp x cp x ulysses x tp must have at least 2 ranks"
+    try:
+        model_config(config)
+        for name in ("flashpar", "baseline"):
+            if name in config["configs"]:
+                train_config(config, name)
+    except ValueError as err:
+        return str(err).splitlines()[0]
+    unit = 2 * torch_cp(config) * config["tp"]
+    if config["seq_len"] % unit:
+        return (f"--seq-len {config['seq_len']} must be a multiple of 2 x cp x ulysses x tp = {unit} (torch's "
+                "per-document head-tail chunks, then tp's sequence shards)")
+    try:
+        packs = packed_docs(config)
+    except (OSError, ValueError) as err:
+        return f"--lengths: {err}"
+    if len(packs) < config["dp"]:
+        return (f"--lengths {config['lengths']} / {config['scale']} fills {len(packs)} sequences of "
+                f"{config['seq_len']} tokens, dp needs {config['dp']}")
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from flashpar.bench.launch import run_workers, save_json
+    from flashpar.bench.netlink import chosen_rate, parse_rate
+
+    config = config_of(args)
+    problem = check_arguments(config)
+    if problem is None and str(args.link_rate).lower() not in ("none", "loopback", ""):
+        try:
+            parse_rate(args.link_rate)
+        except ValueError as err:
+            problem = f"--link-rate: {err}"
+    if problem:
+        print(f"flashpar bench train: {problem}", file=sys.stderr)
+        return 2
+    rate = chosen_rate(args.link_rate)
+    report = run_workers("flashpar.bench.train", world_size(config), config, rate, timeout=args.timeout)
+    report["setup"]["command"] = "flashpar bench train " + " ".join(sys.argv[3:] if len(sys.argv) > 2 else [])
+    print(format_report(report), flush=True)
+    save_json(args.json, report)
+    if not report["setup"]["losses_agree"]:
+        print("flashpar bench train: the first-step losses disagree", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    from flashpar.bench.launch import module_main
+
+    module_main("flashpar bench train", add_arguments, run, worker)
+
