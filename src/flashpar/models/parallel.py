@@ -72,6 +72,7 @@ from flashpar import cp
 from flashpar.cp.layout import to_device
 from flashpar.dist import DEFAULT_TIMEOUT_S
 from flashpar.models.config import LlamaConfig
+from flashpar.models.grad_sync import GradSync
 from flashpar.models.layout import LAYOUT, layout_of
 from flashpar.models.llama import Llama, RMSNorm, rope
 from flashpar.models.step_check import StepCheck
@@ -211,6 +212,8 @@ class ParallelLlama(nn.Module):
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab_size // self.tp, bias=False)
         self._sum_groups = _sum_groups(mesh, self.zero)
+        self.grad_sync = GradSync([(p, self._sum_groups[layout_of(name)[0].grad_sum(self.zero, self.ulysses > 1)])
+                                   for name, p in reversed(list(self.named_parameters()))], timeout_s=timeout_s)
         self.step_check = StepCheck(mesh, (cfg, mode, dp_mode, tuple(mesh.mesh.shape), mesh.mesh_dim_names),
                                     timeout_s=timeout_s)  # the cross-rank check of each step's inputs
         self.kv_counter = cp.CommCounter()  # bytes this rank's attention sent and received, all layers
@@ -263,14 +266,15 @@ class ParallelLlama(nn.Module):
         dist.all_gather(parts, x.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=dim)
 
+    def sum_grads_in_backward(self) -> None:
+        """Post each gradient's sum during the next backward, as soon as the gradient is complete
+        (``flashpar.models.grad_sync``); ``reduce_grads`` then waits for them."""
+        self.grad_sync.arm()
+
     def reduce_grads(self) -> None:
-        """Sum every gradient over the ranks that hold a copy of its parameter (see the module docstring)."""
-        for name, p in self.named_parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            group = self._sum_groups[layout_of(name)[0].grad_sum(self.zero, self.ulysses > 1)]
-            if group is not None:
-                dist.all_reduce(p.grad, group=group)
+        """Sum every gradient over the ranks that hold a copy of its parameter (see the module docstring):
+        the sums ``sum_grads_in_backward`` posted during backward, and the rest."""
+        self.grad_sync.finish()
 
     # ------------------------------------------------------------------------------------------
     # forward
@@ -325,11 +329,8 @@ def _sum_groups(mesh, zero: bool) -> dict[str, dist.ProcessGroup | None]:
 
     if dp * cpn * un > 1:
         make("shard", [ranks[..., t].flatten().tolist() for t in range(tp)])
-    if zero and cpn * un > 1:
-        if un == 1:
-            groups["zero"] = mesh["cp"].get_group()
-        else:
-            make("zero", [ranks[d, :, :, t].flatten().tolist() for d in range(dp) for t in range(tp)])
+    if zero and cpn * un > 1:  # its own groups, even where one equals the cp group (see models/grad_sync.py)
+        make("zero", [ranks[d, :, :, t].flatten().tolist() for d in range(dp) for t in range(tp)])
     if dp * cpn * un * tp > 1:
         make("copy", [ranks.flatten().tolist()])
     return groups

@@ -36,6 +36,7 @@ def forward_backward(model: ParallelLlama, tokens_cp: torch.Tensor, labels_cp: t
     """This rank's share of the loss (``ParallelLlama.forward``: the cp rank's tokens / targets of ``plan``,
     ``count`` the global batch's targets), after backward and ``reduce_grads``."""
     loss = model(tokens_cp, plan, labels_cp, count)
+    model.sum_grads_in_backward()  # each gradient's sum travels while backward computes the earlier layers
     loss.backward()
     model.reduce_grads()
     return loss.detach()
