@@ -29,13 +29,6 @@ def _sequences(dp: int):
     return out
 
 
-def _norm_in_input_precision(self, x: torch.Tensor) -> torch.Tensor:
-    """``flashpar.models.llama.RMSNorm.forward`` computing in ``x``'s precision when it is above fp32 (the model's
-    ``x.float()`` rounds a float64 input to fp32, which would cap the reference at fp32 accuracy)."""
-    wide = x.to(torch.promote_types(x.dtype, torch.float32))
-    return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
 def peer_against_llama(rank: int, n: int, meshes) -> dict:
     """For every ``(dp, cp, tp)`` of ``meshes`` (product ``n``): the torch peer's loss (summed over the ranks)
     and the largest relative error of every parameter's gradient against the single-process ``Llama`` on the
@@ -44,10 +37,8 @@ def peer_against_llama(rank: int, n: int, meshes) -> dict:
 
     from flashpar.bench import torch_parallel
     from flashpar.bench.torch_llama import full_name
-    from flashpar.models import llama
 
     warnings.filterwarnings("ignore")
-    llama.RMSNorm.forward = _norm_in_input_precision  # this spawned rank only
     out = {}
     for dp, cp, tp in meshes:
         torch.manual_seed(0)

@@ -38,6 +38,10 @@ RUNS = {
     "bench-plan": ["bench", "plan", "--packs", "1", "--lists", "sotu,long-context"],
     "bench-overlap": ["bench", "overlap", "--nproc", "2,4", *OVERLAP],  # all five ops (a superset of --ops)
     "bench-cp": ["bench", "cp", "--lengths", "prolong", *CP],
+    # every option of the README's bench train commands, on 2 ranks (Ulysses 2; the torch peer: cp 2)
+    "bench-train": ["bench", "train", "--dp", "1", "--cp", "1", "--ulysses", "2", "--tp", "1", "--hidden", "32",
+                    "--ffn", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--seq-len", "128",
+                    "--link-rate", "none", "--rounds", "1", "--steps", "1", "--warmup", "1"],
 }
 COMMANDS = {  # README command -> the run that exercises it
     "flashpar train": "train",
@@ -59,6 +63,11 @@ COMMANDS = {  # README command -> the run that exercises it
         "bench-overlap",
     "flashpar bench cp --nproc 4 --link-rate 300mbit --packs 2 --rounds 5": "bench-cp",
     "flashpar bench cp --nproc 4 --link-rate 300mbit --lengths prolong": "bench-cp",
+    "flashpar bench train": "bench-train",
+    "flashpar bench train --link-rate 300mbit": "bench-train",
+    "flashpar bench train --cp 2 --ulysses 2 --tp 1": "bench-train",
+    "flashpar bench train --dp 2 --cp 1 --tp 2": "bench-train",
+    "flashpar bench train --hidden 512 --ffn 1408 --link-rate 1gbit --rounds 3": "bench-train",
 }
 SKIPPED = {
     "make run": "sets up .venv and trains 400 steps (minutes); its `flashpar train` is run here shortened",
@@ -116,9 +125,10 @@ def test_training_commands_run(train_runs):
 
 
 def test_planning_and_benchmark_commands_run(in_tmp, capsys):
-    for name in ("plan-wlbllm", "plan-file", "bench-plan", "bench-overlap", "bench-cp"):
+    for name in ("plan-wlbllm", "plan-file", "bench-plan", "bench-overlap", "bench-cp", "bench-train"):
         assert main(RUNS[name]) == 0, name
     out = capsys.readouterr().out
     assert "== wlbllm: 2 pack(s) of 131072 tokens" in out and "== my_lengths.txt: one pack of" in out
     assert "MagiAttention anchor" in out and "Planning time" in out
     assert "running N=4" in out and "ovl/ideal" in out and "prolong lengths / 16" in out
+    assert "first-step losses agree" in out and "dp 1 x cp 1 x ulysses 2 x tp 1" in out

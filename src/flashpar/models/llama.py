@@ -38,7 +38,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor, count: float | None = None) -> torch.Tensor:
     """Summed cross-entropy of ``logits [T, V]`` against ``labels [T]`` (``-100``: no target), divided by
     ``count`` (default: the number of targets here; a trainer passes the global batch's)."""
-    total = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32; fp64 stays fp64
+    total = F.cross_entropy(wide, labels, ignore_index=IGNORE, reduction="sum")
     n = int((labels != IGNORE).sum()) if count is None else count
     return total / max(n, 1)
 
@@ -50,8 +51,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))  # at least fp32: a float64 reference stays float64
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 class Block(nn.Module):
