@@ -23,8 +23,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 TINY = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--seq-len", "128",
         "--scale", "64", "--link-rate", "none", "--steps", "1", "--rounds", "2", "--warmup", "1"]
 SOLO_MESHES = [(1, 1, 2), (1, 2, 1), (2, 1, 1)]
-PEER_MESHES = {1: [(1, 1, 1)], 2: [(1, 1, 2), (1, 2, 1), (2, 1, 1)], 3: [(1, 3, 1), (1, 1, 3)],
-               4: [(1, 2, 2), (2, 1, 2), (2, 2, 1)]}
+PEER_MESHES = {1: [(1, 1, 1)], 2: [(1, 1, 2), (2, 1, 1)], 3: [(1, 3, 1)], 4: [(1, 2, 2), (2, 2, 1)]}
 
 
 def _config(**kw) -> dict:
@@ -78,17 +77,10 @@ def test_bad_arguments_stop_with_one_line_before_any_rank(argv, needle, capsys, 
     assert needle in err, err
 
 
-def test_ulysses_without_the_mesh_dimension_says_so():
-    """Until TrainConfig has the ``ulysses`` field, asking for it is one clear line (after the merge it runs)."""
-    import dataclasses
-
-    from flashpar.train.config import TrainConfig
-
-    problem = bench_train.check_arguments(_config(ulysses=2, cp=1))
-    if "ulysses" in {f.name for f in dataclasses.fields(TrainConfig)}:
-        assert problem is None or "needs the ulysses mesh dimension" not in problem
-    else:
-        assert problem is not None and "needs the ulysses mesh dimension" in problem
+def test_a_ulysses_mesh_is_accepted_and_tp_with_ulysses_refused():
+    assert bench_train.check_arguments(_config(ulysses=2, cp=1, tp=1)) is None
+    problem = bench_train.check_arguments(_config(ulysses=2, cp=1, tp=2))
+    assert problem is not None and "--ulysses" in problem and "--tp" in problem, problem
 
 
 def test_packed_documents_are_multiples_of_two_cp_and_fill_the_sequence():
@@ -141,7 +133,8 @@ def _bench(tmp_path, *argv) -> tuple[subprocess.CompletedProcess, dict]:
     return proc, json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("mesh", [("1", "1", "2"), ("1", "2", "1")])
+# tp 2 here; tests/test_readme_commands.py runs a Ulysses mesh (the torch peer on cp 2) with the JSON checked
+@pytest.mark.parametrize("mesh", [("1", "1", "2")])
 def test_smoke_run_reports_every_configuration_with_agreeing_first_losses(tmp_path, mesh):
     dp, cp, tp = mesh
     proc, report = _bench(tmp_path, "--dp", dp, "--cp", cp, "--tp", tp)

@@ -13,6 +13,7 @@ neither table fails the test.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -23,7 +24,7 @@ from flashpar.cli import main
 from train_runs import RUNS as TRAIN_RUNS
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-OVERLAP = ["--link-rate", "none", "--rounds", "1", "--shapes", "small-M", "--modes", "flash:1",
+OVERLAP = ["--link-rate", "none", "--rounds", "1", "--shapes", "small-M", "--modes", "none,ring:1,flash:2,auto",
            "--seq-local", "16", "--width", "32"]
 CP = ["--nproc", "2", "--link-rate", "none", "--tokens", "1024", "--packs", "1", "--rounds", "1", "--heads", "2",
       "--kv-heads", "1", "--head-dim", "16"]
@@ -36,12 +37,14 @@ RUNS = {
     "plan-wlbllm": ["plan", "--lengths", "wlbllm", "--cp", "8", "--tokens", "131072", "--packs", "2"],
     "plan-file": ["plan", "--lengths", "my_lengths.txt", "--cp", "4"],
     "bench-plan": ["bench", "plan", "--packs", "1", "--lists", "sotu,long-context"],
-    "bench-overlap": ["bench", "overlap", "--nproc", "2,4", *OVERLAP],  # all five ops (a superset of --ops)
+    # all five ops (a superset of --ops), 2 ranks (the README's 4-rank runs differ only in --nproc's value)
+    "bench-overlap": ["bench", "overlap", "--nproc", "2", *OVERLAP, "--json", "bench-overlap.json"],
     "bench-cp": ["bench", "cp", "--lengths", "prolong", *CP],
     # every option of the README's bench train commands, on 2 ranks (Ulysses 2; the torch peer: cp 2)
     "bench-train": ["bench", "train", "--dp", "1", "--cp", "1", "--ulysses", "2", "--tp", "1", "--hidden", "32",
                     "--ffn", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--seq-len", "128",
-                    "--link-rate", "none", "--rounds", "1", "--steps", "1", "--warmup", "1"],
+                    "--link-rate", "none", "--rounds", "1", "--steps", "1", "--warmup", "1",
+                    "--json", "bench-train.json"],
 }
 COMMANDS = {  # README command -> the run that exercises it
     "flashpar train": "train",
@@ -130,5 +133,16 @@ def test_planning_and_benchmark_commands_run(in_tmp, capsys):
     out = capsys.readouterr().out
     assert "== wlbllm: 2 pack(s) of 131072 tokens" in out and "== my_lengths.txt: one pack of" in out
     assert "MagiAttention anchor" in out and "Planning time" in out
-    assert "running N=4" in out and "ovl/ideal" in out and "prolong lengths / 16" in out
+    assert "running N=2" in out and "ovl/ideal" in out and "auto>" in out and "prolong lengths / 16" in out
+    overlap = json.loads((in_tmp / "bench-overlap.json").read_text())[0]  # the end-to-end check of bench overlap
+    entries = {e["shape"]["name"]: e for e in overlap["shapes"]}
+    assert overlap["world_size"] == 2 and {"ag-small-M", "fsdp-small-M", "qkv-small-M"} <= set(entries)
+    modes = {name: [m["mode"] for m in e["modes"]] for name, e in entries.items()}
+    assert modes["fsdp-small-M"] == ["none", "ring", "flash", "auto"]
+    assert modes["qkv-small-M"] == ["none", "flash", "auto"], "ring does not apply to an all-to-all"
+    row = entries["ag-small-M"]["modes"][2]
+    assert row["mode"] == "flash" and {"compute", "comm", "overlapped", "ideal", "bound"} <= set(row["forward"])
     assert "first-step losses agree" in out and "dp 1 x cp 1 x ulysses 2 x tp 1" in out
+    report = json.loads((in_tmp / "bench-train.json").read_text())
+    assert report["setup"]["losses_agree"] is True and report["setup"]["ulysses"] == 2
+    assert [c["name"] for c in report["configs"]] == ["flashpar", "baseline", "torch"]

@@ -66,19 +66,13 @@ def model_config(config: dict):
 
 def train_config(config: dict, name: str):
     """The trainer's ``TrainConfig`` of configuration ``name`` (``flashpar`` or ``baseline``)."""
-    import dataclasses
-
     from flashpar.train.config import TrainConfig
 
-    kw = {"dp": config["dp"], "cp": config["cp"], "tp": config["tp"], "nproc": world_size(config),
+    kw = {"dp": config["dp"], "cp": config["cp"], "ulysses": config["ulysses"], "tp": config["tp"],
+          "nproc": world_size(config),
           "seq_len": config["seq_len"], "steps": 1, "lr": config["lr"], "seed": config["seed"],
           "model": model_config(config), "threads": config["threads"], "timeout": config["rank_timeout"],
           "dp_mode": "zero3", "workers": 0}
-    if config["ulysses"] > 1:
-        if "ulysses" not in {f.name for f in dataclasses.fields(TrainConfig)}:
-            raise ValueError(f"--ulysses {config['ulysses']} needs the ulysses mesh dimension in TrainConfig "
-                             "(not in this tree yet)")
-        kw["ulysses"] = config["ulysses"]
     if name == "flashpar":
         return TrainConfig(**kw, mode="flash", strategy="flashcp")
     return TrainConfig(**kw, mode="none", strategy="per_doc")
