@@ -57,8 +57,9 @@ projections (the GEMM fused with the all-to-all needs the whole weight).
 
 Gradients: a parameter's gradient on a rank covers that rank's tokens only, and the loss is
 normalised by the global number of targets, so gradients are summed over every rank that holds a
-copy (``reduce_grads``): the tp shards over the dp x cp x ulysses ranks of their tp index (ZeRO-3
-rows: over cp x ulysses, the reduce-scatter summed over dp), the norms over the whole mesh.
+copy (``reduce_grads``; each sum is posted during backward by ``flashpar.models.grad_sync``): the tp
+shards over the dp x cp x ulysses ranks of their tp index (ZeRO-3 rows: over cp x ulysses, the
+reduce-scatter summed over dp), the norms over the whole mesh.
 """
 
 from __future__ import annotations
