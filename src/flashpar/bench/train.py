@@ -152,16 +152,13 @@ class Runner:
             self._step = lambda: torch_parallel.train_step(self.model, self.opt, batch, count, tp)
             return
         from flashpar import cp
-        from flashpar.cp import CostModel
-        from flashpar.train.step import build, train_step
+        from flashpar.train.step import build, planner_cost, train_step
 
         tc = train_config(config, name)
         mesh = meshes["flashpar"]
         _, self.model, self.opt = build(tc, mesh, device)
         tokens, labels, doc_lens = seqs[mesh["dp"].get_local_rank()]
-        cost = CostModel(hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, kv_heads=cfg.kv_heads,
-                         head_dim=cfg.head_dim, layers=cfg.layers, dtype_bytes=4)  # as flashpar.train.loop
-        plan = cp.plan(doc_lens, tc.cp, strategy=tc.strategy, cost=cost)
+        plan = cp.plan(doc_lens, tc.cp, strategy=tc.strategy, cost=planner_cost(cfg))  # as flashpar.train.loop
         cp_rank = mesh["cp"].get_local_rank()
         tokens_cp, labels_cp = cp.shard(tokens, plan, cp_rank), cp.shard(labels, plan, cp_rank)
         self._step = lambda: train_step(self.model, self.opt, tokens_cp, labels_cp, plan, count)

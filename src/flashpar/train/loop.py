@@ -33,13 +33,12 @@ import torch.distributed as dist
 
 from flashpar import cp
 from flashpar.cost.calibrate import peak_flops
-from flashpar.cp import CostModel
 from flashpar.models.parallel import MESH_DIMS
 from flashpar.train import checkpoint
 from flashpar.train.config import TrainConfig
 from flashpar.train.data import PackedCorpus, PlannedSequences, make_loader
 from flashpar.train.metrics import StepMetrics, summary
-from flashpar.train.step import build, train_step
+from flashpar.train.step import build, planner_cost, train_step
 
 
 @dataclass(frozen=True)
@@ -76,9 +75,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     dp_group = mesh["dp"].get_group()
     dp_rank, cp_rank = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     data = PackedCorpus(config.seq_len, max_docs=config.max_docs, seed=config.seed)
-    # the planner's cost model with this model's shape (fp32 activations); device rates stay the defaults
-    cost = CostModel(hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                     layers=cfg.layers, dtype_bytes=4)
+    cost = planner_cost(cfg)
     first_step, start = 0, 0
     if config.resume:
         meta = checkpoint.read_meta(Path(config.resume), config)

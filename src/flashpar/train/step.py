@@ -1,6 +1,7 @@
 """One rank's model and one optimizer step, with no bookkeeping: the part of training tests call directly.
 
     build(config, mesh, device)    -> (cfg, ParallelLlama with its shards of one seeded Llama, AdamW)
+    planner_cost(cfg)              the planner's cost model with the model's shape
     forward_backward(model, ...)   loss share; backward; gradients summed over the ranks holding copies
     train_step(model, opt, ...)    forward_backward, AdamW step, gradients cleared
 
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from flashpar.models import Llama
+from flashpar.cp import CostModel
+from flashpar.models import Llama, LlamaConfig
 from flashpar.models.parallel import ParallelLlama
 from flashpar.train.config import TrainConfig
 
@@ -29,6 +31,13 @@ def build(config: TrainConfig, mesh, device) -> tuple:
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
     return cfg, model, opt
+
+
+def planner_cost(cfg: LlamaConfig) -> CostModel:
+    """The cost model the trainer's plans are made with: this model's shape, fp32 activations, the default
+    device rates."""
+    return CostModel(hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                     layers=cfg.layers, dtype_bytes=4)
 
 
 def forward_backward(model: ParallelLlama, tokens_cp: torch.Tensor, labels_cp: torch.Tensor, plan,
