@@ -1,6 +1,7 @@
-"""Run a function on N gloo ranks in spawned processes and collect each rank's return value.
+"""Run a function on N gloo ranks in their own processes and collect each rank's return value.
 
-One spawn per world size runs many cases (process start-up dominates on 2 cores);
+The processes fork from a server that has imported torch (``flashpar.ranks``), so a rank starts in
+milliseconds; one spawn per world size still runs many cases (fewer process groups to set up);
 results come back through a queue, and a rank's exception comes back with its traceback.
 """
 
@@ -11,12 +12,13 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from flashpar import ranks
 from flashpar.dist import free_port
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, results) -> None:
+def _entry(rank: int, world_size: int, port: int, fn, args, results, inherit) -> None:
+    inherit.apply()  # the parent's environment and stdout / stderr (flashpar.ranks: forked from a server)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # N ranks share 2 cores
     try:
@@ -32,10 +34,10 @@ def _entry(rank: int, world_size: int, port: int, fn, args, results) -> None:
 
 def run_ranks(world_size: int, fn, *args, timeout: float = 240.0) -> list:
     """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each in its own process."""
-    ctx = mp.get_context("spawn")
+    ctx = ranks.context()  # forked from a server that has imported torch: no start-up import per rank
     results = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, ranks.Inherit()), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

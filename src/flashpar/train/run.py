@@ -68,7 +68,9 @@ def _check(config: TrainConfig):
 RAISED = 73  # a rank's exit status after an exception: its traceback ends its rank<r>.log
 
 
-def _spawned(rank: int, world: int, port: int, config: TrainConfig, result_path: str, hooks: Hooks | None) -> None:
+def _spawned(rank: int, world: int, port: int, config: TrainConfig, result_path: str, hooks: Hooks | None,
+             inherit) -> None:
+    inherit.apply()  # the launcher's environment and stdout / stderr (flashpar.ranks: forked from a server)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     log = _own_stderr(rank, _rank_log(Path(config.out), rank))
@@ -134,6 +136,7 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
         return _report(rank_main(config, hooks), config)
     import torch.multiprocessing as mp
 
+    from flashpar import ranks
     from flashpar.dist import free_port
 
     out = Path(config.out)
@@ -143,8 +146,9 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
     level = spawn_log.level
     spawn_log.setLevel(logging.ERROR)
     try:
-        mp.start_processes(_spawned, args=(config.nproc, free_port(), config, str(result), hooks),
-                           nprocs=config.nproc, join=True, start_method="spawn")
+        ranks.context()  # ranks fork from a server that has imported torch (flashpar.ranks)
+        mp.start_processes(_spawned, args=(config.nproc, free_port(), config, str(result), hooks, ranks.Inherit()),
+                           nprocs=config.nproc, join=True, start_method=ranks.start_method())
     except mp.ProcessExitedException as err:  # the first rank to stop: raised (its log), killed, or crashed
         print(f"flashpar train: a rank failed: {_failure(err, out)}", file=sys.stderr)
         return 1

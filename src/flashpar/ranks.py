@@ -1,0 +1,77 @@
+"""Rank processes that start in well under a second: forked from a server that has already imported torch.
+
+``flashpar train`` (and the test harness) runs each rank in its own process.  With the ``spawn`` start
+method every rank imports torch and flashpar again: about 1.5 s of CPU each, and four ranks on two
+cores wait some 5 s before their first line (under load, tens of seconds).  The ``forkserver`` start
+method forks each rank from one server process instead; ``context()`` makes that server import
+``PRELOAD`` once, so a rank starts with torch loaded::
+
+    launcher ──(first start)──> forkserver: import torch, torch.distributed, flashpar's trainer
+        │                            │ fork        │ fork      ...
+        └──(pickled fn, args)──>  rank 0        rank 1        (no import: copy-on-write pages)
+
+The server imports only; it never runs a torch op, so it has no OpenMP or CUDA state a fork could
+copy half-made (the reason fork is unsafe after torch has run).  A forked rank would otherwise see the
+server's view of the world, taken when the server started; ``Inherit`` carries the launcher's view
+at start time instead: its environment (``os.environ``) and its standard output and error (the file
+descriptors are passed along with the process, so a rank writes where the launcher writes now, e.g.
+to the capture of the pytest test that started it).  Where ``forkserver`` does not exist (Windows) the
+context is ``spawn`` and ``Inherit`` is a no-op.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "flashpar.train.loop",
+           "flashpar.train.check"]  # imported once by the server (an import that fails is skipped)
+
+
+def start_method() -> str:
+    """``forkserver`` where the platform has it, else ``spawn``."""
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def context():
+    """The multiprocessing context for rank processes (``start_method()``), its server preloading ``PRELOAD``."""
+    method = start_method()
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the first process)
+    return ctx
+
+
+class Inherit:
+    """The launcher's environment and standard output / error, taken when a rank process is started (it is
+    pickled with the process's arguments); ``apply()`` in the rank makes them the rank's."""
+
+    def __init__(self) -> None:
+        self.env, self.fds = dict(os.environ), ()
+
+    def __reduce__(self):
+        from multiprocessing.context import get_spawning_popen
+        from multiprocessing.reduction import DupFd
+
+        fds = ()
+        if get_spawning_popen() is not None:  # being pickled by Popen: send fds 1 and 2 along with the process
+            sys.stdout.flush()
+            sys.stderr.flush()
+            fds = tuple(DupFd(fd) for fd in (1, 2))
+        return (_rebuild, (dict(os.environ), fds))
+
+    def apply(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.env)
+        for target, passed in zip((1, 2), self.fds, strict=False):
+            fd = passed.detach()
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+def _rebuild(env: dict, fds: tuple) -> Inherit:
+    inherit = Inherit.__new__(Inherit)
+    inherit.env, inherit.fds = env, fds
+    return inherit
