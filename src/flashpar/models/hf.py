@@ -56,10 +56,22 @@ def hf_name(name: str) -> str:
     raise KeyError(f"parameter {name!r} has no Hugging Face name")
 
 
+def empty_llama(cfg: LlamaConfig) -> Llama:
+    """A ``Llama`` on the meta device (no memory), built without its random init: ``normal_`` on meta
+    tensors imports torch's compiler stack (seconds in every process); fill it with
+    ``load_state_dict(..., assign=True)``."""
+    normal = torch.nn.init.normal_
+    torch.nn.init.normal_ = lambda tensor, *args, **kwargs: tensor  # Llama's and nn.Embedding's init
+    try:
+        with torch.device("meta"):
+            return Llama(cfg)
+    finally:
+        torch.nn.init.normal_ = normal
+
+
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """The single-process model's parameter names and shapes (a model on the meta device: no memory)."""
-    with torch.device("meta"):
-        return {n: tuple(p.shape) for n, p in Llama(cfg).named_parameters()}
+    """The single-process model's parameter names and shapes."""
+    return {n: tuple(p.shape) for n, p in empty_llama(cfg).named_parameters()}
 
 
 class WeightFiles:
@@ -185,8 +197,7 @@ def load_hf(path, *, dtype: torch.dtype | None = None) -> Llama:
                                  f"({', '.join(sorted(str(d) for d in files.dtypes))}); pass dtype=")
             dtype = next(iter(files.dtypes))
         state = {n: files.read(n).to(dtype) for n in expected_shapes(cfg)}
-    with torch.device("meta"):
-        model = Llama(cfg)
+    model = empty_llama(cfg)
     model.load_state_dict(state, assign=True, strict=True)
     return model
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 
 from flashpar.models import Llama, LlamaConfig, save_hf
-from flashpar.models.hf import expected_shapes
+from flashpar.models.hf import empty_llama, expected_shapes
 from flashpar.train.checkpoint import latest
 
 
@@ -48,11 +49,12 @@ def read_model(path) -> Llama:
                                      + ([f"mis-shaped {', '.join(shaped[:4])}"] if shaped else [])))
     state = {"model": {n: torch.empty(want[n], dtype=stored[f"model.{n}"].properties.dtype) for n in want}}
     try:
-        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
     except Exception as err:  # noqa: BLE001 - a torn data file
         raise ValueError(f"{ckpt}: reading the model tensors failed: {str(err).strip().splitlines()[-1]}") from None
-    with torch.device("meta"):
-        model = Llama(cfg)
+    model = empty_llama(cfg)
     model.load_state_dict(state["model"], assign=True, strict=True)
     return model
 
