@@ -237,6 +237,29 @@ def test_init_from_takes_the_sizes_from_the_folder_and_refuses_disagreeing_flags
         from_args(parser.parse_args(["--init-from", str(tmp_path), "--hidden", "48", "--ffn", "64"]))
 
 
+@pytest.mark.parametrize("tp, dp", [(1, 3), (2, 2), (3, 4)])
+def test_pieces_are_the_zero3_rows_of_every_tp_shard(tp, dp):
+    """``layout.pieces`` with dp rows (what a rank reads from a folder) is the old cut: rows
+    ``shard_rows(R_t, dp, d)`` of tp rank t's shard (what ``shard_of`` took), for every parameter, including
+    cuts inside one part of a fused weight (dp 3 and 4 on q/k/v rows 12 D + 2 x 4 D)."""
+    from flashpar.models.layout import layout_of, mesh_name, stack
+    from flashpar.rows import shard_rows
+
+    cfg = LlamaConfig(vocab_size=96, hidden=48, heads=12, kv_heads=6, head_dim=4, ffn=60, layers=1,
+                      tie_embeddings=False)
+    full = {n: p.detach() for n, p in Llama(cfg).named_parameters()}
+    for name in sorted({mesh_name(n) for n in full}):
+        layout, names = layout_of(name)
+        shapes = [full[n].shape for n in names]
+        for t in range(tp):
+            shard = layout.shard([full[n] for n in names], t, tp)
+            for d in range(dp):
+                pieces = layout.pieces(shapes, t, tp, (d, dp) if layout.zero else None)
+                got = stack(pieces, lambda p, names=names: p.of(full[names[p.part]]))
+                lo, hi = shard_rows(shard.shape[0], dp, d) if layout.zero else (0, shard.shape[0])
+                assert torch.equal(got, shard[lo:hi]), (name, t, d)
+
+
 # ---- the mesh model from a folder, each rank reading its slices (spawned ranks) ------------------------------
 
 PARALLEL = {"hidden": 48, "heads": 6, "kv_heads": 2, "head_dim": 8, "ffn": 72, "vocab": 256}  # byte tokens

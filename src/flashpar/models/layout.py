@@ -32,9 +32,9 @@ and of columns for ``Columns``, stacked along dim 0), with ZeRO-3 the dp rows co
 back to sub-ranges of the parts::
 
     fused q/k/v of tp rank t (R_t = q_t + k_t + v_t rows stacked), dp = 3:
-        stacked:   | q[rows_t]           | k[rows_t] | v[rows_t] |
-        dp rows:   | d = 0      | d = 1         | d = 2           |
-        d = 1:     two pieces: the last rows of q[rows_t], the first rows of k[rows_t]
+        stacked:   | q[rows_t]                | k[rows_t]  | v[rows_t]  |
+        dp rows:   | d = 0          | d = 1             | d = 2        |
+        d = 1 reads two pieces: the last rows of q[rows_t] and the first rows of k[rows_t]
 
 ``ParallelLlama.shard_of`` (from full tensors: loading, checkpoints) and ``ParallelLlama.load_hf_slices``
 (a Hugging Face folder, each rank reading only these ranges: ``flashpar.models.hf``) both cut with

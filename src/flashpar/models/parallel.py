@@ -44,7 +44,8 @@ The all-gathers and reduce-scatters are FlashOverlap's (``mode``), the K/V excha
 The fused QKV (and gate / up) weight of a tp rank stacks its heads' rows of q, k and v, so one
 all-gather feeds all three.  Embedding and head hold the tp rank's vocabulary rows; the norms are
 replicated.  How each parameter is split is the one table ``flashpar.models.layout.LAYOUT``, read
-by loading (``shard_of``), checkpoints (``to_full``), the gradient sums and ``--check``.
+by loading (``shard_of``; ``load_hf_slices``: a Hugging Face folder, each rank reading only its slices),
+checkpoints (``to_full``), the gradient sums and ``--check``.
 
 Data parallelism: ``dp_mode="zero3"`` (the default) keeps on each dp rank only its rows of the tp
 shards (and their optimizer state); the dp all-gather of the rows is fused with the GEMMs that use

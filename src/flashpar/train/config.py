@@ -2,13 +2,14 @@
 
 ``flashpar train``'s flags are made from these fields (``add_arguments``: the flag is the field name
 with dashes, its default and help are the field's) and ``from_args`` builds the config back from the
-parsed flags; the model sizes are ``LlamaConfig``'s (``--hidden`` ... ``--ffn``, or ``--hf-config``).
+parsed flags; the model sizes are ``LlamaConfig``'s (``--hidden`` ... ``--ffn``, or ``--hf-config``, or the
+folder of ``--init-from``: then size flags that disagree with it are refused).
 
 Validation happens twice, each in one place, each error one line (``ValueError``):
 ``TrainConfig.__post_init__`` checks the values themselves (choices, ranges, the mesh against the model
 sizes and the sequence length); ``ready(config, world_size)`` checks the run's surroundings before
 any process group starts (the number of processes, the output folder, the corpus, the checkpoint to
-resume, matplotlib for ``--plot``, CUDA for ``--device cuda``).
+resume, matplotlib for ``--plot``, CUDA for ``--device cuda``, the weights of ``--init-from``).
 """
 
 from __future__ import annotations
