@@ -1,5 +1,5 @@
-"""``flashpar`` command line: ``flashpar train ...``, ``flashpar bench overlap|cp|plan|train ...``,
-``flashpar plan ...``."""
+"""``flashpar`` command line: ``flashpar train ...``, ``flashpar export ...``, ``flashpar bench
+overlap|cp|plan|train ...``, ``flashpar plan ...``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashpar.bench import plan_targets
     from flashpar.bench import train as bench_train
     from flashpar.cp import cli as plan_cli
+    from flashpar.train import export as train_export
     from flashpar.train import run as train_run
 
     parser = argparse.ArgumentParser(prog="flashpar",
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     plan_targets.add_arguments(bp)
     tr = sub.add_parser("train", help="train the Llama-style model with TP-SP + CP + DP on real packed documents")
     train_run.add_arguments(tr)
+    ex = sub.add_parser("export", help="a training checkpoint as a Hugging Face Llama folder")
+    train_export.add_arguments(ex)
     pl = sub.add_parser("plan", help="plan context parallelism for packed documents, every strategy side by side")
     plan_cli.add_arguments(pl)
     args = parser.parse_args(argv)
@@ -37,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         return plan_cli.run(args)
     if args.command == "train":
         return train_run.run(args)
+    if args.command == "export":
+        return train_export.run(args)
     if args.command == "bench" and args.bench == "overlap":
         return bench_overlap.run(args)
     if args.command == "bench" and args.bench == "cp":

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpar.models.config import LlamaConfig
+from flashpar.models.rope import inverse_frequencies
 from flashpar.overlap.ulysses import rotate
 
 
@@ -36,7 +37,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         h, d = cfg.hidden, cfg.head_dim
-        self.head_dim, self.theta = d, cfg.rope_theta
+        self.head_dim, self.cfg = d, cfg
         self.q_proj = nn.Linear(h, cfg.heads * d, bias=False)
         self.k_proj = nn.Linear(h, cfg.kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, cfg.kv_heads * d, bias=False)
@@ -54,8 +55,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         d = self.head_dim
-        q = rotate(self.q_proj(x).view(b, s, -1, d).transpose(1, 2), positions, self.theta)
-        k = rotate(self.k_proj(x).view(b, s, -1, d).transpose(1, 2), positions, self.theta)
+        inv_freq = inverse_frequencies(self.cfg, x.device)  # flashpar.models.rope: the model's rope
+        q = rotate(self.q_proj(x).view(b, s, -1, d).transpose(1, 2), positions, inv_freq=inv_freq)
+        k = rotate(self.k_proj(x).view(b, s, -1, d).transpose(1, 2), positions, inv_freq=inv_freq)
         v = self.v_proj(x).view(b, s, -1, d)
         k = self.gather_cp(k.transpose(1, 2)).transpose(1, 2)
         v = self.gather_cp(v).transpose(1, 2)

@@ -25,6 +25,20 @@ the attention projections whole (``ulysses_whole``): the GEMM fused with the all
 needs all of the weight, and ZeRO-3 does not split them; their gradients (each rank's tokens'
 terms) are summed over dp x cp x ulysses.  The q/k/v weight stays ``cat(q, k, v)``; the model
 regroups it by head group on the fly.
+
+Each kind gives the index ranges of the single-process tensors a rank holds (``pieces``: blocks of rows,
+and of columns for ``Columns``, stacked along dim 0), with ZeRO-3 the dp rows composed in: dp rank
+``d`` keeps rows ``[a, b) = shard_rows(R_t, dp, d)`` of the stacked tp shard, which ``pieces`` maps
+back to sub-ranges of the parts::
+
+    fused q/k/v of tp rank t (R_t = q_t + k_t + v_t rows stacked), dp = 3:
+        stacked:   | q[rows_t]                | k[rows_t]  | v[rows_t]  |
+        dp rows:   | d = 0          | d = 1             | d = 2        |
+        d = 1 reads two pieces: the last rows of q[rows_t] and the first rows of k[rows_t]
+
+``ParallelLlama.shard_of`` (from full tensors: loading, checkpoints) and ``ParallelLlama.load_hf_slices``
+(a Hugging Face folder, each rank reading only these ranges: ``flashpar.models.hf``) both cut with
+``pieces``, so they cannot disagree.
 """
 
 from __future__ import annotations
@@ -43,6 +57,44 @@ Gather = Callable[[torch.Tensor, int], torch.Tensor]  # all-gather over tp, conc
 
 
 @dataclass(frozen=True)
+class Piece:
+    """Rows ``[rows[0], rows[1])`` (and columns ``cols``, or all of them) of the ``part``-th single-process
+    tensor of a parameter."""
+
+    part: int
+    rows: tuple[int, int]
+    cols: tuple[int, int] | None = None
+
+    def index(self) -> tuple[slice, ...]:
+        """The index of the block (``tensor[piece.index()]``; a safetensors slice takes the same)."""
+        rows = slice(*self.rows)
+        return (rows,) if self.cols is None else (rows, slice(*self.cols))
+
+    def of(self, full: torch.Tensor) -> torch.Tensor:
+        return full[self.index()]
+
+
+def stack(pieces: list[Piece], fetch: Callable[[Piece], torch.Tensor]) -> torch.Tensor:
+    """A rank's parameter from its pieces (``fetch``: a piece's block), stacked along dim 0."""
+    blocks = [fetch(piece) for piece in pieces]
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+
+
+def zero_pieces(pieces: list[Piece], d: int, n: int) -> list[Piece]:
+    """The sub-pieces of dp rank ``d`` of ``n``: rows ``shard_rows(R, n, d)`` of the ``R`` rows that ``pieces``
+    stack (empty intersections dropped; an empty share keeps one empty piece)."""
+    a, b = shard_rows(sum(p.rows[1] - p.rows[0] for p in pieces), n, d)
+    out, start = [], 0
+    for p in pieces:
+        lo, hi = p.rows
+        x, y = max(a, start), min(b, start + hi - lo)  # this piece's stacked rows [start, start + hi - lo)
+        if x < y:
+            out.append(Piece(p.part, (lo + x - start, lo + y - start), p.cols))
+        start += hi - lo
+    return out or [Piece(pieces[0].part, (pieces[0].rows[0],) * 2, pieces[0].cols)]
+
+
+@dataclass(frozen=True)
 class Replicated:
     """Every rank holds the whole parameter."""
 
@@ -56,9 +108,18 @@ class Replicated:
         """The single-process modules this parameter is made of."""
         return (key,)
 
+    def tp_pieces(self, shapes: list[tuple[int, ...]], t: int, n: int) -> list[Piece]:
+        """What tp rank ``t`` of ``n`` holds of the single-process tensors of ``parts`` (their ``shapes``)."""
+        return [Piece(0, (0, shapes[0][0]))]
+
+    def pieces(self, shapes: list[tuple[int, ...]], t: int, n: int, dp: tuple[int, int] | None = None) -> list[Piece]:
+        """``tp_pieces``; with ``dp = (d, D)`` (ZeRO-3 rows: ``zero_rows``) only dp rank ``d``'s rows of them."""
+        pieces = self.tp_pieces([tuple(s) for s in shapes], t, n)
+        return pieces if dp is None else zero_pieces(pieces, *dp)
+
     def shard(self, full: list[torch.Tensor], t: int, n: int) -> torch.Tensor:
         """Tp rank ``t``'s part, from the single-process tensors of ``parts``."""
-        return full[0]
+        return stack(self.tp_pieces([w.shape for w in full], t, n), lambda p: p.of(full[p.part]))
 
     def unshard(self, local: torch.Tensor, gather: Gather, cfg: LlamaConfig, n: int) -> list[torch.Tensor]:
         """The single-process tensors of ``parts`` from every tp rank's ``local`` (the inverse of ``shard``)."""
@@ -84,8 +145,8 @@ class Rows(Replicated):
 
     tp_dim = 0
 
-    def shard(self, full, t, n):
-        return _rows(full[0], t, n)
+    def tp_pieces(self, shapes, t, n):
+        return [Piece(0, shard_rows(shapes[0][0], n, t))]
 
     def unshard(self, local, gather, cfg, n):
         return [gather(local, 0)]
@@ -97,9 +158,8 @@ class Columns(Replicated):
 
     tp_dim, zero = 1, True
 
-    def shard(self, full, t, n):
-        lo, hi = shard_rows(full[0].shape[1], n, t)
-        return full[0][:, lo:hi]
+    def tp_pieces(self, shapes, t, n):
+        return [Piece(0, (0, shapes[0][0]), shard_rows(shapes[0][1], n, t))]
 
     def unshard(self, local, gather, cfg, n):
         return [gather(local, 1)]
@@ -120,8 +180,8 @@ class FusedRows(Replicated):
     def parts(self, key):
         return self.names
 
-    def shard(self, full, t, n):
-        return torch.cat([_rows(w, t, n) for w in full])
+    def tp_pieces(self, shapes, t, n):
+        return [Piece(p, shard_rows(shape[0], n, t)) for p, shape in enumerate(shapes)]
 
     def unshard(self, local, gather, cfg, n):
         pieces = local.split([r // n for r in self.rows(cfg)])  # the layer has divisible rows (checked there)
@@ -144,10 +204,6 @@ LAYOUT: dict[str, Replicated] = {  # in the order of --check's rows
     "norm": Replicated("final norm"),
     "head": Rows("head"),
 }
-
-def _rows(w: torch.Tensor, t: int, n: int) -> torch.Tensor:
-    lo, hi = shard_rows(w.shape[0], n, t)
-    return w[lo:hi]
 
 
 _OWNER = {part: key for key, layout in LAYOUT.items() for part in layout.parts(key)}  # q_proj -> qkv

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpar.models.config import LlamaConfig
+from flashpar.models.rope import inverse_frequencies
 from flashpar.overlap.ulysses import rotate
 
 IGNORE = -100
@@ -30,9 +31,11 @@ def document_positions(doc_lens) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in doc_lens]) if len(doc_lens) else torch.empty(0, dtype=torch.long)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of ``x [T, heads, D]`` at ``positions [T]``."""
-    return rotate(x.transpose(0, 1), positions, theta).transpose(0, 1)
+def rope(x: torch.Tensor, positions: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
+    """Rotary embedding of ``x [T, heads, D]`` at ``positions [T]`` with ``cfg``'s frequencies
+    (``flashpar.models.rope``: plain or llama3-rescaled)."""
+    inv_freq = inverse_frequencies(cfg, x.device)
+    return rotate(x.transpose(0, 1), positions, inv_freq=inv_freq).transpose(0, 1)
 
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor, count: float | None = None) -> torch.Tensor:
@@ -73,8 +76,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
         a = self.attn_norm(x)
-        q = rope(self.q_proj(a).view(t, cfg.heads, cfg.head_dim), positions, cfg.rope_theta)
-        k = rope(self.k_proj(a).view(t, cfg.kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+        q = rope(self.q_proj(a).view(t, cfg.heads, cfg.head_dim), positions, cfg)
+        k = rope(self.k_proj(a).view(t, cfg.kv_heads, cfg.head_dim), positions, cfg)
         v = self.v_proj(a).view(t, cfg.kv_heads, cfg.head_dim)
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
                                            enable_gqa=True)

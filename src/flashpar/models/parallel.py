@@ -44,7 +44,8 @@ The all-gathers and reduce-scatters are FlashOverlap's (``mode``), the K/V excha
 The fused QKV (and gate / up) weight of a tp rank stacks its heads' rows of q, k and v, so one
 all-gather feeds all three.  Embedding and head hold the tp rank's vocabulary rows; the norms are
 replicated.  How each parameter is split is the one table ``flashpar.models.layout.LAYOUT``, read
-by loading (``shard_of``), checkpoints (``to_full``), the gradient sums and ``--check``.
+by loading (``shard_of``; ``load_hf_slices``: a Hugging Face folder, each rank reading only its slices),
+checkpoints (``to_full``), the gradient sums and ``--check``.
 
 Data parallelism: ``dp_mode="zero3"`` (the default) keeps on each dp rank only its rows of the tp
 shards (and their optimizer state); the dp all-gather of the rows is fused with the GEMMs that use
@@ -74,7 +75,7 @@ from flashpar.cp.layout import to_device
 from flashpar.dist import DEFAULT_TIMEOUT_S
 from flashpar.models.config import LlamaConfig
 from flashpar.models.grad_sync import GradSync
-from flashpar.models.layout import LAYOUT, layout_of
+from flashpar.models.layout import LAYOUT, Piece, layout_of, stack
 from flashpar.models.llama import Llama, RMSNorm, rope
 from flashpar.models.step_check import StepCheck
 from flashpar.models.vocab import embed_rows, vocab_parallel_loss
@@ -82,7 +83,7 @@ from flashpar.models.zero import gather_rows
 from flashpar.overlap.a2a import all_to_all_matmul, matmul_all_to_all
 from flashpar.overlap.ops import all_gather_matmul
 from flashpar.overlap.ulysses import head_layout
-from flashpar.rows import row_sizes, shard_rows
+from flashpar.rows import row_sizes
 
 MESH_DIMS = ("dp", "cp", "ulysses", "tp")  # the mesh's dims, outermost first (a mesh without "ulysses": U = 1)
 
@@ -159,8 +160,8 @@ class ParallelBlock(nn.Module):
             qkv = matmul_all_to_all(a, self.qkv.weight.index_select(0, self.qkv_rows), group=self.ulysses_group,
                                     mode=self.mode, split_sizes=blocks, check=False, timeout_s=self.timeout_s)
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        q = rope(q.reshape(t, self.heads, d), positions, cfg.rope_theta)
-        k = rope(k.reshape(t, self.kv_heads, d), positions, cfg.rope_theta)
+        q = rope(q.reshape(t, self.heads, d), positions, cfg)
+        k = rope(k.reshape(t, self.kv_heads, d), positions, cfg)
         o = cp.attention(q, k, v.reshape(t, self.kv_heads, d), plan, group=self.cp_group, counter=self.kv_counter,
                          timeout_s=self.timeout_s, check=False).reshape(t, -1)
         if self.ulysses_group is None:
@@ -233,12 +234,28 @@ class ParallelLlama(nn.Module):
 
     def shard_of(self, name: str, full: dict[str, torch.Tensor]) -> torch.Tensor:
         """This rank's part of parameter ``name`` built from the full model's tensors ``full``."""
-        layout, names = layout_of(name)
-        part = layout.shard([full[n] for n in names], self.tp_rank, self.tp)
-        if layout.zero_rows(self.zero, self.ulysses > 1):
-            lo, hi = shard_rows(part.shape[0], self.dp, self.dp_rank)
-            part = part[lo:hi]
-        return part
+        _, names = layout_of(name)
+        return stack(self.pieces_of(name, [full[n].shape for n in names]), lambda p: p.of(full[names[p.part]]))
+
+    def pieces_of(self, name: str, shapes: list[tuple[int, ...]]) -> list[Piece]:
+        """The index ranges of the single-process tensors (``shapes``: those of ``layout_of(name)``'s names) that
+        this rank's parameter ``name`` holds: its tp shard, with ZeRO-3 its dp rows of it (``LAYOUT``)."""
+        layout, _ = layout_of(name)
+        dp = (self.dp_rank, self.dp) if layout.zero_rows(self.zero, self.ulysses > 1) else None
+        return layout.pieces(shapes, self.tp_rank, self.tp, dp)
+
+    def load_hf_slices(self, path) -> int:
+        """Take this rank's shards from a Hugging Face folder, reading only the slices this rank holds
+        (``pieces_of``; ``flashpar.models.hf.WeightFiles``).  The folder's config must be this model's
+        (``ValueError``, one line, before anything is read).  Returns the bytes this rank read."""
+        from flashpar.models.hf import WeightFiles
+
+        with WeightFiles(path, self.cfg) as files, torch.no_grad():
+            for name, p in self.named_parameters():
+                _, names = layout_of(name)
+                pieces = self.pieces_of(name, [files.shape(n) for n in names])
+                p.copy_(stack(pieces, lambda piece, names=names: files.read(names[piece.part], piece)))
+            return files.bytes_read
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Gradients under the single-process model's parameter names (tp shards all-gathered)."""

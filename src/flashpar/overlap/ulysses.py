@@ -47,14 +47,27 @@ def head_layout(heads: int, kv_heads: int, n: int) -> tuple[int, int]:
     return heads // n, max(kv_heads // n, 1)
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (Llama's half-split form) of ``x [heads, S, D]`` at ``positions [S]``:
-    ``x cos(p f) + rotate_half(x) sin(p f)``, ``f_i = theta^(-2i / D)``."""
+def default_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """Plain rope's frequencies ``f_i = theta^(-2i / D)``, ``i < D / 2`` (float64); a model's, with its
+    rope scaling: ``flashpar.models.rope.inverse_frequencies``."""
+    return theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float | None = None, *,
+           inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary embedding (Llama's half-split form) of ``x [..., S, D]`` at ``positions [S]``:
+    ``x cos(p f) + rotate_half(x) sin(p f)``, with the frequencies ``inv_freq [D/2]`` when given (a model's:
+    ``flashpar.models.rope``), else ``f_i = theta^(-2i / D)``."""
     d = x.shape[-1]
     if d % 2:
         raise ValueError(f"rotary embeddings need an even head_dim, got {d}")
-    inv_freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    if inv_freq is None:
+        if theta is None:
+            raise ValueError("rotate: pass theta or inv_freq")
+        inv_freq = default_frequencies(d, theta, x.device)
+    elif inv_freq.shape != (d // 2,):
+        raise ValueError(f"rotate: inv_freq has shape {tuple(inv_freq.shape)}, expected ({d // 2},)")
+    angles = positions.to(torch.float64)[:, None] * inv_freq.to(device=x.device, dtype=torch.float64)[None, :]
     cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(x.dtype)
     sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(x.dtype)
     half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from flashpar import cp
-from flashpar.models import Llama, LlamaConfig, next_token_loss
+from flashpar.models import Llama, LlamaConfig, load_hf, next_token_loss
 from flashpar.models.layout import LAYOUT, label_of
 from flashpar.models.parallel import ParallelLlama
 from flashpar.train.step import forward_backward
@@ -26,15 +26,20 @@ TOL = 1e-4  # fp32: the mesh only reorders sums (~1e-6 relative); one misplaced 
 
 
 def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, seed: int = 0,
-             timeout_s: float = 300.0, dp_mode: str = "zero3") -> dict[str, float]:
-    """Relative errors of the loss and of every parameter's gradient (names of the single-process model)."""
+             timeout_s: float = 300.0, dp_mode: str = "zero3", init_from: str | None = None) -> dict[str, float]:
+    """Relative errors of the loss and of every parameter's gradient (names of the single-process model).
+    ``init_from``: the weights of that Hugging Face folder (the reference ``load_hf``, the mesh model its
+    slices: ``ParallelLlama.load_hf_slices``) instead of seeded ones."""
     torch.manual_seed(seed)
-    ref = Llama(cfg)
+    ref = load_hf(init_from, dtype=torch.float32) if init_from else Llama(cfg)
     count = sum(int((lab != -100).sum()) for _, lab, _ in sequences)
     ref_loss = sum(next_token_loss(ref(tok, lens), lab, count) for tok, lab, lens in sequences)
     ref_loss.backward()
     model = ParallelLlama(cfg, mesh, mode=mode, timeout_s=timeout_s, dp_mode=dp_mode)
-    model.load_full(ref)
+    if init_from:
+        model.load_hf_slices(init_from)
+    else:
+        model.load_full(ref)
     d, c = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     tokens, labels, doc_lens = sequences[d]
     plan = cp.plan(doc_lens, mesh["cp"].size(), strategy=strategy)

@@ -2,13 +2,14 @@
 
 ``flashpar train``'s flags are made from these fields (``add_arguments``: the flag is the field name
 with dashes, its default and help are the field's) and ``from_args`` builds the config back from the
-parsed flags; the model sizes are ``LlamaConfig``'s (``--hidden`` ... ``--ffn``, or ``--hf-config``).
+parsed flags; the model sizes are ``LlamaConfig``'s (``--hidden`` ... ``--ffn``, or ``--hf-config``, or the
+folder of ``--init-from``: then size flags that disagree with it are refused).
 
 Validation happens twice, each in one place, each error one line (``ValueError``):
 ``TrainConfig.__post_init__`` checks the values themselves (choices, ranges, the mesh against the model
 sizes and the sequence length); ``ready(config, world_size)`` checks the run's surroundings before
 any process group starts (the number of processes, the output folder, the corpus, the checkpoint to
-resume, matplotlib for ``--plot``, CUDA for ``--device cuda``).
+resume, matplotlib for ``--plot``, CUDA for ``--device cuda``, the weights of ``--init-from``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ class TrainConfig:
     save_every: int = _opt(0, "checkpoint every K steps and at the end (0: never)")
     resume: str | None = _opt(None, "continue from a checkpoint folder (or a run's checkpoints/ folder: its "
                                     "newest); the mesh may differ", type=str)
+    # hf (issue 13): start from a Hugging Face model's weights
+    init_from: str | None = _opt(None, "start from the weights of a Hugging Face Llama folder (config.json and "
+                                       "model.safetensors or its index): the model sizes are the folder's, each rank "
+                                       "reads only its slices; with --resume the checkpoint's weights win", type=str)
 
     def __post_init__(self) -> None:
         for name in ("strategy", "mode", "dp_mode", "device"):
@@ -144,8 +149,25 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
         model = LlamaConfig.from_hf(args.hf_config)
     else:
         model = LlamaConfig(**{name: getattr(args, name) for name in MODEL_FLAGS})
+    if getattr(args, "init_from", None):  # hf (issue 13): the sizes are the folder's
+        model = _init_from_model(args, model)
     values = {name: getattr(args, name) for name in _FIELDS if name != "model"}
     return TrainConfig(model=model, **values)
+
+
+def _init_from_model(args: argparse.Namespace, model: LlamaConfig) -> LlamaConfig:
+    """The model of ``--init-from``'s config.json; ``ValueError`` if ``--hf-config`` or size flags say otherwise."""
+    folder = LlamaConfig.from_hf(args.init_from)  # FileNotFoundError / ValueError: one line
+    if args.hf_config and model != folder:
+        raise ValueError(f"--hf-config {args.hf_config} and --init-from {args.init_from} describe different models")
+    given = {n: getattr(args, n) for n in MODEL_FLAGS if getattr(args, n) != getattr(LlamaConfig, n)}
+    differ = {n: v for n, v in given.items() if v != getattr(folder, n)}
+    if differ:
+        raise ValueError(f"--init-from {args.init_from} has " + ", ".join(f"{n.replace('_', ' ')} {getattr(folder, n)}"
+                                                                          for n in differ)
+                         + " but " + ", ".join(f"--{_flag(n)} {v}" for n, v in differ.items())
+                         + " was given (the sizes are the folder's: drop the size flags)")
+    return folder
 
 
 def ready(config: TrainConfig, world_size: int) -> TrainConfig:
@@ -188,4 +210,9 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
         resume = checkpoint.latest(Path(config.resume))  # FileNotFoundError: one line
         checkpoint.read_meta(resume, config)  # same model, data and seed, or one line
         config = dataclasses.replace(config, resume=str(resume))
+    if config.init_from:  # hf (issue 13): the weights fit the model (names, shapes), read from the headers only
+        from flashpar.models.hf import WeightFiles
+
+        with WeightFiles(config.init_from, config.model):  # FileNotFoundError / ValueError: one line
+            pass
     return config

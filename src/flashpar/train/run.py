@@ -58,7 +58,7 @@ def _check(config: TrainConfig):
     data = PackedCorpus(config.seq_len, max_docs=config.max_docs, seed=config.seed)
     seqs = [(data[i]["tokens"], data[i]["labels"], data[i]["doc_lens"]) for i in range(config.dp)]
     errors = one_step(config.model, mesh, seqs, strategy=config.strategy, mode=config.mode, seed=config.seed,
-                      timeout_s=config.timeout, dp_mode=config.dp_mode)
+                      timeout_s=config.timeout, dp_mode=config.dp_mode, init_from=config.init_from)
     rows = by_group(errors)
     worst = torch.tensor([max(e for _, e, _ in rows)], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)

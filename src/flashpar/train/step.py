@@ -1,6 +1,7 @@
 """One rank's model and one optimizer step, with no bookkeeping: the part of training tests call directly.
 
-    build(config, mesh, device)    -> (cfg, ParallelLlama with its shards of one seeded Llama, AdamW)
+    build(config, mesh, device)    -> (cfg, ParallelLlama with its shards of one seeded Llama, or of the
+                                      Hugging Face folder --init-from read by slices, AdamW)
     planner_cost(cfg)              the planner's cost model with the model's shape
     forward_backward(model, ...)   loss share; backward; gradients summed over the ranks holding copies
     train_step(model, opt, ...)    forward_backward, AdamW step, gradients cleared
@@ -22,12 +23,19 @@ from flashpar.train.config import TrainConfig
 
 def build(config: TrainConfig, mesh, device) -> tuple:
     """``(cfg, model, opt)``: the mesh model holding this rank's shards of ``Llama(config.model)`` made after
-    ``torch.manual_seed(config.seed)`` (every rank the same weights), and its AdamW."""
+    ``torch.manual_seed(config.seed)`` (every rank the same weights), and its AdamW.  With ``init_from`` each
+    rank reads only its slices of that Hugging Face folder (no full model in any process), unless a
+    ``resume`` checkpoint is about to overwrite them."""
     cfg = config.model
-    torch.manual_seed(config.seed)
-    full = Llama(cfg)
+    full = None
+    if not config.init_from:
+        torch.manual_seed(config.seed)
+        full = Llama(cfg)
     model = ParallelLlama(cfg, mesh, mode=config.mode, timeout_s=config.timeout, dp_mode=config.dp_mode)
-    model.load_full(full)
+    if full is not None:
+        model.load_full(full)
+    elif not config.resume:  # hf (issue 13)
+        model.load_hf_slices(config.init_from)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
     return cfg, model, opt
