@@ -30,7 +30,7 @@ tk = pytest.importorskip("tokenizers")
 
 VOCAB = 320  # the BPE vocabulary trained here; the model's: 320 (divisible by tp 2)
 MODEL = LlamaConfig(vocab_size=VOCAB, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64)
-SEQ = 64
+SEQ = 256
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +209,9 @@ def test_packing_with_a_tokenizer_is_the_directly_tokenized_stream_with_eod_and_
         assert torch.equal(resumed[0]["tokens"], ranks[r][k]["tokens"]) and resumed[0]["index"] == k * dp + r
 
 
-def test_the_cache_is_built_once_by_a_pool_the_same_as_in_process_and_keyed_by_its_sources(folder, tmp_path):
+def test_the_cache_is_built_once_by_a_pool_the_same_as_in_process_and_keyed_by_its_sources(folder, tmp_path,
+                                                                                           monkeypatch):
+    monkeypatch.setattr(tokens, "BATCH_CHARS", 20_000)  # ~8 batches: more than the pool's 4 in flight
     here = tokens.prepare(_config(folder, tmp_path / "here"))
     pool = tokens.prepare(_config(folder, tmp_path / "pool", workers=2))
     assert (here / "tokens.bin").read_bytes() == (pool / "tokens.bin").read_bytes()
@@ -296,8 +298,9 @@ SHAPES = [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 1, 2)]  # dp (ZeRO-3), cp, tp
 @pytest.fixture(scope="module")
 def spawned(folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    evaluation = _config(folder, out / "eval", eval_every=1, eval_docs=6)
-    training = _config(folder, out / "train", nproc=2, dp=2, steps=3, eval_every=2, eval_docs=4,
+    # 2 held-out documents of 256-token sequences: 9 sequences (few forwards: most of a spawn's time here)
+    evaluation = _config(folder, out / "eval", eval_every=1, eval_docs=2)
+    training = _config(folder, out / "train", nproc=2, dp=2, steps=3, eval_every=2, eval_docs=2,
                        data=[str(folder / "a.jsonl"), str(folder / "b.parquet")])
     for config in (evaluation, training):
         ready(config, config.world_size)  # the launcher's check: builds the token cache
@@ -308,7 +311,7 @@ def spawned(folder, tmp_path_factory):
 
 def test_eval_loss_equals_the_single_process_models_loss_on_the_held_out_sequences(spawned):
     """The mesh model's forward (fp32) against the float64 single-process model of the same seeded weights on
-    the same held-out sequences with one divisor: the fp32 forward of this tiny model (hidden 32, ~1000
+    the same held-out sequences with one divisor: the fp32 forward of this tiny model (hidden 32, ~2000
     positions) agrees to ~1e-7 relative; 1e-5 leaves room and fails on one misplaced sequence or a wrong
     divisor (a change of O(1e-2) of a ~5.8-nat loss)."""
     per_rank, _ = spawned

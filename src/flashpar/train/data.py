@@ -10,6 +10,17 @@ The label of stream position ``p`` is the token at ``p + 1`` when ``p + 1`` lies
 (even when it lies in the next sequence) and ``-100`` (ignored by ``cross_entropy``) when ``p`` is the
 last token of its document, so no target crosses a document boundary.
 
+Tokens (``--data`` / ``--tokenizer``, :mod:`flashpar.train.tokens`).  The documents come from the token
+cache instead of the byte corpus: with a tokenizer each ends with its end-of-document token, the last
+token of the document, whose label is therefore ``-100`` (the token before it has it as its target).
+The order, the stream, the cutting and the labels are the same as above; an item reads its pieces from
+the cache's memory map.
+
+Held-out documents (``--eval-every``, ``--eval-docs N``).  The last ``N`` documents of the seed's
+shuffled order are taken out before packing: the training stream is the other documents, in the same
+order (the stream without hold-out, cut before the first held-out document), and the held-out ones are
+packed the same way on their own (``split="eval"``, read by :mod:`flashpar.train.evaluate`).
+
 Planning (:class:`PlannedSequences`).  Data-parallel rank ``d`` of ``D`` takes the global sequences
 ``start + d, start + d + D, start + 2D + d, ...``: its item ``j`` is sequence ``start + j * D + d``, to
 which ``__getitem__`` adds the context-parallel plan of its document pieces, so that behind a

@@ -33,7 +33,8 @@ def plot(history: list[dict], plan, path: Path) -> None:
     if evals:  # --eval-every: the held-out documents' loss
         ax1.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="validation (held out)")
         ax1.legend()
-    ax1.set(xlabel="step", ylabel="loss (next token, nats)", title="training loss")
+    ax1.set(xlabel="step", ylabel="loss (next token, nats)", title="training and validation loss" if evals else
+            "training loss")
     strategies = [plan.strategy] + [s for s in ("per_doc", "headtail") if s != plan.strategy]
     n, width = plan.cp_size, 0.8 / len(strategies)
     for i, s in enumerate(strategies):
