@@ -44,6 +44,6 @@ def train_a_few_steps(rank, world, config):
     return train(config)
 
 
-def sources_cases(rank, world, eval_config, shapes, train_config):
+def sources_cases(rank, world, eval_config, shapes, train_configs):
     return {"eval": eval_loss_on_meshes(rank, world, eval_config, shapes),
-            "train": train_a_few_steps(rank, world, train_config)}
+            "train": [train_a_few_steps(rank, world, config) for config in train_configs]}

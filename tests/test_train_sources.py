@@ -280,10 +280,14 @@ def test_flags_and_ready_checks(folder, tmp_path):
         ({"eval_every": 1, "eval_docs": 36}, "leaves training documents: there are 36 documents"),
         ({"seq_len": 32768, "dp": 8, "nproc": 8}, "fewer than one global batch"),
     ]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": null}\n')
+    cases.append(({"data": [str(folder / "a.jsonl"), str(bad)], "workers": 1}, "bad.jsonl line 2: no string field"))
     for kw, words in cases:
         with pytest.raises(ValueError) as err:
             ready(_config(folder, tmp_path, **kw), kw.get("nproc", 1))
         assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert not list((tmp_path / "tokens").glob("*/*.tmp"))  # a failed build leaves no partial file
     with pytest.raises(ValueError, match="eval-docs must be an integer >= 1"):
         _config(folder, tmp_path, eval_docs=0)
     assert ready(_config(folder, tmp_path, eval_every=2), 1).data == _config(folder, tmp_path).data
@@ -302,11 +306,12 @@ def spawned(folder, tmp_path_factory):
     evaluation = _config(folder, out / "eval", eval_every=1, eval_docs=2)
     training = _config(folder, out / "train", nproc=2, dp=2, steps=3, eval_every=2, eval_docs=2,
                        data=[str(folder / "a.jsonl"), str(folder / "b.parquet")])
-    for config in (evaluation, training):
+    untouched = dataclasses.replace(training, eval_every=0, out=str(out / "no-eval"))  # the same steps, no eval
+    for config in (evaluation, training, untouched):
         ready(config, config.world_size)  # the launcher's check: builds the token cache
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    per_rank = run_ranks(2, sources_cases, evaluation, SHAPES, training, timeout=240.0)
-    return per_rank, out / "train"
+    per_rank = run_ranks(2, sources_cases, evaluation, SHAPES, [training, untouched], timeout=240.0)
+    return per_rank, out
 
 
 def test_eval_loss_equals_the_single_process_models_loss_on_the_held_out_sequences(spawned):
@@ -323,14 +328,22 @@ def test_eval_loss_equals_the_single_process_models_loss_on_the_held_out_sequenc
         assert 5.0 < want < 6.5  # ~log(320) = 5.77 for random weights
 
 
+def _rows(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_a_few_training_steps_on_jsonl_and_parquet_with_a_bpe_tokenizer(spawned):
     per_rank, out = spawned
-    summary = per_rank[0]["train"]
-    assert per_rank[1]["train"] is None and summary["steps"] == 3
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = per_rank[0]["train"][0]
+    assert per_rank[1]["train"] == [None, None] and summary["steps"] == 3
+    rows = _rows(out / "train")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert ["eval_loss" in r for r in rows] == [False, True, True]  # every 2 steps and at the end
     assert all(math.isfinite(r["loss"]) for r in rows) and rows[2]["loss"] < rows[0]["loss"]
     assert summary["eval_loss"] == rows[2]["eval_loss"] and summary["eval"] == [[2, rows[1]["eval_loss"]],
                                                                                 [3, rows[2]["eval_loss"]]]
     assert math.isfinite(summary["eval_loss"])
+    # the evaluations change nothing in training: the run without them (whose stream starts with the same
+    # sequences: the held-out documents are the last of the order) has the very same losses
+    assert [r["loss"] for r in _rows(out / "no-eval")] == [r["loss"] for r in rows]
+    assert per_rank[0]["train"][1]["eval_loss"] is None and per_rank[0]["train"][1]["eval"] == []

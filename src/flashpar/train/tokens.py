@@ -234,10 +234,14 @@ def build(where: Path, about: dict, texts, vocab_size: int, workers: int, *, tok
     init = (tokenizer_text, eod, about["dtype"], vocab_size)
     tag = f"{os.getpid()}.tmp"
     lengths: list[int] = []
-    with open(where / f"tokens.bin.{tag}", "wb") as out:
-        for lens, data in _encoded(_batches(texts), init, workers):
-            lengths += lens
-            out.write(data)
+    try:
+        with open(where / f"tokens.bin.{tag}", "wb") as out:
+            for lens, data in _encoded(_batches(texts), init, workers):
+                lengths += lens
+                out.write(data)
+    except BaseException:  # a bad document (ValueError: one line) or an interrupt: leave no partial file
+        (where / f"tokens.bin.{tag}").unlink(missing_ok=True)
+        raise
     os.replace(where / f"tokens.bin.{tag}", where / "tokens.bin")
     (where / f"index.json.{tag}").write_text(json.dumps({**about, "lengths": lengths}))
     os.replace(where / f"index.json.{tag}", where / "index.json")
