@@ -231,9 +231,8 @@ def ready_data(config) -> None:
     at least one held-out sequence per dp rank."""
     from flashpar.train import tokens
 
-    if not tokens.uses_cache(config) and config.model.vocab_size < corpus.VOCAB_SIZE:
-        raise ValueError(f"the byte tokens (0-255) do not fit the model's vocab_size {config.model.vocab_size}; "
-                         "give a --tokenizer that fits, or --vocab-size 256 or more")
+    if not tokens.uses_cache(config):
+        tokens.bytes_fit(config.model.vocab_size)
     train = training_data(config)
     if len(train) < config.dp:
         raise ValueError(f"the training documents make {len(train)} sequences of {config.seq_len} tokens, fewer than "

@@ -147,7 +147,7 @@ def _encode(texts: list[str]) -> tuple[list[int], bytes]:
                 ids = [*ids, eod]
             docs.append(np.asarray(ids, dtype=np.int64))
     flat = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int64)
-    if flat.size and (int(flat.max()) >= _WORKER["vocab_size"] or int(flat.min()) < 0):
+    if flat.size and int(flat.max()) >= _WORKER["vocab_size"]:  # not with a checked tokenizer: the guard
         raise ValueError(f"the tokenizer emitted id {int(flat.max())}, outside the model's vocab_size "
                          f"{_WORKER['vocab_size']}")
     return [len(d) for d in docs], flat.astype(dtype).tobytes()
@@ -184,6 +184,13 @@ def uses_cache(config) -> bool:
     return bool(config.data) or config.tokenizer is not None
 
 
+def bytes_fit(vocab_size: int) -> None:
+    """``ValueError`` (one line) unless the byte tokens 0-255 are in the model's vocabulary."""
+    if vocab_size < 256:
+        raise ValueError(f"the byte tokens (0-255) do not fit the model's vocab_size {vocab_size}; give a "
+                         "--tokenizer that fits, or --vocab-size 256 or more")
+
+
 def describe(config) -> dict:
     """What the cache of ``config`` is made from (``index.json`` without the lengths); checks the tokenizer."""
     vocab_size = config.model.vocab_size
@@ -192,9 +199,7 @@ def describe(config) -> dict:
         tokenizer = {"path": tok.path, "sha256": tok.sha256, "eod": tok.eod, "eod_token": tok.eod_token}
         dtype = "uint16" if tok.max_id < 1 << 16 else "uint32"
     else:
-        if vocab_size < 256:
-            raise ValueError(f"the byte tokens (0-255) do not fit the model's vocab_size {vocab_size}; give a "
-                             "--tokenizer that fits, or --vocab-size 256 or more")
+        bytes_fit(vocab_size)
         tokenizer, dtype = None, "uint8"
     return {"version": INDEX_VERSION, "sources": _sources(config), "max_docs": config.max_docs,
             "tokenizer": tokenizer, "dtype": dtype}
