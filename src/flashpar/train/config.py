@@ -8,7 +8,8 @@ Validation happens twice, each in one place, each error one line (``ValueError``
 ``TrainConfig.__post_init__`` checks the values themselves (choices, ranges, the mesh against the model
 sizes and the sequence length); ``ready(config, world_size)`` checks the run's surroundings before
 any process group starts (the number of processes, the output folder, the corpus, the checkpoint to
-resume, matplotlib for ``--plot``, CUDA for ``--device cuda``).
+resume, matplotlib for ``--plot``, CUDA for ``--device cuda``; then the tokenizer, the ``--data`` files
+and the held-out documents, building the token cache: ``flashpar.train.data.ready_data``).
 """
 
 from __future__ import annotations
