@@ -32,6 +32,7 @@ import functools
 import hashlib
 import json
 import os
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -237,7 +238,7 @@ def build(where: Path, about: dict, texts, vocab_size: int, workers: int, *, tok
     where.mkdir(parents=True, exist_ok=True)
     eod = about["tokenizer"]["eod"] if about["tokenizer"] else -1
     init = (tokenizer_text, eod, about["dtype"], vocab_size)
-    tag = f"{os.getpid()}.tmp"
+    tag = f"{socket.gethostname()}.{os.getpid()}.tmp"  # this process's files (nodes may share the folder)
     lengths: list[int] = []
     try:
         with open(where / f"tokens.bin.{tag}", "wb") as out:
