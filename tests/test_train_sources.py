@@ -347,3 +347,21 @@ def test_a_few_training_steps_on_jsonl_and_parquet_with_a_bpe_tokenizer(spawned)
     # sequences: the held-out documents are the last of the order) has the very same losses
     assert [r["loss"] for r in _rows(out / "no-eval")] == [r["loss"] for r in rows]
     assert per_rank[0]["train"][1]["eval_loss"] is None and per_rank[0]["train"][1]["eval"] == []
+
+
+def test_the_plot_draws_the_validation_loss_as_a_second_curve(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from flashpar.cp import plan
+    from flashpar.train.report import plot
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at its curves
+    rows = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.5, "eval_loss": 4.8}, {"step": 3, "loss": 4.2},
+            {"step": 4, "loss": 4.0, "eval_loss": 4.4}]
+    plot(rows, plan([30, 20, 14], 2), tmp_path / "train.png")
+    assert (tmp_path / "train.png").stat().st_size > 0
+    lines = figures[0].axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["training", "validation (held out)"]
+    assert list(lines[1].get_xdata()) == [2, 4] and list(lines[1].get_ydata()) == [4.8, 4.4]
