@@ -6,7 +6,7 @@ ones into ``E`` sequences of ``seq_len``; ``E' = D * (E // D)`` of them are used
 ``D`` taking ``d, d + D, ...`` (every dp rank the same number of forwards: a ZeRO-3 forward gathers
 weights over dp).  Each is planned for context parallelism once, when the run starts, and its cp
 rank's tokens and labels stay on the device.  With ``C`` the targets (labels != -100) of the
-``E'`` sequences, counted on every rank from the packing (no communication)::
+``E'`` sequences, counted by every rank from their labels (no communication)::
 
     eval_loss = sum over the E' sequences and every position p with a target  -log softmax(logits_p)[label_p] / C
 
