@@ -9,7 +9,9 @@ Validation happens twice, each in one place, each error one line (``ValueError``
 ``TrainConfig.__post_init__`` checks the values themselves (choices, ranges, the mesh against the model
 sizes and the sequence length); ``ready(config, world_size)`` checks the run's surroundings before
 any process group starts (the number of processes, the output folder, the corpus, the checkpoint to
-resume, matplotlib for ``--plot``, CUDA for ``--device cuda``, the weights of ``--init-from``).
+resume, matplotlib for ``--plot``, CUDA for ``--device cuda``, the weights of ``--init-from``; then the
+tokenizer, the ``--data`` files and the held-out documents, building the token cache:
+``flashpar.train.data.ready_data``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from flashpar.overlap.ulysses import head_layout
 MODES = ("flash", "ring", "slice", "none", "auto")
 DP_MODES = ("zero3", "replicate")
 DEVICES = ("cpu", "cuda")
-MODEL_FLAGS = ("hidden", "layers", "heads", "kv_heads", "ffn")  # LlamaConfig fields that are flags
+MODEL_FLAGS = ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn")  # LlamaConfig fields that are flags
 
 
 def _opt(default, doc: str, **cli):
@@ -71,6 +73,18 @@ class TrainConfig:
     init_from: str | None = _opt(None, "start from the weights of a Hugging Face Llama folder (config.json and "
                                        "model.safetensors or its index): the model sizes are the folder's, each rank "
                                        "reads only its slices; with --resume the checkpoint's weights win", type=str)
+    # tokens, data and the validation loss (issue 13, helper "data": flashpar.train.sources / tokens / evaluate)
+    tokenizer: str | None = _opt(None, "a Hugging Face tokenizer.json (or its folder) whose vocabulary fits "
+                                       "--vocab-size; default: UTF-8 bytes (vocabulary 256)", type=str)
+    eod_token: str | None = _opt(None, "end-of-document token appended to every document with --tokenizer; "
+                                       "default: tokenizer_config.json's eos_token beside it, else the first of "
+                                       "<|end_of_text|>, <|endoftext|>, </s>, <eos> in the vocabulary", type=str)
+    data: tuple[str, ...] | None = _opt(None, "training documents: text files (.txt .md .text, one document each), "
+                                              ".jsonl (a 'text' field per line), .parquet (a 'text' column), or "
+                                              "folders of them; default: the Python standard library's sources",
+                                        type=str, nargs="+")
+    eval_every: int = _opt(0, "validation loss on the held-out documents every K steps and at the end (0: never)")
+    eval_docs: int = _opt(8, "documents held out of training for the validation loss (with --eval-every)")
 
     def __post_init__(self) -> None:
         for name in ("strategy", "mode", "dp_mode", "device"):
@@ -107,6 +121,15 @@ class TrainConfig:
         if self.seq_len < 2 * seq_ranks:
             raise ValueError(f"seq-len {self.seq_len} is too short for cp = {self.cp} x ulysses = {self.ulysses} x "
                              f"tp = {self.tp} (at least {2 * seq_ranks} tokens)")
+        # tokens, data and the validation loss (helper "data")
+        if self.data is not None:
+            if isinstance(self.data, (str, Path)) or not self.data:
+                raise ValueError(f"data must be a non-empty list of paths, got {self.data!r}")
+            object.__setattr__(self, "data", tuple(str(p) for p in self.data))
+        for name, least in (("eval_every", 0), ("eval_docs", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{_flag(name)} must be an integer >= {least}, got {value!r}")
 
     @property
     def world_size(self) -> int:
@@ -114,7 +137,13 @@ class TrainConfig:
 
     def kept(self) -> dict:
         """What a resumed run must share with the checkpoint's run (model, data and seed), as JSON values."""
-        return {"model": self.model.to_dict(), "seq_len": self.seq_len, "max_docs": self.max_docs, "seed": self.seed}
+        from flashpar.train.sources import identity
+        from flashpar.train.tokens import load_tokenizer
+
+        return {"model": self.model.to_dict(), "seq_len": self.seq_len, "max_docs": self.max_docs, "seed": self.seed,
+                "data": identity(self.data) if self.data else None,
+                "tokenizer": load_tokenizer(self.tokenizer, self.eod_token).identity() if self.tokenizer else None,
+                "held_out": self.eval_docs if self.eval_every else 0}
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -137,7 +166,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if f.type == "bool":
             p.add_argument(f"--{_flag(f.name)}", action="store_true", help=doc)
             continue
-        kw = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
+        kw = {k: f.metadata[k] for k in ("choices", "nargs") if k in f.metadata}
         kind = f.metadata.get("type", type(f.default))
         shown = "" if f.default is None else " (default %(default)s)"
         p.add_argument(f"--{_flag(f.name)}", type=kind, default=f.default, help=doc + shown, **kw)
@@ -193,10 +222,10 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
     from flashpar.corpus import document_lengths
 
     try:
-        tokens = sum(document_lengths(config.max_docs))
+        tokens = sum(document_lengths(config.max_docs)) if not config.data else None  # --data: checked below
     except FileNotFoundError as err:
         raise ValueError(f"no training documents: {err}") from err
-    if tokens < config.seq_len * config.dp:
+    if tokens is not None and tokens < config.seq_len * config.dp:
         raise ValueError(f"the corpus has {tokens} tokens, fewer than one global batch "
                          f"({config.dp} x {config.seq_len})")
     if config.plot:
@@ -215,4 +244,7 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
 
         with WeightFiles(config.init_from, config.model):  # FileNotFoundError / ValueError: one line
             pass
+    from flashpar.train.data import ready_data
+
+    ready_data(config)  # tokenizer, data files, the token cache (built here), held-out documents: one line each
     return config

@@ -10,6 +10,17 @@ The label of stream position ``p`` is the token at ``p + 1`` when ``p + 1`` lies
 (even when it lies in the next sequence) and ``-100`` (ignored by ``cross_entropy``) when ``p`` is the
 last token of its document, so no target crosses a document boundary.
 
+Tokens (``--data`` / ``--tokenizer``, :mod:`flashpar.train.tokens`).  The documents come from the token
+cache instead of the byte corpus: with a tokenizer each ends with its end-of-document token, the last
+token of the document, whose label is therefore ``-100`` (the token before it has it as its target).
+The order, the stream, the cutting and the labels are the same as above; an item reads its pieces from
+the cache's memory map.
+
+Held-out documents (``--eval-every``, ``--eval-docs N``).  The last ``N`` documents of the seed's
+shuffled order are taken out before packing: the training stream is the other documents, in the same
+order (the stream without hold-out, cut before the first held-out document), and the held-out ones are
+packed the same way on their own (``split="eval"``, read by :mod:`flashpar.train.evaluate`).
+
 Planning (:class:`PlannedSequences`).  Data-parallel rank ``d`` of ``D`` takes the global sequences
 ``start + d, start + d + D, start + 2D + d, ...``: its item ``j`` is sequence ``start + j * D + d``, to
 which ``__getitem__`` adds the context-parallel plan of its document pieces, so that behind a
@@ -23,9 +34,11 @@ seen next, on every rank.
 
 from __future__ import annotations
 
+import bisect
 import operator
 import random
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -36,6 +49,7 @@ from flashpar.cp.lengths import Packing
 from flashpar.models.llama import IGNORE
 
 IGNORE_INDEX = IGNORE  # the loss's 'no target' label
+SPLITS = ("train", "eval")
 
 
 class PackedCorpus(Dataset):
@@ -45,21 +59,36 @@ class PackedCorpus(Dataset):
     (:func:`flashpar.corpus.document_lengths`); the tokens are read on the first item, once per
     process, into one ``uint8`` tensor of the stream (about 11 MB for the whole standard library).
     The tensor is not pickled: each data-loader worker reads its own copy on first use.
+
+    ``tokens``: the documents of a :class:`flashpar.train.tokens.TokenCache` (``--data`` / ``--tokenizer``)
+    instead of the byte corpus; their lengths come from its index and each item reads its pieces from
+    the cache's memory map (no stream is held).  ``held_out = N``: the last ``N`` documents of the shuffled
+    order are held out; ``split="train"`` packs the others (the same stream as with no hold-out, cut
+    before them), ``split="eval"`` packs those ``N`` (``flashpar.train.evaluate``).
     """
 
-    def __init__(self, seq_len: int, *, max_docs: int | None = None, seed: int = 0):
+    def __init__(self, seq_len: int, *, max_docs: int | None = None, seed: int = 0, tokens=None,
+                 held_out: int = 0, split: str = "train"):
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
         if max_docs is not None and max_docs < 0:
             raise ValueError(f"max_docs must be None or >= 0, got {max_docs!r}")
-        self.seq_len, self.max_docs, self.seed = seq_len, max_docs, seed
-        lengths = corpus.document_lengths(max_docs)
-        self.order = shuffled_order(len(lengths), seed)  # stream position -> corpus document index
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+        self.seq_len, self.max_docs, self.seed, self.tokens = seq_len, max_docs, seed, tokens
+        lengths = corpus.document_lengths(max_docs) if tokens is None else tokens.lengths
+        if not _is_int(held_out) or not 0 <= held_out < max(len(lengths), 1):
+            raise ValueError(f"held_out (--eval-docs) must be an int >= 0 that leaves training documents: there are "
+                             f"{len(lengths)} documents, got {held_out!r}")
+        order = shuffled_order(len(lengths), seed)
+        cut = len(order) - held_out
+        self.order = order[:cut] if split == "train" else order[cut:]  # stream position -> corpus document index
         self.packing = Packing([lengths[k] for k in self.order], seq_len)  # the stream, cut into sequences
         # document lengths in stream order, stream offset of each document, tokens in the stream
         self.lens, self.starts, self.total = self.packing.lengths, self.packing.starts, self.packing.total
         if self.total < seq_len:
-            raise ValueError(f"the corpus ({len(self.lens)} documents, {self.total} tokens) is shorter than one "
+            what = "the held-out documents" if split == "eval" else "the corpus"
+            raise ValueError(f"{what} ({len(self.lens)} documents, {self.total} tokens) are shorter than one "
                              f"sequence of seq_len={seq_len} tokens; use more documents or a shorter seq_len")
         self._stream: torch.Tensor | None = None
 
@@ -78,11 +107,11 @@ class PackedCorpus(Dataset):
     def __getitem__(self, i: int) -> dict:
         i = operator.index(i)
         a, b = self.packing.bounds(i)
-        stream = self.stream()
-        tokens = stream[a:b].long()
+        window = self.window(a, min(b + 1, self.total))  # the sequence and the token after it
+        tokens = window[: b - a].long()
         labels = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
         n = min(b + 1, self.total) - (a + 1)  # positions whose next token exists in the stream
-        labels[:n] = stream[a + 1: a + 1 + n].long()
+        labels[:n] = window[1: 1 + n].long()
         pieces, end = [], 0
         for _, piece, ends_doc in self.packing.pieces(i):
             pieces.append(piece)
@@ -91,8 +120,22 @@ class PackedCorpus(Dataset):
                 labels[end - 1] = IGNORE_INDEX
         return {"tokens": tokens, "labels": labels, "doc_lens": pieces, "index": i}
 
+    def window(self, a: int, b: int) -> torch.Tensor:
+        """The stream's tokens ``[a, b)``: a slice of the byte stream, or read piece by piece from the cache."""
+        if self.tokens is None:
+            return self.stream()[a:b]
+        out = np.empty(b - a, dtype=np.int64)
+        d, pos = bisect.bisect_right(self.starts, a) - 1, a  # the last document starting at or before a
+        while pos < b:
+            end = min(self.starts[d] + self.lens[d], b)
+            if end > pos:
+                doc = self.tokens.document(self.order[d])
+                out[pos - a: end - a] = doc[pos - self.starts[d]: end - self.starts[d]]
+            pos, d = max(pos, end), d + 1
+        return torch.from_numpy(out)
+
     def stream(self) -> torch.Tensor:
-        """The whole shuffled token stream (``uint8``, ``total`` tokens), read on first use and cached."""
+        """The whole shuffled byte stream (``uint8``, ``total`` tokens), read on first use and cached."""
         if self._stream is None:
             self._stream = read_stream(self.max_docs, self.order, self.starts, self.lens)
         return self._stream
@@ -107,18 +150,21 @@ def shuffled_order(count: int, seed: int) -> list[int]:
 
 def read_stream(max_docs: int | None, order: list[int], starts: list[int], lens: list[int]) -> torch.Tensor:
     """Read the documents and place corpus document ``order[p]`` at stream offset ``starts[p]``."""
-    where = {k: p for p, k in enumerate(order)}
+    where = {k: p for p, k in enumerate(order)}  # the documents of this stream (a held-out split: some)
     stream = torch.empty(sum(lens), dtype=torch.uint8)
     seen = 0
     for k, (name, tokens) in enumerate(corpus.documents(max_docs)):
         p = where.get(k)
-        if p is None or tokens.numel() != lens[p]:
+        if p is None:
+            continue
+        if tokens.numel() != lens[p]:
             raise RuntimeError(f"corpus document {k} ({name}) changed since the index was built "
-                               f"(expected {lens[p] if p is not None else 'no'} tokens, read {tokens.numel()})")
+                               f"(expected {lens[p]} tokens, read {tokens.numel()})")
         stream[starts[p]: starts[p] + lens[p]] = tokens.to(torch.uint8)
         seen += 1
     if seen != len(order):
-        raise RuntimeError(f"the corpus has {seen} documents now, {len(order)} when the index was built")
+        raise RuntimeError(f"the corpus has {seen} of this stream's documents now, {len(order)} when the index "
+                           "was built")
     return stream
 
 
@@ -164,6 +210,38 @@ class PlannedSequences(Dataset):
         item["planning_s"] = item["plan"].planning_s
         item["figures"] = plan_figures(item["plan"])
         return item
+
+
+def training_data(config, split: str = "train") -> PackedCorpus:
+    """The packed documents of a run: the byte corpus, or the token cache of ``--data`` / ``--tokenizer``
+    (``flashpar.train.tokens.prepare``: built by ``ready()``, else here); with ``--eval-every`` the
+    ``--eval-docs`` held-out documents are left out of ``"train"`` and are ``"eval"``."""
+    from flashpar.train import tokens
+
+    cache = tokens.TokenCache(tokens.prepare(config)) if tokens.uses_cache(config) else None
+    held = config.eval_docs if config.eval_every else 0
+    return PackedCorpus(config.seq_len, max_docs=config.max_docs, seed=config.seed, tokens=cache, held_out=held,
+                        split=split)
+
+
+def ready_data(config) -> None:
+    """``ready()``'s check of the run's tokens and documents, before any rank starts (``ValueError``: one line):
+    the byte tokens fit the model, or the tokenizer does; the data files read (the token cache is built
+    here, see ``flashpar.train.tokens``); one global batch of training sequences and, with ``--eval-every``,
+    at least one held-out sequence per dp rank."""
+    from flashpar.train import tokens
+
+    if not tokens.uses_cache(config):
+        tokens.bytes_fit(config.model.vocab_size)
+    train = training_data(config)
+    if len(train) < config.dp:
+        raise ValueError(f"the training documents make {len(train)} sequences of {config.seq_len} tokens, fewer than "
+                         f"one global batch of dp = {config.dp}")
+    if config.eval_every:
+        held = training_data(config, "eval")
+        if len(held) < config.dp:
+            raise ValueError(f"the {config.eval_docs} held-out documents make {len(held)} sequences of "
+                             f"{config.seq_len} tokens, fewer than dp = {config.dp}; raise --eval-docs")
 
 
 def plan_figures(plan) -> dict[str, float]:

@@ -36,7 +36,8 @@ from flashpar.cost.calibrate import peak_flops
 from flashpar.models.parallel import MESH_DIMS
 from flashpar.train import checkpoint
 from flashpar.train.config import TrainConfig
-from flashpar.train.data import PackedCorpus, PlannedSequences, make_loader
+from flashpar.train.data import PlannedSequences, make_loader, training_data
+from flashpar.train.evaluate import at_step, held_out
 from flashpar.train.metrics import StepMetrics, summary
 from flashpar.train.step import build, planner_cost, train_step
 
@@ -74,8 +75,9 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     cfg, model, opt = build(config, mesh, device)
     dp_group = mesh["dp"].get_group()
     dp_rank, cp_rank = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
-    data = PackedCorpus(config.seq_len, max_docs=config.max_docs, seed=config.seed)
+    data = training_data(config)  # the byte corpus, or the token cache of --data / --tokenizer
     cost = planner_cost(cfg)
+    evaluator = held_out(config, cost, mesh, device)  # --eval-every: the held-out sequences, planned once
     first_step, start = 0, 0
     if config.resume:
         meta = checkpoint.read_meta(Path(config.resume), config)
@@ -110,6 +112,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
             profiler.export_chrome_trace(str(out / f"trace_rank{rank}.json"))
         metrics = _measure(step + 1, loss, model.kv_counter.fwd_sent - sent0, elapsed, config, pairs, peak * world,
                            1e3 * item["planning_s"], figures, device)
+        metrics = at_step(evaluator, model, metrics, step + 1, steps)  # eval_loss every --eval-every steps, last
         if rank == 0:
             history.append(metrics)
             log.write(json.dumps(metrics.row()) + "\n")

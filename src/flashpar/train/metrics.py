@@ -23,15 +23,19 @@ class StepMetrics:
     kv_bytes: int  # forward K/V bytes cp.attention sent, all ranks and layers (measured at the transport)
     planning_ms_dp0: float  # the planner's time for dp rank 0's sequence (in its data-loader worker)
     plan: dict[str, float]  # the plans' figures (train.data.plan_figures): bytes summed over dp, times the slowest
+    eval_loss: float | None = None  # validation loss on the held-out documents, at evaluation steps (train.evaluate)
 
     def row(self) -> dict:
         """The ``metrics.jsonl`` line: the fields, with ``plan``'s entries flattened in."""
         row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
+        if self.eval_loss is None:  # only the rows of evaluation steps carry it
+            del row["eval_loss"]
         return {**row, **self.plan}
 
     def postfix(self) -> dict[str, str]:
         """The progress bar's figures."""
-        return {"loss": f"{self.loss:.3f}", "tok_s": f"{self.tokens_per_s:.0f}", "mfu": f"{self.mfu:.1%}",
+        shown = {"eval": f"{self.eval_loss:.3f}"} if self.eval_loss is not None else {}
+        return {"loss": f"{self.loss:.3f}", **shown, "tok_s": f"{self.tokens_per_s:.0f}", "mfu": f"{self.mfu:.1%}",
                 "kv": f"{self.kv_bytes / 1e6:.1f}MB", "exposed": f"{self.plan['exposed_comm_ms_est']:.3f}ms"}
 
 
@@ -52,4 +56,6 @@ def summary(history: list[StepMetrics], wall_s: float, config, peak: float) -> d
         "mesh": {"dp": config.dp, "cp": config.cp, "ulysses": config.ulysses, "tp": config.tp},
         "strategy": config.strategy,
         "out": config.out,
+        "eval_loss": next((r["eval_loss"] for r in reversed(rows) if "eval_loss" in r), None),  # the last one
+        "eval": [[r["step"], r["eval_loss"]] for r in rows if "eval_loss" in r],  # [step, validation loss]
     }

@@ -1,6 +1,7 @@
 """``flashpar train --plot``: the loss curve and the per-rank work of the last step's context-parallel plan.
 
-Left: loss per step.  Right: each cp rank's compute in the cost model (``CPPlan.stats()["compute"]``)
+Left: loss per step (and, with ``--eval-every``, the validation loss of the held-out documents).
+Right: each cp rank's compute in the cost model (``CPPlan.stats()["compute"]``)
 for the run's strategy and, on the same documents, ``per_doc`` and ``headtail``; the step waits for
 the busiest rank.  Needs matplotlib (``pip install 'flashpar[plot]'``).
 """
@@ -27,8 +28,13 @@ def plot(history: list[dict], plan, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.plot([r["step"] for r in history], [r["loss"] for r in history])
-    ax1.set(xlabel="step", ylabel="loss (next token, nats)", title="training loss")
+    ax1.plot([r["step"] for r in history], [r["loss"] for r in history], label="training")
+    evals = [r for r in history if r.get("eval_loss") is not None]
+    if evals:  # --eval-every: the held-out documents' loss
+        ax1.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="validation (held out)")
+        ax1.legend()
+    ax1.set(xlabel="step", ylabel="loss (next token, nats)", title="training and validation loss" if evals else
+            "training loss")
     strategies = [plan.strategy] + [s for s in ("per_doc", "headtail") if s != plan.strategy]
     n, width = plan.cp_size, 0.8 / len(strategies)
     for i, s in enumerate(strategies):

@@ -51,11 +51,11 @@ def _check(config: TrainConfig):
     import torch.distributed as dist
 
     from flashpar.train.check import by_group, one_step
-    from flashpar.train.data import PackedCorpus
+    from flashpar.train.data import training_data
     from flashpar.train.loop import setup
 
     _, mesh = setup(config)
-    data = PackedCorpus(config.seq_len, max_docs=config.max_docs, seed=config.seed)
+    data = training_data(config)  # the byte corpus, or the tokens of --data / --tokenizer
     seqs = [(data[i]["tokens"], data[i]["labels"], data[i]["doc_lens"]) for i in range(config.dp)]
     errors = one_step(config.model, mesh, seqs, strategy=config.strategy, mode=config.mode, seed=config.seed,
                       timeout_s=config.timeout, dp_mode=config.dp_mode, init_from=config.init_from)
@@ -191,6 +191,8 @@ def _report(out, config: TrainConfig) -> int:
           f"{s['headtail_kv_bytes'] / 1e6:.1f} MB for headtail; estimated step (cost model) "
           f"{s['per_doc_est_step_ms'] / max(s['est_step_ms'], 1e-12):.2f}x faster than per_doc, "
           f"{s['headtail_est_step_ms'] / max(s['est_step_ms'], 1e-12):.2f}x than headtail")
+    if s.get("eval_loss") is not None:
+        print(f"validation loss (held-out documents) {s['eval_loss']:.3f} at step {s['eval'][-1][0]}")
     extra = [f"plot: {s['plot']}"] if s.get("plot") else []
     extra += [f"traces: {Path(s['out']) / 'trace_rank*.json'}"] if config.trace else []
     extra += [f"checkpoints: {Path(s['out']) / 'checkpoints'}"] if config.save_every else []
