@@ -52,6 +52,23 @@ def check_meshes(rank, world, cases):
     return [check_mesh(rank, world, *case) for case in cases]
 
 
+def optim_meshes(rank, world, cases):
+    """For each ``(shape, dp_mode, model, micro_batches, clip_ratio)`` of ``cases``: ``one_step`` with that many
+    micro-batches per dp rank and the gradients clipped to ``clip_ratio`` x their norm, as ``(errors over
+    TOL, number of errors, the norm's error, the worst error)``."""
+    from flashpar.train.check import NORM
+
+    out = []
+    for shape, dp_mode, model, micro, ratio in cases:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS)
+        seqs = sequences(micro * shape[0], seed=micro)
+        errors = one_step(MODELS[model], mesh, seqs, strategy="flashcp", mode="flash", dp_mode=dp_mode,
+                          micro_batches=micro, clip_ratio=ratio)
+        out.append(({k: v for k, v in errors.items() if not v <= TOL}, len(errors), errors[NORM],
+                    max(errors.values())))
+    return out
+
+
 # ---- fault-injection hooks (flashpar.train.loop.Hooks.before_step), pickled into the spawned ranks -----------
 
 

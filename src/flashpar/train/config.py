@@ -66,6 +66,17 @@ class TrainConfig:
     save_every: int = _opt(0, "checkpoint every K steps and at the end (0: never)")
     resume: str | None = _opt(None, "continue from a checkpoint folder (or a run's checkpoints/ folder: its "
                                     "newest); the mesh may differ", type=str)
+    # -- optim (issue 13): gradient accumulation, the learning-rate schedule, weight decay, clipping --
+    micro_batches: int = _opt(1, "packed sequences per dp rank per optimizer step, their gradients accumulated: "
+                                 "the global batch is micro-batches x dp sequences")
+    warmup: int = _opt(0, "steps of linear learning-rate warm-up (step s: lr x s / W), then cosine decay to "
+                          "--lr-min at --steps")
+    lr_min: float | None = _opt(None, "learning rate of the last step, the end of the cosine decay (default 0.1 x "
+                                      "--lr)", type=float)
+    weight_decay: float = _opt(0.1, "AdamW's decoupled weight decay on the embedding, head and projection "
+                                    "matrices (none on the norm gains)")
+    clip: float = _opt(1.0, "clip the gradients to this global norm (0: no clipping; the norm is reported either "
+                            "way)")
 
     def __post_init__(self) -> None:
         for name in ("strategy", "mode", "dp_mode", "device"):
@@ -102,6 +113,21 @@ class TrainConfig:
         if self.seq_len < 2 * seq_ranks:
             raise ValueError(f"seq-len {self.seq_len} is too short for cp = {self.cp} x ulysses = {self.ulysses} x "
                              f"tp = {self.tp} (at least {2 * seq_ranks} tokens)")
+        # optim (issue 13)
+        if not _is_int(self.micro_batches) or self.micro_batches < 1:
+            raise ValueError(f"micro-batches must be an integer >= 1, got {self.micro_batches!r}")
+        if not _is_int(self.warmup) or not 0 <= self.warmup <= self.steps:
+            raise ValueError(f"warmup must be an integer within [0, --steps = {self.steps}], got {self.warmup!r}")
+        if self.lr_min is not None and not 0 <= self.lr_min <= self.lr:
+            raise ValueError(f"lr-min must be within [0, --lr = {self.lr}], got {self.lr_min}")
+        if not self.weight_decay >= 0 or not self.clip >= 0:
+            raise ValueError(f"weight-decay and clip must be >= 0 (clip 0: off), got weight-decay {self.weight_decay}, "
+                             f"clip {self.clip}")
+
+    @property
+    def final_lr(self) -> float:
+        """The learning rate of the last step: ``--lr-min``, by default 0.1 x ``--lr``."""
+        return 0.1 * self.lr if self.lr_min is None else self.lr_min
 
     @property
     def world_size(self) -> int:
@@ -113,6 +139,10 @@ class TrainConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _flag(name: str) -> str:
@@ -174,9 +204,9 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
         tokens = sum(document_lengths(config.max_docs))
     except FileNotFoundError as err:
         raise ValueError(f"no training documents: {err}") from err
-    if tokens < config.seq_len * config.dp:
+    if tokens < config.seq_len * config.dp * config.micro_batches:
         raise ValueError(f"the corpus has {tokens} tokens, fewer than one global batch "
-                         f"({config.dp} x {config.seq_len})")
+                         f"({config.micro_batches} x {config.dp} x {config.seq_len})")
     if config.plot:
         from flashpar.train.report import have_matplotlib
 
