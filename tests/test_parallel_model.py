@@ -12,7 +12,7 @@ from dist_harness import SpawnCache
 from flashpar.models import Llama, LlamaConfig
 from flashpar.models.layout import layout_of, mesh_name
 from flashpar.models.parallel import ulysses_qkv_rows
-from train_workers import check_meshes, checkpoint_across_meshes, optim_meshes, vocab_loss_cases
+from train_workers import check_meshes, checkpoint_across_meshes, decay_step, optim_meshes, vocab_loss_cases
 
 # (dp, cp, ulysses, tp), dp mode, model (train_workers.MODELS) -> world size
 MESH_CASES = {
@@ -46,8 +46,8 @@ def _calls(n: int) -> list[tuple]:
     calls += [("optim", optim_meshes, OPTIM_CASES[n])]
     # the vocabulary cases last: their groups of 1..4 ranks leave the ranks with different numbers of groups,
     # and torch names a later point-to-point twin group (flashpar.dist.p2p_group) by that number
-    return calls + [("checkpoint", checkpoint_across_meshes, *CHECKPOINT_MESHES), ("vocab", vocab_loss_cases)] \
-        if n == 4 else calls
+    return calls + [("checkpoint", checkpoint_across_meshes, *CHECKPOINT_MESHES), ("decay", decay_step, (1, 2, 1, 2)),
+                    ("vocab", vocab_loss_cases)] if n == 4 else calls
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +91,16 @@ def test_checkpoint_of_a_ulysses_mesh_loads_on_other_meshes(spawned):
             assert differ == 0.0, (rank, shape, differ)
             # 1e-5: the same weights on another mesh only reorder fp32 sums (measured ~1e-7)
             assert loss_loaded == pytest.approx(loss_saved, rel=1e-5), (rank, shape)
+
+
+def test_adamw_decays_the_matrices_and_not_the_norm_gains(spawned):
+    """``build``'s AdamW on (1, 2, 1, 2), one step on zero gradients: Adam's term is then 0, so each parameter
+    moves by the decoupled decay alone, ``p <- p (1 - lr wd)`` on the matrices (to fp32 rounding of the
+    product, 1e-7 of weights ~1) and not at all on the norm gains."""
+    for rank, moved in enumerate(spawned(4)["decay"]):
+        assert {n.split(".")[-2] for n, (d, _, _) in moved.items() if not d} == {"attn_norm", "mlp_norm", "norm"}
+        for name, (decayed, off, change) in moved.items():
+            assert off <= 1e-7 and (change > 0 if decayed else change == 0.0), (rank, name, off, change)
 
 
 def test_ulysses_qkv_rows_take_each_head_groups_rows():

@@ -69,6 +69,28 @@ def optim_meshes(rank, world, cases):
     return out
 
 
+def decay_step(rank, world, shape):
+    """``build``'s AdamW on mesh ``shape`` after one step on zero gradients at the rate 0.5 (``set_lr``): per mesh
+    parameter, ``(decayed, max |p_after - p_before (1 - 0.5 wd)|, max |p_after - p_before|)``."""
+    from flashpar.train.config import TrainConfig
+    from flashpar.train.optimizer import decays, set_lr
+    from flashpar.train.step import build
+
+    dp, cpn, ulysses, tp = shape
+    config = TrainConfig(nproc=world, dp=dp, cp=cpn, ulysses=ulysses, tp=tp, model=CFG, timeout=60.0)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS)
+    _, model, opt = build(config, mesh, torch.device("cpu"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    set_lr(opt, 0.5)
+    opt.step()
+    shrunk = 1 - 0.5 * config.weight_decay
+    after = {n: p.detach() for n, p in model.named_parameters()}
+    return {n: (decays(n), float((p - before[n] * shrunk).abs().max()), float((p - before[n]).abs().max()))
+            for n, p in after.items()}
+
+
 # ---- fault-injection hooks (flashpar.train.loop.Hooks.before_step), pickled into the spawned ranks -----------
 
 
