@@ -100,7 +100,7 @@ def test_adamw_decays_the_matrices_and_not_the_norm_gains(spawned):
     for rank, moved in enumerate(spawned(4)["decay"]):
         assert {n.split(".")[-2] for n, (d, _, _) in moved.items() if not d} == {"attn_norm", "mlp_norm", "norm"}
         for name, (decayed, off, change) in moved.items():
-            assert off <= 1e-7 and (change > 0 if decayed else change == 0.0), (rank, name, off, change)
+            assert (off <= 1e-7 and change > 0) if decayed else change == 0.0, (rank, name, off, change)
 
 
 def test_ulysses_qkv_rows_take_each_head_groups_rows():

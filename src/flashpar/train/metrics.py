@@ -54,6 +54,7 @@ def summary(history: list[StepMetrics], wall_s: float, config, peak: float) -> d
         "est_step_ms": total("est_step_ms"), "per_doc_est_step_ms": total("per_doc_est_step_ms"),
         "headtail_est_step_ms": total("headtail_est_step_ms"),
         "mesh": {"dp": config.dp, "cp": config.cp, "ulysses": config.ulysses, "tp": config.tp},
+        "micro_batches": config.micro_batches,
         "strategy": config.strategy,
         "out": config.out,
     }
