@@ -50,7 +50,7 @@ class TrainConfig:
     mode: str = _opt("flash", "TP overlap mode", choices=MODES)
     dp_mode: str = _opt("zero3", "data parallelism: ZeRO-3 rows of the tp weights per dp rank (under --ulysses: "
                                  "of the MLP weights), or whole copies", choices=DP_MODES)
-    lr: float = _opt(3e-3, "AdamW learning rate")
+    lr: float = _opt(3e-3, "AdamW learning rate: the peak of the schedule (--warmup, --lr-min)")
     seed: int = _opt(0, "seed of the weights and of the corpus order")
     max_docs: int | None = _opt(None, "use only this many corpus documents", type=int)
     model: LlamaConfig = field(default_factory=LlamaConfig,
