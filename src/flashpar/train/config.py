@@ -125,6 +125,11 @@ class TrainConfig:
                              f"clip {self.clip}")
 
     @property
+    def check_micro_batches(self) -> int:
+        """The micro-batches of ``--check``'s step: ``--micro-batches``, at least 2 (accumulation exercised)."""
+        return max(2, self.micro_batches)
+
+    @property
     def final_lr(self) -> float:
         """The learning rate of the last step: ``--lr-min``, by default 0.1 x ``--lr``."""
         return 0.1 * self.lr if self.lr_min is None else self.lr_min
@@ -204,9 +209,10 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
         tokens = sum(document_lengths(config.max_docs))
     except FileNotFoundError as err:
         raise ValueError(f"no training documents: {err}") from err
-    if tokens < config.seq_len * config.dp * config.micro_batches:
+    micro = config.check_micro_batches if config.check else config.micro_batches
+    if tokens < config.seq_len * config.dp * micro:
         raise ValueError(f"the corpus has {tokens} tokens, fewer than one global batch "
-                         f"({config.micro_batches} x {config.dp} x {config.seq_len})")
+                         f"({micro} x {config.dp} x {config.seq_len})")
     if config.plot:
         from flashpar.train.report import have_matplotlib
 

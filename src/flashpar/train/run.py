@@ -56,7 +56,7 @@ def _check(config: TrainConfig):
 
     _, mesh = setup(config)
     data = PackedCorpus(config.seq_len, max_docs=config.max_docs, seed=config.seed)
-    micro = max(2, config.micro_batches)  # accumulation always exercised
+    micro = config.check_micro_batches  # accumulation always exercised
     seqs = [(data[i]["tokens"], data[i]["labels"], data[i]["doc_lens"]) for i in range(micro * config.dp)]
     errors = one_step(config.model, mesh, seqs, strategy=config.strategy, mode=config.mode, seed=config.seed,
                       timeout_s=config.timeout, dp_mode=config.dp_mode, micro_batches=micro,
