@@ -12,7 +12,7 @@ from dist_harness import SpawnCache
 from flashpar.models import Llama, LlamaConfig
 from flashpar.models.layout import layout_of, mesh_name
 from flashpar.models.parallel import ulysses_qkv_rows
-from train_workers import check_meshes, checkpoint_across_meshes, vocab_loss_cases
+from train_workers import check_meshes, checkpoint_across_meshes, decay_step, optim_meshes, vocab_loss_cases
 
 # (dp, cp, ulysses, tp), dp mode, model (train_workers.MODELS) -> world size
 MESH_CASES = {
@@ -26,16 +26,28 @@ MESH_CASES = {
     2: [((1, 1, 2, 1), "zero3", "base"), ((1, 1, 2, 1), "replicate", "untied")],
 }
 CASE_IDS = [(n, case) for n, cases in MESH_CASES.items() for case in cases]
+# gradient accumulation and clipping by the global norm: (dp, cp, ulysses, tp), dp mode, model, micro-batches,
+# clip ratio (the gradients clipped to that x their norm; 2.0: the coefficient clamps to 1, no clipping)
+OPTIM_CASES = {
+    1: [((1, 1, 1, 1), "zero3", "base", 2, 0.5), ((1, 1, 1, 1), "zero3", "untied", 3, 2.0)],
+    2: [((2, 1, 1, 1), "zero3", "base", 2, 0.5), ((1, 1, 2, 1), "zero3", "base", 2, 0.5)],
+    3: [((3, 1, 1, 1), "zero3", "base", 2, 0.5), ((1, 3, 1, 1), "zero3", "base", 2, 0.5),
+        ((1, 1, 3, 1), "zero3", "heads6", 2, 0.5)],
+    4: [((1, 2, 1, 2), "zero3", "base", 2, 0.5), ((2, 2, 1, 1), "zero3", "base", 2, 0.5),
+        ((2, 1, 1, 2), "replicate", "untied", 2, 0.5), ((2, 1, 2, 1), "zero3", "base", 3, 0.5)],
+}
+OPTIM_IDS = [(n, case) for n, cases in OPTIM_CASES.items() for case in cases]
 # saved on a Ulysses mesh after one step, loaded on a tp mesh, a ZeRO-3 + Ulysses mesh and the same mesh
 CHECKPOINT_MESHES = ((1, 2, 2, 1), [(1, 2, 1, 2), (2, 1, 2, 1), (1, 2, 2, 1)])
 
 
 def _calls(n: int) -> list[tuple]:
-    calls = [("meshes", check_meshes, MESH_CASES[n])]
+    calls = [("meshes", check_meshes, MESH_CASES[n])] if n in MESH_CASES else []
+    calls += [("optim", optim_meshes, OPTIM_CASES[n])]
     # the vocabulary cases last: their groups of 1..4 ranks leave the ranks with different numbers of groups,
     # and torch names a later point-to-point twin group (flashpar.dist.p2p_group) by that number
-    return calls + [("checkpoint", checkpoint_across_meshes, *CHECKPOINT_MESHES), ("vocab", vocab_loss_cases)] \
-        if n == 4 else calls
+    return calls + [("checkpoint", checkpoint_across_meshes, *CHECKPOINT_MESHES), ("decay", decay_step, (1, 2, 1, 2)),
+                    ("vocab", vocab_loss_cases)] if n == 4 else calls
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +66,21 @@ def test_parallel_model_matches_single_process(spawned, n, case):
     assert per_rank[0][1] == 1 + 9 * 2 + 2 + (case[2] == "untied") and not bad, bad
 
 
+@pytest.mark.parametrize("n, case", OPTIM_IDS, ids=[f"{n}-{c}" for n, c in OPTIM_IDS])
+def test_accumulated_and_clipped_gradients_match_single_process(spawned, n, case):
+    """M micro-batches per dp rank (gradients accumulated, summed over copies once; ZeRO-3 rows reduce-scattered
+    in every backward) and clipping by the global norm against the single-process model on all M x dp
+    sequences: the loss, the global norm (each shard counted once, against the float64 norm of the full
+    gradients) and every gradient after ``clip_grad_norm_``, within ``TOL`` (1e-4: fp32 reordered sums,
+    measured <= 1e-6).  A norm counted on every copy is off by sqrt(copies), sums posted for every
+    micro-batch double the gradients: O(1) errors."""
+    per_rank = [out[OPTIM_CASES[n].index(case)] for out in spawned(n)["optim"]]
+    bad = {r: errs for r, (errs, *_) in enumerate(per_rank) if errs}
+    # loss, norm, 9 tensors per block, embedding, final norm (and the head when untied)
+    assert per_rank[0][1] == 2 + 9 * 2 + 2 + (case[2] == "untied") and not bad, bad
+    assert all(norm_err <= 1e-5 for _, _, norm_err, _ in per_rank), per_rank  # fp32 norms summed in float64
+
+
 def test_checkpoint_of_a_ulysses_mesh_loads_on_other_meshes(spawned):
     """DCP save after one AdamW step on (dp, cp, ulysses, tp) = (1, 2, 2, 1), load on each mesh of
     ``CHECKPOINT_MESHES``: the loaded model's full weights and moments (``to_full``) equal the saved ones
@@ -64,6 +91,16 @@ def test_checkpoint_of_a_ulysses_mesh_loads_on_other_meshes(spawned):
             assert differ == 0.0, (rank, shape, differ)
             # 1e-5: the same weights on another mesh only reorder fp32 sums (measured ~1e-7)
             assert loss_loaded == pytest.approx(loss_saved, rel=1e-5), (rank, shape)
+
+
+def test_adamw_decays_the_matrices_and_not_the_norm_gains(spawned):
+    """``build``'s AdamW on (1, 2, 1, 2), one step on zero gradients: Adam's term is then 0, so each parameter
+    moves by the decoupled decay alone, ``p <- p (1 - lr wd)`` on the matrices (to fp32 rounding of the
+    product, 1e-7 of weights ~1) and not at all on the norm gains."""
+    for rank, moved in enumerate(spawned(4)["decay"]):
+        assert {n.split(".")[-2] for n, (d, _, _) in moved.items() if not d} == {"attn_norm", "mlp_norm", "norm"}
+        for name, (decayed, off, change) in moved.items():
+            assert (off <= 1e-7 and change > 0) if decayed else change == 0.0, (rank, name, off, change)
 
 
 def test_ulysses_qkv_rows_take_each_head_groups_rows():

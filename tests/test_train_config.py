@@ -22,10 +22,12 @@ def test_the_flags_default_to_the_dataclass_and_set_every_field():
     assert _parse() == TrainConfig()
     config = _parse("--dp", "2", "--cp", "1", "--seq-len", "128", "--strategy", "per_doc", "--dp-mode", "replicate",
                     "--lr", "0.01", "--max-docs", "7", "--hidden", "96", "--heads", "6", "--kv-heads", "2",
-                    "--check", "--resume", "ckpt", "--save-every", "3")
+                    "--check", "--resume", "ckpt", "--save-every", "3", "--micro-batches", "4", "--warmup", "20",
+                    "--lr-min", "0.001", "--weight-decay", "0.05", "--clip", "0.5")
     assert config == TrainConfig(dp=2, cp=1, seq_len=128, strategy="per_doc", dp_mode="replicate", lr=0.01,
                                  max_docs=7, model=LlamaConfig(hidden=96, heads=6, kv_heads=2), check=True,
-                                 resume="ckpt", save_every=3)
+                                 resume="ckpt", save_every=3, micro_batches=4, warmup=20, lr_min=0.001,
+                                 weight_decay=0.05, clip=0.5)
     with pytest.raises(TypeError, match="positional"):
         TrainConfig(1)  # keyword-only
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -77,7 +79,7 @@ def test_ulysses_meshes_are_accepted_and_count_in_the_world_size():
 def test_step_metrics_line_has_the_fields_and_the_plan_figures():
     plan = {"est_step_ms": 1.0, "plan_kv_bytes": 10.0, "exposed_comm_ms_est": 0.5}
     m = StepMetrics(step=3, loss=2.5, step_s=0.5, tokens_per_s=100.0, mfu=0.1, kv_bytes=10, planning_ms_dp0=1.5,
-                    plan=plan)
+                    plan=plan, lr=1e-3, grad_norm=0.75)
     assert m.row() == {"step": 3, "loss": 2.5, "step_s": 0.5, "tokens_per_s": 100.0, "mfu": 0.1, "kv_bytes": 10,
-                       "planning_ms_dp0": 1.5, **plan}
+                       "planning_ms_dp0": 1.5, "lr": 1e-3, "grad_norm": 0.75, **plan}
     assert m.postfix()["exposed"] == "0.500ms"

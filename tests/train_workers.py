@@ -52,6 +52,45 @@ def check_meshes(rank, world, cases):
     return [check_mesh(rank, world, *case) for case in cases]
 
 
+def optim_meshes(rank, world, cases):
+    """For each ``(shape, dp_mode, model, micro_batches, clip_ratio)`` of ``cases``: ``one_step`` with that many
+    micro-batches per dp rank and the gradients clipped to ``clip_ratio`` x their norm, as ``(errors over
+    TOL, number of errors, the norm's error, the worst error)``."""
+    from flashpar.train.check import NORM
+
+    out = []
+    for shape, dp_mode, model, micro, ratio in cases:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS)
+        seqs = sequences(micro * shape[0], seed=micro)
+        errors = one_step(MODELS[model], mesh, seqs, strategy="flashcp", mode="flash", dp_mode=dp_mode,
+                          micro_batches=micro, clip_ratio=ratio)
+        out.append(({k: v for k, v in errors.items() if not v <= TOL}, len(errors), errors[NORM],
+                    max(errors.values())))
+    return out
+
+
+def decay_step(rank, world, shape):
+    """``build``'s AdamW on mesh ``shape`` after one step on zero gradients at the rate 0.5 (``set_lr``): per mesh
+    parameter, ``(decayed, max |p_after - p_before (1 - 0.5 wd)|, max |p_after - p_before|)``."""
+    from flashpar.train.config import TrainConfig
+    from flashpar.train.optimizer import decays, set_lr
+    from flashpar.train.step import build
+
+    dp, cpn, ulysses, tp = shape
+    config = TrainConfig(nproc=world, dp=dp, cp=cpn, ulysses=ulysses, tp=tp, model=CFG, timeout=60.0)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS)
+    _, model, opt = build(config, mesh, torch.device("cpu"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    set_lr(opt, 0.5)
+    opt.step()
+    shrunk = 1 - 0.5 * config.weight_decay
+    after = {n: p.detach() for n, p in model.named_parameters()}
+    return {n: (decays(n), float((p - before[n] * shrunk).abs().max()), float((p - before[n]).abs().max()))
+            for n, p in after.items()}
+
+
 # ---- fault-injection hooks (flashpar.train.loop.Hooks.before_step), pickled into the spawned ranks -----------
 
 

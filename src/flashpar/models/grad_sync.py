@@ -19,6 +19,11 @@ the order backward completes them): a completed gradient is posted only once eve
 it in that order has been posted, and ``finish`` posts the rest (a gradient that never came is
 zeros).  Each group therefore sees the same sequence of all-reduces on every rank.
 
+Gradient accumulation (``flashpar.train.step.accumulate``) arms only the last micro-batch's backward:
+the hooks of the earlier ones return at once (their gradients only add up in ``.grad``), and a
+post-accumulate hook fires after autograd has added the last backward's term, so each sum carries
+all the micro-batches, posted once per optimizer step.
+
 The groups are the model's own (``_sum_groups``, made for this purpose only), never a group that
 also carries the step's transfers, so an all-reduce in flight never interleaves with another op's
 collectives on the same group.  Waits have the model's timeout on gloo; on NCCL the stream waits

@@ -1,12 +1,20 @@
 """``flashpar train --check``: the mesh model against the single-process model after one step.
 
-Every rank builds the same single-process ``Llama`` (one seed) and the same ``dp`` packed
-sequences; the reference loss and gradients come from that model on all sequences, the loss
-normalised by the global number of targets.  The mesh model takes its shards of the same
-weights, its dp rank's sequence, its cp shard (the plan) and its ulysses and tp rows, and after one
-``forward_backward`` (the step without the optimizer: ``flashpar.train.step``) its loss (summed
-over ranks) and every gradient (tp shards gathered) are compared with the reference: relative
+Every rank builds the same single-process ``Llama`` (one seed) and the same ``M x dp`` packed
+sequences (``M`` micro-batches per dp rank; ``sequences[m * dp + d]`` is dp rank ``d``'s micro-batch
+``m``, as in the trainer).  The reference loss and gradients come from that model on all sequences,
+the loss normalised by the global number of targets; with ``clip_ratio`` its gradients are then
+clipped by ``torch.nn.utils.clip_grad_norm_`` to ``clip_ratio`` times their float64 norm (a ratio
+below 1 always clips).  The mesh model takes its shards of the same weights, its dp rank's
+micro-batches, their cp shards (the plans) and its ulysses and tp rows, and runs the trainer's
+step without the optimizer (``flashpar.train.step.gradients``: the micro-batches' gradients
+accumulated, summed over copies once, the global norm, clipping).  Its loss (summed over ranks),
+gradient norm and every gradient (tp shards gathered) are compared with the reference: relative
 error ``max |a - b| / max |b|``.
+
+    one_step = _reference (model, loss, norm, clipped gradients)
+             + _mesh_step (the mesh model from the reference's weights: loss, norm, gradients)
+             + _errors
 """
 
 from __future__ import annotations
@@ -20,49 +28,89 @@ from flashpar import cp
 from flashpar.models import Llama, LlamaConfig, load_hf, next_token_loss
 from flashpar.models.layout import LAYOUT, label_of
 from flashpar.models.parallel import ParallelLlama
-from flashpar.train.step import forward_backward
+from flashpar.train.step import MicroBatch, gradients
 
 TOL = 1e-4  # fp32: the mesh only reorders sums (~1e-6 relative); one misplaced shard is O(1)
+CHECK_CLIP_RATIO = 0.5  # --check clips the gradients to half their norm: the coefficient is exercised (~0.5)
+NORM = "grad norm"  # the row of the global gradient norm (before clipping)
 
 
 def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, seed: int = 0,
-             timeout_s: float = 300.0, dp_mode: str = "zero3", init_from: str | None = None) -> dict[str, float]:
-    """Relative errors of the loss and of every parameter's gradient (names of the single-process model).
-    ``init_from``: the weights of that Hugging Face folder (the reference ``load_hf``, the mesh model its
-    slices: ``ParallelLlama.load_hf_slices``) instead of seeded ones."""
+             timeout_s: float = 300.0, dp_mode: str = "zero3", micro_batches: int = 1,
+             clip_ratio: float | None = None, init_from: str | None = None) -> dict[str, float]:
+    """Relative errors of the loss, of the gradient norm (with ``clip_ratio``) and of every parameter's
+    gradient after clipping (names of the single-process model).  ``sequences``: ``micro_batches x dp``
+    ``(tokens, labels, doc_lens)``, dp rank ``d``'s micro-batch ``m`` at ``m * dp + d``.  ``init_from``:
+    the weights of that Hugging Face folder (the reference ``load_hf``, the mesh model its slices:
+    ``ParallelLlama.load_hf_slices``) instead of seeded ones."""
+    dp = mesh["dp"].size()
+    if len(sequences) != micro_batches * dp:
+        raise ValueError(f"one_step: {len(sequences)} sequences for {micro_batches} micro-batches x dp = {dp}")
     torch.manual_seed(seed)
     ref = load_hf(init_from, dtype=torch.float32) if init_from else Llama(cfg)
+    want = _reference(ref, sequences, clip_ratio)
+    got = _mesh_step(ref, cfg, mesh, sequences, strategy=strategy, mode=mode, timeout_s=timeout_s, dp_mode=dp_mode,
+                     micro_batches=micro_batches, clip=want["clip"], init_from=init_from)
+    return _errors(got, want, ref, clipped=clip_ratio is not None)
+
+
+def _reference(ref: Llama, sequences, clip_ratio: float | None) -> dict:
+    """The single-process step: loss over every sequence (normalised by all their targets), backward, the
+    gradient's float64 norm from the full tensors, then ``clip_grad_norm_`` to ``clip_ratio`` x that norm."""
     count = sum(int((lab != -100).sum()) for _, lab, _ in sequences)
-    ref_loss = sum(next_token_loss(ref(tok, lens), lab, count) for tok, lab, lens in sequences)
-    ref_loss.backward()
+    loss = sum(next_token_loss(ref(tok, lens), lab, count) for tok, lab, lens in sequences)
+    loss.backward()
+    norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in ref.parameters()))
+    clip = 0.0
+    if clip_ratio is not None:
+        clip = clip_ratio * norm
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+    return {"loss": float(loss.detach()), "norm": norm, "count": count, "clip": clip}
+
+
+def _mesh_step(ref: Llama, cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, timeout_s: float,
+               dp_mode: str, micro_batches: int, clip: float, init_from: str | None = None) -> dict:
+    """The mesh model with ``ref``'s weights, through ``gradients`` on this rank's micro-batches: the loss
+    summed over ranks, the global norm and the full gradients (collective)."""
     model = ParallelLlama(cfg, mesh, mode=mode, timeout_s=timeout_s, dp_mode=dp_mode)
     if init_from:
-        model.load_hf_slices(init_from)
+        model.load_hf_slices(init_from)  # the same weights as ref, read by this rank's slices
     else:
         model.load_full(ref)
-    d, c = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
-    tokens, labels, doc_lens = sequences[d]
-    plan = cp.plan(doc_lens, mesh["cp"].size(), strategy=strategy)
-    total = forward_backward(model, cp.shard(tokens, plan, c), cp.shard(labels, plan, c), plan, count).clone()
+    dp, d, c = mesh["dp"].size(), mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
+    count = sum(int((lab != -100).sum()) for _, lab, _ in sequences)
+    batch = []
+    for m in range(micro_batches):
+        tokens, labels, doc_lens = sequences[m * dp + d]
+        plan = cp.plan(doc_lens, mesh["cp"].size(), strategy=strategy)
+        batch.append(MicroBatch(cp.shard(tokens, plan, c), cp.shard(labels, plan, c), plan))
+    loss, norm = gradients(model, batch, count, clip=clip)
+    total = loss.clone()
     dist.all_reduce(total)
-    ref_value = float(ref_loss.detach())
-    errors = {"loss": abs(float(total) - ref_value) / abs(ref_value)}
+    return {"loss": float(total), "norm": float(norm), "grads": model.full_grads()}
+
+
+def _errors(got: dict, want: dict, ref: Llama, *, clipped: bool) -> dict[str, float]:
+    errors = {"loss": abs(got["loss"] - want["loss"]) / abs(want["loss"])}
+    if clipped:
+        errors[NORM] = abs(got["norm"] - want["norm"]) / want["norm"]
     grads = dict(ref.named_parameters())
-    for name, g in model.full_grads().items():
-        want = grads[name].grad
-        errors[name] = float((g - want).abs().max() / want.abs().max().clamp_min(1e-12))
+    for name, g in got["grads"].items():
+        w = grads[name].grad
+        errors[name] = float((g - w).abs().max() / w.abs().max().clamp_min(1e-12))
     return errors
 
 
 def by_group(errors: dict[str, float]) -> list[tuple[str, float, bool]]:
-    """``(group, worst relative error, passed)`` per parameter group, the loss first; the groups are the
-    rows of ``flashpar.models.layout.LAYOUT``, in its order.  A NaN error is the worst and fails."""
+    """``(group, worst relative error, passed)`` per parameter group, the loss (and the gradient norm) first;
+    the groups are the rows of ``flashpar.models.layout.LAYOUT``, in its order.  A NaN error is the worst
+    and fails."""
     found: dict[str, list[float]] = {}
     for name, err in errors.items():
-        if name != "loss":
+        if name not in ("loss", NORM):
             found.setdefault(label_of(name), []).append(err)
-    rows = [("loss", [errors["loss"]])] + [(lay.label, found[lay.label]) for lay in LAYOUT.values()
-                                            if lay.label in found]
+    rows = [(k, [errors[k]]) for k in ("loss", NORM) if k in errors]
+    rows += [(lay.label, found[lay.label]) for lay in LAYOUT.values() if lay.label in found]
     return [(label, _worst(errs), all(e <= TOL for e in errs)) for label, errs in rows]
 
 

@@ -5,8 +5,12 @@ under its parameter names (tp shards gathered with ``ParallelLlama.to_full``): e
 same values, which DCP writes once.  Loading fills full tensors and each rank takes its shards
 (``ParallelLlama.shard_of``), whatever the mesh was when saving: both read the parameter-layout table
 ``flashpar.models.layout.LAYOUT``.  ``meta.json`` (rank 0) records the
-step, the global sequences consumed (``step x dp``: the data loader resumes there) and what must
+step, the global sequences consumed (``sequences_after``: ``steps x dp x micro-batches`` from the
+start; the data loader resumes there, whatever the new run's dp and micro-batches) and what must
 not change across a resume (``TrainConfig.kept()``: model sizes, sequence length, corpus and seed).
+The AdamW state is keyed by parameter (``opt.state``), whatever its parameter groups
+(``flashpar.train.optimizer``); the learning rate is not saved: it is a function of the step
+(``flashpar.train.schedule``).
 """
 
 from __future__ import annotations
@@ -23,13 +27,23 @@ from flashpar.train.config import TrainConfig
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def save(path: Path, model, opt, step: int, config: TrainConfig) -> None:
-    """Write step ``step`` to ``path`` (collective: every rank calls it)."""
+def sequences_after(start: int, steps: int, dp: int, micro_batches: int) -> int:
+    """The global sequences consumed once ``steps`` steps of ``micro_batches`` sequences per dp rank (``dp``
+    ranks) have run from global sequence ``start``: dp rank ``d``'s micro-batch ``m`` of step ``s`` (0-based,
+    counted from ``start``) is the global sequence ``start + (s M + m) dp + d``."""
+    return start + steps * dp * micro_batches
+
+
+def save(path: Path, model, opt, step: int, config: TrainConfig, sequences: int | None = None) -> None:
+    """Write step ``step`` to ``path`` (collective: every rank calls it); ``sequences``: the global sequences
+    consumed (default: a run from sequence 0 with this config's dp and micro-batches)."""
+    if sequences is None:
+        sequences = sequences_after(0, step, config.dp, config.micro_batches)
     state = _full_state(model, opt)
     dcp.save(state, checkpoint_id=str(path))
     if dist.get_rank() == 0:
-        meta = {"step": step, "sequences": step * config.dp, "mesh": [config.dp, config.cp, config.ulysses, config.tp],
-                **config.kept()}
+        meta = {"step": step, "sequences": sequences, "mesh": [config.dp, config.cp, config.ulysses, config.tp],
+                "micro_batches": config.micro_batches, **config.kept()}
         (path / "meta.json").write_text(json.dumps(meta, indent=1))
     dist.barrier()
 

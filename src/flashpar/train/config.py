@@ -53,7 +53,7 @@ class TrainConfig:
     mode: str = _opt("flash", "TP overlap mode", choices=MODES)
     dp_mode: str = _opt("zero3", "data parallelism: ZeRO-3 rows of the tp weights per dp rank (under --ulysses: "
                                  "of the MLP weights), or whole copies", choices=DP_MODES)
-    lr: float = _opt(3e-3, "AdamW learning rate")
+    lr: float = _opt(3e-3, "AdamW learning rate: the peak of the schedule (--warmup, --lr-min)")
     seed: int = _opt(0, "seed of the weights and of the corpus order")
     max_docs: int | None = _opt(None, "use only this many corpus documents", type=int)
     model: LlamaConfig = field(default_factory=LlamaConfig,
@@ -85,6 +85,17 @@ class TrainConfig:
                                         type=str, nargs="+")
     eval_every: int = _opt(0, "validation loss on the held-out documents every K steps and at the end (0: never)")
     eval_docs: int = _opt(8, "documents held out of training for the validation loss (with --eval-every)")
+    # -- optim (issue 13): gradient accumulation, the learning-rate schedule, weight decay, clipping --
+    micro_batches: int = _opt(1, "packed sequences per dp rank per optimizer step, their gradients accumulated: "
+                                 "the global batch is micro-batches x dp sequences")
+    warmup: int = _opt(0, "steps of linear learning-rate warm-up (step s: lr x s / W), then cosine decay to "
+                          "--lr-min at --steps")
+    lr_min: float | None = _opt(None, "learning rate of the last step, the end of the cosine decay (default 0.1 x "
+                                      "--lr)", type=float)
+    weight_decay: float = _opt(0.1, "AdamW's decoupled weight decay on the embedding, head and projection "
+                                    "matrices (none on the norm gains)")
+    clip: float = _opt(1.0, "clip the gradients to this global norm (0: no clipping; the norm is reported either "
+                            "way)")
 
     def __post_init__(self) -> None:
         for name in ("strategy", "mode", "dp_mode", "device"):
@@ -130,6 +141,26 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{_flag(name)} must be an integer >= {least}, got {value!r}")
+        # optim (issue 13)
+        if not _is_int(self.micro_batches) or self.micro_batches < 1:
+            raise ValueError(f"micro-batches must be an integer >= 1, got {self.micro_batches!r}")
+        if not _is_int(self.warmup) or not 0 <= self.warmup <= self.steps:
+            raise ValueError(f"warmup must be an integer within [0, --steps = {self.steps}], got {self.warmup!r}")
+        if self.lr_min is not None and not 0 <= self.lr_min <= self.lr:
+            raise ValueError(f"lr-min must be within [0, --lr = {self.lr}], got {self.lr_min}")
+        if not self.weight_decay >= 0 or not self.clip >= 0:
+            raise ValueError(f"weight-decay and clip must be >= 0 (clip 0: off), got weight-decay {self.weight_decay}, "
+                             f"clip {self.clip}")
+
+    @property
+    def check_micro_batches(self) -> int:
+        """The micro-batches of ``--check``'s step: ``--micro-batches``, at least 2 (accumulation exercised)."""
+        return max(2, self.micro_batches)
+
+    @property
+    def final_lr(self) -> float:
+        """The learning rate of the last step: ``--lr-min``, by default 0.1 x ``--lr``."""
+        return 0.1 * self.lr if self.lr_min is None else self.lr_min
 
     @property
     def world_size(self) -> int:
@@ -147,6 +178,10 @@ class TrainConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _flag(name: str) -> str:
@@ -225,9 +260,10 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
         tokens = sum(document_lengths(config.max_docs)) if not config.data else None  # --data: checked below
     except FileNotFoundError as err:
         raise ValueError(f"no training documents: {err}") from err
-    if tokens is not None and tokens < config.seq_len * config.dp:
+    micro = config.check_micro_batches if config.check else config.micro_batches
+    if tokens is not None and tokens < config.seq_len * config.dp * micro:
         raise ValueError(f"the corpus has {tokens} tokens, fewer than one global batch "
-                         f"({config.dp} x {config.seq_len})")
+                         f"({micro} x {config.dp} x {config.seq_len})")
     if config.plot:
         from flashpar.train.report import have_matplotlib
 

@@ -234,9 +234,10 @@ def ready_data(config) -> None:
     if not tokens.uses_cache(config):
         tokens.bytes_fit(config.model.vocab_size)
     train = training_data(config)
-    if len(train) < config.dp:
+    micro = config.check_micro_batches if config.check else config.micro_batches
+    if len(train) < config.dp * micro:
         raise ValueError(f"the training documents make {len(train)} sequences of {config.seq_len} tokens, fewer than "
-                         f"one global batch of dp = {config.dp}")
+                         f"one global batch of dp x micro-batches = {config.dp} x {micro}")
     if config.eval_every:
         held = training_data(config, "eval")
         if len(held) < config.dp:

@@ -1,16 +1,23 @@
 """The training loop of one rank: mesh, model, data, steps and their bookkeeping (see ``flashpar.train.run``).
 
-Per step, on every rank of the (dp, cp, ulysses, tp) mesh: the dp rank's packed sequence and its plan
-(made in a data-loader worker), this cp rank's tokens, and ``train_step`` (``flashpar.train.step``: the
-model's forward on this ulysses and tp rank's rows, which the model takes from the cp rank's tokens,
-the next-token loss normalised by the global batch's targets, backward, gradients summed over copies,
-AdamW).  Around it the loop keeps the books:
-rank 0 reports a ``StepMetrics`` (loss summed over ranks, tokens/s, MFU, the K/V the plans moved)
-to ``metrics.jsonl`` and the progress bar; checkpoints, the trace of the third step and the plot.
-``Hooks`` are callables the loop runs on every rank (fault injection for failure drills and tests).
+Per step, on every rank of the (dp, cp, ulysses, tp) mesh: the dp rank's ``M = --micro-batches`` packed
+sequences and their plans (made in a data-loader worker), this cp rank's tokens of each, and
+``optimizer_step`` (``flashpar.train.step``: per micro-batch the model's forward on this ulysses and
+tp rank's rows, which the model takes from the cp rank's tokens, the next-token loss normalised by the
+global batch's targets, backward; the gradients summed over copies once, clipped by their global norm
+(``--clip``), AdamW at the step's rate (``flashpar.train.schedule``)).  Around it the loop keeps the books:
+rank 0 reports a ``StepMetrics`` (loss summed over ranks, learning rate, gradient norm, tokens/s, MFU,
+the K/V the plans moved) to ``metrics.jsonl`` and the progress bar; checkpoints, the trace of the third
+step and the plot.  ``Hooks`` are callables the loop runs on every rank (fault injection for failure
+drills and tests).
+
+Data.  Dp rank ``d``'s micro-batch ``m`` of step ``s`` (0-based, counted from the run's first step) is
+the global sequence ``start + (s M + m) dp + d``: ``PlannedSequences`` item ``s M + m`` of the dp rank,
+taken ``M`` at a time (``group_micro_batches``); ``start`` is 0, or the checkpoint's ``sequences``
+(``checkpoint.sequences_after``) when resuming.
 
     MFU = model FLOPs per second / (peak FLOP/s per rank x ranks)
-    model FLOPs of a step = sum over sequences of T * cfg.flops_per_token(pairs / T)
+    model FLOPs of a step = sum over the M x dp sequences of T * cfg.flops_per_token(pairs / T)
 
 ``pairs`` is the causal document mask's (query, key) pairs of the sequence.  The peak is a GEMM
 probe on CPU (every rank at once, so it is each rank's share of the cores) or the datasheet
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import json
 import os
 import time
@@ -39,7 +47,8 @@ from flashpar.train.config import TrainConfig
 from flashpar.train.data import PlannedSequences, make_loader, training_data
 from flashpar.train.evaluate import at_step, held_out
 from flashpar.train.metrics import StepMetrics, summary
-from flashpar.train.step import build, planner_cost, train_step
+from flashpar.train.schedule import lr_at
+from flashpar.train.step import MicroBatch, build, optimizer_step, planner_cost
 
 
 @dataclass(frozen=True)
@@ -85,7 +94,8 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         first_step, start = meta["step"], meta["sequences"]
     planned = PlannedSequences(data, config.cp, config.strategy, cost, dp_rank=dp_rank, dp_size=config.dp,
                                start=start)
-    steps = first_step + min(config.steps - first_step, len(planned))
+    micro = config.micro_batches
+    steps = first_step + min(config.steps - first_step, len(planned) // micro)
     loader = make_loader(planned, num_workers=config.workers)
     peak = peak_flops(device)
     out = Path(config.out)
@@ -93,25 +103,26 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     bar = _progress(steps, first_step) if rank == 0 else None
     history: list[StepMetrics] = []
     t_start = time.perf_counter()
-    for step, item in zip(range(first_step, steps), loader, strict=False):
+    for step, items in zip(range(first_step, steps), group_micro_batches(loader, micro), strict=False):
         if hooks.before_step is not None:
             hooks.before_step(step + 1)
-        plan = item["plan"]
-        tokens = cp.shard(item["tokens"], plan, cp_rank).to(device)
-        labels = cp.shard(item["labels"], plan, cp_rank).to(device)
-        count, pairs, figures = _batch_figures(item, dp_group, device)
+        batch = [MicroBatch(cp.shard(it["tokens"], it["plan"], cp_rank).to(device),
+                            cp.shard(it["labels"], it["plan"], cp_rank).to(device), it["plan"]) for it in items]
+        count, pairs, figures = _batch_figures(items, dp_group, device)
+        lr = lr_at(step + 1, lr=config.lr, steps=config.steps, warmup=config.warmup, lr_min=config.final_lr)
         sent0 = model.kv_counter.fwd_sent
         profiler = _profiler(config, device) if step == min(first_step + 2, steps - 1) else None
         t0 = time.perf_counter()
         with profiler or contextlib.nullcontext():
-            loss = train_step(model, opt, tokens, labels, plan, count)
+            loss, grad_norm = optimizer_step(model, opt, batch, count, clip=config.clip, lr=lr)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the step's kernels, not only their launches, in step_s
         elapsed = time.perf_counter() - t0
         if profiler is not None:
             profiler.export_chrome_trace(str(out / f"trace_rank{rank}.json"))
+        planning_ms = 1e3 * sum(it["planning_s"] for it in items)
         metrics = _measure(step + 1, loss, model.kv_counter.fwd_sent - sent0, elapsed, config, pairs, peak * world,
-                           1e3 * item["planning_s"], figures, device)
+                           planning_ms, figures, device, lr=lr, grad_norm=grad_norm)
         metrics = at_step(evaluator, model, metrics, step + 1, steps)  # eval_loss every --eval-every steps, last
         if rank == 0:
             history.append(metrics)
@@ -120,7 +131,8 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
             bar.update(1)
             bar.set_postfix(**metrics.postfix())
         if config.save_every and ((step + 1) % config.save_every == 0 or step + 1 == steps):
-            checkpoint.save(out / "checkpoints" / f"step_{step + 1}", model, opt, step + 1, config)
+            sequences = checkpoint.sequences_after(start, step + 1 - first_step, config.dp, micro)
+            checkpoint.save(out / "checkpoints" / f"step_{step + 1}", model, opt, step + 1, config, sequences)
     result = None
     if rank == 0:
         bar.close()
@@ -129,21 +141,29 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         if config.plot and history:
             from flashpar.train.report import plot
 
-            plot([m.row() for m in history], plan, out / "train.png")
+            plot([m.row() for m in history], items[-1]["plan"], out / "train.png")
             result["plot"] = str(out / "train.png")
         (out / "summary.json").write_text(json.dumps(result, indent=1))
     dist.barrier()
     return result
 
 
-def _batch_figures(item: dict, dp_group, device) -> tuple[float, float, dict[str, float]]:
-    """The global batch's targets (the loss's divisor), causal mask pairs and plan figures: the dp ranks'
-    sums (times: the slowest dp rank).  A collective over dp, before the step (on ``device``: NCCL reduces
-    only device tensors)."""
-    figures = dict(item["figures"])  # made in the loader worker
+def group_micro_batches(items, micro_batches: int):
+    """The loader's items ``micro_batches`` at a time (lists), in order; a last incomplete group is dropped."""
+    it = iter(items)
+    while len(group := list(itertools.islice(it, micro_batches))) == micro_batches:
+        yield group
+
+
+def _batch_figures(items: list[dict], dp_group, device) -> tuple[float, float, dict[str, float]]:
+    """The global batch's targets (the loss's divisor), causal mask pairs and plan figures: summed over the
+    micro-batches (they run one after the other) and the dp ranks (times: the slowest dp rank).  A
+    collective over dp, before the step (on ``device``: NCCL reduces only device tensors)."""
+    figures = {k: sum(it["figures"][k] for it in items) for k in items[0]["figures"]}  # made in the loader worker
     summed = [k for k in figures if k.endswith("bytes")]
     slowest = [k for k in figures if k not in summed]
-    sums = torch.tensor([float((item["labels"] != -100).sum()), _pairs(item["plan"]), *(figures[k] for k in summed)],
+    targets = sum(float((it["labels"] != -100).sum()) for it in items)
+    sums = torch.tensor([targets, sum(_pairs(it["plan"]) for it in items), *(figures[k] for k in summed)],
                         dtype=torch.float64, device=device)
     worst = torch.tensor([figures[k] for k in slowest], dtype=torch.float64, device=device)
     dist.all_reduce(sums, group=dp_group)
@@ -154,19 +174,21 @@ def _batch_figures(item: dict, dp_group, device) -> tuple[float, float, dict[str
 
 
 def _measure(step: int, loss: torch.Tensor, kv_sent: int, elapsed: float, config: TrainConfig, pairs: float,
-             peak_total: float, planning_ms: float, figures: dict[str, float], device) -> StepMetrics:
+             peak_total: float, planning_ms: float, figures: dict[str, float], device, *, lr: float,
+             grad_norm: torch.Tensor) -> StepMetrics:
     """The step's figures reduced over every rank (a collective, after the step): the loss shares and K/V
-    bytes summed, the time of the slowest rank."""
+    bytes summed, the time of the slowest rank; the gradient norm is already global (read here, after
+    the step)."""
     stats = torch.tensor([float(loss), kv_sent], dtype=torch.float64, device=device)
     slowest = torch.tensor([elapsed], dtype=torch.float64, device=device)
     dist.all_reduce(stats)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    tokens = config.seq_len * config.dp
+    tokens = config.seq_len * config.dp * config.micro_batches  # the global batch
     step_s = float(slowest[0])
     flops = tokens * config.model.flops_per_token(pairs / tokens)
     return StepMetrics(step=step, loss=float(stats[0]), step_s=step_s, tokens_per_s=tokens / step_s,
                        mfu=flops / step_s / peak_total, kv_bytes=int(stats[1]), planning_ms_dp0=planning_ms,
-                       plan=figures)
+                       plan=figures, lr=lr, grad_norm=float(grad_norm))
 
 
 def _profiler(config: TrainConfig, device):

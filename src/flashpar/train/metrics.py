@@ -1,7 +1,7 @@
 """What a training step reports (``StepMetrics``: one line of ``metrics.jsonl``, the progress bar) and the
 run's ``summary.json``.
 
-    tokens_per_s = dp x seq_len / step_s
+    tokens_per_s = micro-batches x dp x seq_len / step_s
     MFU          = model FLOPs of the step / step_s / (peak FLOP/s per rank x ranks)
 """
 
@@ -17,12 +17,15 @@ class StepMetrics:
 
     step: int  # 1-based
     loss: float  # mean next-token loss of the global batch (nats): the ranks' shares summed
-    step_s: float  # wall time of train_step on the slowest rank
+    step_s: float  # wall time of the optimizer step (all its micro-batches) on the slowest rank
     tokens_per_s: float  # global batch tokens / step_s
     mfu: float  # model FLOPs / step_s / (peak per rank x ranks)
     kv_bytes: int  # forward K/V bytes cp.attention sent, all ranks and layers (measured at the transport)
-    planning_ms_dp0: float  # the planner's time for dp rank 0's sequence (in its data-loader worker)
+    planning_ms_dp0: float  # the planner's time for dp rank 0's sequences of the step (in its data-loader worker)
     plan: dict[str, float]  # the plans' figures (train.data.plan_figures): bytes summed over dp, times the slowest
+    # optim (issue 13)
+    lr: float  # the step's learning rate (flashpar.train.schedule)
+    grad_norm: float  # global gradient norm before clipping (flashpar.models.grad_norm)
     eval_loss: float | None = None  # validation loss on the held-out documents, at evaluation steps (train.evaluate)
 
     def row(self) -> dict:
@@ -35,8 +38,9 @@ class StepMetrics:
     def postfix(self) -> dict[str, str]:
         """The progress bar's figures."""
         shown = {"eval": f"{self.eval_loss:.3f}"} if self.eval_loss is not None else {}
-        return {"loss": f"{self.loss:.3f}", **shown, "tok_s": f"{self.tokens_per_s:.0f}", "mfu": f"{self.mfu:.1%}",
-                "kv": f"{self.kv_bytes / 1e6:.1f}MB", "exposed": f"{self.plan['exposed_comm_ms_est']:.3f}ms"}
+        return {"loss": f"{self.loss:.3f}", **shown, "gnorm": f"{self.grad_norm:.2f}",
+                "tok_s": f"{self.tokens_per_s:.0f}", "mfu": f"{self.mfu:.1%}", "kv": f"{self.kv_bytes / 1e6:.1f}MB",
+                "exposed": f"{self.plan['exposed_comm_ms_est']:.3f}ms"}
 
 
 def summary(history: list[StepMetrics], wall_s: float, config, peak: float) -> dict:
@@ -54,6 +58,7 @@ def summary(history: list[StepMetrics], wall_s: float, config, peak: float) -> d
         "est_step_ms": total("est_step_ms"), "per_doc_est_step_ms": total("per_doc_est_step_ms"),
         "headtail_est_step_ms": total("headtail_est_step_ms"),
         "mesh": {"dp": config.dp, "cp": config.cp, "ulysses": config.ulysses, "tp": config.tp},
+        "micro_batches": config.micro_batches,
         "strategy": config.strategy,
         "out": config.out,
         "eval_loss": next((r["eval_loss"] for r in reversed(rows) if "eval_loss" in r), None),  # the last one

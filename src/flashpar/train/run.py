@@ -50,19 +50,21 @@ def _check(config: TrainConfig):
     import torch
     import torch.distributed as dist
 
-    from flashpar.train.check import by_group, one_step
+    from flashpar.train.check import CHECK_CLIP_RATIO, by_group, one_step
     from flashpar.train.data import training_data
     from flashpar.train.loop import setup
 
     _, mesh = setup(config)
     data = training_data(config)  # the byte corpus, or the tokens of --data / --tokenizer
-    seqs = [(data[i]["tokens"], data[i]["labels"], data[i]["doc_lens"]) for i in range(config.dp)]
+    micro = config.check_micro_batches  # accumulation always exercised
+    seqs = [(data[i]["tokens"], data[i]["labels"], data[i]["doc_lens"]) for i in range(micro * config.dp)]
     errors = one_step(config.model, mesh, seqs, strategy=config.strategy, mode=config.mode, seed=config.seed,
-                      timeout_s=config.timeout, dp_mode=config.dp_mode, init_from=config.init_from)
+                      timeout_s=config.timeout, dp_mode=config.dp_mode, micro_batches=micro,
+                      clip_ratio=CHECK_CLIP_RATIO, init_from=config.init_from)
     rows = by_group(errors)
     worst = torch.tensor([max(e for _, e, _ in rows)], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return {"rows": rows, "worst": float(worst)} if dist.get_rank() == 0 else None
+    return {"rows": rows, "worst": float(worst), "micro_batches": micro} if dist.get_rank() == 0 else None
 
 
 RAISED = 73  # a rank's exit status after an exception: its traceback ends its rank<r>.log
@@ -172,7 +174,8 @@ def _report(out, config: TrainConfig) -> int:
         ulysses = f"ulysses={config.ulysses} " if config.ulysses > 1 else ""
         print(f"check: mesh dp={config.dp} ({config.dp_mode}) cp={config.cp} {ulysses}tp={config.tp}, "
               f"strategy {config.strategy}, "
-              f"mode {config.mode}, one step against the single-process model (relative error, fp32 bound 1e-4)")
+              f"mode {config.mode}, one step of {out['micro_batches']} micro-batches, gradients clipped to half "
+              "their norm, against the single-process model (relative error, fp32 bound 1e-4)")
         for name, err, ok in out["rows"]:
             print(f"  {'PASS' if ok else 'FAIL'}  {name:<16} {err:.2e}")
         passed = all(ok for _, _, ok in out["rows"])

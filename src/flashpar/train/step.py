@@ -3,29 +3,61 @@
     build(config, mesh, device)    -> (cfg, ParallelLlama with its shards of one seeded Llama, or of the
                                       Hugging Face folder --init-from read by slices, AdamW)
     planner_cost(cfg)              the planner's cost model with the model's shape
-    forward_backward(model, ...)   loss share; backward; gradients summed over the ranks holding copies
-    train_step(model, opt, ...)    forward_backward, AdamW step, gradients cleared
+    forward_backward(model, ...)   one micro-batch: loss share; backward; gradients summed over copies
+    accumulate(model, micro, n)    M micro-batches' gradients added up, summed over copies once
+    gradients(model, micro, n)     accumulate, then the global gradient norm and clipping
+    optimizer_step(model, opt, ..) gradients, the step's learning rate, AdamW step, gradients cleared
+    train_step(model, opt, ...)    one micro-batch, no clipping: ``optimizer_step`` of one sequence
 
-Every rank of the mesh calls each function together (they are collective).  ``train_step`` makes no
-host synchronisation: the loss comes back as a detached tensor on the model's device; reading it
-(``float(loss)``) is the caller's, after the step.
+Gradient accumulation.  A step's global batch is ``M`` packed sequences per dp rank (``M x dp`` in
+all); ``count`` is the number of targets of all of them, so the ranks' loss shares of all micro-batches
+add up to the mean next-token loss of the global batch and the accumulated gradient is its gradient::
+
+    micro-batch      0            1                  M-1
+    backward     | grads += | grads += |  ...  | grads += ; sums over copies posted (grad_sync) | finish
+    ZeRO-3 rows  | RS_dp    | RS_dp    |  ...  | RS_dp      (inside every backward: sharded.py)
+
+The sums over the ranks holding copies (``flashpar.models.grad_sync``) are armed for the last
+micro-batch only: a post-accumulate hook fires after autograd has added that backward's gradient to
+``.grad``, so it posts the sum of all M micro-batches, once.  ZeRO-3's reduce-scatter of the gradient
+rows over dp runs inside every backward (each rank keeps only its rows, the whole-row gradient does
+not outlive the op); the sum is linear, so ``RS(g_0) + ... + RS(g_{M-1}) = RS(g_0 + ... + g_{M-1})``
+up to fp32 rounding, and its rows' sum over cp x ulysses is again posted once, on the last backward.
+
+Every rank of the mesh calls each function together (they are collective), with the same ``M``.
+Nothing here makes a host synchronisation: the loss and the gradient norm come back as tensors on the
+model's device; reading them (``float(loss)``) is the caller's, after the step.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from flashpar.cp import CostModel
 from flashpar.models import Llama, LlamaConfig
+from flashpar.models.grad_norm import clip_grads_
 from flashpar.models.parallel import ParallelLlama
 from flashpar.train.config import TrainConfig
+from flashpar.train.optimizer import adamw, set_lr
+
+
+class MicroBatch(NamedTuple):
+    """This rank's part of one packed sequence: the cp rank's tokens and targets (``cp.shard(x, plan,
+    cp_rank)``) and the sequence's plan."""
+
+    tokens_cp: torch.Tensor
+    labels_cp: torch.Tensor
+    plan: object
 
 
 def build(config: TrainConfig, mesh, device) -> tuple:
     """``(cfg, model, opt)``: the mesh model holding this rank's shards of ``Llama(config.model)`` made after
-    ``torch.manual_seed(config.seed)`` (every rank the same weights), and its AdamW.  With ``init_from`` each
-    rank reads only its slices of that Hugging Face folder (no full model in any process), unless a
-    ``resume`` checkpoint is about to overwrite them."""
+    ``torch.manual_seed(config.seed)`` (every rank the same weights), and its AdamW (weight decay on the
+    matrices only: ``flashpar.train.optimizer``).  With ``init_from`` each rank reads only its slices of that
+    Hugging Face folder (no full model in any process), unless a ``resume`` checkpoint is about to
+    overwrite them."""
     cfg = config.model
     full = None
     if not config.init_from:
@@ -37,7 +69,7 @@ def build(config: TrainConfig, mesh, device) -> tuple:
     elif not config.resume:  # hf (issue 13)
         model.load_hf_slices(config.init_from)
     model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = adamw(model, lr=config.lr, weight_decay=config.weight_decay)
     return cfg, model, opt
 
 
@@ -49,20 +81,59 @@ def planner_cost(cfg: LlamaConfig) -> CostModel:
 
 
 def forward_backward(model: ParallelLlama, tokens_cp: torch.Tensor, labels_cp: torch.Tensor, plan,
-                     count: float) -> torch.Tensor:
+                     count: float, *, sum_grads: bool = True) -> torch.Tensor:
     """This rank's share of the loss (``ParallelLlama.forward``: the cp rank's tokens / targets of ``plan``,
-    ``count`` the global batch's targets), after backward and ``reduce_grads``."""
+    ``count`` the global batch's targets), after backward, which adds its gradients to ``.grad``; with
+    ``sum_grads`` (the last micro-batch) they are then summed over the ranks holding copies
+    (``reduce_grads``, posted during backward)."""
     loss = model(tokens_cp, plan, labels_cp, count)
-    model.sum_grads_in_backward()  # each gradient's sum travels while backward computes the earlier layers
+    if sum_grads:
+        model.sum_grads_in_backward()  # each gradient's sum travels while backward computes the earlier layers
     loss.backward()
-    model.reduce_grads()
+    if sum_grads:
+        model.reduce_grads()
     return loss.detach()
+
+
+def accumulate(model: ParallelLlama, micro_batches: list[MicroBatch], count: float) -> torch.Tensor:
+    """Forward and backward of each micro-batch in turn, their gradients added up in ``.grad`` and summed over
+    copies once, after the last (see the module docstring).  Returns this rank's share of the global
+    batch's loss (the micro-batches' shares added: a device tensor)."""
+    if not micro_batches:
+        raise ValueError("accumulate: no micro-batches")
+    last = len(micro_batches) - 1
+    losses = [forward_backward(model, *mb, count, sum_grads=m == last) for m, mb in enumerate(micro_batches)]
+    return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+
+
+def gradients(model: ParallelLlama, micro_batches: list[MicroBatch], count: float, *,
+              clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``accumulate``, then the global gradient norm over every shard and, with ``clip > 0``, the gradients
+    scaled to at most that norm (``flashpar.models.grad_norm``: one all-reduce, no host wait).  Returns
+    ``(loss share, norm before clipping)``, both device tensors."""
+    loss = accumulate(model, micro_batches, count)
+    return loss, clip_grads_(model, clip)
+
+
+def optimizer_step(model: ParallelLlama, opt: torch.optim.Optimizer, micro_batches: list[MicroBatch], count: float,
+                   *, clip: float = 0.0, lr: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on ``M = len(micro_batches)`` sequences of this dp rank: ``gradients``, the rate
+    ``lr`` on every parameter group (``None``: as it is), ``opt.step()``, gradients cleared.  Returns
+    ``(loss share, gradient norm before clipping)`` (device tensors; the shares summed over all ranks: the
+    mean next-token loss of the global batch)."""
+    loss, norm = gradients(model, micro_batches, count, clip=clip)
+    if lr is not None:
+        set_lr(opt, lr)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss, norm
 
 
 def train_step(model: ParallelLlama, opt: torch.optim.Optimizer, tokens_cp: torch.Tensor, labels_cp: torch.Tensor,
                plan, count: float) -> torch.Tensor:
-    """One optimizer step: ``forward_backward``, ``opt.step()``, gradients cleared.  Returns this rank's share
-    of the loss (summed over all ranks: the mean next-token loss of the global batch)."""
+    """One optimizer step on one sequence per dp rank, no clipping and no norm (so no collective beyond the
+    step's own): ``forward_backward``, ``opt.step()``, gradients cleared.  Returns this rank's share of the
+    loss (summed over all ranks: the mean next-token loss of the global batch)."""
     loss = forward_backward(model, tokens_cp, labels_cp, plan, count)
     opt.step()
     opt.zero_grad(set_to_none=True)
