@@ -339,7 +339,9 @@ def test_a_few_training_steps_on_jsonl_and_parquet_with_a_bpe_tokenizer(spawned)
     rows = _rows(out / "train")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert ["eval_loss" in r for r in rows] == [False, True, True]  # every 2 steps and at the end
-    assert all(math.isfinite(r["loss"]) for r in rows) and rows[2]["loss"] < rows[0]["loss"]
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    # it learns: the same held-out documents score better after one more step
+    assert rows[2]["eval_loss"] < rows[1]["eval_loss"], rows
     assert summary["eval_loss"] == rows[2]["eval_loss"] and summary["eval"] == [[2, rows[1]["eval_loss"]],
                                                                                 [3, rows[2]["eval_loss"]]]
     assert math.isfinite(summary["eval_loss"])
