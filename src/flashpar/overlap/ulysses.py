@@ -67,7 +67,7 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float | None = None,
         inv_freq = default_frequencies(d, theta, x.device)
     elif inv_freq.shape != (d // 2,):
         raise ValueError(f"rotate: inv_freq has shape {tuple(inv_freq.shape)}, expected ({d // 2},)")
-    angles = positions.to(torch.float64)[:, None] * inv_freq.to(device=x.device, dtype=torch.float64)[None, :]
+    angles = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]  # inv_freq on x's device
     cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(x.dtype)
     sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(x.dtype)
     half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
