@@ -31,7 +31,7 @@ CP = ["--nproc", "2", "--link-rate", "none", "--tokens", "1024", "--packs", "1",
 
 # run name -> argv: the training runs are the session's shared ones (tests/train_runs.py: the resume runs
 # need the first run's checkpoints), the others run here in this order
-TRAINING = ("train", "resume-ulysses", "resume-per-doc-ring", "check-hf")
+TRAINING = ("train", "resume-ulysses", "resume-per-doc-ring", "check-hf", "own-model", "export")
 RUNS = {
     **{name: TRAIN_RUNS[name] for name in TRAINING},
     "plan-wlbllm": ["plan", "--lengths", "wlbllm", "--cp", "8", "--tokens", "131072", "--packs", "2"],
@@ -55,6 +55,10 @@ COMMANDS = {  # README command -> the run that exercises it
     "flashpar train --resume runs/train/checkpoints --steps 800 --ulysses 2 --tp 1": "resume-ulysses",
     "flashpar train --trace --plot": "train",
     "flashpar train --hf-config path/to/config.json": "check-hf",
+    "flashpar train --init-from path/to/llama --tokenizer path/to/llama --data my_docs --micro-batches 8 --warmup 100 "
+    "--lr 3e-4 --lr-min 3e-5 --clip 1.0 --dtype bf16 --checkpoint-activations --eval-every 100 --save-every 500 "
+    "--steps 2000 --out runs/mine": "own-model",
+    "flashpar export runs/mine/checkpoints --hf runs/mine/hf": "export",
     "flashpar plan --lengths wlbllm --cp 8 --tokens 131072": "plan-wlbllm",
     "flashpar plan --lengths my_lengths.txt --cp 4": "plan-file",
     "flashpar bench plan": "bench-plan",

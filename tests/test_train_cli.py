@@ -108,3 +108,37 @@ def test_a_rank_that_raises_prints_one_line_and_logs_its_traceback(tmp_path, cap
     assert not any("Traceback" in line for line in err), err
     text = log.read_text()
     assert "Traceback (most recent call last)" in text and "raise_at" in text, text
+
+
+def test_own_model_from_a_hugging_face_folder_to_a_hugging_face_folder(train_runs):
+    """The README's "Train your own model" (tests/train_runs.py ``own-model`` and ``export``): a transformers
+    Llama 3.1-style folder and its BPE tokenizer, jsonl + parquet + text documents, every training feature
+    on; the exported folder is one transformers loads whole, with the trained weights."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from train_runs import OWN_MODEL
+
+    run, export = train_runs["own-model"], train_runs["export"]
+    assert run.rc == 0 and export.rc == 0, (run.stderr[-3000:], export.stderr[-2000:])
+    rows = [json.loads(line) for line in (run.out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # warm-up to 1e-3 at step 1, then cosine down to --lr-min 1e-4 at step 4
+    assert rows[0]["lr"] == pytest.approx(1e-3) and rows[3]["lr"] == pytest.approx(1e-4)
+    assert rows[0]["lr"] > rows[1]["lr"] > rows[2]["lr"] > rows[3]["lr"]
+    assert all(0 < r["grad_norm"] < float("inf") for r in rows)
+    assert ["eval_loss" in r for r in rows] == [False, True, False, True]
+    summary = json.loads((run.out / "summary.json").read_text())
+    assert summary["micro_batches"] == 2 and summary["peak_mem_mb"] > 0
+    # the global batch: 2 micro-batches of 256 tokens on the one dp rank
+    assert rows[0]["tokens_per_s"] * rows[0]["step_s"] == pytest.approx(2 * 256)
+    hf, info = transformers.LlamaForCausalLM.from_pretrained(export.out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert hf.config.rope_parameters["rope_type"] == "llama3" and hf.config.vocab_size == OWN_MODEL["vocab_size"]
+    start = load_file(str(run.out.parent.parent / "path" / "to" / "llama" / "model.safetensors"))
+    trained = hf.state_dict()
+    assert set(start) == set(trained)
+    moved = {n: float((trained[n] - start[n]).abs().max()) for n in start}
+    # 4 AdamW steps of at most lr 1e-3 each move a weight by at most ~4e-3 (Adam's step is <= lr per element,
+    # plus decay); every trained matrix moved
+    assert all(0 < m < 1e-2 for n, m in moved.items() if "norm" not in n), moved
