@@ -20,20 +20,25 @@ from flashpar import cp
 from flashpar.models import Llama, LlamaConfig, next_token_loss
 from flashpar.models.layout import LAYOUT, label_of
 from flashpar.models.parallel import ParallelLlama
+from flashpar.models.precision import DTYPES
 from flashpar.train.step import forward_backward
 
 TOL = 1e-4  # fp32: the mesh only reorders sums (~1e-6 relative); one misplaced shard is O(1)
 
 
 def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, seed: int = 0,
-             timeout_s: float = 300.0, dp_mode: str = "zero3") -> dict[str, float]:
-    """Relative errors of the loss and of every parameter's gradient (names of the single-process model)."""
+             timeout_s: float = 300.0, dp_mode: str = "zero3", dtype: str = "fp32",
+             checkpoint_activations: bool = False) -> dict[str, float]:
+    """Relative errors of the loss and of every parameter's gradient (names of the single-process model).
+    ``dtype`` / ``checkpoint_activations``: the mesh model's (``--dtype``, ``--checkpoint-activations``); the
+    reference stays the fp32 single-process model."""
     torch.manual_seed(seed)
     ref = Llama(cfg)
     count = sum(int((lab != -100).sum()) for _, lab, _ in sequences)
     ref_loss = sum(next_token_loss(ref(tok, lens), lab, count) for tok, lab, lens in sequences)
     ref_loss.backward()
-    model = ParallelLlama(cfg, mesh, mode=mode, timeout_s=timeout_s, dp_mode=dp_mode)
+    model = ParallelLlama(cfg, mesh, mode=mode, timeout_s=timeout_s, dp_mode=dp_mode, dtype=DTYPES[dtype],
+                          checkpoint_activations=checkpoint_activations)
     model.load_full(ref)
     d, c = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     tokens, labels, doc_lens = sequences[d]
@@ -49,16 +54,17 @@ def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, see
     return errors
 
 
-def by_group(errors: dict[str, float]) -> list[tuple[str, float, bool]]:
+def by_group(errors: dict[str, float], tol: float = TOL) -> list[tuple[str, float, bool]]:
     """``(group, worst relative error, passed)`` per parameter group, the loss first; the groups are the
-    rows of ``flashpar.models.layout.LAYOUT``, in its order.  A NaN error is the worst and fails."""
+    rows of ``flashpar.models.layout.LAYOUT``, in its order.  A NaN error is the worst and fails.  ``tol``:
+    the bound (``flashpar.models.precision.CHECK_TOL`` of the run's dtype)."""
     found: dict[str, list[float]] = {}
     for name, err in errors.items():
         if name != "loss":
             found.setdefault(label_of(name), []).append(err)
     rows = [("loss", [errors["loss"]])] + [(lay.label, found[lay.label]) for lay in LAYOUT.values()
                                             if lay.label in found]
-    return [(label, _worst(errs), all(e <= TOL for e in errs)) for label, errs in rows]
+    return [(label, _worst(errs), all(e <= tol for e in errs)) for label, errs in rows]
 
 
 def _worst(errs: list[float]) -> float:

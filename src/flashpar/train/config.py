@@ -20,6 +20,7 @@ from pathlib import Path
 
 from flashpar.cp import STRATEGIES
 from flashpar.models import LlamaConfig
+from flashpar.models.precision import DTYPES
 from flashpar.overlap.ulysses import head_layout
 
 MODES = ("flash", "ring", "slice", "none", "auto")
@@ -66,6 +67,11 @@ class TrainConfig:
     save_every: int = _opt(0, "checkpoint every K steps and at the end (0: never)")
     resume: str | None = _opt(None, "continue from a checkpoint folder (or a run's checkpoints/ folder: its "
                                     "newest); the mesh may differ", type=str)
+    # mixed precision and activation checkpointing (helper "precision"; flashpar.models.precision, .recompute)
+    dtype: str = _opt("fp32", "compute dtype: bf16 computes and communicates activations and weights in bf16 with "
+                              "fp32 master weights, AdamW state and gradient sums", choices=tuple(DTYPES))
+    checkpoint_activations: bool = _opt(False, "recompute each block's activations in backward (less memory, one "
+                                               "more forward per block)")
 
     def __post_init__(self) -> None:
         for name in ("strategy", "mode", "dp_mode", "device"):
@@ -102,6 +108,11 @@ class TrainConfig:
         if self.seq_len < 2 * seq_ranks:
             raise ValueError(f"seq-len {self.seq_len} is too short for cp = {self.cp} x ulysses = {self.ulysses} x "
                              f"tp = {self.tp} (at least {2 * seq_ranks} tokens)")
+        # mixed precision and activation checkpointing (helper "precision")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.checkpoint_activations, bool):
+            raise ValueError(f"checkpoint-activations must be True or False, got {self.checkpoint_activations!r}")
 
     @property
     def world_size(self) -> int:

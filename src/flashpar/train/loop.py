@@ -34,10 +34,11 @@ import torch.distributed as dist
 from flashpar import cp
 from flashpar.cost.calibrate import peak_flops
 from flashpar.models.parallel import MESH_DIMS
+from flashpar.models.precision import DTYPES
 from flashpar.train import checkpoint
 from flashpar.train.config import TrainConfig
 from flashpar.train.data import PackedCorpus, PlannedSequences, make_loader
-from flashpar.train.metrics import StepMetrics, summary
+from flashpar.train.metrics import StepMetrics, largest_peak, reset_peak, summary
 from flashpar.train.step import build, planner_cost, train_step
 
 
@@ -75,7 +76,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     dp_group = mesh["dp"].get_group()
     dp_rank, cp_rank = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     data = PackedCorpus(config.seq_len, max_docs=config.max_docs, seed=config.seed)
-    cost = planner_cost(cfg)
+    cost = planner_cost(cfg, DTYPES[config.dtype].itemsize)
     first_step, start = 0, 0
     if config.resume:
         meta = checkpoint.read_meta(Path(config.resume), config)
@@ -90,6 +91,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     log = open(out / "metrics.jsonl", "a" if first_step else "w") if rank == 0 else None  # noqa: SIM115
     bar = _progress(steps, first_step) if rank == 0 else None
     history: list[StepMetrics] = []
+    mem_before = reset_peak(device)  # the steps' peak: activations, gradients, AdamW state (not the weights)
     t_start = time.perf_counter()
     for step, item in zip(range(first_step, steps), loader, strict=False):
         if hooks.before_step is not None:
@@ -119,10 +121,11 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         if config.save_every and ((step + 1) % config.save_every == 0 or step + 1 == steps):
             checkpoint.save(out / "checkpoints" / f"step_{step + 1}", model, opt, step + 1, config)
     result = None
+    wall_s, mem_mb = time.perf_counter() - t_start, largest_peak(device, mem_before)  # a collective
     if rank == 0:
         bar.close()
         log.close()
-        result = summary(history, time.perf_counter() - t_start, config, peak)
+        result = summary(history, wall_s, config, peak, peak_mem_mb=mem_mb)
         if config.plot and history:
             from flashpar.train.report import plot
 

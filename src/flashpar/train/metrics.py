@@ -3,6 +3,9 @@ run's ``summary.json``.
 
     tokens_per_s = dp x seq_len / step_s
     MFU          = model FLOPs of the step / step_s / (peak FLOP/s per rank x ranks)
+    peak_mem_mb  = the largest rank's peak memory over the steps: CPU: the rise of the resident set's peak
+                   (VmHWM, as ``flashpar bench train`` measures it) above the resident set before the
+                   first step (the weights already in it); CUDA: torch.cuda.max_memory_allocated
 """
 
 from __future__ import annotations
@@ -35,8 +38,38 @@ class StepMetrics:
                 "kv": f"{self.kv_bytes / 1e6:.1f}MB", "exposed": f"{self.plan['exposed_comm_ms_est']:.3f}ms"}
 
 
-def summary(history: list[StepMetrics], wall_s: float, config, peak: float) -> dict:
-    """``summary.json``: the run's totals, the last five steps' mean speed, the mesh."""
+def reset_peak(device) -> int:
+    """Start measuring this rank's peak memory; returns the baseline ``largest_peak`` takes (CPU: kB resident)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+        return 0
+    from flashpar.bench.train import reset_peak_memory
+
+    return reset_peak_memory()
+
+
+def largest_peak(device, before: int) -> float:
+    """MB: the largest rank's peak since ``reset_peak`` (a collective over the world, after the steps)."""
+    import torch
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        mine = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        from flashpar.bench.train import peak_memory
+
+        mine = peak_memory(before)
+    value = torch.tensor([mine], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
+def summary(history: list[StepMetrics], wall_s: float, config, peak: float, *,
+            peak_mem_mb: float = float("nan")) -> dict:
+    """``summary.json``: the run's totals, the last five steps' mean speed, the largest rank's peak memory,
+    the mesh, the dtype."""
     rows = [m.row() for m in history]
     last = rows[-5:] or [{}]
     mean = lambda key: sum(r[key] for r in last) / len(last) if rows else float("nan")  # noqa: E731
@@ -51,5 +84,6 @@ def summary(history: list[StepMetrics], wall_s: float, config, peak: float) -> d
         "headtail_est_step_ms": total("headtail_est_step_ms"),
         "mesh": {"dp": config.dp, "cp": config.cp, "ulysses": config.ulysses, "tp": config.tp},
         "strategy": config.strategy,
+        "peak_mem_mb": peak_mem_mb, "dtype": config.dtype, "checkpoint_activations": config.checkpoint_activations,
         "out": config.out,
     }

@@ -17,6 +17,7 @@ import torch
 from flashpar.cp import CostModel
 from flashpar.models import Llama, LlamaConfig
 from flashpar.models.parallel import ParallelLlama
+from flashpar.models.precision import DTYPES
 from flashpar.train.config import TrainConfig
 
 
@@ -26,18 +27,19 @@ def build(config: TrainConfig, mesh, device) -> tuple:
     cfg = config.model
     torch.manual_seed(config.seed)
     full = Llama(cfg)
-    model = ParallelLlama(cfg, mesh, mode=config.mode, timeout_s=config.timeout, dp_mode=config.dp_mode)
+    model = ParallelLlama(cfg, mesh, mode=config.mode, timeout_s=config.timeout, dp_mode=config.dp_mode,
+                          dtype=DTYPES[config.dtype], checkpoint_activations=config.checkpoint_activations)
     model.load_full(full)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
     return cfg, model, opt
 
 
-def planner_cost(cfg: LlamaConfig) -> CostModel:
-    """The cost model the trainer's plans are made with: this model's shape, fp32 activations, the default
-    device rates."""
+def planner_cost(cfg: LlamaConfig, dtype_bytes: int = 4) -> CostModel:
+    """The cost model the trainer's plans are made with: this model's shape, activations of ``dtype_bytes``
+    (fp32: 4, ``--dtype bf16``: 2), the default device rates."""
     return CostModel(hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                     layers=cfg.layers, dtype_bytes=4)
+                     layers=cfg.layers, dtype_bytes=dtype_bytes)
 
 
 def forward_backward(model: ParallelLlama, tokens_cp: torch.Tensor, labels_cp: torch.Tensor, plan,
