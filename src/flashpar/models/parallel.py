@@ -60,6 +60,12 @@ normalised by the global number of targets, so gradients are summed over every r
 copy (``reduce_grads``; each sum is posted during backward by ``flashpar.models.grad_sync``): the tp
 shards over the dp x cp x ulysses ranks of their tp index (ZeRO-3 rows: over cp x ulysses, the
 reduce-scatter summed over dp), the norms over the whole mesh.
+
+Mixed precision (``dtype=torch.bfloat16``): the parameters stay fp32; the activations are bf16 from the
+embedding on, each layer casts its weight to bf16 for the GEMM (ZeRO-3: before the dp all-gather), the
+norms and the loss compute in fp32, and every gradient is fp32 when it is summed across ranks
+(``flashpar.models.precision``).  ``checkpoint_activations=True`` recomputes each block in backward
+(``flashpar.models.recompute``).
 """
 
 from __future__ import annotations

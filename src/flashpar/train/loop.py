@@ -38,7 +38,7 @@ from flashpar.models.precision import DTYPES
 from flashpar.train import checkpoint
 from flashpar.train.config import TrainConfig
 from flashpar.train.data import PackedCorpus, PlannedSequences, make_loader
-from flashpar.train.metrics import StepMetrics, largest_peak, reset_peak, summary
+from flashpar.train.metrics import StepMetrics, largest, peak_since, reset_peak, summary
 from flashpar.train.step import build, planner_cost, train_step
 
 
@@ -91,7 +91,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     log = open(out / "metrics.jsonl", "a" if first_step else "w") if rank == 0 else None  # noqa: SIM115
     bar = _progress(steps, first_step) if rank == 0 else None
     history: list[StepMetrics] = []
-    mem_before = reset_peak(device)  # the steps' peak: activations, gradients, AdamW state (not the weights)
+    mem_step, mem_mb = first_step + 1 if steps - first_step > 1 else first_step, float("nan")  # peak of this step
     t_start = time.perf_counter()
     for step, item in zip(range(first_step, steps), loader, strict=False):
         if hooks.before_step is not None:
@@ -101,6 +101,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         labels = cp.shard(item["labels"], plan, cp_rank).to(device)
         count, pairs, figures = _batch_figures(item, dp_group, device)
         sent0 = model.kv_counter.fwd_sent
+        mem_before = reset_peak(device) if step == mem_step else None  # outside the timed step
         profiler = _profiler(config, device) if step == min(first_step + 2, steps - 1) else None
         t0 = time.perf_counter()
         with profiler or contextlib.nullcontext():
@@ -108,6 +109,8 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the step's kernels, not only their launches, in step_s
         elapsed = time.perf_counter() - t0
+        if mem_before is not None:
+            mem_mb = peak_since(device, mem_before)
         if profiler is not None:
             profiler.export_chrome_trace(str(out / f"trace_rank{rank}.json"))
         metrics = _measure(step + 1, loss, model.kv_counter.fwd_sent - sent0, elapsed, config, pairs, peak * world,
@@ -121,7 +124,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         if config.save_every and ((step + 1) % config.save_every == 0 or step + 1 == steps):
             checkpoint.save(out / "checkpoints" / f"step_{step + 1}", model, opt, step + 1, config)
     result = None
-    wall_s, mem_mb = time.perf_counter() - t_start, largest_peak(device, mem_before)  # a collective
+    wall_s, mem_mb = time.perf_counter() - t_start, largest(mem_mb, device)  # a collective
     if rank == 0:
         bar.close()
         log.close()

@@ -3,9 +3,10 @@ run's ``summary.json``.
 
     tokens_per_s = dp x seq_len / step_s
     MFU          = model FLOPs of the step / step_s / (peak FLOP/s per rank x ranks)
-    peak_mem_mb  = the largest rank's peak memory over the steps: CPU: the rise of the resident set's peak
-                   (VmHWM, as ``flashpar bench train`` measures it) above the resident set before the
-                   first step (the weights already in it); CUDA: torch.cuda.max_memory_allocated
+    peak_mem_mb  = the largest rank's rise of memory during one step (the second; the first when the run
+                   has one) above what the rank held before it (weights, gradients' storage, AdamW state,
+                   data): activations and transient buffers.  CPU: the resident set's peak (VmHWM, reset
+                   as ``flashpar bench train`` does); CUDA: torch.cuda.max_memory_allocated
 """
 
 from __future__ import annotations
@@ -39,31 +40,37 @@ class StepMetrics:
 
 
 def reset_peak(device) -> int:
-    """Start measuring this rank's peak memory; returns the baseline ``largest_peak`` takes (CPU: kB resident)."""
-    if device.type == "cuda":
-        import torch
+    """Start measuring this rank's peak memory; returns the baseline ``peak_since`` takes (CPU: kB resident,
+    CUDA: bytes allocated)."""
+    import torch
 
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        return 0
+        return torch.cuda.memory_allocated(device)
     from flashpar.bench.train import reset_peak_memory
 
     return reset_peak_memory()
 
 
-def largest_peak(device, before: int) -> float:
-    """MB: the largest rank's peak since ``reset_peak`` (a collective over the world, after the steps)."""
+def peak_since(device, before: int) -> float:
+    """MB this rank's peak memory rose above ``before`` since ``reset_peak`` (no collective)."""
+    import torch
+
+    if device.type == "cuda":
+        return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    from flashpar.bench.train import peak_memory
+
+    return peak_memory(before)
+
+
+def largest(value: float, device) -> float:
+    """The largest rank's ``value`` (a collective over the world; NaN on a rank that measured nothing)."""
     import torch
     import torch.distributed as dist
 
-    if device.type == "cuda":
-        mine = torch.cuda.max_memory_allocated(device) / 2**20
-    else:
-        from flashpar.bench.train import peak_memory
-
-        mine = peak_memory(before)
-    value = torch.tensor([mine], dtype=torch.float64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value)
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
 
 
 def summary(history: list[StepMetrics], wall_s: float, config, peak: float, *,
