@@ -120,7 +120,7 @@ def zero_transport(rank, world, modes):
             _, _, y, gx, gw = runs["bf16"]
             # both tp ranks hold the same W_t, so the tp reduce-scatter (column: of grad_x, row: of y) sums 2 copies
             y_want, gx_want = (y_ref, 2 * gx_ref[mine]) if kind == "column" else (2 * y_ref[mine], gx_ref)
-            rel = lambda a, b: float((a.double() - b).abs().max() / b.abs().max())  # noqa: E731
+            rel = lambda a, b: float((a.detach().double() - b).abs().max() / b.abs().max())  # noqa: E731
             out[(kind, mode)] = {"bytes": {k: runs[k][:2] for k in runs}, "grad_dtype": str(gw.dtype),
                                  "y_dtype": str(y.dtype),
                                  "errors": (rel(y, y_want), rel(gx, gx_want), rel(gw, gw_ref))}

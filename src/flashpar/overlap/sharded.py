@@ -68,6 +68,12 @@ does (its loss is normalised by the global number of targets).  Parameters that 
 ``ShardedLinear`` (norms, embeddings) stay replicated; average their gradients with a plain all-reduce
 (:func:`average_replicated_grads`).
 
+Mixed precision (FSDP2's ``param_dtype`` / ``reduce_dtype``): ``x`` may have a lower dtype than the rows
+(bf16 activations, fp32 master rows).  The rows are cast to ``x``'s dtype before the dp all-gather (forward
+and re-gather move bf16) and every GEMM runs in it; the gradient rows, and every buffer of their dp
+reduce-scatter, are in the rows' dtype (each bf16 GEMM's product added into fp32), so the sum over dp
+is fp32 and the gradient returned has the parameter's dtype.  With one dtype nothing is cast.
+
 Bytes (flash, per rank, in elements): the dp rows travel once per direction (``(D-1) o_d in`` sent,
 ``(R - o_d) in`` received; the backward adds the same again for the gradient rows); the tp activation
 once per direction (the forward gather of ``x`` or the reduce-scatter of ``y`` in dp rounds of the same
