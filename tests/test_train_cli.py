@@ -45,6 +45,8 @@ def test_train_runs_and_writes_metrics(train_runs):
     assert all(r["kv_bytes"] == r["plan_kv_bytes"] for r in rows)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["final_loss"] < summary["first_loss"]
+    # the largest rank's peak memory over the steps (CPU: the resident peak's rise): activations, gradients, AdamW
+    assert summary["peak_mem_mb"] > 0 and summary["dtype"] == "fp32" and "peak memory" in run.stdout
     assert "trained 4 steps" in run.stdout
     # the ranks' logs are kept only when they say something (here: the profiler's C++ lines of --trace)
     assert not list(train_runs["resume-same"].out.glob("rank*.log"))

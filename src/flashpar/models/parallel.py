@@ -61,6 +61,12 @@ normalised by the global number of targets, so gradients are summed over every r
 copy (``reduce_grads``; each sum is posted during backward by ``flashpar.models.grad_sync``): the tp
 shards over the dp x cp x ulysses ranks of their tp index (ZeRO-3 rows: over cp x ulysses, the
 reduce-scatter summed over dp), the norms over the whole mesh.
+
+Mixed precision (``dtype=torch.bfloat16``): the parameters stay fp32; the activations are bf16 from the
+embedding on, each layer casts its weight to bf16 for the GEMM (ZeRO-3: before the dp all-gather), the
+norms and the loss compute in fp32, and every gradient is fp32 when it is summed across ranks
+(``flashpar.models.precision``).  ``checkpoint_activations=True`` recomputes each block in backward
+(``flashpar.models.recompute``).
 """
 
 from __future__ import annotations
@@ -77,6 +83,8 @@ from flashpar.models.config import LlamaConfig
 from flashpar.models.grad_sync import GradSync
 from flashpar.models.layout import LAYOUT, Piece, layout_of, stack
 from flashpar.models.llama import Llama, RMSNorm, rope
+from flashpar.models.precision import compute_dtype
+from flashpar.models.recompute import run_checkpointed
 from flashpar.models.step_check import StepCheck
 from flashpar.models.vocab import embed_rows, vocab_parallel_loss
 from flashpar.models.zero import gather_rows
@@ -151,14 +159,15 @@ class ParallelBlock(nn.Module):
         """``x`` this rank's rows; ``split`` the tp ranks' rows of the ulysses rank's block, ``blocks`` the
         ulysses ranks' blocks of the cp rank's T_cp tokens (``positions``: all T_cp of them)."""
         cfg, d, t = self.cfg, self.cfg.head_dim, positions.shape[0]
-        a = self.attn_norm(x)
+        a = self.attn_norm(x).to(x.dtype)  # the norm computes in fp32; its output in the compute dtype
         # check=False on every op: ParallelLlama.forward checked this step's inputs across ranks once
         # (models/step_check.py)
         if self.ulysses_group is None:  # every token of the cp rank, this tp rank's heads
             qkv = self.qkv(a, split_sizes=split, check=False)
         else:  # every token of the cp rank, this ulysses rank's head group
-            qkv = matmul_all_to_all(a, self.qkv.weight.index_select(0, self.qkv_rows), group=self.ulysses_group,
-                                    mode=self.mode, split_sizes=blocks, check=False, timeout_s=self.timeout_s)
+            w_qkv = self.qkv.weight.index_select(0, self.qkv_rows).to(a.dtype)  # regrouped, then cast
+            qkv = matmul_all_to_all(a, w_qkv, group=self.ulysses_group, mode=self.mode, split_sizes=blocks,
+                                    check=False, timeout_s=self.timeout_s)
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q = rope(q.reshape(t, self.heads, d), positions, cfg)
         k = rope(k.reshape(t, self.kv_heads, d), positions, cfg)
@@ -167,20 +176,27 @@ class ParallelBlock(nn.Module):
         if self.ulysses_group is None:
             x = x + self.o_proj(o, split_sizes=split, check=False)
         else:  # back to this rank's rows: head group g's columns of w_o are [g H/U D, (g + 1) H/U D)
-            x = x + all_to_all_matmul(o, self.o_proj.weight, group=self.ulysses_group, mode=self.mode,
-                                      split_sizes=blocks, check=False, timeout_s=self.timeout_s)
-        g, u = self.gate_up(self.mlp_norm(x), split_sizes=split, check=False).chunk(2, dim=-1)
+            x = x + all_to_all_matmul(o, self.o_proj.weight.to(o.dtype), group=self.ulysses_group,
+                                      mode=self.mode, split_sizes=blocks, check=False, timeout_s=self.timeout_s)
+        g, u = self.gate_up(self.mlp_norm(x).to(x.dtype), split_sizes=split, check=False).chunk(2, dim=-1)
         return x + self.down(F.silu(g) * u, split_sizes=split, check=False)
 
 
 class ParallelLlama(nn.Module):
     """The decoder on a mesh with dims ``MESH_DIMS = ("dp", "cp", "ulysses", "tp")`` (any of them may have size
     1; a mesh without ``"ulysses"`` is one with U = 1).  Ulysses and tensor parallelism both split the heads:
-    ulysses > 1 needs tp = 1."""
+    ulysses > 1 needs tp = 1.
+
+    ``dtype``: the compute dtype (``torch.float32`` or ``torch.bfloat16``; the parameters stay fp32, see
+    ``flashpar.models.precision``).  ``checkpoint_activations``: recompute each block's activations in
+    backward (``flashpar.models.recompute``)."""
 
     def __init__(self, cfg: LlamaConfig, mesh, *, mode: str = "flash", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 dp_mode: str = "zero3") -> None:
+                 dp_mode: str = "zero3", dtype: torch.dtype = torch.float32,
+                 checkpoint_activations: bool = False) -> None:
         super().__init__()
+        self.compute_dtype = compute_dtype(dtype)  # ValueError (one line) on another dtype
+        self.checkpoint_activations = bool(checkpoint_activations)
         if dp_mode not in ("zero3", "replicate"):
             raise ValueError(f"ParallelLlama: dp_mode must be 'zero3' or 'replicate', got {dp_mode!r}")
         self.cfg, self.mesh = cfg, mesh
@@ -216,9 +232,11 @@ class ParallelLlama(nn.Module):
         self._sum_groups = _sum_groups(mesh, self.zero)
         self.grad_sync = GradSync([(p, self._sum_groups[layout_of(name)[0].grad_sum(self.zero, self.ulysses > 1)])
                                    for name, p in reversed(list(self.named_parameters()))], timeout_s=timeout_s)
-        self.step_check = StepCheck(mesh, (cfg, mode, dp_mode, tuple(mesh.mesh.shape), mesh.mesh_dim_names),
-                                    timeout_s=timeout_s)  # the cross-rank check of each step's inputs
+        signature = (cfg, mode, dp_mode, tuple(mesh.mesh.shape), mesh.mesh_dim_names, self.compute_dtype,
+                     self.checkpoint_activations)
+        self.step_check = StepCheck(mesh, signature, timeout_s=timeout_s)  # the cross-rank check of each step's inputs
         self.kv_counter = cp.CommCounter()  # bytes this rank's attention sent and received, all layers
+        self.kv_recompute = cp.CommCounter()  # the same, of the recomputed forwards (checkpoint_activations)
         for block in self.blocks:
             block.kv_counter = self.kv_counter
 
@@ -311,12 +329,16 @@ class ParallelLlama(nn.Module):
         rows = slice(start, start + split[self.tp_rank])
         # all T_cp positions (attention sees every token of the cp rank), copied without a host wait on CUDA
         positions = to_device(plan.position_ids(self.cp_rank), tokens_cp.device)
-        x = embed_rows(tokens_u, self.embed.weight, self.vocab_lo, self.tp_group)
+        dtype = self.compute_dtype  # fp32: every cast below returns its input itself
+        x = embed_rows(tokens_u, self.embed.weight, self.vocab_lo, self.tp_group, dtype=dtype)
         for block in self.blocks:
-            x = block(x, positions, plan, split, blocks)
+            if self.checkpoint_activations:
+                x = run_checkpointed(block, self.kv_recompute, x, positions, plan, split, blocks)
+            else:
+                x = block(x, positions, plan, split, blocks)
         head = self.embed.weight if self.head is None else self.head.weight
-        logits = all_gather_matmul(self.norm(x), head, None, group=self.tp_group, mode=self.mode, split_sizes=split,
-                                   check=False)
+        logits = all_gather_matmul(self.norm(x).to(dtype), head.to(dtype), None, group=self.tp_group, mode=self.mode,
+                                   split_sizes=split, check=False)
         return vocab_parallel_loss(logits, labels_u, self.vocab_lo, self.tp_group, rows, count)
 
 

@@ -48,11 +48,14 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     return _AllReduceSum.apply(x, group)
 
 
-def embed_rows(tokens: torch.Tensor, weight: torch.Tensor, lo: int, group) -> torch.Tensor:
-    """This tp rank's rows of the embedding of ``tokens [T]`` from the vocabulary rows ``weight`` (from ``lo``)."""
+def embed_rows(tokens: torch.Tensor, weight: torch.Tensor, lo: int, group, *,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """This tp rank's rows of the embedding of ``tokens [T]`` from the vocabulary rows ``weight`` (from ``lo``),
+    in ``dtype`` (default the weight's).  The rows are looked up in the weight's dtype and cast before the
+    reduce-scatter (mixed precision: it moves bf16; each sum has one nonzero term, so it is exact)."""
     inside = (tokens >= lo) & (tokens < lo + weight.shape[0])
     partial = F.embedding((tokens - lo).clamp(0, weight.shape[0] - 1), weight) * inside.unsqueeze(-1)
-    return reduce_scatter_rows(partial, group)
+    return reduce_scatter_rows(partial.to(dtype or weight.dtype), group)
 
 
 def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, lo: int, group, rows: slice,

@@ -4,8 +4,9 @@ as tensors over a :class:`~flashpar.overlap.row_space.RowSpace`.
 ``Buffers(schedule, rows, dims=..., bind=...)`` allocates every declared buffer the op did not
 bind (lazily where the kind says so) and resolves ``view(name, piece, peer)`` to rows; the kinds
 are :data:`~flashpar.overlap.schedule.BUFFER_KINDS`.  A buffer's feature count is its bound
-tensor's, else ``dims[decl.width]``.  Collectives may land a piece elsewhere (a padded slab):
-``land`` overrides the lookup.
+tensor's, else ``dims[decl.width]``; its dtype ``dtypes[name]``, else ``dtype`` (mixed precision: the
+ZeRO-3 backward re-gathers bf16 weight rows and reduce-scatters fp32 gradient rows).  Collectives may
+land a piece elsewhere (a padded slab): ``land`` overrides the lookup.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ _LAZY = {"per_peer", "per_block", "scratch", "peer_slabs"}
 
 class Buffers:
     def __init__(self, schedule: Schedule, rows: RowSpace, *, dims: dict[str, int],
-                 bind: dict[str, torch.Tensor | None], dtype: torch.dtype, device: torch.device) -> None:
+                 bind: dict[str, torch.Tensor | None], dtype: torch.dtype, device: torch.device,
+                 dtypes: dict[str, torch.dtype] | None = None) -> None:
         self.rows, self.rank, self.dtype, self.device = rows, schedule.rank, dtype, device
+        self.dtypes = dtypes or {}
         self.chunks = schedule.chunks
         self._kind: dict[str, str] = {}
         self._t: dict[str, object] = {}
@@ -38,11 +41,11 @@ class Buffers:
             name, width = decl.name, (t.shape[1] if t is not None else dims[decl.width])
             self._kind[name], self._width[name] = decl.kind, width
             if decl.kind == "gathered" and schedule.world_size > 1:
-                self._t[name], self._local[name] = self.empty(rows.total, width), t
+                self._t[name], self._local[name] = self.empty(rows.total, width, name), t
             elif decl.kind in ("gathered", "local") or t is not None:
                 self._t[name] = t
             elif decl.kind == "full":
-                self._t[name] = self.empty(rows.total, width)
+                self._t[name] = self.empty(rows.total, width, name)
             elif decl.kind == "slabs":
                 self._add_slabs(name, schedule.chunks, width)
             elif decl.kind in _LAZY:
@@ -53,8 +56,9 @@ class Buffers:
             else:
                 raise ValueError(f"{schedule.op}: unknown buffer kind {decl.kind!r} of {name!r}")
 
-    def empty(self, n_rows: int, width: int) -> torch.Tensor:
-        return torch.empty(n_rows, width, dtype=self.dtype, device=self.device)
+    def empty(self, n_rows: int, width: int, name: str | None = None) -> torch.Tensor:
+        """Rows for buffer ``name`` (its dtype: ``dtypes[name]``, else the op's)."""
+        return torch.empty(n_rows, width, dtype=self.dtypes.get(name, self.dtype), device=self.device)
 
     def _add_slabs(self, name: str, chunks: int, width: int) -> None:
         """Per-slice send slabs ``{name}{c}`` of ``[N * pad_c, F]`` (padded blocks, rank-major) for
@@ -62,7 +66,7 @@ class Buffers:
         n = len(self.rows.split_sizes)
         for c in range(chunks):
             pad = self.rows.max_chunk(c, chunks)
-            slab = self._slabs[(name, c)] = self.empty(n * pad, width)
+            slab = self._slabs[(name, c)] = self.empty(n * pad, width, name)
             for j in range(n):
                 lo, hi = self.rows.rel(Piece(j, c, chunks))
                 self.land(name, Piece(j, c, chunks), slab[j * pad : j * pad + hi - lo])
@@ -74,7 +78,7 @@ class Buffers:
         for c in range(chunks):
             piece = Piece(self.rank, c, chunks)
             lo, hi = self.rows.rel(piece)
-            slab = self._slabs[(name, c)] = self.empty(n * (hi - lo), self._width[name])
+            slab = self._slabs[(name, c)] = self.empty(n * (hi - lo), self._width[name], name)
             for j in range(n):
                 self.land(name, piece, slab[j * (hi - lo) : (j + 1) * (hi - lo)], peer=j)
 
@@ -137,5 +141,5 @@ class Buffers:
             n = self.rows.block_len(self.rank if kind == "per_peer" else piece.block)
             if kind == "scratch":
                 n = max(self.rows.block_len(j) for j in range(len(self.rows.split_sizes)))
-            store[key] = self.empty(n, self._width[name])
+            store[key] = self.empty(n, self._width[name], name)
         return store[key][lo:hi]

@@ -211,10 +211,10 @@ def _submit_collective(lane: Lane, step: Collective, buffers: Buffers, info: Gro
             slab = buffers.tensor(step.dst)  # rank-major gather is the global row order
             local = buffers.view(step.src, Piece(r))
         else:
-            slab = buffers.empty(n * pad, width)
+            slab = buffers.empty(n * pad, width, step.dst)
             local = buffers.view(step.src, Piece(r, c, k))
             if not even:
-                padded = buffers.empty(pad, width)
+                padded = buffers.empty(pad, width, step.src)
                 padded[: local.shape[0]].copy_(local)
                 local = padded
             for j in range(n):
@@ -233,13 +233,13 @@ def _submit_collective(lane: Lane, step: Collective, buffers: Buffers, info: Gro
     if buffers.kind(step.src) == "full" and even:
         slab = buffers.tensor(step.src)
     elif buffers.kind(step.src) == "full":
-        slab = buffers.empty(n * pad, width)
+        slab = buffers.empty(n * pad, width, step.src)
         for j in range(n):
             lo, hi = rows.rows(Piece(j))
             slab[j * pad : j * pad + hi - lo].copy_(buffers.tensor(step.src)[lo:hi])
     else:
         slab = buffers.slab(step.src, c)
-    target = out if out.shape[0] == pad else buffers.empty(pad, width)
+    target = out if out.shape[0] == pad else buffers.empty(pad, width, step.dst)
     after = None if target is out else functools.partial(_copy_rows, out, target)
     fn = functools.partial(_async, traffic, reduce_scatter_single, target, slab, group=info.group)
     lane.submit(step.id, fn, what, after_done=after)
@@ -266,7 +266,7 @@ def _submit_all_to_all(lane: Lane, step: Collective, buffers: Buffers, info: Gro
         src_slab = torch.cat(src_views)
     after = None
     if dst_slab is None:
-        dst_slab = buffers.empty(sum(v.shape[0] for v in dst_views), buffers.width(step.dst))
+        dst_slab = buffers.empty(sum(v.shape[0] for v in dst_views), buffers.width(step.dst), step.dst)
         after = functools.partial(_scatter_rows, dst_views, dst_slab)
     fn = functools.partial(_async, traffic, dist.all_to_all_single, dst_slab, src_slab,
                            [v.shape[0] for v in dst_views], [v.shape[0] for v in src_views], group=info.group)

@@ -42,6 +42,13 @@ def init_linear_params(module: nn.Module, weight_shape: tuple[int, int], bias_le
             nn.init.uniform_(module.bias, -bound, bound)
 
 
+def _in_dtype(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``module.weight`` and ``module.bias`` cast to ``dtype`` (the same tensors when they have it): a cast in
+    autograd, so the gradient comes back to the parameter in its own dtype."""
+    bias = module.bias.to(dtype) if module.bias is not None else None
+    return module.weight.to(dtype), bias
+
+
 class _ParallelLinear(nn.Module):
     def __init__(self, group, mode: str, chunks: int | None, timeout_s: float) -> None:
         super().__init__()
@@ -88,8 +95,10 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x_shard: torch.Tensor, *, split_sizes: list[int] | None = None,
                 check: bool = True) -> torch.Tensor:
         """``check=False``: no cross-rank shape check (with ``split_sizes`` given, nothing is exchanged
-        before the op's own transfers); for callers that validate once per step."""
-        return all_gather_matmul(x_shard, self.weight, self.bias, group=self.group, mode=self.mode,
+        before the op's own transfers); for callers that validate once per step.  The weight computes in
+        ``x_shard``'s dtype (mixed precision: fp32 parameters, bf16 activations; ``_in_dtype``)."""
+        weight, bias = _in_dtype(self, x_shard.dtype)
+        return all_gather_matmul(x_shard, weight, bias, group=self.group, mode=self.mode,
                                  chunks=self.chunks, split_sizes=split_sizes, save_gathered=self.save_gathered,
                                  check=check, timeout_s=self.timeout_s)
 
@@ -113,8 +122,9 @@ class RowParallelLinear(_ParallelLinear):
                            device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, *, split_sizes: list[int] | None = None, check: bool = True) -> torch.Tensor:
-        """``check``: as :meth:`ColumnParallelLinear.forward`."""
-        return matmul_reduce_scatter(x, self.weight, self.bias, group=self.group, mode=self.mode,
+        """``check`` and the dtype: as :meth:`ColumnParallelLinear.forward`."""
+        weight, bias = _in_dtype(self, x.dtype)
+        return matmul_reduce_scatter(x, weight, bias, group=self.group, mode=self.mode,
                                      chunks=self.chunks, split_sizes=split_sizes, check=check,
                                      timeout_s=self.timeout_s)
 

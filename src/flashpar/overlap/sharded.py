@@ -68,6 +68,12 @@ does (its loss is normalised by the global number of targets).  Parameters that 
 ``ShardedLinear`` (norms, embeddings) stay replicated; average their gradients with a plain all-reduce
 (:func:`average_replicated_grads`).
 
+Mixed precision (FSDP2's ``param_dtype`` / ``reduce_dtype``): ``x`` may have a lower dtype than the rows
+(bf16 activations, fp32 master rows).  The rows are cast to ``x``'s dtype before the dp all-gather (forward
+and re-gather move bf16) and every GEMM runs in it; the gradient rows, and every buffer of their dp
+reduce-scatter, are in the rows' dtype (each bf16 GEMM's product added into fp32), so the sum over dp
+is fp32 and the gradient returned has the parameter's dtype.  With one dtype nothing is cast.
+
 Bytes (flash, per rank, in elements): the dp rows travel once per direction (``(D-1) o_d in`` sent,
 ``(R - o_d) in`` received; the backward adds the same again for the gradient rows); the tp activation
 once per direction (the forward gather of ``x`` or the reduce-scatter of ``y`` in dp rounds of the same
@@ -91,7 +97,7 @@ from torch import nn
 
 from flashpar.dist import DEFAULT_TIMEOUT_S, GroupInfo, dtype_code, resolve_group
 from flashpar.overlap.buffers import Buffers
-from flashpar.overlap.call import Call, Local, check_split, prepare
+from flashpar.overlap.call import Call, Local, check_split, check_tensors, prepare
 from flashpar.overlap.executor import Traffic, run_schedule
 from flashpar.overlap.modules import init_linear_params
 from flashpar.overlap.ops import all_gather_matmul, flat, matmul_reduce_scatter
@@ -153,6 +159,7 @@ def zero_all_gather_matmul(x_shard: torch.Tensor, w_rows: torch.Tensor, bias: to
     A dp group of one runs ``all_gather_matmul`` itself.
     """
     if resolve_group(dp_group).world_size == 1:
+        w_rows, bias = _in_dtype(w_rows, bias, x_shard.dtype)
         return all_gather_matmul(x_shard, w_rows, bias, group=group, mode=mode, chunks=chunks, split_sizes=split_sizes,
                                  check=check, timeout_s=timeout_s)
     z = _prepare("zero_all_gather_matmul", "column", x_shard, w_rows, bias, tp_group=group, has_tp=True,
@@ -174,6 +181,7 @@ def zero_matmul_reduce_scatter(x: torch.Tensor, w_rows: torch.Tensor, bias: torc
     is split over tp (omitted: equal blocks).  A dp group of one runs ``matmul_reduce_scatter`` itself.
     """
     if resolve_group(dp_group).world_size == 1:
+        w_rows, bias = _in_dtype(w_rows, bias, x.dtype)
         return matmul_reduce_scatter(x, w_rows, bias, group=group, mode=mode, chunks=chunks, split_sizes=split_sizes,
                                      check=check, timeout_s=timeout_s)
     z = _prepare("zero_matmul_reduce_scatter", "row", x, w_rows, bias, tp_group=group, has_tp=True,
@@ -181,6 +189,11 @@ def zero_matmul_reduce_scatter(x: torch.Tensor, w_rows: torch.Tensor, bias: torc
                  dp_split=_rows(total_rows, dp_group), check=check, timeout_s=timeout_s, average=average,
                  counter=counter)
     return _ZeroLinear.apply(x, w_rows, bias, z)
+
+
+def _in_dtype(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    """``weight`` and ``bias`` cast to the compute ``dtype`` in autograd (themselves when they have it)."""
+    return weight.to(dtype), (bias.to(dtype) if bias is not None else None)
 
 
 def _rows(total_rows: int | None, dp_group) -> list[int] | None:
@@ -213,12 +226,19 @@ class _Zero:
 
 def _prepare(op_name, kind, x, weight, bias, *, tp_group, has_tp, dp_group, mode, chunks, seq_split, dp_split,
              check, timeout_s, average, counter) -> _Zero:
-    tensors = {"x": x, "weight": weight, "bias": bias}
+    # weight and bias are the master rows (one dtype), x the compute dtype: the rows are cast to x's dtype
+    # before they travel (mixed precision); x's dtype is what the ranks compare
+    tensors = {"x": x}
     gather_side = kind == "column"
 
     def validate() -> None:
-        if not all(isinstance(t, torch.Tensor) for t in (x, weight)):
-            return  # prepare's check_tensors names them
+        check_tensors(op_name, {"weight": weight, "bias": bias})
+        if not isinstance(x, torch.Tensor):
+            return  # prepare's check_tensors names it
+        if weight.device != x.device:
+            raise ValueError(f"{op_name}: x is on {x.device}, the weight rows on {weight.device}")
+        if not (x.is_floating_point() and weight.is_floating_point()):
+            raise TypeError(f"{op_name}: x and the weight rows must be floating point, got {x.dtype}, {weight.dtype}")
         if x.dim() < (2 if has_tp else 1) or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
             what = "[s, ..., in]" if has_tp else "[..., in]"
             raise ValueError(f"{op_name}: x must be {what} and the weight rows [out_r, in] with the same in; "
@@ -293,12 +313,14 @@ def _prod(shape: tuple[int, ...]) -> int:
 
 
 def _run(z: _Zero, call: Call, op: str, kernels, *, direction: str, group: str, dims: dict[str, int],
-         bind: dict[str, torch.Tensor | None], like: torch.Tensor, **flags) -> Buffers:
-    """Build ``op``'s schedule for ``call``, its buffers, and run it; ``kernels(schedule, buffers)`` returns the
-    gemm functions.  Counts the bytes under (``direction``, ``group``)."""
+         bind: dict[str, torch.Tensor | None], like: torch.Tensor, dtypes: dict[str, torch.dtype] | None = None,
+         **flags) -> Buffers:
+    """Build ``op``'s schedule for ``call``, its buffers (``like``'s dtype, but ``dtypes``), and run it;
+    ``kernels(schedule, buffers)`` returns the gemm functions.  Counts the bytes under (``direction``, ``group``)."""
     info = call.info
     schedule = build_schedule(op, call.mode, info.world_size, info.rank, chunks=call.chunks, **flags)
-    buffers = Buffers(schedule, call.rows, dims=dims, bind=bind, dtype=like.dtype, device=like.device)
+    buffers = Buffers(schedule, call.rows, dims=dims, bind=bind, dtype=like.dtype, device=like.device,
+                      dtypes=dtypes)
     traffic = run_schedule(schedule, buffers, kernels(schedule, buffers), info, op_name=call.op_name,
                            timeout_s=call.timeout_s)
     z.count(direction, group, traffic)
@@ -370,11 +392,20 @@ def _tp_reduce_scatter(z: _Zero, partial: BlockGemm, out: torch.Tensor, *, a: to
         out.copy_(dense)
 
 
-def _with_bias_column(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The rows that travel: ``[o_d, in]``, or ``[o_d, in + 1]`` with the bias as the last column."""
+def _with_bias_column(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The rows that travel: ``[o_d, in]``, or ``[o_d, in + 1]`` with the bias as the last column, in the
+    compute ``dtype`` (mixed precision: cast before the all-gather, so it moves bf16)."""
     if bias is None:
-        return weight.contiguous()
-    return torch.cat([weight, bias[:, None]], dim=1)
+        return weight.to(dtype).contiguous()
+    return torch.cat([weight, bias[:, None]], dim=1).to(dtype)
+
+
+def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b``; mixed precision: the GEMM in ``a``'s dtype (bf16), the sum in ``out``'s (fp32)."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+    else:
+        out.add_(torch.mm(a, b))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,8 +450,8 @@ class _ZeroLinear(torch.autograd.Function):
             return {"y": gemm_y}
 
         _run(z, z.dp, "sharded", kernels, direction="fwd", group="dp", dims={},
-             bind={"w": _with_bias_column(weight, bias)}, like=x2)
-        ctx.save_for_backward(x2, weight, bias)  # this rank's rows and input: nothing gathered
+             bind={"w": _with_bias_column(weight, bias, x2.dtype)}, like=x2)
+        ctx.save_for_backward(x2, weight, bias)  # this rank's (master) rows and input: nothing gathered
         ctx.z, ctx.x_shape = z, x.shape
         z.mark("fwd:end")
         if z.tp is None:
@@ -437,8 +468,10 @@ class _ZeroLinear(torch.autograd.Function):
         need_b = need_b and bias is not None
         n_in = weight.shape[1]
         g2 = flat(grad_y) if z.tp is not None else grad_y.reshape(-1, dp_rows.total).contiguous()
-        shard = _with_bias_column(weight, bias)
-        grad_shard = torch.empty(weight.shape[0], shard.shape[1], dtype=g2.dtype, device=g2.device)
+        # the rows re-gathered in the compute dtype; the gradient rows (and every buffer of their
+        # reduce-scatter) in the master's dtype: the sum over dp is fp32 under mixed precision
+        shard = _with_bias_column(weight, bias, g2.dtype)
+        grad_shard = torch.empty(weight.shape[0], shard.shape[1], dtype=weight.dtype, device=g2.device)
         column = z.kind == "column"
         # column: gW reads AG_tp(x); row: every GEMM reads G = AG_tp(grad_y)
         gathered = _TpGather(z, x2 if column else g2, "bwd")
@@ -460,12 +493,12 @@ class _ZeroLinear(torch.autograd.Function):
                 out.zero_()
                 gw = out[:, :n_in]
                 if column:
-                    gathered.use(lambda rows, x_block: gw.addmm_(g2[rows, lo:hi].t(), x_block))
+                    gathered.use(lambda rows, x_block: _add_product(gw, g2[rows, lo:hi].t(), x_block))
                     if bias is not None:
-                        torch.sum(g2[:, lo:hi], dim=0, out=out[:, n_in])
+                        torch.sum(g2[:, lo:hi], dim=0, dtype=out.dtype, out=out[:, n_in])
                 else:
                     def block(rows: slice, g_block: torch.Tensor) -> None:
-                        gw.addmm_(g_block[:, lo:hi].t(), x2[rows])
+                        _add_product(gw, g_block[:, lo:hi].t(), x2[rows])
                         if bias is not None:
                             out[:, n_in].add_(g_block[:, lo:hi].sum(0))
 
@@ -506,7 +539,8 @@ class _ZeroLinear(torch.autograd.Function):
             state["left"] = -1  # done
 
         _run(z, z.dp, "sharded_bwd", kernels, direction="bwd", group="dp", dims={"in": shard.shape[1]},
-             bind={"w": shard, "gw": grad_shard}, like=g2, grad_input=need_x, grad_weight=need_w or need_b)
+             bind={"w": shard, "gw": grad_shard}, like=grad_shard, dtypes={"w": shard.dtype}, grad_input=need_x,
+             grad_weight=need_w or need_b)
         if need_x and tp_scatter and state["left"] >= 0:  # no rows of W_t anywhere: the tp scatter still runs
             _scatter_grad_x(None, None)
         if (need_w or need_b) and z.average:

@@ -28,6 +28,7 @@ from flashpar import cp
 from flashpar.models import Llama, LlamaConfig, load_hf, next_token_loss
 from flashpar.models.layout import LAYOUT, label_of
 from flashpar.models.parallel import ParallelLlama
+from flashpar.models.precision import DTYPES
 from flashpar.train.step import MicroBatch, gradients
 
 TOL = 1e-4  # fp32: the mesh only reorders sums (~1e-6 relative); one misplaced shard is O(1)
@@ -37,12 +38,15 @@ NORM = "grad norm"  # the row of the global gradient norm (before clipping)
 
 def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, seed: int = 0,
              timeout_s: float = 300.0, dp_mode: str = "zero3", micro_batches: int = 1,
-             clip_ratio: float | None = None, init_from: str | None = None) -> dict[str, float]:
+             clip_ratio: float | None = None, init_from: str | None = None, dtype: str = "fp32",
+             checkpoint_activations: bool = False) -> dict[str, float]:
     """Relative errors of the loss, of the gradient norm (with ``clip_ratio``) and of every parameter's
     gradient after clipping (names of the single-process model).  ``sequences``: ``micro_batches x dp``
     ``(tokens, labels, doc_lens)``, dp rank ``d``'s micro-batch ``m`` at ``m * dp + d``.  ``init_from``:
     the weights of that Hugging Face folder (the reference ``load_hf``, the mesh model its slices:
-    ``ParallelLlama.load_hf_slices``) instead of seeded ones."""
+    ``ParallelLlama.load_hf_slices``) instead of seeded ones.  ``dtype`` / ``checkpoint_activations``: the
+    mesh model's (``--dtype``, ``--checkpoint-activations``); the reference stays the fp32 single-process
+    model."""
     dp = mesh["dp"].size()
     if len(sequences) != micro_batches * dp:
         raise ValueError(f"one_step: {len(sequences)} sequences for {micro_batches} micro-batches x dp = {dp}")
@@ -50,7 +54,8 @@ def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, see
     ref = load_hf(init_from, dtype=torch.float32) if init_from else Llama(cfg)
     want = _reference(ref, sequences, clip_ratio)
     got = _mesh_step(ref, cfg, mesh, sequences, strategy=strategy, mode=mode, timeout_s=timeout_s, dp_mode=dp_mode,
-                     micro_batches=micro_batches, clip=want["clip"], init_from=init_from)
+                     micro_batches=micro_batches, clip=want["clip"], init_from=init_from, dtype=dtype,
+                     checkpoint_activations=checkpoint_activations)
     return _errors(got, want, ref, clipped=clip_ratio is not None)
 
 
@@ -69,10 +74,12 @@ def _reference(ref: Llama, sequences, clip_ratio: float | None) -> dict:
 
 
 def _mesh_step(ref: Llama, cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, timeout_s: float,
-               dp_mode: str, micro_batches: int, clip: float, init_from: str | None = None) -> dict:
+               dp_mode: str, micro_batches: int, clip: float, init_from: str | None = None, dtype: str = "fp32",
+               checkpoint_activations: bool = False) -> dict:
     """The mesh model with ``ref``'s weights, through ``gradients`` on this rank's micro-batches: the loss
     summed over ranks, the global norm and the full gradients (collective)."""
-    model = ParallelLlama(cfg, mesh, mode=mode, timeout_s=timeout_s, dp_mode=dp_mode)
+    model = ParallelLlama(cfg, mesh, mode=mode, timeout_s=timeout_s, dp_mode=dp_mode, dtype=DTYPES[dtype],
+                          checkpoint_activations=checkpoint_activations)
     if init_from:
         model.load_hf_slices(init_from)  # the same weights as ref, read by this rank's slices
     else:
@@ -101,17 +108,17 @@ def _errors(got: dict, want: dict, ref: Llama, *, clipped: bool) -> dict[str, fl
     return errors
 
 
-def by_group(errors: dict[str, float]) -> list[tuple[str, float, bool]]:
+def by_group(errors: dict[str, float], tol: float = TOL) -> list[tuple[str, float, bool]]:
     """``(group, worst relative error, passed)`` per parameter group, the loss (and the gradient norm) first;
     the groups are the rows of ``flashpar.models.layout.LAYOUT``, in its order.  A NaN error is the worst
-    and fails."""
+    and fails.  ``tol``: the bound (``flashpar.models.precision.CHECK_TOL`` of the run's dtype)."""
     found: dict[str, list[float]] = {}
     for name, err in errors.items():
         if name not in ("loss", NORM):
             found.setdefault(label_of(name), []).append(err)
     rows = [(k, [errors[k]]) for k in ("loss", NORM) if k in errors]
     rows += [(lay.label, found[lay.label]) for lay in LAYOUT.values() if lay.label in found]
-    return [(label, _worst(errs), all(e <= TOL for e in errs)) for label, errs in rows]
+    return [(label, _worst(errs), all(e <= tol for e in errs)) for label, errs in rows]
 
 
 def _worst(errs: list[float]) -> float:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from flashpar.cp import STRATEGIES
 from flashpar.models import LlamaConfig
+from flashpar.models.precision import DTYPES
 from flashpar.overlap.ulysses import head_layout
 
 MODES = ("flash", "ring", "slice", "none", "auto")
@@ -96,6 +97,11 @@ class TrainConfig:
                                     "matrices (none on the norm gains)")
     clip: float = _opt(1.0, "clip the gradients to this global norm (0: no clipping; the norm is reported either "
                             "way)")
+    # mixed precision and activation checkpointing (helper "precision"; flashpar.models.precision, .recompute)
+    dtype: str = _opt("fp32", "compute dtype: bf16 computes and communicates activations and weights in bf16 with "
+                              "fp32 master weights, AdamW state and gradient sums", choices=tuple(DTYPES))
+    checkpoint_activations: bool = _opt(False, "recompute each block's activations in backward (less memory, one "
+                                               "more forward per block)")
 
     def __post_init__(self) -> None:
         for name in ("strategy", "mode", "dp_mode", "device"):
@@ -161,6 +167,11 @@ class TrainConfig:
     def final_lr(self) -> float:
         """The learning rate of the last step: ``--lr-min``, by default 0.1 x ``--lr``."""
         return 0.1 * self.lr if self.lr_min is None else self.lr_min
+        # mixed precision and activation checkpointing (helper "precision")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.checkpoint_activations, bool):
+            raise ValueError(f"checkpoint-activations must be True or False, got {self.checkpoint_activations!r}")
 
     @property
     def world_size(self) -> int:

@@ -42,11 +42,12 @@ import torch.distributed as dist
 from flashpar import cp
 from flashpar.cost.calibrate import peak_flops
 from flashpar.models.parallel import MESH_DIMS
+from flashpar.models.precision import DTYPES
 from flashpar.train import checkpoint
 from flashpar.train.config import TrainConfig
 from flashpar.train.data import PlannedSequences, make_loader, training_data
 from flashpar.train.evaluate import at_step, held_out
-from flashpar.train.metrics import StepMetrics, summary
+from flashpar.train.metrics import StepMetrics, largest, peak_since, reset_peak, summary
 from flashpar.train.schedule import lr_at
 from flashpar.train.step import MicroBatch, build, optimizer_step, planner_cost
 
@@ -85,7 +86,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     dp_group = mesh["dp"].get_group()
     dp_rank, cp_rank = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     data = training_data(config)  # the byte corpus, or the token cache of --data / --tokenizer
-    cost = planner_cost(cfg)
+    cost = planner_cost(cfg, DTYPES[config.dtype].itemsize)
     evaluator = held_out(config, cost, mesh, device)  # --eval-every: the held-out sequences, planned once
     first_step, start = 0, 0
     if config.resume:
@@ -102,6 +103,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     log = open(out / "metrics.jsonl", "a" if first_step else "w") if rank == 0 else None  # noqa: SIM115
     bar = _progress(steps, first_step) if rank == 0 else None
     history: list[StepMetrics] = []
+    mem_step, mem_mb = first_step + 1 if steps - first_step > 1 else first_step, float("nan")  # peak of this step
     t_start = time.perf_counter()
     for step, items in zip(range(first_step, steps), group_micro_batches(loader, micro), strict=False):
         if hooks.before_step is not None:
@@ -111,6 +113,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         count, pairs, figures = _batch_figures(items, dp_group, device)
         lr = lr_at(step + 1, lr=config.lr, steps=config.steps, warmup=config.warmup, lr_min=config.final_lr)
         sent0 = model.kv_counter.fwd_sent
+        mem_before = reset_peak(device) if step == mem_step else None  # outside the timed step
         profiler = _profiler(config, device) if step == min(first_step + 2, steps - 1) else None
         t0 = time.perf_counter()
         with profiler or contextlib.nullcontext():
@@ -118,6 +121,8 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the step's kernels, not only their launches, in step_s
         elapsed = time.perf_counter() - t0
+        if mem_before is not None:
+            mem_mb = peak_since(device, mem_before)
         if profiler is not None:
             profiler.export_chrome_trace(str(out / f"trace_rank{rank}.json"))
         planning_ms = 1e3 * sum(it["planning_s"] for it in items)
@@ -134,10 +139,11 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
             sequences = checkpoint.sequences_after(start, step + 1 - first_step, config.dp, micro)
             checkpoint.save(out / "checkpoints" / f"step_{step + 1}", model, opt, step + 1, config, sequences)
     result = None
+    wall_s, mem_mb = time.perf_counter() - t_start, largest(mem_mb, device)  # a collective
     if rank == 0:
         bar.close()
         log.close()
-        result = summary(history, time.perf_counter() - t_start, config, peak)
+        result = summary(history, wall_s, config, peak, peak_mem_mb=mem_mb)
         if config.plot and history:
             from flashpar.train.report import plot
 

@@ -3,6 +3,10 @@ run's ``summary.json``.
 
     tokens_per_s = micro-batches x dp x seq_len / step_s
     MFU          = model FLOPs of the step / step_s / (peak FLOP/s per rank x ranks)
+    peak_mem_mb  = the largest rank's rise of memory during one step (the second; the first when the run
+                   has one) above what the rank held before it (weights, gradients' storage, AdamW state,
+                   data): activations and transient buffers.  CPU: the resident set's peak (VmHWM, reset
+                   as ``flashpar bench train`` does); CUDA: torch.cuda.max_memory_allocated
 """
 
 from __future__ import annotations
@@ -43,8 +47,44 @@ class StepMetrics:
                 "exposed": f"{self.plan['exposed_comm_ms_est']:.3f}ms"}
 
 
-def summary(history: list[StepMetrics], wall_s: float, config, peak: float) -> dict:
-    """``summary.json``: the run's totals, the last five steps' mean speed, the mesh."""
+def reset_peak(device) -> int:
+    """Start measuring this rank's peak memory; returns the baseline ``peak_since`` takes (CPU: kB resident,
+    CUDA: bytes allocated)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    from flashpar.bench.train import reset_peak_memory
+
+    return reset_peak_memory()
+
+
+def peak_since(device, before: int) -> float:
+    """MB this rank's peak memory rose above ``before`` since ``reset_peak`` (no collective)."""
+    import torch
+
+    if device.type == "cuda":
+        return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    from flashpar.bench.train import peak_memory
+
+    return peak_memory(before)
+
+
+def largest(value: float, device) -> float:
+    """The largest rank's ``value`` (a collective over the world; NaN on a rank that measured nothing)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def summary(history: list[StepMetrics], wall_s: float, config, peak: float, *,
+            peak_mem_mb: float = float("nan")) -> dict:
+    """``summary.json``: the run's totals, the last five steps' mean speed, the largest rank's peak memory,
+    the mesh, the dtype."""
     rows = [m.row() for m in history]
     last = rows[-5:] or [{}]
     mean = lambda key: sum(r[key] for r in last) / len(last) if rows else float("nan")  # noqa: E731
@@ -60,6 +100,7 @@ def summary(history: list[StepMetrics], wall_s: float, config, peak: float) -> d
         "mesh": {"dp": config.dp, "cp": config.cp, "ulysses": config.ulysses, "tp": config.tp},
         "micro_batches": config.micro_batches,
         "strategy": config.strategy,
+        "peak_mem_mb": peak_mem_mb, "dtype": config.dtype, "checkpoint_activations": config.checkpoint_activations,
         "out": config.out,
         "eval_loss": next((r["eval_loss"] for r in reversed(rows) if "eval_loss" in r), None),  # the last one
         "eval": [[r["step"], r["eval_loss"]] for r in rows if "eval_loss" in r],  # [step, validation loss]

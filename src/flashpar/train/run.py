@@ -50,6 +50,7 @@ def _check(config: TrainConfig):
     import torch
     import torch.distributed as dist
 
+    from flashpar.models.precision import CHECK_TOL
     from flashpar.train.check import CHECK_CLIP_RATIO, by_group, one_step
     from flashpar.train.data import training_data
     from flashpar.train.loop import setup
@@ -60,8 +61,9 @@ def _check(config: TrainConfig):
     seqs = [(data[i]["tokens"], data[i]["labels"], data[i]["doc_lens"]) for i in range(micro * config.dp)]
     errors = one_step(config.model, mesh, seqs, strategy=config.strategy, mode=config.mode, seed=config.seed,
                       timeout_s=config.timeout, dp_mode=config.dp_mode, micro_batches=micro,
-                      clip_ratio=CHECK_CLIP_RATIO, init_from=config.init_from)
-    rows = by_group(errors)
+                      clip_ratio=CHECK_CLIP_RATIO, init_from=config.init_from, dtype=config.dtype,
+                      checkpoint_activations=config.checkpoint_activations)
+    rows = by_group(errors, CHECK_TOL[config.dtype])
     worst = torch.tensor([max(e for _, e, _ in rows)], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return {"rows": rows, "worst": float(worst), "micro_batches": micro} if dist.get_rank() == 0 else None
@@ -171,11 +173,14 @@ def _report(out, config: TrainConfig) -> int:
     if out is None:
         return 0
     if config.check:
+        from flashpar.models.precision import CHECK_TOL
+
         ulysses = f"ulysses={config.ulysses} " if config.ulysses > 1 else ""
+        recompute = ", activations checkpointed" if config.checkpoint_activations else ""
         print(f"check: mesh dp={config.dp} ({config.dp_mode}) cp={config.cp} {ulysses}tp={config.tp}, "
-              f"strategy {config.strategy}, "
-              f"mode {config.mode}, one step of {out['micro_batches']} micro-batches, gradients clipped to half "
-              "their norm, against the single-process model (relative error, fp32 bound 1e-4)")
+              f"strategy {config.strategy}, mode {config.mode}{recompute}, one step of {out['micro_batches']} "
+              f"micro-batches, gradients clipped to half their norm, against the single-process model (relative "
+              f"error, {config.dtype} bound {CHECK_TOL[config.dtype]:.3g})")
         for name, err, ok in out["rows"]:
             print(f"  {'PASS' if ok else 'FAIL'}  {name:<16} {err:.2e}")
         passed = all(ok for _, _, ok in out["rows"])
@@ -188,7 +193,9 @@ def _report(out, config: TrainConfig) -> int:
     mesh = " ".join(f"{k}={v}" for k, v in s["mesh"].items() if k != "ulysses" or v > 1)  # ulysses: when used
     print(f"\ntrained {s['steps']} steps on mesh {mesh} "
           f"in {s['wall_s']:.0f} s: loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}, "
-          f"{s['tokens_per_s']:.0f} tokens/s, MFU {s['mfu']:.1%} (of a GEMM-probe peak)")
+          f"{s['tokens_per_s']:.0f} tokens/s, MFU {s['mfu']:.1%} (of a GEMM-probe peak), peak memory "
+          f"{s['peak_mem_mb']:.0f} MB (largest rank, {s['dtype']}"
+          f"{', activations checkpointed' if config.checkpoint_activations else ''})")
     print(f"{s['strategy']} plans: forward K/V {s['kv_bytes'] / 1e6:.1f} MB sent (plans: "
           f"{s['plan_kv_bytes'] / 1e6:.1f} MB) vs {s['per_doc_kv_bytes'] / 1e6:.1f} MB for per_doc and "
           f"{s['headtail_kv_bytes'] / 1e6:.1f} MB for headtail; estimated step (cost model) "

@@ -39,6 +39,7 @@ from flashpar.cp import CostModel
 from flashpar.models import Llama, LlamaConfig
 from flashpar.models.grad_norm import clip_grads_
 from flashpar.models.parallel import ParallelLlama
+from flashpar.models.precision import DTYPES
 from flashpar.train.config import TrainConfig
 from flashpar.train.optimizer import adamw, set_lr
 
@@ -63,7 +64,8 @@ def build(config: TrainConfig, mesh, device) -> tuple:
     if not config.init_from:
         torch.manual_seed(config.seed)
         full = Llama(cfg)
-    model = ParallelLlama(cfg, mesh, mode=config.mode, timeout_s=config.timeout, dp_mode=config.dp_mode)
+    model = ParallelLlama(cfg, mesh, mode=config.mode, timeout_s=config.timeout, dp_mode=config.dp_mode,
+                          dtype=DTYPES[config.dtype], checkpoint_activations=config.checkpoint_activations)
     if full is not None:
         model.load_full(full)
     elif not config.resume:  # hf (issue 13)
@@ -73,11 +75,11 @@ def build(config: TrainConfig, mesh, device) -> tuple:
     return cfg, model, opt
 
 
-def planner_cost(cfg: LlamaConfig) -> CostModel:
-    """The cost model the trainer's plans are made with: this model's shape, fp32 activations, the default
-    device rates."""
+def planner_cost(cfg: LlamaConfig, dtype_bytes: int = 4) -> CostModel:
+    """The cost model the trainer's plans are made with: this model's shape, activations of ``dtype_bytes``
+    (fp32: 4, ``--dtype bf16``: 2), the default device rates."""
     return CostModel(hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                     layers=cfg.layers, dtype_bytes=4)
+                     layers=cfg.layers, dtype_bytes=dtype_bytes)
 
 
 def forward_backward(model: ParallelLlama, tokens_cp: torch.Tensor, labels_cp: torch.Tensor, plan,
