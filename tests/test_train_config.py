@@ -83,3 +83,25 @@ def test_step_metrics_line_has_the_fields_and_the_plan_figures():
     assert m.row() == {"step": 3, "loss": 2.5, "step_s": 0.5, "tokens_per_s": 100.0, "mfu": 0.1, "kv_bytes": 10,
                        "planning_ms_dp0": 1.5, "lr": 1e-3, "grad_norm": 0.75, **plan}
     assert m.postfix()["exposed"] == "0.500ms"
+
+
+def test_a_checkpoint_from_before_issue_13_resumes_and_a_bad_meta_is_one_line(tmp_path):
+    """meta.json of a checkpoint written before the data / tokenizer / held-out keys and the rope-scaling and
+    max-positions model fields existed: it was made with their defaults, so a run with the defaults resumes
+    it; a run that changes one of them is refused, naming it; a meta.json that is not one is one line."""
+    import json
+
+    from flashpar.train import checkpoint
+
+    config = TrainConfig(max_docs=40, seq_len=256)
+    old_model = {k: v for k, v in config.model.to_dict().items() if k not in ("rope_scaling", "max_positions")}
+    (tmp_path / "meta.json").write_text(json.dumps({"step": 2, "sequences": 2, "mesh": [1, 2, 1, 2],
+                                                    "model": old_model, "seq_len": 256, "max_docs": 40, "seed": 0}))
+    assert checkpoint.read_meta(tmp_path, config)["step"] == 2
+    with pytest.raises(ValueError, match="other held_out"):
+        checkpoint.read_meta(tmp_path, dataclasses.replace(config, eval_every=5))
+    for bad in ("[1, 2]", "{\"step\": \"two\", \"sequences\": 2}", "not json"):
+        (tmp_path / "meta.json").write_text(bad)
+        with pytest.raises(ValueError, match="is not a flashpar meta.json") as err:
+            checkpoint.read_meta(tmp_path, config)
+        assert "\n" not in str(err.value)

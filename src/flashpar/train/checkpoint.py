@@ -22,9 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from flashpar.models import LlamaConfig
 from flashpar.train.config import TrainConfig
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+PRE_ISSUE_13 = {"data": None, "tokenizer": None, "held_out": 0}  # what a checkpoint without these keys was made with
 
 
 def sequences_after(start: int, steps: int, dp: int, micro_batches: int) -> int:
@@ -60,12 +62,22 @@ def latest(path: Path) -> Path:
 
 def read_meta(path: Path, config: TrainConfig) -> dict:
     """The checkpoint's meta data; ``ValueError`` if the run would not continue the same training."""
-    meta = json.loads((latest(path) / "meta.json").read_text())
+    where = latest(path) / "meta.json"
+    try:
+        meta = json.loads(where.read_text())
+        if not isinstance(meta, dict) or not all(isinstance(meta.get(k), int) for k in ("step", "sequences")):
+            raise ValueError("no integer step and sequences")
+        # a checkpoint written before a setting existed was made with its default (issue 13 added data,
+        # tokenizer, held_out and model fields); the model dict is read back through LlamaConfig
+        meta = {**PRE_ISSUE_13, **meta}
+        meta["model"] = LlamaConfig(**meta["model"]).to_dict() if isinstance(meta.get("model"), dict) else None
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(f"checkpoint {where} is not a flashpar meta.json: {err}") from None
     kept = config.kept()
-    differ = [k for k in kept if meta[k] != kept[k]]
+    differ = [k for k in kept if meta.get(k) != kept[k]]
     if differ:
         raise ValueError(f"checkpoint {path} was made with other {', '.join(differ)}: "
-                         + "; ".join(f"{k} {meta[k]} != {kept[k]}" for k in differ))
+                         + "; ".join(f"{k} {meta.get(k)} != {kept[k]}" for k in differ))
     return meta
 
 
