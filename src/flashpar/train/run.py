@@ -8,7 +8,9 @@ against the single-process model instead of training and prints PASS / FAIL per 
 Bad arguments (a mesh whose product is not the world size, heads / kv heads / FFN / vocabulary not
 divisible by tp, heads Ulysses cannot split, ``--ulysses`` and ``--tp`` both > 1, a sequence too short
 for the mesh, an unwritable output folder, no documents, a checkpoint made with other model or data
-settings, ``--device cuda`` without CUDA) stop with one line before any process group starts
+settings, ``--device cuda`` without CUDA, an ``--init-from`` folder whose config or weights flashpar cannot
+use, a tokenizer that does not fit the model, a data file that cannot be read) stop with one line before
+any process group starts
 (``flashpar.train.config``).  A rank that fails makes the
 launcher stop the others and print one line naming it and its log: each rank's output below
 Python (torch's C++ warnings) and, but for rank 0's progress bar, its stderr go to ``rank<r>.log``
