@@ -13,13 +13,18 @@ from train_workers import MODELS, sequences
 
 
 def bf16_steps(rank, world, cases):
-    """``one_step``'s relative errors (loss, every gradient) of the bf16 mesh model against the fp32 single-process
-    model, for each ``(shape, dp_mode, model, checkpoint_activations)``."""
+    """``one_step``'s relative errors (loss, gradient norm, every gradient) of the bf16 mesh model against the fp32
+    single-process model, for each ``(shape, dp_mode, model, checkpoint_activations)``: the step of
+    ``flashpar train --check --dtype bf16`` (two micro-batches per dp rank, gradients clipped to half their
+    norm)."""
+    from flashpar.train.check import CHECK_CLIP_RATIO
+
     out = []
     for shape, dp_mode, model, ckpt in cases:
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS)
-        out.append(one_step(MODELS[model], mesh, sequences(shape[0]), strategy="flashcp", mode="flash",
-                            dp_mode=dp_mode, dtype="bf16", checkpoint_activations=ckpt))
+        out.append(one_step(MODELS[model], mesh, sequences(2 * shape[0]), strategy="flashcp", mode="flash",
+                            dp_mode=dp_mode, dtype="bf16", checkpoint_activations=ckpt, micro_batches=2,
+                            clip_ratio=CHECK_CLIP_RATIO))
     return out
 
 
