@@ -342,3 +342,32 @@ def bad_inputs(rank, world, mesh_shape):
         out["one rank's model is float64"] = (type(err).__name__, str(err))
     return out
 
+
+
+# ---- a step of several micro-batches: one check for all of them ------------------------------------
+
+
+def micro_batch_checks(rank, world, mesh_shape, micro: int = 3):
+    """``(cross-rank checks in one step of micro micro-batches, outcome of a step whose second micro-batch is
+    bad on one rank)``: the step's inputs are checked together, once, before its first forward; a bad
+    micro-batch stops every rank before any of the step's communication."""
+    from flashpar.train.step import MicroBatch, optimizer_step
+
+    mesh, model, opt = _model(mesh_shape, 2, "flash", "zero3", "flashcp")
+    batch = [MicroBatch(*_inputs(mesh, seed, "flashcp")[:3]) for seed in range(micro)]
+    count = float(sum(_inputs(mesh, seed, "flashcp")[3] for seed in range(micro)))
+    optimizer_step(model, opt, batch, count)  # warm-up: the twin p2p groups
+    dist.barrier()
+    with Counting() as counting:
+        optimizer_step(model, opt, batch, count)
+    checks = counting.counts.get("meta", 0)
+    bad = list(batch)
+    if rank == 1:
+        tokens, labels, plan = bad[1]
+        bad[1] = MicroBatch(tokens[:-1], labels[:-1], plan)
+    try:
+        optimizer_step(model, opt, bad, count)
+        outcome = None
+    except (ValueError, TypeError, RuntimeError) as err:
+        outcome = (type(err).__name__, str(err))
+    return checks, outcome

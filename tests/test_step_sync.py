@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from dist_harness import SpawnCache
-from step_sync_workers import COMM_KEYS, HOST_KEYS, bad_inputs, count_steps
+from step_sync_workers import COMM_KEYS, HOST_KEYS, bad_inputs, count_steps, micro_batch_checks
 
 LAYERS = (1, 2, 3)
 MESHES = (((1, 2, 2), "flash", "flashcp"),  # TP-SP (point-to-point) + FlashCP (p2p K/V exchange)
@@ -27,7 +27,7 @@ MESHES = (((1, 2, 2), "flash", "flashcp"),  # TP-SP (point-to-point) + FlashCP (
 
 def _calls(n: int):
     return [*((f"count {case}", count_steps, case[0], LAYERS, case[1], "zero3", case[2]) for case in MESHES),
-            ("bad", bad_inputs, (1, 2, 2))]
+            ("micro", micro_batch_checks, (1, 2, 2)), ("bad", bad_inputs, (1, 2, 2))]
 
 
 spawn = SpawnCache(_calls, timeout=600.0)
@@ -152,3 +152,15 @@ def test_nccl_transfers_are_waited_for_by_the_stream_not_the_host():
     wait_work(on_stream, 7.0, host=False)
     assert on_host.calls == [(datetime.timedelta(seconds=7),)] and on_stream.calls == [()]
     assert not stream_waits(None)  # no process group here: nothing to wait for on a stream
+
+
+def test_a_step_of_micro_batches_is_checked_once_and_a_bad_one_stops_every_rank():
+    """Three micro-batches: one cross-rank check for the step (not one per forward); rank 1 drops a token of
+    the second micro-batch: every rank raises one line before the step's first forward."""
+    for rank, (checks, outcome) in enumerate(spawn(4)["micro"]):
+        assert checks == 1, (rank, checks)
+        assert outcome is not None and "\n" not in outcome[1], (rank, outcome)
+        if rank == 1:  # its own error; the others name it
+            assert outcome[0] == "ValueError" and "tokens but the plan gives it" in outcome[1], outcome
+        else:
+            assert outcome[0] == "RuntimeError" and "rank(s) [1] rejected their input" in outcome[1], (rank, outcome)

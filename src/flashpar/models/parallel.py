@@ -315,12 +315,20 @@ class ParallelLlama(nn.Module):
     # ------------------------------------------------------------------------------------------
     # forward
 
-    def forward(self, tokens_cp: torch.Tensor, plan, labels_cp: torch.Tensor, count: float) -> torch.Tensor:
+    def check_step(self, inputs, count: float) -> None:
+        """The cross-rank check of a step of several micro-batches (``[(tokens_cp, labels_cp, plan), ...]``), one
+        exchange for all; their forwards then pass ``checked=True``."""
+        self.step_check.many(inputs, count, self.embed.weight, auto=self.mode == "auto")
+
+    def forward(self, tokens_cp: torch.Tensor, plan, labels_cp: torch.Tensor, count: float, *,
+                checked: bool = False) -> torch.Tensor:
         """This rank's share of the loss: ``tokens_cp`` / ``labels_cp`` are the cp rank's tokens and targets
         (``cp.shard(x, plan, cp_rank)``), ``count`` the global batch's number of targets; the shares of all
         ranks add up to the mean next-token loss.  Every rank raises (one line) on bad or disagreeing inputs,
-        checked once here; the layers' ops run unchecked (``flashpar.models.step_check``)."""
-        self.step_check(tokens_cp, labels_cp, plan, count, self.embed.weight, auto=self.mode == "auto")
+        checked once here (or, ``checked``, by ``check_step`` for the step's micro-batches together); the layers'
+        ops run unchecked (``flashpar.models.step_check``)."""
+        if not checked:
+            self.step_check(tokens_cp, labels_cp, plan, count, self.embed.weight, auto=self.mode == "auto")
         blocks = row_sizes(tokens_cp.shape[0], self.ulysses)  # the ulysses ranks' rows (U = 1: all of them)
         lo = sum(blocks[: self.u_rank])
         tokens_u, labels_u = tokens_cp[lo : lo + blocks[self.u_rank]], labels_cp[lo : lo + blocks[self.u_rank]]

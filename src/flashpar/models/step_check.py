@@ -1,4 +1,4 @@
-"""The cross-rank check of a training step: once per step, before the step's first transfer.
+"""The cross-rank check of a training step: once per step (all its micro-batches), before the step's first transfer.
 
 The ops of ``ParallelLlama``'s layer loop run with ``check=False``: no per-op all-gather of shapes,
 nothing read back to the host.  What their checks compared across ranks follows from what this
@@ -65,17 +65,28 @@ class StepCheck:
     def __call__(self, tokens_cp, labels_cp, plan, count, like: torch.Tensor, *, auto: bool = False) -> None:
         """Raise on every rank (one line) unless every rank's step input is good and they agree.  ``like``: a
         parameter (its dtype and device are the model's); ``auto``: the mode is ``'auto'``."""
+        self.many([(tokens_cp, labels_cp, plan)], count, like, auto=auto)
+
+    def many(self, inputs, count, like: torch.Tensor, *, auto: bool = False) -> None:
+        """The check of a step of several micro-batches at once, one exchange for all of them: ``inputs`` is
+        ``[(tokens_cp, labels_cp, plan), ...]`` in the order every rank runs them (the plan digests are
+        compared in that order)."""
         error: BaseException | None = None
         values: list[int] = []
         try:
-            self._local(tokens_cp, labels_cp, plan, like.device)
+            if not inputs:
+                raise ValueError(f"{OP}: a step needs at least one micro-batch")
+            for tokens_cp, labels_cp, plan in inputs:
+                self._local(tokens_cp, labels_cp, plan, like.device)
+            plans = plan_digest(inputs[0][2]) if len(inputs) == 1 else digest(repr([plan_digest(p)
+                                                                                   for _, _, p in inputs]))
             hardware = 0
             if auto:
                 from flashpar.cost import load  # 'auto' picks from these figures
 
                 hardware = digest(repr(load(like.device.type)))
             counted = int(round(count)) if isinstance(count, (int, float)) else -1  # a tensor is not read here
-            values = [self.digest, dtype_code(like.dtype), counted, hardware, self.replica, plan_digest(plan)]
+            values = [self.digest, dtype_code(like.dtype), counted, hardware, self.replica, plans]
         except (ValueError, TypeError, OverflowError) as err:
             error, values = err, []
         table = exchange_metadata(self.info, values, device=torch.device("cpu"), op_name=OP, local_error=error,
@@ -92,7 +103,7 @@ class StepCheck:
         if split:
             digests = [row[len(COLUMNS) + 1] for row in table]
             raise ValueError(f"{OP}: ranks of dp replica {split[0]} pass different plans (digests {digests}, rank "
-                             "order); every rank of a replica must pass the same CPPlan")
+                             "order); every rank of a replica must pass the same CPPlans")
 
     def _local(self, tokens, labels, plan, device) -> None:
         if not isinstance(plan, CPPlan):

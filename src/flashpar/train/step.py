@@ -83,12 +83,13 @@ def planner_cost(cfg: LlamaConfig, dtype_bytes: int = 4) -> CostModel:
 
 
 def forward_backward(model: ParallelLlama, tokens_cp: torch.Tensor, labels_cp: torch.Tensor, plan,
-                     count: float, *, sum_grads: bool = True) -> torch.Tensor:
+                     count: float, *, sum_grads: bool = True, checked: bool = False) -> torch.Tensor:
     """This rank's share of the loss (``ParallelLlama.forward``: the cp rank's tokens / targets of ``plan``,
     ``count`` the global batch's targets), after backward, which adds its gradients to ``.grad``; with
     ``sum_grads`` (the last micro-batch) they are then summed over the ranks holding copies
-    (``reduce_grads``, posted during backward)."""
-    loss = model(tokens_cp, plan, labels_cp, count)
+    (``reduce_grads``, posted during backward).  ``checked``: the inputs were checked across ranks already
+    (``ParallelLlama.check_step``)."""
+    loss = model(tokens_cp, plan, labels_cp, count, checked=checked)
     if sum_grads:
         model.sum_grads_in_backward()  # each gradient's sum travels while backward computes the earlier layers
     loss.backward()
@@ -104,7 +105,9 @@ def accumulate(model: ParallelLlama, micro_batches: list[MicroBatch], count: flo
     if not micro_batches:
         raise ValueError("accumulate: no micro-batches")
     last = len(micro_batches) - 1
-    losses = [forward_backward(model, *mb, count, sum_grads=m == last) for m, mb in enumerate(micro_batches)]
+    model.check_step([(mb.tokens_cp, mb.labels_cp, mb.plan) for mb in micro_batches], count)  # one exchange a step
+    losses = [forward_backward(model, *mb, count, sum_grads=m == last, checked=True)
+              for m, mb in enumerate(micro_batches)]
     return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
 
