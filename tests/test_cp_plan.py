@@ -173,6 +173,39 @@ def test_megatron_dynamic_groups_are_powers_of_two_by_length():
     assert q["tokens"] == [250] * 4 and q["total_kv_bytes"] == 0
 
 
+@SETTINGS
+@given(st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=40), world, st.sampled_from([0.0, 0.05]))
+def test_megatron_dynamic_matches_its_rule_by_brute_force(doc_lens, n, slack):
+    """The planner (heaps, vectorised group choice) against the rule written out plainly: largest L^2 / cp first,
+    whole onto the least-loaded rank with token room (else the least loaded), groups by every aligned group."""
+    from flashpar.cp.cp_plan import doc_starts_of
+    from flashpar.cp.flashcp import token_cap
+    from flashpar.cp.megatron_dynamic import group_size, groups_of, member_shares
+
+    total, cap, starts = sum(doc_lens), token_cap(doc_lens, n, slack), doc_starts_of(doc_lens)
+    cps = [group_size(x, total, n) for x in doc_lens]
+    load, toks, placed = [0] * n, [0] * n, {}
+    for d in sorted(range(len(doc_lens)), key=lambda d: (-(doc_lens[d] ** 2 / cps[d]), -doc_lens[d], d)):
+        shares = member_shares(starts[d], doc_lens[d], cps[d])
+        keys = []
+        for k, g in enumerate([[r] for r in range(n)] if cps[d] == 1 else groups_of(cps[d], n)):
+            fits = all(toks[r] + t <= cap for r, (_, t) in zip(g, shares, strict=True))
+            peak = max(load[r] + w for r, (w, _) in zip(g, shares, strict=True))
+            second = toks[g[0]] if cps[d] == 1 else sum(load[r] for r in g)
+            keys.append(((not fits, peak, second, k), g))
+        group = min(keys)[1]
+        placed[d] = group
+        for r, (w, t) in zip(group, shares, strict=True):
+            load[r], toks[r] = load[r] + w, toks[r] + t
+    p = plan(doc_lens, n, strategy="megatron_dynamic", token_slack=slack)
+    s = p.stats()
+    assert s["attn_pairs"] == load and s["tokens"] == toks
+    for d, group in placed.items():
+        holders = {r for r in range(n) for a, b in p.segments[r] if starts[d] <= a < starts[d] + doc_lens[d]}
+        assert holders == {r for r, (_, t) in zip(group, member_shares(starts[d], doc_lens[d], len(group)),
+                                                    strict=True) if t}
+
+
 def test_flashcp_is_no_slower_than_megatron_dynamic_on_real_packs():
     """Packs of every shipped length list and the long-context mix (16K tokens at N = 4 and 8, 128K at N = 8 as in
     ``flashpar bench plan``): flashcp's estimated step (cost model, attention + linear) is never above

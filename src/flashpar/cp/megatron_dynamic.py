@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import heapq
 
+import torch
+
 from flashpar.cp.cp_plan import causal_pairs, doc_starts_of
 from flashpar.cp.flashcp import token_cap
 from flashpar.cp.strategies import Placement, chunk_bounds
@@ -83,50 +85,64 @@ def megatron_dynamic(doc_lens: list[int], n: int, token_slack: float) -> Placeme
     order = sorted(range(len(doc_lens)), key=lambda d: (-(doc_lens[d] ** 2 / cps[d]), -doc_lens[d], d))
     load, toks = [0] * n, [0] * n
     heap = [(0, 0, r) for r in range(n)]  # (load, tokens, rank), lazily updated: stale entries are skipped
+    waiting: list[tuple[int, int, int]] = []  # (tokens, load, rank): ranks without room (_least_loaded_with_room)
     p = Placement(n)
     for d in order:
         length, start, cp = doc_lens[d], starts[d], cps[d]
         shares = member_shares(start, length, cp)
         if cp == 1:
-            r = _least_loaded_with_room(heap, load, toks, length, cap)
-            members = [r]
+            members = [_least_loaded_with_room(heap, waiting, load, toks, length, cap)]
         else:
-            best, members = None, []
-            for group in groups_of(cp, n):
-                fits = all(toks[r] + t <= cap for r, (_, t) in zip(group, shares, strict=True))
-                key = (not fits, max(load[r] + w for r, (w, _) in zip(group, shares, strict=True)),
-                       sum(load[r] for r in group))
-                if best is None or key < best:
-                    best, members = key, group
-            p.headtail(members, start, length)
-        if cp == 1:
-            p.add(members[0], start, start + length)
+            members = _least_loaded_group(cp, n, shares, load, toks, cap)
+        p.headtail(members, start, length)  # (a group of one: the whole document)
         for r, (w, t) in zip(members, shares, strict=True):
-            load[r] += w
-            toks[r] += t
-            heapq.heappush(heap, (load[r], toks[r], r))
+            if w or t or cp == 1:  # (a member of a document shorter than 2 cp_i may take nothing)
+                load[r] += w
+                toks[r] += t
+                heapq.heappush(heap, (load[r], toks[r], r))
     for segs in p.segments:
         segs.sort()
     return p
 
 
-def _least_loaded_with_room(heap, load, toks, length: int, cap: int) -> int:
+def _least_loaded_group(cp: int, n: int, shares, load, toks, cap: int) -> list[int]:
+    """Among the aligned groups of ``cp`` ranks (:func:`groups_of`; member ``j`` taking ``shares[j]`` = (pairs,
+    tokens)), those whose members all keep within ``cap`` tokens (all groups if none does), the one whose busiest
+    member would be least loaded after taking its part; ties: least total load, then the first.  Vectorised over
+    the groups (integer tensors: exact)."""
+    width = min(cp, n)
+    count = n // width
+    loads = torch.tensor(load[: count * width]).view(count, width)
+    tks = torch.tensor(toks[: count * width]).view(count, width)
+    w, t = torch.tensor([x for x, _ in shares]), torch.tensor([y for _, y in shares])
+    fits = ((tks + t) <= cap).all(1)
+    pool = fits if bool(fits.any()) else torch.ones_like(fits)
+    peak = torch.where(pool, (loads + w).amax(1), torch.iinfo(torch.int64).max)
+    pool &= peak == peak.min()
+    total = torch.where(pool, loads.sum(1), torch.iinfo(torch.int64).max)
+    k = int(torch.argmin(total))  # argmin: the first of the least
+    return list(range(k * width, (k + 1) * width))
+
+
+def _least_loaded_with_room(heap, waiting, load, toks, length: int, cap: int) -> int:
     """The rank of least causal work (then fewest tokens, lowest rank) with room for ``length`` more tokens,
-    else the least loaded of all.  The heap is left holding a current entry for every rank."""
-    aside, first = [], None
+    else the least loaded of all.
+
+    ``heap`` holds ``(load, tokens, rank)``, ``waiting`` ``(tokens, load, rank)`` of the ranks found without room
+    for an earlier document; entries are current where they match ``load`` and ``toks`` (stale ones are
+    dropped when met).  Whole documents come longest first, so a rank without room for this one stays without
+    it until the documents get short enough: it waits in ``waiting`` (fewest tokens first) and returns to
+    ``heap`` then.  A rank thus moves between the two at most once per document it takes, plus once:
+    O((documents + N) log N) in all.  The chosen rank's entry is removed (the caller pushes its new one)."""
+    while waiting and waiting[0][0] + length <= cap:
+        t, w, r = heapq.heappop(waiting)
+        if (w, t) == (load[r], toks[r]):
+            heapq.heappush(heap, (w, t, r))
     while heap:
-        entry = heapq.heappop(heap)
-        w, t, r = entry
+        w, t, r = heapq.heappop(heap)
         if (w, t) != (load[r], toks[r]):
             continue  # stale: the rank's load changed since
-        if first is None:
-            first = r
-        aside.append(entry)
         if t + length <= cap:
-            break
-    else:
-        r = first
-    for entry in aside:
-        if entry[2] != r:
-            heapq.heappush(heap, entry)
-    return r
+            return r
+        heapq.heappush(waiting, (t, w, r))
+    return min(range(len(load)), key=lambda q: (load[q], toks[q], q))  # no rank has room (rare: O(N))
