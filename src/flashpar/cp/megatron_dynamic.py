@@ -78,6 +78,7 @@ def member_shares(start: int, length: int, g: int) -> list[tuple[int, int]]:
 
 
 def megatron_dynamic(doc_lens: list[int], n: int, token_slack: float) -> Placement:
+    """The placement of the module docstring: per-document power-of-two groups, largest ``L^2 / cp`` first."""
     total = sum(doc_lens)
     cap = token_cap(doc_lens, n, token_slack)
     starts = doc_starts_of(doc_lens)
