@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from flashpar.cp import STRATEGIES, CostModel, CPPlan, plan
 from flashpar.cp.lengths import pack
 
-AWARE = {"per_doc_aware", "whole_doc", "flashcp"}
+AWARE = {"per_doc_aware", "whole_doc", "megatron_dynamic", "flashcp"}
 lengths = st.lists(st.integers(min_value=1, max_value=70), min_size=1, max_size=10)
 world = st.integers(min_value=1, max_value=16)
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -143,6 +143,87 @@ def test_flashcp_beats_ring_and_all_gather_baselines_on_real_packs():
             assert best["compute_imbalance"] <= 1.05, best["compute_imbalance"]
             for strategy in ("headtail", "per_doc"):
                 assert best["est_step_time"] <= plan(doc_lens, n, strategy=strategy).stats()["est_step_time"]
+
+
+def test_megatron_dynamic_groups_are_powers_of_two_by_length():
+    """cp_i = 2^ceil(log2(L_i N / T)) clipped to [1, N]; a document of cp_i > 1 is head-tail over an aligned group
+    [k cp_i, (k + 1) cp_i) (every rank when cp_i = N), one of cp_i = 1 whole on the least-loaded rank with room."""
+    from flashpar.cp.megatron_dynamic import group_size, groups_of
+
+    # T = 8000 at N = 8: 1000 tokens per rank; 1000 -> 1, 1001 -> 2, 2000 -> 2, 2001 -> 4, 8000 -> 8
+    assert [group_size(x, 8000, 8) for x in (1, 1000, 1001, 2000, 2001, 4000, 4001, 8000)] == [1, 1, 2, 2, 4, 4, 8, 8]
+    assert group_size(2001, 3000, 3) == 3 and groups_of(4, 3) == [[0, 1, 2]] and groups_of(2, 3) == [[0, 1]]
+    assert groups_of(2, 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    lens = [3000, 1500, 1500, 500, 500, 400, 300, 200, 100]  # T = 8000, N = 8
+    p = plan(lens, 8, strategy="megatron_dynamic")
+    starts = p.doc_starts
+    holders = [sorted({r for r in range(8) for a, _ in p.segments[r] if starts[d] <= a < starts[d] + lens[d]})
+               for d in range(len(lens))]
+    assert holders[0] in ([0, 1, 2, 3], [4, 5, 6, 7])  # 3000 tokens: 4 ranks, an aligned group of 4
+    assert all(len(h) == 2 and h[0] % 2 == 0 and h[1] == h[0] + 1 for h in holders[1:3])  # 1500: aligned pairs
+    assert all(len(h) == 1 for h in holders[3:])  # whole
+    # the 3000-token document's group is head-tail: member j holds chunks j and 7 - j of 8
+    b = [3000 * i // 8 for i in range(9)]
+    assert [tuple(x for x in p.segments[r] if x[0] < 3000) for r in holders[0]] == \
+        [((b[j], b[j + 1]), (b[7 - j], b[8 - j])) for j in range(4)]
+    # every rank holds 750 tokens of a group, the token cap is 1050: no rank has room for a 500-token document, so
+    # the least loaded by causal pairs (a member of a 1500 pair: 375 + 375 tokens have fewer pairs) takes it
+    assert holders[3][0] in holders[1] + holders[2] and p.stats()["tokens"][holders[3][0]] == 1250
+    q = plan([100] * 8 + [50] * 4, 4, strategy="megatron_dynamic").stats()  # all whole: balanced, no K/V
+    assert q["tokens"] == [250] * 4 and q["total_kv_bytes"] == 0
+
+
+@SETTINGS
+@given(st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=40), world, st.sampled_from([0.0, 0.05]))
+def test_megatron_dynamic_matches_its_rule_by_brute_force(doc_lens, n, slack):
+    """The planner (heaps, vectorised group choice) against the rule written out plainly: largest L^2 / cp first,
+    whole onto the least-loaded rank with token room (else the least loaded), groups by every aligned group."""
+    from flashpar.cp.cp_plan import doc_starts_of
+    from flashpar.cp.flashcp import token_cap
+    from flashpar.cp.megatron_dynamic import group_size, groups_of, member_shares
+
+    total, cap, starts = sum(doc_lens), token_cap(doc_lens, n, slack), doc_starts_of(doc_lens)
+    cps = [group_size(x, total, n) for x in doc_lens]
+    load, toks, placed = [0] * n, [0] * n, {}
+    for d in sorted(range(len(doc_lens)), key=lambda d: (-(doc_lens[d] ** 2 / cps[d]), -doc_lens[d], d)):
+        shares = member_shares(starts[d], doc_lens[d], cps[d])
+        keys = []
+        for k, g in enumerate([[r] for r in range(n)] if cps[d] == 1 else groups_of(cps[d], n)):
+            fits = all(toks[r] + t <= cap for r, (_, t) in zip(g, shares, strict=True))
+            peak = max(load[r] + w for r, (w, _) in zip(g, shares, strict=True))
+            second = toks[g[0]] if cps[d] == 1 else sum(load[r] for r in g)
+            keys.append(((not fits, peak, second, k), g))
+        group = min(keys)[1]
+        placed[d] = group
+        for r, (w, t) in zip(group, shares, strict=True):
+            load[r], toks[r] = load[r] + w, toks[r] + t
+    p = plan(doc_lens, n, strategy="megatron_dynamic", token_slack=slack)
+    s = p.stats()
+    assert s["attn_pairs"] == load and s["tokens"] == toks
+    for d, group in placed.items():
+        holders = {r for r in range(n) for a, b in p.segments[r] if starts[d] <= a < starts[d] + doc_lens[d]}
+        assert holders == {r for r, (_, t) in zip(group, member_shares(starts[d], doc_lens[d], len(group)),
+                                                    strict=True) if t}
+
+
+def test_flashcp_is_no_slower_than_megatron_dynamic_on_real_packs():
+    """Packs of every shipped length list and the long-context mix (16K tokens at N = 4 and 8, 128K at N = 8 as in
+    ``flashpar bench plan``): flashcp's estimated step (cost model, attention + linear) is never above
+    megatron_dynamic's, and clearly below it on most packs (power-of-two groups decided by each document's length
+    alone leave ranks under the mean or over the token cap)."""
+    from flashpar.cp.lengths import LISTS, resolve_lengths
+
+    faster = total = 0
+    for name in (*LISTS, "long-context"):
+        source = resolve_lengths(name)
+        packs = [(d, n) for d in source.packs(16384, 2, seed=0) for n in (4, 8)]
+        for doc_lens, n in packs + [(source.packs(131072, 1, seed=1)[0], 8)]:
+            best = plan(doc_lens, n).stats()["est_step_time"]
+            peer = plan(doc_lens, n, strategy="megatron_dynamic").stats()["est_step_time"]
+            assert best <= peer * (1 + 1e-12), (name, n, doc_lens, best, peer)  # (float sums in another order)
+            faster += best < peer * 0.99
+            total += 1
+    assert faster >= total // 2, (faster, total)
 
 
 def test_pack_splits_documents_at_boundaries_and_drops_the_partial_tail():

@@ -9,7 +9,9 @@
 Figures: compute imbalance (max / mean of the cost model's per-rank compute), attention imbalance
 (max / mean of causal pairs), token imbalance, ``kv_worst_frac`` (the worst rank's K/V received
 over what an all-gather would bring it), K/V bytes against ``per_doc`` and ``per_doc_aware``,
-estimated step time against every baseline, planning time.
+estimated step time against every baseline (``slower``: packs where flashcp is estimated slower than any;
+``x headtail``, ``x per_doc``, ``x megatron``: mean speedups over those, ``megatron`` being Megatron-Core's
+dynamic CP, ``megatron_dynamic``), planning time.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import statistics
 import sys
 import time
 
-BASELINES = ("contiguous", "headtail", "per_doc", "per_doc_aware", "torch_per_doc", "whole_doc")
+BASELINES = ("contiguous", "headtail", "per_doc", "per_doc_aware", "torch_per_doc", "whole_doc", "megatron_dynamic")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,12 +81,12 @@ def lists(n_packs: int, seed: int, names=None) -> list[str]:
 
     lines = ["Length lists: flashcp per pack against the baselines (default cost model: attention + linear)",
              f"{'list':<18}{'tokens':>7}{'N':>4}{'packs':>6}{'compute imb':>16}{'token imb':>10}{'kv/per_doc':>11}"
-             f"{'>aware':>7}{'slower':>7}{'x headtail':>11}{'x per_doc':>10}{'plan ms':>14}"]
+             f"{'>aware':>7}{'slower':>7}{'x headtail':>11}{'x per_doc':>10}{'x megatron':>11}{'plan ms':>14}"]
     sources = sources_of(names or (*LISTS, "long-context"))
     for tokens, n in ((131072, 8), (524288, 32)):
         for name, source in sources.items():
             packs = source.packs(tokens, n_packs, seed=seed)
-            imb, tok, vs_ht, vs_pd, plan_ms = [], [], [], [], []
+            imb, tok, vs_ht, vs_pd, vs_md, plan_ms = [], [], [], [], [], []
             kv_ratio_num = kv_ratio_den = over_aware = slower = 0
             for doc_lens in packs:
                 p, dt = _timed(doc_lens, n)
@@ -99,12 +101,13 @@ def lists(n_packs: int, seed: int, names=None) -> list[str]:
                 slower += any(s["est_step_time"] > b["est_step_time"] * (1 + 1e-9) for b in base.values())
                 vs_ht.append(base["headtail"]["est_step_time"] / s["est_step_time"])
                 vs_pd.append(base["per_doc"]["est_step_time"] / s["est_step_time"])
+                vs_md.append(base["megatron_dynamic"]["est_step_time"] / s["est_step_time"])
                 plan_ms.append(dt * 1e3)
             kv = f"{kv_ratio_num / kv_ratio_den:.2f}" if kv_ratio_den else "-"
             label = "long-context mix" if name == "long-context" else name
             lines.append(f"{label:<18}{tokens // 1024:>6}K{n:>4}{len(packs):>6}"
                          f"{statistics.mean(imb):>8.3f} ({max(imb):.3f}){max(tok):>10.3f}{kv:>11}{over_aware:>7}"
-                         f"{slower:>7}{statistics.mean(vs_ht):>11.2f}{statistics.mean(vs_pd):>10.2f}"
+                         f"{slower:>7}{statistics.mean(vs_ht):>11.2f}{statistics.mean(vs_pd):>10.2f}{statistics.mean(vs_md):>11.2f}"
                          f"{statistics.mean(plan_ms):>7.1f} ({max(plan_ms):.0f})")
     return lines
 

@@ -3,7 +3,8 @@
 ``plan(doc_lens, cp_size, strategy=...)`` decides which tokens each rank holds and which K/V it
 receives (:class:`CPPlan`); it is pure and deterministic, needs no process group and runs in a
 data-loader worker.  Strategies: ``flashcp`` (the hybrid search) and the baselines
-``contiguous``, ``headtail``, ``per_doc``, ``per_doc_aware``, ``torch_per_doc``, ``whole_doc``.
+``contiguous``, ``headtail``, ``per_doc``, ``per_doc_aware``, ``torch_per_doc``, ``whole_doc`` and
+``megatron_dynamic`` (Megatron-Core's per-document power-of-two CP groups, ``megatron_dynamic.py``).
 ``attention(q, k, v, plan)`` runs the plan: exact attention with the K/V exchange of its strategy
 (``attention.py``); ``shard`` / ``gather`` move whole-sequence tensors to and from its layout.
 """
@@ -13,13 +14,15 @@ from __future__ import annotations
 import time
 
 from flashpar.cp import flashcp as _flashcp
+from flashpar.cp import megatron_dynamic as _megatron_dynamic
 from flashpar.cp import strategies as _strategies
 from flashpar.cp.cost import CostModel
 from flashpar.cp.cp_plan import CPPlan
 
-STRATEGIES = ("contiguous", "headtail", "per_doc", "per_doc_aware", "torch_per_doc", "whole_doc", "flashcp")
+STRATEGIES = ("contiguous", "headtail", "per_doc", "per_doc_aware", "torch_per_doc", "whole_doc", "megatron_dynamic",
+              "flashcp")  # flashcp last: STRATEGIES[:-1] are the peers it is measured against
 COMM = {"contiguous": "all", "headtail": "all", "per_doc": "all", "torch_per_doc": "all",
-        "per_doc_aware": "aware", "whole_doc": "aware", "flashcp": "aware"}
+        "per_doc_aware": "aware", "whole_doc": "aware", "megatron_dynamic": "aware", "flashcp": "aware"}
 
 
 def plan(doc_lens, cp_size: int, *, strategy: str = "flashcp", cost: CostModel | None = None,
@@ -32,6 +35,8 @@ def plan(doc_lens, cp_size: int, *, strategy: str = "flashcp", cost: CostModel |
         placement = _flashcp.flashcp(lens, cp_size, cost, token_slack)
     elif strategy == "whole_doc":
         placement = _flashcp.whole_doc(lens, cp_size, cost, token_slack)
+    elif strategy == "megatron_dynamic":
+        placement = _megatron_dynamic.megatron_dynamic(lens, cp_size, token_slack)
     else:
         fn = {"contiguous": _strategies.contiguous, "headtail": _strategies.headtail,
               "per_doc": _strategies.per_doc, "per_doc_aware": _strategies.per_doc,
