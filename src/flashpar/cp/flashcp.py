@@ -349,20 +349,16 @@ class _Greedy:
 
     def _refine(self, wholes, load, toks) -> None:
         """Lower the busiest rank by moving one of its Whole-Doc documents to the least busy rank, or by
-        swapping one for a lighter one there (no K/V cost: whole documents need none), while the peak drops."""
-        n, cap = self.n, self.cap
+        swapping one for a lighter one there (no K/V cost: whole documents need none), while the peak drops.
+
+        Each step takes, over every document ``a`` of the busiest rank and every option ``b`` of the least
+        busy (nothing, or one of its documents) within the token cap, the lowest peak
+        ``max(H - w_a + w_b, L + w_a - w_b)``, the first in (``a``, then nothing, then ``b``) order on ties
+        (see :meth:`_best_move`)."""
         for _ in range(2 * sum(map(len, wholes))):
-            hi = max(range(n), key=load.__getitem__)
-            lo = min(range(n), key=load.__getitem__)
-            best, best_peak = None, load[hi] - 1e-12 * abs(load[hi])
-            for i, (wa, la, _) in enumerate(wholes[hi]):
-                options = [(None, 0.0, 0)] + [(j, wb, lb) for j, (wb, lb, _) in enumerate(wholes[lo])]
-                for j, wb, lb in options:
-                    if toks[lo] + la - lb > cap or toks[hi] - la + lb > cap:
-                        continue
-                    peak = max(load[hi] - wa + wb, load[lo] + wa - wb)
-                    if peak < best_peak:
-                        best, best_peak = (i, j), peak
+            hi = load.index(max(load))  # the first busiest / least busy rank
+            lo = load.index(min(load))
+            best = self._best_move(wholes[hi], wholes[lo], load[hi], load[lo], toks[hi], toks[lo])
             if best is None:
                 return
             i, j = best
@@ -376,6 +372,71 @@ class _Greedy:
             load[lo] += a[0] - wb
             toks[hi] += lb - a[1]
             toks[lo] += a[1] - lb
+
+    def _best_move(self, hi_docs, lo_docs, h: float, low: float, tok_hi: int, tok_lo: int):
+        """``(i, j)``: move document ``i`` of the busiest rank (load ``h``) to the least busy (load ``low``) and
+        document ``j`` back (``None``: nothing back), the pair of lowest peak ``p = max(h - w_i + w_j,
+        low + w_i - w_j)`` below ``h (1 - 1e-12)`` with both ranks within the token cap, the first in
+        (``i``, then ``None``, then ``j``) order on equal peaks; ``None`` if no pair lowers the peak.
+
+        The peak is ``(h + low) / 2 + |w_i - w_j - (h - low) / 2|`` (up to rounding), and ``w`` is a function
+        of the length: per length of the busiest rank (its first document), the options of the least busy
+        (per length, its first document; and nothing) sorted by ``w``, bisected at ``w_i - (h - low) / 2``.
+        Pass 1 finds the least distance ``|w_i - w_j - (h - low) / 2|`` over feasible pairs; pass 2 takes
+        every feasible pair within a rounding margin of it and compares their peaks as the step writes them,
+        so the choice is the one of the scan over all pairs, in O(D log D) for D distinct lengths."""
+        cap = self.cap
+        first_hi: dict[int, tuple[float, int]] = {}
+        for i, (w, length, _) in enumerate(hi_docs):
+            if length not in first_hi:
+                first_hi[length] = (w, i)
+        first_lo: dict[int, tuple[float, int]] = {}
+        for j, (w, length, _) in enumerate(lo_docs):
+            if length not in first_lo:
+                first_lo[length] = (w, j)
+        options = sorted([(w, length, j) for length, (w, j) in first_lo.items()] + [(0.0, 0, -1)])
+        ws = [o[0] for o in options]
+        ls = [o[1] for o in options]
+        m = len(options)
+        half = (h - low) / 2
+        nearest, walks = math.inf, []
+        for la, (wa, ia) in first_hi.items():
+            lo_b, hi_b = la + tok_lo - cap, cap - tok_hi + la  # the option's length must lie in [lo_b, hi_b]
+            t = wa - half
+            pos = bisect.bisect_left(ws, t)
+            k = pos - 1
+            while k >= 0 and not lo_b <= ls[k] <= hi_b:
+                k -= 1
+            if k >= 0:
+                nearest = min(nearest, t - ws[k])
+            k = pos
+            while k < m and not lo_b <= ls[k] <= hi_b:
+                k += 1
+            if k < m:
+                nearest = min(nearest, ws[k] - t)
+            walks.append((wa, ia, lo_b, hi_b, t, pos))
+        if nearest == math.inf:
+            return None
+        bound = nearest + 1e-9 * (abs(h) + abs(low))  # rounding margin (peaks are exact to a few ulps)
+        best, best_key = None, (h - 1e-12 * abs(h),)
+        for wa, ia, lo_b, hi_b, t, pos in walks:
+            k = pos - 1
+            while k >= 0 and t - ws[k] <= bound:
+                if lo_b <= ls[k] <= hi_b:
+                    key = (max(h - wa + ws[k], low + wa - ws[k]), ia, options[k][2])
+                    if key < best_key:
+                        best, best_key = (ia, options[k][2]), key
+                k -= 1
+            k = pos
+            while k < m and ws[k] - t <= bound:
+                if lo_b <= ls[k] <= hi_b:
+                    key = (max(h - wa + ws[k], low + wa - ws[k]), ia, options[k][2])
+                    if key < best_key:
+                        best, best_key = (ia, options[k][2]), key
+                k += 1
+        if best is None:
+            return None
+        return best[0], (None if best[1] < 0 else best[1])
 
 
 def whole_doc(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) -> Placement:
