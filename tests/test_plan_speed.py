@@ -13,27 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from flashpar.bench.plan_targets import short_docs
 from flashpar.cp import CostModel, plan
 from flashpar.cp.lengths import resolve_lengths
 
 FROZEN = Path(__file__).parent / "data" / "frozen_plans.json"
 STRATEGIES = ("flashcp", "whole_doc")
-
-
-def short_docs(tokens: int, docs: int) -> list[int]:
-    """Exactly ``docs`` documents adding up to ``tokens``: spamassassin's lengths (cycled) scaled to fit."""
-    src = resolve_lengths("spamassassin").values
-    raw = [src[i % len(src)] for i in range(docs)]
-    lens = [max(1, v * tokens // sum(raw)) for v in raw]
-    rest, i = tokens - sum(lens), 0
-    order = sorted(range(docs), key=lambda d: -lens[d])
-    while rest:
-        d = order[i % docs]
-        step = 1 if rest > 0 else -(lens[d] > 1)
-        lens[d] += step
-        rest -= step
-        i += 1
-    return lens
 
 
 def cases() -> dict[str, tuple[list[int], int, bool]]:
@@ -78,3 +63,25 @@ if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
         print(name, len(doc_lens), flush=True)
     FROZEN.write_text(json.dumps(out, separators=(",", ":")))
     print(FROZEN, FROZEN.stat().st_size)
+
+
+def test_bench_plan_scale_block(monkeypatch, capsys):
+    """``bench plan --scale``'s block: one row per case against its target (the cases shrunk to two small packs),
+    and ``short_docs`` packs exactly the documents asked for; a bad ``--scale-runs`` is one line."""
+    from flashpar.bench import plan_targets
+    from flashpar.cli import main
+
+    lens = short_docs(4096, 700)
+    assert len(lens) == 700 and sum(lens) == 4096 and min(lens) >= 1
+    with pytest.raises(ValueError, match="holds 1 to 100 documents"):
+        short_docs(100, 101)
+    monkeypatch.setattr(plan_targets, "SCALE_TARGETS_MS", {(4096, 2): 1e5, (8192, 4): 0.0})
+    monkeypatch.setattr(plan_targets, "scale_packs", lambda: [("short", lens, 4096, 2),
+                                                              ("sotu", [4000, 4192], 8192, 4)])
+    lines = plan_targets.planning_at_scale(2)
+    assert lines[0].startswith("Planning time at scale, flashcp (ms, median of 2 runs") and len(lines) == 4
+    assert lines[2].split()[:4] == ["short", "4K", "2", "700"] and lines[2].split()[6] == "yes"
+    assert lines[3].split()[:4] == ["sotu", "8K", "4", "2"] and lines[3].split()[6] == "NO"
+    assert main(["bench", "plan", "--scale-runs", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "flashpar bench plan: --scale-runs must be >= 1, got 0", err
