@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import heapq
 import math
 
 from flashpar.cp.cost import CostModel
@@ -238,23 +239,38 @@ class _Greedy:
         wholes: list[list[tuple[float, int, int]]] = [[] for _ in range(n)]  # (compute, length, start) per rank
         p = Placement(n)
         splits: list[_Split] = []  # documents over several ranks (laid out at the end)
+        # the ranks by fullness, key (max(load / limit, tokens / cap), load, rank): a heap, one entry per rank,
+        # rebuilt after a document placed otherwise than whole (which may change several ranks)
+        heap: list[tuple[float, float, int]] = []
+        stale = True
         for k, d in enumerate(self.order):
             length, start = self.lens[d], self.starts[d]
             if k >= force:
                 w = self.whole(length)
-                # the rank with the most room left in both work and tokens, among those it fits
-                r, best = -1, (math.inf, math.inf)
+                # the rank with the most room left in both work and tokens, among those it fits: the first in
+                # key order that fits (the least key, the lowest rank on ties)
+                if stale:
+                    heap = [(max(load[q] / limit, toks[q] / cap), load[q], q) for q in range(n)]
+                    heapq.heapify(heap)
+                    stale = False
                 tok_room, work_room = cap - length, limit - w
-                for q in range(n):
+                r, skipped = -1, []
+                while heap:
+                    q = heap[0][2]
                     if toks[q] <= tok_room and load[q] <= work_room:
-                        key = (max(load[q] / limit, toks[q] / cap), load[q])
-                        if key < best:
-                            r, best = q, key
+                        r = q
+                        break
+                    skipped.append(heapq.heappop(heap))
                 if r >= 0:
                     wholes[r].append((w, length, start))
                     load[r] += w
                     toks[r] += length
+                    heapq.heapreplace(heap, (max(load[r] / limit, toks[r] / cap), load[r], r))
+                for e in skipped:
+                    heapq.heappush(heap, e)
+                if r >= 0:
                     continue
+            stale = True
             by_load = sorted(range(n), key=lambda r: (load[r], toks[r], r))
             group = self._group(length, by_load, load, toks, limit, share) if subgroups else None
             # unequal parts only where the document fits whole on no rank (else: whole, over the bound, below)
