@@ -43,6 +43,8 @@ import dataclasses
 import heapq
 import math
 
+import numpy as np
+
 from flashpar.cp.cost import CostModel
 from flashpar.cp.cp_plan import causal_pairs, doc_starts_of, rank_figures
 from flashpar.cp.strategies import Placement, chunk_bounds, contiguous, headtail, per_doc, sized_pieces, torch_per_doc
@@ -110,6 +112,8 @@ class _Greedy:
         key = (length, g)
         if g == 1:
             return [self.whole(length)], [length]
+        if key not in self._shares and g >= 16:
+            self._shares[key] = self._shares_arrays(length, g)
         if key not in self._shares:
             b = chunk_bounds(0, length, 2 * g)
             work, toks = [], []
@@ -121,6 +125,26 @@ class _Greedy:
                 toks.append(n_tok)
             self._shares[key] = (work, toks)
         return self._shares[key]
+
+    def _shares_arrays(self, length: int, g: int) -> tuple[list[float], list[int]]:
+        """:meth:`shares` on arrays (the same floats: each piece's time as ``CostModel.attn_time`` rounds it, the
+        head's and the tail's added, then the linear time)."""
+        b = length * np.arange(2 * g + 1, dtype=np.int64) // (2 * g)
+        i = np.arange(g)
+        hw, cost = self.cost.hardware, self.cost
+
+        def piece_time(x, y):
+            q, k = (y - x).astype(np.float64), y.astype(np.float64)
+            work = (((y - x) * (x + y + 1)) // 2).astype(np.float64) * cost.flops_per_pair
+            with np.errstate(divide="ignore", invalid="ignore"):  # (empty pieces: masked)
+                eff = hw.attn_peak * (q / (q + hw.attn_half)) * (k / (k + hw.attn_half))
+                return np.where((y > x) & (work > 0), work / (hw.flops * eff), 0.0)
+
+        head = piece_time(b[i], b[i + 1])
+        tail = piece_time(b[2 * g - 1 - i], b[2 * g - i])
+        n_tok = (b[i + 1] - b[i]) + (b[2 * g - i] - b[2 * g - 1 - i])
+        work = (head + tail) + n_tok.astype(np.float64) * cost.flops_per_token / hw.gemm_flops
+        return work.tolist(), n_tok.tolist()
 
     def _group(self, length: int, by_load: list[int], load, toks, limit: float, share: float) -> list[int] | None:
         """The smallest head-tail group (of ``self.sizes`` least-loaded ranks) whose members all stay under
@@ -249,13 +273,14 @@ class _Greedy:
                 w = self.whole(length)
                 # the rank with the most room left in both work and tokens, among those it fits: the first in
                 # key order that fits (the least key, the lowest rank on ties)
-                if stale:
+                tok_room, work_room = cap - length, limit - w
+                r, skipped = -1, []
+                fits = min(toks) <= tok_room and min(load) <= work_room  # (else no rank fits)
+                if fits and stale:
                     heap = [(max(load[q] / limit, toks[q] / cap), load[q], q) for q in range(n)]
                     heapq.heapify(heap)
                     stale = False
-                tok_room, work_room = cap - length, limit - w
-                r, skipped = -1, []
-                while heap:
+                while fits and heap:
                     q = heap[0][2]
                     if toks[q] <= tok_room and load[q] <= work_room:
                         r = q
@@ -271,7 +296,7 @@ class _Greedy:
                 if r >= 0:
                     continue
             stale = True
-            by_load = sorted(range(n), key=lambda r: (load[r], toks[r], r))
+            by_load = np.lexsort((np.asarray(toks), np.asarray(load))).tolist()  # by (load, tokens, rank)
             group = self._group(length, by_load, load, toks, limit, share) if subgroups else None
             # unequal parts only where the document fits whole on no rank (else: whole, over the bound, below)
             cut = group is None and subgroups and length > cap - min(toks)
