@@ -5,6 +5,10 @@
 2. Every shipped length list (``flashpar/data``) and the long-context bucket mix (or the ``--lists``
    given): packs of 128K tokens at N = 8 and 512K at N = 32, default cost model (attention + linear).
 3. Planning time for 1M tokens at N = 64 (5 packs, or ``--packs`` if fewer).
+4. With ``--scale``: planning time at scale against the targets (median of ``--scale-runs``): 128K tokens at
+   N = 8 and 512K at N = 32, on a pack of wlbllm, of about 2,000 and of 10,000 short documents
+   (:func:`short_docs`), and 8M tokens at N = 1,024 on wlbllm and the long-context mix (each row also shows
+   the plan's compute and token imbalance).
 
 Figures: compute imbalance (max / mean of the cost model's per-rank compute), attention imbalance
 (max / mean of causal pairs), token imbalance, ``kv_worst_frac`` (the worst rank's K/V received
@@ -31,6 +35,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lists", default=None,
                    help="comma-separated --lengths names or files for the length-list block (default: every shipped "
                         "list and the long-context mix)")
+    p.add_argument("--scale", action="store_true",
+                   help="also time the planner at scale against its targets (128K / N=8 and 512K / N=32 with up to "
+                        "10,000 documents, 8M / N=1024)")
+    p.add_argument("--scale-runs", type=int, default=3, help="runs per --scale case, the median shown (default 3)")
+
+
+SCALE_TARGETS_MS = {(131072, 8): 20.0, (524288, 32): 200.0, (8 << 20, 1024): 1000.0}
+"""Planning-time targets (ms, an idle 2-core machine) per (tokens, N), whatever the number of documents."""
 
 
 def _timed(doc_lens, n, **kw):
@@ -127,6 +139,65 @@ def planning_time(n_packs: int) -> list[str]:
     return lines
 
 
+def short_docs(tokens: int, docs: int) -> list[int]:
+    """A pack of exactly ``docs`` documents adding up to ``tokens``: spamassassin's lengths (cycled), scaled to fit
+    (each at least 1 token; the rounding's remainder spread over the longest, one token each)."""
+    from flashpar.cp.lengths import resolve_lengths
+
+    if not 1 <= docs <= tokens:
+        raise ValueError(f"a pack of {tokens} tokens holds 1 to {tokens} documents, not {docs}")
+    src = resolve_lengths("spamassassin").values
+    raw = [src[i % len(src)] for i in range(docs)]
+    lens = [max(1, v * tokens // sum(raw)) for v in raw]
+    rest, i = tokens - sum(lens), 0
+    order = sorted(range(docs), key=lambda d: -lens[d])
+    while rest:
+        d = order[i % docs]
+        step = 1 if rest > 0 else -(lens[d] > 1)
+        lens[d] += step
+        rest -= step
+        i += 1
+    return lens
+
+
+def scale_packs() -> list[tuple[str, list[int], int, int]]:
+    """The ``--scale`` cases: (label, document lengths, tokens, N)."""
+    from flashpar.cp.lengths import resolve_lengths
+
+    out = []
+    for tokens, n in ((131072, 8), (524288, 32)):
+        out.append(("wlbllm", resolve_lengths("wlbllm").packs(tokens, 1)[0], tokens, n))
+        out += [(f"{docs:,} short docs", short_docs(tokens, docs), tokens, n) for docs in (2000, 10000)]
+    for name in ("wlbllm", "long-context"):
+        out.append((name if name != "long-context" else "long-context mix",
+                    resolve_lengths(name).packs(8 << 20, 1)[0], 8 << 20, 1024))
+    return out
+
+
+def planning_at_scale(runs: int) -> list[str]:
+    """flashcp's planning time (median of ``runs``, interleaved) on :func:`scale_packs` against its target."""
+    import os
+
+    cases = scale_packs()
+    times: list[list[float]] = [[] for _ in cases]
+    plans = [None] * len(cases)
+    for _ in range(runs):
+        for i, (_, doc_lens, _, n) in enumerate(cases):
+            plans[i], dt = _timed(doc_lens, n)
+            times[i].append(dt * 1e3)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    lines = [f"Planning time at scale, flashcp (ms, median of {runs} runs; load average {load:.1f} after)",
+             f"{'pack':<20}{'tokens':>7}{'N':>6}{'docs':>7}{'plan ms':>10}{'target':>8}{'met':>5}"
+             f"{'compute imb':>12}{'token imb':>10}"]
+    for (label, doc_lens, tokens, n), ts, p in zip(cases, times, plans, strict=True):
+        target, ms, s = SCALE_TARGETS_MS[(tokens, n)], statistics.median(ts), p.stats()
+        size = f"{tokens // 1024}K" if tokens < 1 << 20 else f"{tokens >> 20}M"
+        met = "yes" if ms <= target else "NO"
+        lines.append(f"{label:<20}{size:>7}{n:>6}{len(doc_lens):>7}{ms:>10.1f}{target:>8.0f}{met:>5}"
+                     f"{s['compute_imbalance']:>12.3f}{s['token_imbalance']:>10.3f}")
+    return lines
+
+
 def sources_of(names) -> dict:
     """``{name: resolve_lengths(name)}``, in order."""
     from flashpar.cp.lengths import resolve_lengths
@@ -139,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.packs < 1:
             raise ValueError(f"--packs must be >= 1, got {args.packs}")
+        if args.scale_runs < 1:
+            raise ValueError(f"--scale-runs must be >= 1, got {args.scale_runs}")
         if names is not None:
             if not names:
                 raise ValueError("--lists is empty")
@@ -146,7 +219,10 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as err:
         print(f"flashpar bench plan: {err}", file=sys.stderr)
         return 2
-    for block in (magi(args.seed), lists(args.packs, args.seed, names), planning_time(args.packs)):
-        print("\n".join(block), flush=True)
+    blocks = [lambda: magi(args.seed), lambda: lists(args.packs, args.seed, names), lambda: planning_time(args.packs)]
+    if args.scale:
+        blocks.append(lambda: planning_at_scale(args.scale_runs))
+    for block in blocks:
+        print("\n".join(block()), flush=True)
         print()
     return 0

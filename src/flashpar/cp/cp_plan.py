@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import json
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from flashpar.cp.cost import CostModel
@@ -54,38 +56,73 @@ class RankFigures:
 
 
 def rank_figures(segments, doc_lens, doc_starts, cost: CostModel, comm: str) -> RankFigures:
-    """Work and traffic of every rank of a placement (the planner scores candidates with this)."""
+    """Work and traffic of every rank of a placement (the planner scores candidates with this).
+
+    Per rank, over its pieces ``[a, b)`` in token order (document ``d`` from ``s``; ``h`` the tokens of ``d`` it
+    holds before the piece): ``p = causal_pairs(a, b, s)`` pairs, of them ``(b - a) h + (b - a)(b - a + 1) / 2``
+    on local keys; the piece's attention time ``t`` splits in that ratio into local and remote time.  It
+    receives, per document, ``[s, end of its last piece)`` less what it holds.  Computed on arrays (numpy),
+    with every float rounded as the scalar formulas round it and the per-rank sums taken in token order."""
     n = len(segments)
     total = sum(doc_lens)
+    counts = np.fromiter((len(s) for s in segments), dtype=np.int64, count=n)
+    m = int(counts.sum())
+    flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(segments)), dtype=np.int64,
+                       count=2 * m).reshape(m, 2)
+    rank = np.repeat(np.arange(n, dtype=np.int64), counts)
+    order = np.lexsort((flat[:, 0], rank))  # per rank, by start: sorted(segs)
+    a, b, rank = flat[order, 0], flat[order, 1], rank[order]
+    starts = np.asarray(doc_starts, dtype=np.int64)
+    doc = np.searchsorted(starts, a, side="right") - 1
+    s = starts[doc]
+    length = b - a
+    # groups: consecutive pieces of one document on one rank
+    new = np.ones(m, dtype=bool)
+    new[1:] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1])
+    gid = np.cumsum(new) - 1
+    csum = np.cumsum(length)
+    group_first = np.flatnonzero(new)
+    before_group = (csum - length)[group_first]  # tokens of the rank's earlier groups (running over all)
+    held_before = csum - length - before_group[gid]
+    pairs = length * (a + b - 2 * s + 1) // 2
+    local_p = length * held_before + length * (length + 1) // 2
+    hw = cost.hardware
+    work = pairs.astype(np.float64) * cost.flops_per_pair
+    q = length.astype(np.float64)
+    k = (b - s).astype(np.float64)
+    h = hw.attn_half
+    eff = hw.attn_peak * (q / (q + h)) * (k / (k + h))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(work > 0, work / (hw.flops * eff), 0.0)
+        local_t = t * local_p.astype(np.float64) / pairs
+        remote_t = t * (pairs - local_p).astype(np.float64) / pairs
+    # receive: per group, (last end - doc start) - held tokens
+    group_last = np.append(group_first[1:], m) - 1
+    held = csum[group_last] - before_group
+    recv_g = (b[group_last] - s[group_first]) - held
+    group_rank = rank[group_first]
+    recv_r = np.zeros(n, dtype=np.int64)
+    np.add.at(recv_r, group_rank, recv_g)
+    tokens_r = np.zeros(n, dtype=np.int64)
+    np.add.at(tokens_r, rank, length)
+    pairs_r = np.zeros(n, dtype=np.int64)
+    np.add.at(pairs_r, rank, pairs)
+    bounds = np.concatenate(([0], np.cumsum(counts)))
     fig = RankFigures([0] * n, [0] * n, [0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
-    for r, segs in enumerate(segments):
-        tokens = pairs = recv = 0
-        local_t = remote_t = 0.0
-        held_doc, held_before, last_end, doc_start = -1, 0, 0, 0
-        for a, b in sorted(segs):
-            d = bisect.bisect_right(doc_starts, a) - 1
-            if d != held_doc:  # a new document: close the previous one
-                recv += (last_end - doc_start) - held_before if held_doc >= 0 else 0
-                held_doc, held_before, doc_start = d, 0, doc_starts[d]
-            length = b - a
-            p = causal_pairs(a, b, doc_start)
-            local_p = length * held_before + length * (length + 1) // 2
-            t = cost.attn_time(p, length, b - doc_start)
-            local_t += t * local_p / p
-            remote_t += t * (p - local_p) / p
-            tokens += length
-            pairs += p
-            held_before += length
-            last_end = b
-        if held_doc >= 0:
-            recv += (last_end - doc_start) - held_before
-        if comm == "all":
-            recv = total - tokens
-        fig.tokens[r], fig.attn_pairs[r], fig.recv_tokens[r] = tokens, pairs, recv
-        fig.compute[r] = cost.linear_time(tokens) + local_t + remote_t
-        fig.remote[r] = remote_t
+    tokens_l, pairs_l, recv_l = tokens_r.tolist(), pairs_r.tolist(), recv_r.tolist()
+    bounds_l = bounds.tolist()
+    for r in range(n):
+        lo, hi = bounds_l[r], bounds_l[r + 1]
+        # sums in token order, as a running ``+=`` adds them (cumsum is sequential; sum() is not)
+        lt = float(np.cumsum(local_t[lo:hi])[-1]) if hi > lo else 0.0
+        rt = float(np.cumsum(remote_t[lo:hi])[-1]) if hi > lo else 0.0
+        tokens = tokens_l[r]
+        recv = total - tokens if comm == "all" else recv_l[r]
+        fig.tokens[r], fig.attn_pairs[r], fig.recv_tokens[r] = tokens, pairs_l[r], recv
+        fig.compute[r] = cost.linear_time(tokens) + lt + rt
+        fig.remote[r] = rt
         fig.comm[r] = cost.comm_time(recv)
-        fig.time[r] = max(fig.compute[r], fig.comm[r] + remote_t)
+        fig.time[r] = max(fig.compute[r], fig.comm[r] + rt)
     return fig
 
 

@@ -40,7 +40,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import heapq
 import math
+
+import numpy as np
 
 from flashpar.cp.cost import CostModel
 from flashpar.cp.cp_plan import causal_pairs, doc_starts_of, rank_figures
@@ -109,6 +112,8 @@ class _Greedy:
         key = (length, g)
         if g == 1:
             return [self.whole(length)], [length]
+        if key not in self._shares and g >= 16:
+            self._shares[key] = self._shares_arrays(length, g)
         if key not in self._shares:
             b = chunk_bounds(0, length, 2 * g)
             work, toks = [], []
@@ -120,6 +125,26 @@ class _Greedy:
                 toks.append(n_tok)
             self._shares[key] = (work, toks)
         return self._shares[key]
+
+    def _shares_arrays(self, length: int, g: int) -> tuple[list[float], list[int]]:
+        """:meth:`shares` on arrays (the same floats: each piece's time as ``CostModel.attn_time`` rounds it, the
+        head's and the tail's added, then the linear time)."""
+        b = length * np.arange(2 * g + 1, dtype=np.int64) // (2 * g)
+        i = np.arange(g)
+        hw, cost = self.cost.hardware, self.cost
+
+        def piece_time(x, y):
+            q, k = (y - x).astype(np.float64), y.astype(np.float64)
+            work = (((y - x) * (x + y + 1)) // 2).astype(np.float64) * cost.flops_per_pair
+            with np.errstate(divide="ignore", invalid="ignore"):  # (empty pieces: masked)
+                eff = hw.attn_peak * (q / (q + hw.attn_half)) * (k / (k + hw.attn_half))
+                return np.where((y > x) & (work > 0), work / (hw.flops * eff), 0.0)
+
+        head = piece_time(b[i], b[i + 1])
+        tail = piece_time(b[2 * g - 1 - i], b[2 * g - i])
+        n_tok = (b[i + 1] - b[i]) + (b[2 * g - i] - b[2 * g - 1 - i])
+        work = (head + tail) + n_tok.astype(np.float64) * cost.flops_per_token / hw.gemm_flops
+        return work.tolist(), n_tok.tolist()
 
     def _group(self, length: int, by_load: list[int], load, toks, limit: float, share: float) -> list[int] | None:
         """The smallest head-tail group (of ``self.sizes`` least-loaded ranks) whose members all stay under
@@ -238,24 +263,40 @@ class _Greedy:
         wholes: list[list[tuple[float, int, int]]] = [[] for _ in range(n)]  # (compute, length, start) per rank
         p = Placement(n)
         splits: list[_Split] = []  # documents over several ranks (laid out at the end)
+        # the ranks by fullness, key (max(load / limit, tokens / cap), load, rank): a heap, one entry per rank,
+        # rebuilt after a document placed otherwise than whole (which may change several ranks)
+        heap: list[tuple[float, float, int]] = []
+        stale = True
         for k, d in enumerate(self.order):
             length, start = self.lens[d], self.starts[d]
             if k >= force:
                 w = self.whole(length)
-                # the rank with the most room left in both work and tokens, among those it fits
-                r, best = -1, (math.inf, math.inf)
+                # the rank with the most room left in both work and tokens, among those it fits: the first in
+                # key order that fits (the least key, the lowest rank on ties)
                 tok_room, work_room = cap - length, limit - w
-                for q in range(n):
+                r, skipped = -1, []
+                fits = min(toks) <= tok_room and min(load) <= work_room  # (else no rank fits)
+                if fits and stale:
+                    heap = [(max(load[q] / limit, toks[q] / cap), load[q], q) for q in range(n)]
+                    heapq.heapify(heap)
+                    stale = False
+                while fits and heap:
+                    q = heap[0][2]
                     if toks[q] <= tok_room and load[q] <= work_room:
-                        key = (max(load[q] / limit, toks[q] / cap), load[q])
-                        if key < best:
-                            r, best = q, key
+                        r = q
+                        break
+                    skipped.append(heapq.heappop(heap))
                 if r >= 0:
                     wholes[r].append((w, length, start))
                     load[r] += w
                     toks[r] += length
+                    heapq.heapreplace(heap, (max(load[r] / limit, toks[r] / cap), load[r], r))
+                for e in skipped:
+                    heapq.heappush(heap, e)
+                if r >= 0:
                     continue
-            by_load = sorted(range(n), key=lambda r: (load[r], toks[r], r))
+            stale = True
+            by_load = np.lexsort((np.asarray(toks), np.asarray(load))).tolist()  # by (load, tokens, rank)
             group = self._group(length, by_load, load, toks, limit, share) if subgroups else None
             # unequal parts only where the document fits whole on no rank (else: whole, over the bound, below)
             cut = group is None and subgroups and length > cap - min(toks)
@@ -349,20 +390,16 @@ class _Greedy:
 
     def _refine(self, wholes, load, toks) -> None:
         """Lower the busiest rank by moving one of its Whole-Doc documents to the least busy rank, or by
-        swapping one for a lighter one there (no K/V cost: whole documents need none), while the peak drops."""
-        n, cap = self.n, self.cap
+        swapping one for a lighter one there (no K/V cost: whole documents need none), while the peak drops.
+
+        Each step takes, over every document ``a`` of the busiest rank and every option ``b`` of the least
+        busy (nothing, or one of its documents) within the token cap, the lowest peak
+        ``max(H - w_a + w_b, L + w_a - w_b)``, the first in (``a``, then nothing, then ``b``) order on ties
+        (see :meth:`_best_move`)."""
         for _ in range(2 * sum(map(len, wholes))):
-            hi = max(range(n), key=load.__getitem__)
-            lo = min(range(n), key=load.__getitem__)
-            best, best_peak = None, load[hi] - 1e-12 * abs(load[hi])
-            for i, (wa, la, _) in enumerate(wholes[hi]):
-                options = [(None, 0.0, 0)] + [(j, wb, lb) for j, (wb, lb, _) in enumerate(wholes[lo])]
-                for j, wb, lb in options:
-                    if toks[lo] + la - lb > cap or toks[hi] - la + lb > cap:
-                        continue
-                    peak = max(load[hi] - wa + wb, load[lo] + wa - wb)
-                    if peak < best_peak:
-                        best, best_peak = (i, j), peak
+            hi = load.index(max(load))  # the first busiest / least busy rank
+            lo = load.index(min(load))
+            best = self._best_move(wholes[hi], wholes[lo], load[hi], load[lo], toks[hi], toks[lo])
             if best is None:
                 return
             i, j = best
@@ -376,6 +413,71 @@ class _Greedy:
             load[lo] += a[0] - wb
             toks[hi] += lb - a[1]
             toks[lo] += a[1] - lb
+
+    def _best_move(self, hi_docs, lo_docs, h: float, low: float, tok_hi: int, tok_lo: int):
+        """``(i, j)``: move document ``i`` of the busiest rank (load ``h``) to the least busy (load ``low``) and
+        document ``j`` back (``None``: nothing back), the pair of lowest peak ``p = max(h - w_i + w_j,
+        low + w_i - w_j)`` below ``h (1 - 1e-12)`` with both ranks within the token cap, the first in
+        (``i``, then ``None``, then ``j``) order on equal peaks; ``None`` if no pair lowers the peak.
+
+        The peak is ``(h + low) / 2 + |w_i - w_j - (h - low) / 2|`` (up to rounding), and ``w`` is a function
+        of the length: per length of the busiest rank (its first document), the options of the least busy
+        (per length, its first document; and nothing) sorted by ``w``, bisected at ``w_i - (h - low) / 2``.
+        Pass 1 finds the least distance ``|w_i - w_j - (h - low) / 2|`` over feasible pairs; pass 2 takes
+        every feasible pair within a rounding margin of it and compares their peaks as the step writes them,
+        so the choice is the one of the scan over all pairs, in O(D log D) for D distinct lengths."""
+        cap = self.cap
+        first_hi: dict[int, tuple[float, int]] = {}
+        for i, (w, length, _) in enumerate(hi_docs):
+            if length not in first_hi:
+                first_hi[length] = (w, i)
+        first_lo: dict[int, tuple[float, int]] = {}
+        for j, (w, length, _) in enumerate(lo_docs):
+            if length not in first_lo:
+                first_lo[length] = (w, j)
+        options = sorted([(w, length, j) for length, (w, j) in first_lo.items()] + [(0.0, 0, -1)])
+        ws = [o[0] for o in options]
+        ls = [o[1] for o in options]
+        m = len(options)
+        half = (h - low) / 2
+        nearest, walks = math.inf, []
+        for la, (wa, ia) in first_hi.items():
+            lo_b, hi_b = la + tok_lo - cap, cap - tok_hi + la  # the option's length must lie in [lo_b, hi_b]
+            t = wa - half
+            pos = bisect.bisect_left(ws, t)
+            k = pos - 1
+            while k >= 0 and not lo_b <= ls[k] <= hi_b:
+                k -= 1
+            if k >= 0:
+                nearest = min(nearest, t - ws[k])
+            k = pos
+            while k < m and not lo_b <= ls[k] <= hi_b:
+                k += 1
+            if k < m:
+                nearest = min(nearest, ws[k] - t)
+            walks.append((wa, ia, lo_b, hi_b, t, pos))
+        if nearest == math.inf:
+            return None
+        bound = nearest + 1e-9 * (abs(h) + abs(low))  # rounding margin (peaks are exact to a few ulps)
+        best, best_key = None, (h - 1e-12 * abs(h),)
+        for wa, ia, lo_b, hi_b, t, pos in walks:
+            k = pos - 1
+            while k >= 0 and t - ws[k] <= bound:
+                if lo_b <= ls[k] <= hi_b:
+                    key = (max(h - wa + ws[k], low + wa - ws[k]), ia, options[k][2])
+                    if key < best_key:
+                        best, best_key = (ia, options[k][2]), key
+                k -= 1
+            k = pos
+            while k < m and ws[k] - t <= bound:
+                if lo_b <= ls[k] <= hi_b:
+                    key = (max(h - wa + ws[k], low + wa - ws[k]), ia, options[k][2])
+                    if key < best_key:
+                        best, best_key = (ia, options[k][2]), key
+                k += 1
+        if best is None:
+            return None
+        return best[0], (None if best[1] < 0 else best[1])
 
 
 def whole_doc(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) -> Placement:

@@ -105,11 +105,25 @@ def headtail(doc_lens: list[int], n: int) -> Placement:
 
 
 def per_doc(doc_lens: list[int], n: int) -> Placement:
+    """Every document head-tail over all ranks (``Placement.headtail`` per document, then each rank's pieces in
+    token order), on arrays: for N > 1, rank ``r``'s pieces are, document by document, chunks ``r`` and
+    ``2n - 1 - r``."""
+    import numpy as np
+
     p = Placement(n)
-    for s, length in zip(doc_starts_of(doc_lens), doc_lens, strict=True):
-        p.headtail(list(range(n)), s, length)
-    for segs in p.segments:
-        segs.sort()
+    if n == 1:  # a group of one holds each document whole, in one piece
+        p.segments[0] = [(s, s + length) for s, length in zip(doc_starts_of(doc_lens), doc_lens, strict=True)]
+        return p
+    lens = np.asarray(doc_lens, dtype=np.int64)
+    starts = np.asarray(doc_starts_of(doc_lens), dtype=np.int64)
+    bounds = starts[:, None] + lens[:, None] * np.arange(2 * n + 1, dtype=np.int64)[None, :] // (2 * n)
+    head_a, head_b = bounds[:, :n].T, bounds[:, 1:n + 1].T  # (rank, document)
+    tail_a, tail_b = bounds[:, 2 * n - 1:n - 1:-1].T, bounds[:, 2 * n:n:-1].T
+    a = np.stack((head_a, tail_a), axis=2).reshape(n, -1)  # per rank: head, tail of each document, in order
+    b = np.stack((head_b, tail_b), axis=2).reshape(n, -1)
+    for r in range(n):
+        keep = b[r] > a[r]
+        p.segments[r] = list(zip(a[r][keep].tolist(), b[r][keep].tolist(), strict=True))
     return p
 
 

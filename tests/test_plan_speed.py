@@ -1,0 +1,87 @@
+"""The planner's speed-ups change no plan: every strategy's plan on a few packs (shipped lists, short documents,
+attention work alone) equals the one frozen in ``tests/data/frozen_plans.json``, written by the planner before
+its speed-ups (``python tests/test_plan_speed.py --write`` rewrites it: only for a deliberate change of plans).
+
+Compared: every rank's pieces and the plan's statistics (less its timing; its per-rank K/V bytes sent and
+received come from the receive lists)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashpar.bench.plan_targets import short_docs
+from flashpar.cp import CostModel, plan
+from flashpar.cp.lengths import resolve_lengths
+
+FROZEN = Path(__file__).parent / "data" / "frozen_plans.json"
+STRATEGIES = ("flashcp", "whole_doc")
+
+
+def cases() -> dict[str, tuple[list[int], int, bool]]:
+    """name -> (document lengths, ranks, linear work)."""
+    out = {}
+    for name in ("wlbllm", "prolong", "spamassassin", "sotu"):
+        out[f"{name}-128K-8"] = (resolve_lengths(name).packs(131072, 1)[0], 8, True)
+    out["prolong-512K-32"] = (resolve_lengths("prolong").packs(524288, 1)[0], 32, True)
+    out["long-context-512K-32"] = (resolve_lengths("long-context").packs(524288, 1, seed=1)[0], 32, True)
+    out["short300-128K-8"] = (short_docs(131072, 300), 8, True)
+    out["short600-512K-32"] = (short_docs(524288, 600), 32, True)
+    out["magi-64K-8-attention"] = (resolve_lengths("magi").packs(65536, 1, seed=0)[0], 8, False)
+    out["magi-capped-64K-8-attention"] = (resolve_lengths("magi").packs(65536, 1, seed=0, cap=16384)[0], 8, False)
+    return out
+
+
+def summary(doc_lens: list[int], n: int, linear: bool, strategy: str) -> dict:
+    p = plan(doc_lens, n, strategy=strategy, cost=CostModel(linear=linear))
+    stats = p.stats()
+    stats.pop("planning_s")
+    return {"segments": [[list(s) for s in segs] for segs in p.segments], "stats": stats}
+
+
+def frozen() -> dict:
+    return json.loads(FROZEN.read_text())
+
+
+@pytest.mark.parametrize("name", list(cases()))
+def test_plans_equal_the_frozen_ones(name):
+    doc_lens, n, linear = cases()[name]
+    want = frozen()[name]
+    assert want["doc_lens"] == doc_lens, "the pack itself changed"
+    for strategy in STRATEGIES:
+        got = json.loads(json.dumps(summary(doc_lens, n, linear, strategy)))  # tuples as lists, floats as JSON
+        assert got == want[strategy], f"{name}: {strategy} plan differs from the frozen one"
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
+    out = {}
+    for name, (doc_lens, n, linear) in cases().items():
+        out[name] = {"doc_lens": doc_lens, **{s: summary(doc_lens, n, linear, s) for s in STRATEGIES}}
+        print(name, len(doc_lens), flush=True)
+    FROZEN.write_text(json.dumps(out, separators=(",", ":")))
+    print(FROZEN, FROZEN.stat().st_size)
+
+
+def test_bench_plan_scale_block(monkeypatch, capsys):
+    """``bench plan --scale``'s block: one row per case against its target (the cases shrunk to two small packs),
+    and ``short_docs`` packs exactly the documents asked for; a bad ``--scale-runs`` is one line."""
+    from flashpar.bench import plan_targets
+    from flashpar.cli import main
+
+    lens = short_docs(4096, 700)
+    assert len(lens) == 700 and sum(lens) == 4096 and min(lens) >= 1
+    with pytest.raises(ValueError, match="holds 1 to 100 documents"):
+        short_docs(100, 101)
+    monkeypatch.setattr(plan_targets, "SCALE_TARGETS_MS", {(4096, 2): 1e5, (8192, 4): 0.0})
+    monkeypatch.setattr(plan_targets, "scale_packs", lambda: [("short", lens, 4096, 2),
+                                                              ("sotu", [4000, 4192], 8192, 4)])
+    lines = plan_targets.planning_at_scale(2)
+    assert lines[0].startswith("Planning time at scale, flashcp (ms, median of 2 runs") and len(lines) == 4
+    assert lines[2].split()[:4] == ["short", "4K", "2", "700"] and lines[2].split()[6] == "yes"
+    assert lines[3].split()[:4] == ["sotu", "8K", "4", "2"] and lines[3].split()[6] == "NO"
+    assert main(["bench", "plan", "--scale-runs", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "flashpar bench plan: --scale-runs must be >= 1, got 0", err
