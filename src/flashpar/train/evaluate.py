@@ -12,7 +12,8 @@ rank's tokens and labels stay on the device.  With ``C`` the targets (labels != 
 
 Each rank's forward returns its share of that sum (``ParallelLlama.forward`` with ``count = C``); the
 shares are added on the device and summed over all ranks by one all-reduce per evaluation, which is
-then read on the host.  Nothing is read back inside the forwards.
+then read on the host; the inputs are checked across ranks once per evaluation
+(``ParallelLlama.check_step``).  Nothing is read back inside the forwards.
 
     rank (d, c, t):  [fwd seq d]  [fwd seq d + D]  ...  -> share_d,c,t      all_reduce(sum) over the world
 """
@@ -50,9 +51,10 @@ class HeldOut:
     def loss(self, model) -> float:
         """The mean next-token loss of the held-out targets (collective: every rank of the mesh calls it)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        model.check_step(self.items, self.count)  # one cross-rank check for all the forwards, as a training step
         with torch.no_grad():
             for tokens, labels, plan in self.items:
-                total += model(tokens, plan, labels, self.count).double()
+                total += model(tokens, plan, labels, self.count, checked=True).double()
         dist.all_reduce(total)
         return float(total)
 
