@@ -109,7 +109,8 @@ class TrainConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         for name, least in (("nproc", 1), ("dp", 1), ("cp", 1), ("ulysses", 1), ("tp", 1), ("steps", 1),
-                            ("threads", 1), ("workers", 0), ("save_every", 0)):
+                            ("threads", 1), ("workers", 0), ("save_every", 0), ("eval_every", 0), ("eval_docs", 1),
+                            ("micro_batches", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{_flag(name)} must be an integer >= {least}, got {value!r}")
@@ -143,14 +144,8 @@ class TrainConfig:
             if isinstance(self.data, (str, Path)) or not self.data:
                 raise ValueError(f"data must be a non-empty list of paths, got {self.data!r}")
             object.__setattr__(self, "data", tuple(str(p) for p in self.data))
-        for name, least in (("eval_every", 0), ("eval_docs", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ValueError(f"{_flag(name)} must be an integer >= {least}, got {value!r}")
-        # optim (issue 13)
-        if not _is_int(self.micro_batches) or self.micro_batches < 1:
-            raise ValueError(f"micro-batches must be an integer >= 1, got {self.micro_batches!r}")
-        if not _is_int(self.warmup) or not 0 <= self.warmup <= self.steps:
+        # optim (issue 13); the integers --eval-every, --eval-docs and --micro-batches: the loop above
+        if not isinstance(self.warmup, int) or isinstance(self.warmup, bool) or not 0 <= self.warmup <= self.steps:
             raise ValueError(f"warmup must be an integer within [0, --steps = {self.steps}], got {self.warmup!r}")
         if self.lr_min is not None and not 0 <= self.lr_min <= self.lr:
             raise ValueError(f"lr-min must be within [0, --lr = {self.lr}], got {self.lr_min}")
@@ -190,9 +185,6 @@ class TrainConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _flag(name: str) -> str:
