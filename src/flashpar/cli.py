@@ -1,5 +1,5 @@
 """``flashpar`` command line: ``flashpar train ...``, ``flashpar export ...``, ``flashpar bench
-overlap|cp|plan|train ...``, ``flashpar plan ...``."""
+overlap|cp|plan|train ...``, ``flashpar plan ...``, ``flashpar simulate overlap|cp|train|check ...``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashpar.bench import plan_targets
     from flashpar.bench import train as bench_train
     from flashpar.cp import cli as plan_cli
+    from flashpar.sim import cli as sim_cli
     from flashpar.train import export as train_export
     from flashpar.train import run as train_run
 
@@ -35,9 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     train_export.add_arguments(ex)
     pl = sub.add_parser("plan", help="plan context parallelism for packed documents, every strategy side by side")
     plan_cli.add_arguments(pl)
+    sim = sub.add_parser("simulate", help="cluster-scale predictions from the runtime's own schedules and plans")
+    sim_cli.add_arguments(sim)
     args = parser.parse_args(argv)
     if args.command == "plan":
         return plan_cli.run(args)
+    if args.command == "simulate":
+        return sim_cli.run(args)
     if args.command == "train":
         return train_run.run(args)
     if args.command == "export":
