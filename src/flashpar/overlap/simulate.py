@@ -132,11 +132,15 @@ and a wrong switch to a decomposed schedule at small M is the costly mistake."""
 
 
 def predict(op: str, mode: str, chunks: int, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int,
-            hw: Hardware) -> dict[str, Timing]:
-    """Predicted forward and backward timings of ``op`` in ``mode`` (rank 0's schedule; equal blocks)."""
+            hw: Hardware, *, grad_bias: bool = False) -> dict[str, Timing]:
+    """Predicted forward and backward timings of ``op`` in ``mode`` (rank 0's schedule; equal blocks).
+
+    ``grad_bias``: the op has a bias, whose gradient ``matmul_rs_bwd`` all-reduces first (item ``gb``); the
+    runtime builds that item only for a bias (``flashpar.overlap.ops``), and neither ``flashpar bench
+    overlap`` nor the Llama layers have one."""
     out = {}
     for name, shape in op_shapes(op, n, rows, n_in, n_out, elem_bytes).items():
-        extra = {"grad_bias": True} if name == "matmul_rs_bwd" else {}
+        extra = {"grad_bias": True} if name == "matmul_rs_bwd" and grad_bias else {}
         out[name] = simulate(build_schedule(name, mode, n, 0, chunks=chunks, **extra), shape, hw)
     return out
 

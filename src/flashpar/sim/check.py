@@ -40,7 +40,14 @@ COLUMNS = [("row", ""), ("figure", ""), ("predicted", ".3f"), ("measured", ".3f"
 
 
 def kind_of(report) -> str:
-    """The benchmark that wrote ``report`` (``ValueError`` naming the missing keys when none did)."""
+    """The benchmark that wrote ``report`` (``ValueError`` naming the missing keys when none did).
+
+    A list is one report per world size (``flashpar bench overlap --nproc 2,4`` writes one): all of one kind."""
+    if isinstance(report, list) and report:
+        kinds = {kind_of(r) for r in report}
+        if len(kinds) > 1:
+            raise ValueError(f"a list of reports of different kinds {sorted(kinds)}")
+        return kinds.pop()
     if not isinstance(report, dict):
         raise ValueError(f"not a benchmark report: a JSON {type(report).__name__}, expected an object")
     for kind, (_, keys) in KINDS.items():

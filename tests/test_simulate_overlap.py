@@ -1,0 +1,154 @@
+"""`flashpar simulate overlap` and `flashpar simulate check` of a `bench overlap` report (pure Python, no group)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from flashpar import cost
+from flashpar.bench.overlap_ops import BenchShape
+from flashpar.overlap.simulate import predict
+from flashpar.sim import check as sim_check
+from flashpar.sim import check_overlap
+from flashpar.sim import overlap as sim_overlap
+
+H100 = cost.preset("h100-nvlink")
+
+
+def _run(module, argv: list[str]) -> int:
+    p = argparse.ArgumentParser()
+    module.add_arguments(p)
+    return module.run(p.parse_args(argv))
+
+
+def _rows(argv: list[str], tmp_path) -> tuple[dict, list[dict]]:
+    out = tmp_path / "o.json"
+    assert _run(sim_overlap, [*argv, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    return data["setup"], data["rows"]
+
+
+def test_none_exposes_all_of_its_forward_communication_and_flash_hides_it(tmp_path, capsys):
+    # TP=4 MLP at 32K tokens, h 2048: compute-bound on an H100 (forward comm / compute about 0.6)
+    setup, rows = _rows(["--block", "mlp", "--tp", "4", "--batch", "8", "--seq", "4096", "--hidden", "2048"], tmp_path)
+    by = {(r["mode"], r["chunks"]): r for r in rows}
+    none, flash = by[("none", 1)], by[("flash", 1)]
+    # none: one blocking collective, then the GEMM: every byte of the forward is exposed
+    assert none["exposed_fwd_ms"] == pytest.approx(none["comm_fwd_ms"], rel=1e-9) and none["comm_fwd_ms"] > 0
+    assert none["fwd_ms"] == pytest.approx(none["compute_fwd_ms"] + none["comm_fwd_ms"], rel=1e-9)
+    # flash moves the same bytes, behind the GEMM pieces: less exposed, forward and in total
+    assert flash["comm_fwd_ms"] == pytest.approx(none["comm_fwd_ms"], rel=1e-9)
+    assert flash["exposed_fwd_ms"] < 0.1 * none["exposed_fwd_ms"]
+    assert flash["exposed_fwd_ms"] + flash["exposed_bwd_ms"] < none["exposed_fwd_ms"] + none["exposed_bwd_ms"]
+    assert flash["vs_none"] < 1.0
+    # the block is the two ops the runtime runs, each timed by the simulator on its own schedule
+    gu, down = setup["linears"]
+    assert (gu["op"], gu["n_out"], down["op"], down["n_in"]) == ("ag_matmul", 2 * setup["ffn"] // 4, "matmul_rs",
+                                                                  setup["ffn"] // 4)
+    one = predict("ag_matmul", "flash", 1, 4, 32768, 2048, gu["n_out"], 2, H100)
+    assert flash["gate_up_fwd_ms"] == pytest.approx(one["ag_matmul"].total * 1e3, rel=1e-12)
+    assert "simulated, h100-nvlink preset" in capsys.readouterr().out
+
+
+def test_json_layout_and_modes(tmp_path):
+    setup, rows = _rows(["--block", "attention", "--ulysses", "2", "--seq", "1024", "--hidden", "512",
+                         "--heads", "8", "--kv-heads", "2", "--chunks", "1,2", "--hardware", "h100-ib"], tmp_path)
+    assert setup["simulated"] is True and setup["hardware"] == "h100-ib" and setup["ulysses"] == 2
+    for r in rows:
+        assert {"mode", "chunks", "fwd_ms", "bwd_ms", "exposed_fwd_ms", "exposed_bwd_ms"} <= set(r)
+    # all-to-all ops have no ring; slice only with more than one slice; auto last
+    assert [(r["mode"], r["chunks"]) for r in rows] == [("none", 1), ("flash", 1), ("flash", 2), ("slice", 2),
+                                                        ("auto", None)]
+    assert [lin["op"] for lin in setup["linears"]] == ["matmul_a2a", "a2a_matmul"]
+
+
+def test_paper_note_prints_both_figures(capsys):
+    assert _run(sim_overlap, ["--block", "mlp", "--tp", "4", "--batch", "32", "--seq", "4096", "--hidden", "4096",
+                              "--paper"]) == 0
+    out = capsys.readouterr().out
+    assert "43.8 ms -> 0.1 ms" in out and "not like for like" not in out and "GB/s" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tp", "0"], "--tp must be >= 1"),
+    (["--block", "op"], "--op goes with --block op"),
+    (["--block", "op", "--op", "ag_matmul", "--tp", "1"], "needs --tp >= 2"),
+    (["--tp", "3", "--ffn", "1000", "--seq", "3"], "not divisible by --tp 3"),
+    (["--tp", "2", "--dp", "2"], "nested"),
+    (["--tp", "2", "--ulysses", "2"], "both split the heads"),
+    (["--hardware", "tpu"], "unknown hardware preset"),
+    (["--chunks", "x"], "--chunks must be"),
+])
+def test_bad_arguments_give_one_line(argv, message, capsys):
+    assert _run(sim_overlap, argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# simulate check on a bench overlap report
+
+
+def _synthetic_report(n: int = 2) -> dict:
+    """A `flashpar bench overlap` report whose measurements are the simulator's own predictions."""
+    hw = cost.preset("cpu")
+    shapes = []
+    for shape in (BenchShape("ag-hidden", "ag", 256, 512, 1024, 0.5), BenchShape("out-hidden", "out", 256, 512, 768)):
+        sim_op, *dims = shape.sim_args(n)
+        modes = []
+        for mode, chunks in (("none", None), ("flash", 1), ("flash", 4), ("slice", 4), ("auto", None)):
+            run = ("flash", 1) if mode == "auto" else (mode, chunks or 1)
+            t = predict(sim_op, *run, n, *dims, 4, hw)
+            row = {"mode": mode, "chunks": chunks, "predicted": {k: v.total for k, v in t.items()}}
+            if mode == "auto":
+                row["picked"] = "flash(k=1)"
+            for direction, v in zip(("forward", "backward"), t.values(), strict=True):
+                row[direction] = {"compute": v.compute, "comm": v.comm, "overlapped": v.total,
+                                  "ideal": max(v.compute, v.comm), "ovl_ideal": v.total / max(v.compute, v.comm)}
+            modes.append(row)
+        shapes.append({"shape": shape.__dict__, "modes": modes})
+    return {"world_size": n, "dtype": "float32", "hardware": hw.__dict__, "shapes": shapes}
+
+
+def test_check_of_the_simulators_own_figures_is_exact():
+    rows = [sim_check.finish(r) for r in check_overlap.check([_synthetic_report()])]
+    assert len(rows) == 2 * (5 * 2 + 4 * 2)  # 2 shapes x (ovl/ideal per mode and direction + vs none but none's)
+    assert max(abs(r["error"]) for r in rows) < 1e-12 and all(r["within"] == "yes" for r in rows)
+
+
+def test_check_flags_a_perturbed_measurement(tmp_path, capsys):
+    report = _synthetic_report()
+    slice4 = report["shapes"][0]["modes"][3]["forward"]
+    slice4["overlapped"] *= 1.3  # 30% slower overlapped than the model, its parts as predicted
+    slice4["ovl_ideal"] *= 1.3
+    rows = [sim_check.finish(r) for r in check_overlap.check(report)]
+    missed = [r for r in rows if r["within"] == "no"]
+    assert {(r["row"], r["figure"]) for r in missed} == {("N=2 ag-hidden slice(k=4) fwd", "ovl/ideal"),
+                                                         ("N=2 ag-hidden slice(k=4) fwd", "vs none")}
+    assert all(r["error"] == pytest.approx(1 / 1.3 - 1) for r in missed)
+    assert all(r["why"] == "" for r in missed)  # nothing in the report explains it: unexplained
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps([report]))
+    assert _run(sim_check, [str(path), "--strict"]) == 1
+    assert "2 miss(es), 2 unexplained" in capsys.readouterr().out
+
+
+def test_check_explains_a_miss_by_the_parts_or_by_the_runs_own_spread():
+    report = _synthetic_report()
+    none, flash, auto = (report["shapes"][0]["modes"][i]["forward"] for i in (0, 1, 4))
+    # none's comm-only run 3x as slow as calibrated, overlapped = compute + comm as the model composes it
+    none["comm"] *= 3
+    none["overlapped"] = none["compute"] + none["comm"]
+    none["ovl_ideal"] = none["overlapped"] / max(none["compute"], none["comm"])
+    # auto ran flash(k=1) again and measured it 40% slower than the flash(k=1) row
+    auto["overlapped"] *= 1.4
+    auto["ovl_ideal"] *= 1.4
+    rows = {(r["row"], r["figure"]): sim_check.finish(r) for r in check_overlap.check(report)}
+    r = rows[("N=2 ag-hidden none(k=1) fwd", "ovl/ideal")]
+    assert r["within"] == "no" and r["from_parts"] == pytest.approx(r["measured"], rel=1e-9)
+    assert r["why"].startswith("parts off calibration (compute-only x1.00, comm-only x3.00)")
+    r = rows[("N=2 ag-hidden auto>flash(k=1) fwd", "ovl/ideal")]
+    assert r["within"] == "no" and r["why"] == "noise: auto re-ran flash(k=1), 40% apart"
+    assert flash["overlapped"] > 0
