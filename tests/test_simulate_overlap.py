@@ -150,5 +150,5 @@ def test_check_explains_a_miss_by_the_parts_or_by_the_runs_own_spread():
     assert r["within"] == "no" and r["from_parts"] == pytest.approx(r["measured"], rel=1e-9)
     assert r["why"].startswith("parts off calibration (compute-only x1.00, comm-only x3.00)")
     r = rows[("N=2 ag-hidden auto>flash(k=1) fwd", "ovl/ideal")]
-    assert r["within"] == "no" and r["why"] == "noise: auto re-ran flash(k=1), 40% apart"
+    assert r["within"] == "no" and r["why"] == "noise: auto re-ran flash(k=1) 40% apart"
     assert flash["overlapped"] > 0
