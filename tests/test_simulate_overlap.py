@@ -62,6 +62,11 @@ def test_json_layout_and_modes(tmp_path):
     assert [(r["mode"], r["chunks"]) for r in rows] == [("none", 1), ("flash", 1), ("flash", 2), ("slice", 2),
                                                         ("auto", None)]
     assert [lin["op"] for lin in setup["linears"]] == ["matmul_a2a", "a2a_matmul"]
+    # ZeRO-3 over dp: each MLP linear is the sharded op, its whole weight gathered over the 4 dp ranks
+    setup, rows = _rows(["--block", "mlp", "--dp", "4", "--seq", "1024", "--hidden", "512"], tmp_path)
+    assert [(lin["op"], lin["n"], lin["n_out"]) for lin in setup["linears"]] == [("sharded", 4, 2 * setup["ffn"]),
+                                                                                ("sharded", 4, 512)]
+    assert ("ring", 4) in {(r["mode"], r["chunks"]) for r in rows}
 
 
 def test_paper_note_prints_both_figures(capsys):
