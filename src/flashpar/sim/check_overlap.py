@@ -4,14 +4,17 @@ The report (one world size, or a list of them as ``--nproc 2,4`` writes) holds t
 measured (``hardware``: GEMM rate and small-M curve, per-piece and per-lane-item overheads, link) and, per
 shape and mode, the medians of the slowest rank: ``compute`` (communication made free), ``comm``
 (computation made free) and ``overlapped``, forward and backward.  Each row is predicted from that
-calibration alone, on the schedule the run executed (:func:`flashpar.overlap.simulate.predict`; ``auto``
-with the pick the run recorded), and two ratios are compared per direction:
+calibration alone, on the schedule the run executed (``build_schedule`` of rank 0 on equal blocks, without
+a bias as the benchmark's ops have none, timed by :func:`flashpar.overlap.simulate.simulate`; ``auto`` with
+the pick the run recorded), and two ratios are compared per direction:
 
     ovl/ideal   overlapped / max(compute, comm)          (how much of the shorter side is hidden)
     vs none     overlapped / overlapped of none          (what the mode buys)
 
-``none``'s own ``vs none`` is 1 by definition and is not a row.  A miss (more than 15%) carries a ``why``
-only when the report itself shows the cause (see :func:`_why`); otherwise it stays unexplained.
+``none``'s own ``vs none`` is 1 by definition and is not a row.  Each row also holds ``from_parts``: the
+same ratio from the same schedules timed on the run's own compute-only and comm-only figures
+(:func:`_rescaled`), which separates the overlap model from the calibration.  A miss (more than 15%) carries
+a ``why`` only when the report itself shows the cause (see :func:`_why`); otherwise it stays unexplained.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from flashpar.cost import Hardware
 ELEM_BYTES = {"float32": 4, "bfloat16": 2}
 TOLERANCE = 0.15  # flashpar.sim.check.TOLERANCE (not imported: check imports this module)
 
+
 def check(report) -> list[dict]:
+    """Rows ``{"row", "figure", "predicted", "measured", "from_parts", "why"}`` of every report in ``report``."""
     reports = report if isinstance(report, list) else [report]
     rows = []
     for rep in reports:
