@@ -45,6 +45,10 @@ RUNS = {
                     "--ffn", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--seq-len", "128",
                     "--link-rate", "none", "--rounds", "1", "--steps", "1", "--warmup", "1",
                     "--json", "bench-train.json"],
+    # simulate: pure Python, the README's own arguments (a bench overlap JSON from the repository)
+    "simulate-overlap": ["simulate", "overlap", "--block", "mlp", "--tp", "4", "--batch", "32", "--seq", "4096",
+                         "--hidden", "4096", "--hardware", "h100-nvlink", "--paper", "--json", "out.json"],
+    "simulate-check-overlap": ["simulate", "check", str(README.parent / "docs" / "bench" / "overlap.json")],
 }
 COMMANDS = {  # README command -> the run that exercises it
     "flashpar train": "train",
@@ -75,6 +79,9 @@ COMMANDS = {  # README command -> the run that exercises it
     "flashpar bench train --cp 2 --ulysses 2 --tp 1": "bench-train",
     "flashpar bench train --dp 2 --cp 1 --tp 2": "bench-train",
     "flashpar bench train --hidden 512 --ffn 1408 --link-rate 1gbit --rounds 3": "bench-train",
+    "flashpar simulate overlap --block mlp --tp 4 --batch 32 --seq 4096 --hidden 4096 --hardware h100-nvlink "
+    "--paper --json out.json": "simulate-overlap",
+    "flashpar simulate check docs/bench/overlap.json": "simulate-check-overlap",
 }
 SKIPPED = {
     "make run": "sets up .venv and trains 400 steps (minutes); its `flashpar train` is run here shortened",
@@ -150,3 +157,10 @@ def test_planning_and_benchmark_commands_run(in_tmp, capsys):
     report = json.loads((in_tmp / "bench-train.json").read_text())
     assert report["setup"]["losses_agree"] is True and report["setup"]["ulysses"] == 2
     assert [c["name"] for c in report["configs"]] == ["flashpar", "baseline", "torch"]
+
+
+def test_simulate_commands_run(in_tmp, capsys):
+    for name in [n for n in RUNS if n.startswith("simulate-")]:
+        assert main(RUNS[name]) == 0, name
+    out = capsys.readouterr().out
+    assert "simulated, h100-nvlink preset" in out and "43.8 ms -> 0.1 ms" in out and "ratios within 15%" in out

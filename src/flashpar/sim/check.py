@@ -43,7 +43,7 @@ def kind_of(report) -> str:
     """The benchmark that wrote ``report`` (``ValueError`` naming the missing keys when none did).
 
     A list is one report per world size (``flashpar bench overlap --nproc 2,4`` writes one): all of one kind."""
-    if isinstance(report, list) and report:
+    if isinstance(report, list) and report and all(isinstance(r, dict) for r in report):
         kinds = {kind_of(r) for r in report}
         if len(kinds) > 1:
             raise ValueError(f"a list of reports of different kinds {sorted(kinds)}")
