@@ -37,7 +37,6 @@ from dataclasses import dataclass
 
 from flashpar.sim.report import table, write_json
 
-MODES = ("none", "flash", "ring", "slice")
 A2A_OPS = ("matmul_a2a", "a2a_matmul")
 OP_NAMES = ("ag_matmul", "matmul_rs", "sharded", "matmul_a2a", "a2a_matmul")
 DTYPES = {"bf16": 2, "fp32": 4}
