@@ -263,7 +263,12 @@ class CPPlan:
 
     @classmethod
     def from_json(cls, text: str) -> CPPlan:
-        d = json.loads(text)
-        return cls(d["cp_size"], tuple(d["doc_lens"]), d["strategy"],
-                   tuple(tuple((a, b) for a, b in segs) for segs in d["segments"]), d["comm"],
-                   CostModel.from_dict(d["cost"]), d["token_slack"])
+        """The plan ``to_json`` wrote; any other text is refused with one line (:mod:`flashpar.cp.plan_check`)."""
+        from flashpar.cp.plan_check import parse_plan
+
+        d = parse_plan(text)
+        try:
+            cost = CostModel.from_dict(d["cost"])
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"plan JSON: cost is not a CostModel ({err})".replace("\n", " ")) from None
+        return cls(d["cp_size"], d["doc_lens"], d["strategy"], d["segments"], d["comm"], cost, d["token_slack"])
