@@ -43,7 +43,7 @@ from flashpar import cp
 from flashpar.cost.calibrate import peak_flops
 from flashpar.models.parallel import MESH_DIMS
 from flashpar.models.precision import DTYPES
-from flashpar.train import checkpoint
+from flashpar.train import checkpoint, where
 from flashpar.train.config import TrainConfig
 from flashpar.train.data import PlannedSequences, make_loader, training_data
 from flashpar.train.evaluate import at_step, held_out
@@ -81,6 +81,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     """Train on this rank (every rank calls it); rank 0 returns the summary, the others ``None``."""
     hooks = hooks or Hooks()
     device, mesh = setup(config)
+    where.install(Path(config.out) / ".where", dist.get_rank())  # what a peer that times out reads
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg, model, opt = build(config, mesh, device)
     dp_group = mesh["dp"].get_group()
@@ -106,6 +107,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     mem_step, mem_mb = first_step + 1 if steps - first_step > 1 else first_step, float("nan")  # peak of this step
     t_start = time.perf_counter()
     for step, items in zip(range(first_step, steps), group_micro_batches(loader, micro), strict=False):
+        where.begin_step(step + 1)
         if hooks.before_step is not None:
             hooks.before_step(step + 1)
         batch = [MicroBatch(cp.shard(it["tokens"], it["plan"], cp_rank).to(device),
@@ -128,6 +130,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         planning_ms = 1e3 * sum(it["planning_s"] for it in items)
         metrics = _measure(step + 1, loss, model.kv_counter.fwd_sent - sent0, elapsed, config, pairs, peak * world,
                            planning_ms, figures, device, lr=lr, grad_norm=grad_norm)
+        where.enter("evaluate")
         metrics = at_step(evaluator, model, metrics, step + 1, steps)  # eval_loss every --eval-every steps, last
         if rank == 0:
             history.append(metrics)
@@ -137,6 +140,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
             bar.set_postfix(**metrics.postfix())
         if config.save_every and ((step + 1) % config.save_every == 0 or step + 1 == steps):
             sequences = checkpoint.sequences_after(start, step + 1 - first_step, config.dp, micro)
+            where.enter("save")
             checkpoint.save(out / "checkpoints" / f"step_{step + 1}", model, opt, step + 1, config, sequences)
     result = None
     wall_s, mem_mb = time.perf_counter() - t_start, largest(mem_mb, device)  # a collective

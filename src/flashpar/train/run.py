@@ -31,6 +31,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flashpar.train import where
 from flashpar.train.config import MODES, TrainConfig, add_arguments, from_args, ready
 
 if TYPE_CHECKING:
@@ -71,6 +72,10 @@ def _check(config: TrainConfig):
     return {"rows": rows, "worst": float(worst), "micro_batches": micro} if dist.get_rank() == 0 else None
 
 
+GRACE_S = 2.0
+"""Seconds the other ranks get to exit after one failed, before they are killed (a stopped rank ignores
+SIGTERM until killed; torch's default waits 30 s)."""
+
 RAISED = 73  # a rank's exit status after an exception: its traceback ends its rank<r>.log
 
 
@@ -84,14 +89,27 @@ def _spawned(rank: int, world: int, port: int, config: TrainConfig, result_path:
 
     try:
         out = rank_main(config, hooks)
-    except BaseException:  # noqa: BLE001 - reported by the launcher from the log
+    except BaseException as err:  # noqa: BLE001 - reported by the launcher from the log
         traceback.print_exc(file=log)
+        late = where.blame() if _timed_out(err) else ""  # a wait that timed out: who did not arrive, and where
+        if late:
+            first = (str(err).strip().splitlines() or [""])[0]
+            log.write(f"{type(err).__name__}: {first} -- {late}\n")
         log.flush()
         os._exit(RAISED)  # at once: tearing the group down could wait for peers that are mid-transfer with us
     if rank == 0:
         Path(result_path).write_text(json.dumps(out))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _timed_out(err: BaseException) -> bool:
+    """``err`` (or what caused it) is a distributed wait that ran out of time."""
+    while err is not None:
+        if "timed out" in str(err).lower() or "timeout" in str(err).lower():
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _rank_log(out: Path, rank) -> Path:
@@ -153,8 +171,11 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
     spawn_log.setLevel(logging.ERROR)
     try:
         ranks.context()  # ranks fork from a server that has imported torch (flashpar.ranks)
-        mp.start_processes(_spawned, args=(config.nproc, free_port(), config, str(result), hooks, ranks.Inherit()),
-                           nprocs=config.nproc, join=True, start_method=ranks.start_method())
+        procs = mp.start_processes(_spawned, args=(config.nproc, free_port(), config, str(result), hooks,
+                                                   ranks.Inherit()),
+                                   nprocs=config.nproc, join=False, start_method=ranks.start_method())
+        while not procs.join(grace_period=GRACE_S):  # on a failure: the others get GRACE_S, then SIGKILL
+            pass
     except mp.ProcessExitedException as err:  # the first rank to stop: raised (its log), killed, or crashed
         print(f"flashpar train: a rank failed: {_failure(err, out)}", file=sys.stderr)
         return 1

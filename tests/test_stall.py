@@ -1,0 +1,55 @@
+"""A stalled rank (stopped, not dead: SIGSTOP) ends the job within ``--timeout`` with one line naming the rank
+that did not arrive and the phase it was in (issue 15), and no rank process is left behind.
+
+Rank 1 stops itself before step 2 (``Hooks.before_step``); ranks 0, 2 and 3 time out in step 2's first
+cross-rank wait, each reads the ranks' phase stamps (``flashpar.train.where``) and names rank 1, stopped, in
+step 2's ``data`` phase; the launcher kills the stopped rank after its 2 s grace (torch's default is 30 s)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+from flashpar.train import where
+from flashpar.train.config import TrainConfig
+from flashpar.train.loop import Hooks
+from flashpar.train.run import GRACE_S, launch
+from train_workers import stop_at
+
+TIMEOUT_S = 8.0  # long enough for a loaded 2-core CI machine to finish step 1 on 4 ranks, short for the test
+
+
+def test_a_stopped_rank_is_named_and_the_job_ends_within_the_timeout(tmp_path, capsys):
+    config = TrainConfig(steps=3, seq_len=128, max_docs=40, workers=0, timeout=TIMEOUT_S, out=str(tmp_path))
+    rc = launch(config, hooks=Hooks(before_step=functools.partial(stop_at, rank=1, at=2)))
+    ended = time.time()
+    stalled = os.path.getmtime(tmp_path / ".where" / "rank1")  # rank 1's last stamp: the moment it stopped
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1
+    assert "did not arrive: rank 1 (stopped) in step 2 data" in err[-1] and "a rank failed" in err[-1], err[-3:]
+    # every waiting rank says it in its own log, not only the one the launcher quotes
+    for r in (0, 2, 3):
+        assert "did not arrive: rank 1 (stopped) in step 2 data" in (tmp_path / f"rank{r}.log").read_text()
+    stamps = where.read(tmp_path / ".where")
+    assert where.process_state(stamps[1][0]) == "gone", "the stopped rank was killed"
+    assert not [r for r, s in stamps.items() if os.path.exists(f"/proc/{s[0]}")], "no rank process left"
+    # from the stall to the end: the peers' timeout, the launcher's grace for the stopped rank, and slack for
+    # a loaded machine; torch's own 30 s wait before SIGKILL (without GRACE_S) would not fit
+    assert ended - stalled < TIMEOUT_S + GRACE_S + 12, ended - stalled
+    print(f"stall to end: {ended - stalled:.1f} s")
+
+
+def test_blame_names_ranks_behind_or_says_none_is(tmp_path):
+    for r, (step, phase) in enumerate([(4, "forward"), (4, "data"), (3, "optimizer")]):
+        s = where.Stamps(tmp_path, r)
+        s.begin_step(step)
+        if phase != "data":
+            s.enter("input check")
+            s.enter(phase)
+        s.close()
+    line = where.blame(0, tmp_path)
+    assert line.startswith("did not arrive: rank 2 (") and "in step 3 optimizer; rank 1 (" in line
+    assert line.endswith("rank 0 waited in step 4 forward")
+    assert "no rank is behind rank 2" in where.blame(2, tmp_path)
+    assert where.blame(7, tmp_path) == ""
