@@ -284,6 +284,18 @@ class EmulatedLinks:
                     raise RuntimeError(f"{e} (delay= needs the netem qdisc, CONFIG_NET_SCH_NETEM)") from None
                 _run(f"tc -n {hub} qdisc add dev {port} parent 1:1 handle 10: {tbf}")
 
+    def cut(self, rank: int) -> None:
+        """Make ``rank``'s link stop carrying traffic, both ways, while its processes live on (a fault drill):
+        both of its tbf qdiscs drop to 8 bit/s, so every packet waits past the queue's latency and is dropped."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not one of the {self.world_size} ranks")
+        dead = f"tbf rate 8bit burst {2 * 1514} latency 1ms"
+        _run(f"tc -n {self.netns(rank)} qdisc replace dev {self.ifname} root {dead}")
+        if self.delay is None:
+            _run(f"tc -n {self.hub} qdisc replace dev p{rank} root {dead}")
+        else:
+            _run(f"tc -n {self.hub} qdisc replace dev p{rank} parent 1:1 handle 10: {dead}")
+
     def close(self) -> None:
         """Delete all namespaces (which removes the veths and the bridge), killing any process still
         running inside one of them. Idempotent."""

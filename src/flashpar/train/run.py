@@ -157,7 +157,17 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
         print(f"flashpar train: {err}", file=sys.stderr)
         return 2
     if "RANK" in os.environ:  # under torchrun: this process is one rank
-        return _report(rank_main(config, hooks), config)
+        try:
+            return _report(rank_main(config, hooks), config)
+        except Exception as err:  # a wait that timed out: the traceback, then who did not arrive, in one line
+            late = where.blame() if _timed_out(err) else ""
+            if not late:
+                raise
+            traceback.print_exc()
+            first = (str(err).strip().splitlines() or [""])[0]
+            print(f"flashpar train: rank {os.environ['RANK']}: {type(err).__name__}: {first} -- {late}",
+                  file=sys.stderr)
+            return 1
     import torch.multiprocessing as mp
 
     from flashpar import ranks
