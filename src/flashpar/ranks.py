@@ -25,7 +25,7 @@ import multiprocessing
 import os
 import sys
 
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "flashpar.train.loop",
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch._dynamo", "flashpar.train.loop",
            "flashpar.train.check"]  # imported once by the server (an import that fails is skipped)
 
 
