@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from flashpar.models import LlamaConfig
 
-CFG = LlamaConfig(vocab_size=64, hidden=32, layers=1, heads=2, kv_heads=1, ffn=64)
+CFG = LlamaConfig(vocab_size=256, hidden=32, layers=1, heads=2, kv_heads=1, ffn=64)
 SEQ = 64
 
 
@@ -36,9 +36,10 @@ def batch(step: int):
 
 def saver(folder: str, steps: int, conn, wait_after: tuple[int, ...] = ()) -> None:
     """Train steps 1..``steps`` (from the newest good checkpoint in ``folder``), saving after each; send
-    ``("resumed", step, cpu seconds so far)``, ``("skipped", line)``, ``("loss", step, loss)``, ``("saving", step)``, ``("saved",
-    step, seconds)``, ``("stopped", line)`` (a ``JobStop`` of a save: the process goes on to the next step)
-    and ``("done", cpu seconds)``.  After the saves of ``wait_after`` it waits for the test's go (a message on ``conn``)."""
+    ``("resumed", step, cpu s)``, ``("skipped", line)``, ``("loss", step, loss)``, ``("saving", step)``,
+    ``("saved", step, seconds)``, ``("stopped", line)`` (a ``JobStop`` of a save: the process goes on to the
+    next step) and ``("done", cpu s)``.  After the saves of ``wait_after`` it waits for the test's go (a
+    message on ``conn``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from flashpar.models.parallel import MESH_DIMS
@@ -50,7 +51,7 @@ def saver(folder: str, steps: int, conn, wait_after: tuple[int, ...] = ()) -> No
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=MESH_DIMS)
-    config = TrainConfig(nproc=1, dp=1, cp=1, tp=1, model=CFG, seq_len=SEQ, timeout=60.0)
+    config = TrainConfig(nproc=1, dp=1, cp=1, tp=1, model=CFG, seq_len=SEQ, max_docs=40, timeout=60.0)
     _, model, opt = build(config, mesh, torch.device("cpu"))
     folder, start = Path(folder), 0
     try:

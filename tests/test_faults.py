@@ -135,7 +135,7 @@ def _resume(folder: Path, tmp_path: Path, capsys) -> tuple[int, list[str]]:
     from faults_workers import CFG, SEQ
     from flashpar.train.config import TrainConfig, ready
 
-    config = TrainConfig(nproc=1, dp=1, cp=1, tp=1, model=CFG, seq_len=SEQ, out=str(tmp_path / "out"),
+    config = TrainConfig(nproc=1, dp=1, cp=1, tp=1, model=CFG, seq_len=SEQ, max_docs=40, out=str(tmp_path / "out"),
                          resume=str(folder))
     try:
         ready(config, 1)  # what flashpar train runs first (flashpar.train.run.launch)
