@@ -313,3 +313,34 @@ def test_non_finite_steps_are_skipped_and_counted_then_stop_the_job_and_the_rend
     assert guard.apply(1, 2.5, 1.0)
     with pytest.raises(NonFinite, match="step 2: loss inf.*--skip-nonfinite N skips up to N"):
         guard.apply(2, float("inf"), 1.0)
+
+
+# ---- input that would exhaust the machine: refused before any planning -----------------------------------------
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--lengths", "wlbllm", "--cp", "3", "--tokens", "2", "--packs", "1"],
+     "--tokens 2 is shorter than the ranks can share: --cp 3 needs at least 6 tokens per pack"),
+    (["--lengths", "wlbllm", "--cp", "8"], "holds 394,273,078 tokens: without --tokens that is one pack"),
+    (["--lengths", "wlbllm", "--cp", "2", "--tokens", "64"], "6,160,516 packs of 64 tokens would be planned"),
+    (["--lengths", "magi", "--cp", "2", "--tokens", "64", "--packs", "1000000"], "1,000,000 packs of 64 tokens"),
+])
+def test_plan_input_that_would_exhaust_the_machine_is_refused_with_one_line(argv, words, capsys):
+    """The issue's ``--cp 3 --tokens 2 --packs 1`` grew past 13 GB; a 394M-token list without ``--tokens`` planned
+    for minutes as one pack; millions of packs keep millions of figures.  Each is one line, at once."""
+    t0 = time.perf_counter()
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1, err
+    assert time.perf_counter() - t0 < 30
+
+
+def test_no_torch_load_without_weights_only():
+    """flashpar's own code never unpickles with ``torch.load`` unless ``weights_only=True`` (checkpoints are input)."""
+    import re
+
+    src = Path(checkpoint.__file__).parents[1]
+    calls = [(p, m.start()) for p in sorted(src.rglob("*.py")) for m in re.finditer(r"torch\.load\(", p.read_text())]
+    unsafe = [f"{p}:{p.read_text()[:at].count(chr(10)) + 1}" for p, at in calls
+              if "weights_only=True" not in p.read_text()[at:at + 400].split(")")[0]]
+    assert not unsafe, unsafe
