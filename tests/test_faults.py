@@ -315,6 +315,17 @@ def test_non_finite_steps_are_skipped_and_counted_then_stop_the_job_and_the_rend
         guard.apply(2, float("inf"), 1.0)
 
 
+
+@pytest.mark.parametrize("argv, words", [
+    (["--master-addr", "192.0.2.1"], "--master-addr 192.0.2.1: cannot listen there"),  # TEST-NET: not this machine's
+    (["--keep", "-1"], "keep must be an integer >= 0, got -1"),
+    (["--skip-nonfinite", "-2"], "skip-nonfinite must be an integer >= 0, got -2"),
+])
+def test_bad_fault_options_stop_with_one_line(argv, words, tmp_path, capsys):
+    assert main(["train", *argv, "--max-docs", "40", "--seq-len", "128", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1, err
+
 # ---- input that would exhaust the machine: refused before any planning -----------------------------------------
 
 
