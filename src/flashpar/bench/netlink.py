@@ -58,8 +58,6 @@ import time
 from types import FrameType
 from typing import IO
 
-from flashpar.dist import free_port
-
 __all__ = ["EmulatedLinks", "launch_ranks", "links_available", "parse_rate"]
 
 _PREFIX = "fpnet"  # namespaces: f"{_PREFIX}{pid}-{serial}-r{rank}" and f"...-hub"
@@ -393,8 +391,14 @@ def launch_ranks(
     """
     if links is not None and links.world_size != world_size:
         raise ValueError(f"links are built for {links.world_size} ranks, not {world_size}")
+    rendezvous = None
+    if port is None and links is None:  # the store in this process, on loopback only (flashpar.ranks.Rendezvous)
+        from flashpar.ranks import Rendezvous
+
+        rendezvous = Rendezvous("127.0.0.1", timeout)
+        port = rendezvous.port
     if port is None:
-        port = 29500 if links is not None else free_port()  # a fresh namespace has every port free
+        port = 29500  # a fresh namespace has every port free
     procs: list[subprocess.Popen] = []
     with contextlib.ExitStack() as files:
         # temp files, not pipes: a chatty rank cannot block while we wait on another one
@@ -413,9 +417,9 @@ def launch_ranks(
                     cmd = links.wrap(r, argv)
                 else:
                     rank_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+                    rank_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                    rank_env.update(rendezvous.env() if rendezvous is not None else {})
                     rank_env.update(
-                        MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(port),
                         RANK=str(r),
                         WORLD_SIZE=str(world_size),
                         LOCAL_RANK=str(r),
@@ -459,6 +463,8 @@ def launch_ranks(
         finally:  # failure, timeout, KeyboardInterrupt, SystemExit from SIGTERM: leave no orphans behind
             for p in procs:
                 _kill_group(p)
+            if rendezvous is not None:
+                rendezvous.close()
         return [
             subprocess.CompletedProcess(p.args, p.returncode, read(o), read(e))
             for p, o, e in zip(procs, outs, errs, strict=True)
