@@ -161,6 +161,11 @@ class TrainConfig:
         if not self.weight_decay >= 0 or not self.clip >= 0:
             raise ValueError(f"weight-decay and clip must be >= 0 (clip 0: off), got weight-decay {self.weight_decay}, "
                              f"clip {self.clip}")
+        # mixed precision and activation checkpointing (issue 13; the checks sat after a property's return)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.checkpoint_activations, bool):
+            raise ValueError(f"checkpoint-activations must be True or False, got {self.checkpoint_activations!r}")
         # faults (issue 15)
         for name in ("keep", "skip_nonfinite"):
             value = getattr(self, name)
@@ -178,11 +183,6 @@ class TrainConfig:
     def final_lr(self) -> float:
         """The learning rate of the last step: ``--lr-min``, by default 0.1 x ``--lr``."""
         return 0.1 * self.lr if self.lr_min is None else self.lr_min
-        # mixed precision and activation checkpointing (helper "precision")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if not isinstance(self.checkpoint_activations, bool):
-            raise ValueError(f"checkpoint-activations must be True or False, got {self.checkpoint_activations!r}")
 
     @property
     def world_size(self) -> int:
