@@ -99,6 +99,51 @@ def test_many_short_documents_make_few_kernel_calls():
     assert sum(len(ph) for ph in rank_layout(p, 0, True).phases) == 1  # varlen: one launch per phase and kind
 
 
+def test_varlen_flash_calls_match_the_op_schemas_on_meta():
+    """The CUDA path of the varlen backend, run on the meta device: torch's shape functions of
+    ``aten::_flash_attention_forward`` / ``_flash_attention_backward`` bind the very calls the GPU makes
+    (a misplaced argument fails to match the schema) and give the shapes and dtypes the kernels return."""
+    from flashpar.cp import kernels
+
+    rng, meta = random.Random(3), torch.device("meta")
+    t, nb, h, hkv, d = 60, 40, 8, 2, 64
+    q = torch.empty(t, h, d, dtype=torch.bfloat16, device=meta)
+    k, v, kb, vb = (torch.empty(n, hkv, d, dtype=torch.bfloat16, device=meta) for n in (t, t, nb, nb))
+    tasks = _random_tasks(rng, t, nb)
+    bufs = {-1: (k, v), 0: (kb, vb)}
+    out, lse = torch.empty(t, h, d, device=meta), torch.empty(t, h, device=meta)  # merged, float32 (merge: not on meta)
+    batches = [b.to(meta) for b in make_batches(tasks, varlen=True)]
+    assert {b.causal for b in batches} == {True, False} and all(b.cu_q.device == meta for b in batches)
+    for b in batches:
+        rows, o, m = kernels.batch_forward(b, q, *bufs[b.buf], 0.125, "varlen")
+        n = b.q_rows.numel()
+        assert (o.shape, o.dtype, m.shape, m.dtype) == ((n, h, d), torch.bfloat16, (n, h), torch.float32)
+        dq, dk, dv = batch_backward(b, q, *bufs[b.buf], out.to(q.dtype), out, lse, 0.125, "varlen")
+        assert dq.shape == (b.q_rows.numel(), h, d) and dk.shape == dv.shape == (b.k_rows.numel(), hkv, d)
+        assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
+    # operands FlashAttention-2 refuses (its TORCH_CHECKs, which the meta functions skip): one clear line
+    with pytest.raises(ValueError, match=r"float16 or bfloat16, got torch.float32\); use backend='math'"):
+        kernels.batch_forward(batches[0], q.float(), k.float(), v.float(), 0.125, "varlen")
+    q12, k12 = torch.empty(t, h, 12, device=meta, dtype=torch.bfloat16), torch.empty(t, hkv, 12, device=meta,
+                                                                                    dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 8 and at most 256, got 12"):
+        kernels.batch_forward(make_batches([Task(0, t, -1, 0, t, True)], True)[0].to(meta), q12, k12, k12, 0.125,
+                              "varlen")
+
+
+def test_cuda_default_backend_is_one_constant(monkeypatch):
+    from flashpar.cp import kernels
+
+    cuda = torch.device("cuda", 0)
+    assert kernels.default_backend(torch.device("cpu"), torch.bfloat16, 128) == "flash"
+    assert kernels.default_backend(cuda, torch.bfloat16, 128) == kernels.CUDA_DEFAULT_BACKEND == "math"
+    monkeypatch.setattr(kernels, "CUDA_DEFAULT_BACKEND", "varlen")  # the flip, once gpu-check passes varlen
+    assert kernels.default_backend(cuda, torch.bfloat16, 128) == "varlen"
+    assert kernels.default_backend(cuda, torch.float32, 128) == "math"  # operands the kernel cannot take
+    assert kernels.default_backend(cuda, torch.float16, 12) == "math"
+
+
+@pytest.mark.cuda  # run by make gpu-check (python -m flashpar.gpu_check) on a GPU
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FlashAttention-2 varlen kernel)")
 @pytest.mark.parametrize("seed", range(2))
 def test_varlen_cuda_kernel_matches_math(seed):
