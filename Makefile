@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_INDEX ?=
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup test lint run bench clean
+.PHONY: setup test lint run bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,14 @@ run: setup
 bench: setup
 	$(VENV)/bin/flashpar bench overlap --nproc 2 --link-rate 1gbit --rounds 3
 	$(VENV)/bin/flashpar bench cp --nproc 4 --link-rate 300mbit --packs 2 --rounds 5
+
+# On one CUDA GPU, under 8 minutes: the CUDA-only tests, the CP kernels' and split GEMMs' rates, the trainer at
+# world size 1; the report goes to $OUT, else runs/gpu-check (flashpar.gpu_check).  No venv: a GPU machine's
+# python3 holds PyTorch with CUDA.  GPU_CHECK_ARGS=--dry-run rehearses it on the CPU at tiny sizes.
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?= --device cuda
+gpu-check:
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m flashpar.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

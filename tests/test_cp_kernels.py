@@ -11,6 +11,7 @@ import torch
 from flashpar.cp import STRATEGIES, plan
 from flashpar.cp.kernels import PAD_LIMIT, Task, batch_backward, make_batches, padded_len, segment_attention
 from flashpar.cp.layout import rank_layout
+from flashpar.cp.lengths import resolve_lengths
 
 
 def test_padding_ladder_is_tight():
@@ -174,6 +175,43 @@ def test_varlen_cuda_kernel_matches_math(seed):
 
     for x, y in zip(grads(True, "varlen"), grads(False, "math"), strict=True):
         torch.testing.assert_close(x, y, rtol=0, atol=5e-2)
+
+
+def _cp_attention_against_float64(device: str, dtype: torch.dtype, backend: str, lens: list[int], atol: float,
+                                  grad_atol: float) -> None:
+    """``cp.attention`` at world size 1 (autograd, its executor and device layout on ``device``) against the
+    float64 document-masked causal attention of the same full tensors, forward and backward."""
+    from flashpar import cp
+
+    p = plan(lens, 1)
+    t, h, hkv, d = sum(lens), 8, 2, 64
+    gen = torch.Generator(device=device).manual_seed(0)
+    full = [torch.randn(t, n, d, device=device, generator=gen).to(dtype) for n in (h, hkv, hkv, h)]
+    doc = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
+    allowed = (doc[:, None] == doc[None, :]) & torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    ref = [x.double().requires_grad_() for x in full[:3]]
+    s = torch.einsum("thd,shd->hts", ref[0], ref[1].repeat_interleave(h // hkv, 1)) * d ** -0.5
+    ref_out = torch.einsum("hts,shd->thd", torch.softmax(s.masked_fill(~allowed, -math.inf), -1),
+                           ref[2].repeat_interleave(h // hkv, 1))
+    ref_out.backward(full[3].double())
+    q, k, v = (cp.shard(x, p, 0).detach().requires_grad_() for x in full[:3])
+    out = cp.attention(q, k, v, p, backend=backend)
+    out.backward(cp.shard(full[3], p, 0))
+    torch.testing.assert_close(out.double(), cp.shard(ref_out, p, 0).detach(), rtol=0, atol=atol)
+    for got, want in zip((q.grad, k.grad, v.grad), ref, strict=True):
+        torch.testing.assert_close(got.double(), cp.shard(want.grad, p, 0), rtol=0, atol=grad_atol)
+
+
+@pytest.mark.cuda  # run by make gpu-check (python -m flashpar.gpu_check) on a GPU
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["math", "varlen"])
+def test_cp_attention_on_cuda_matches_float64(backend):
+    """The whole ``cp.attention`` path on CUDA (never run before gpu-check), bf16, real document lengths."""
+    lens = resolve_lengths("sotu").packs(4096, 1, scale=4)[0]  # real speech lengths / 4, packed: 4096 tokens
+    # bf16 operands (the reference takes the same rounded values) with fp32 accumulation: the output (|out| <= 3.3)
+    # is rounded to bf16 once (half an ulp: 8e-3), gradients (|g| <= 10) once per task share; the math backend on
+    # the CPU is off by 7.7e-3 (out) and 1.8e-2 (grads) here, a wrong key by O(1)
+    _cp_attention_against_float64("cuda", torch.bfloat16, backend, lens, atol=2e-2, grad_atol=5e-2)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
