@@ -165,6 +165,7 @@ def test_varlen_cuda_kernel_matches_math(seed):
     def grads(varlen: bool, backend: str):
         acc = [torch.zeros(x.shape, device="cuda") for x in (q, k, v, kb, vb)]
         for b in make_batches(tasks, varlen):
+            b = b.to(q.device)  # the kernels' offsets and masks on the GPU, as cp.attention's device layout has them
             dq, dk, dv = batch_backward(b, q, *bufs[b.buf], dout, out.to(q.dtype), lse, 0.125, backend)
             rows = torch.arange(t, device="cuda")[b.rows]
             keys = torch.arange(bufs[b.buf][0].shape[0], device="cuda")[b.keys]

@@ -68,3 +68,8 @@ def test_a_part_past_its_limit_is_killed_and_a_crash_is_recorded(tmp_path):
     assert got.status == "error" and got.error == "exit status 3 and no result: about to fail"
     ok = [sys.executable, "-c", f"open({str(tmp_path / 'ok.json')!r}, 'w').write('{{\"status\": \"passed\"}}')"]
     assert run_child("ok", ok, 30.0, tmp_path / "ok.json").status == "passed"
+    rows = "{\"status\": \"partial\", \"rows\": [1]}"  # what a measuring part writes after its first row
+    half = [sys.executable, "-c", f"open({str(tmp_path / 'half.json')!r}, 'w').write({rows!r}); import time; "
+            "time.sleep(60)"]
+    got = run_child("half", half, 1.0, tmp_path / "half.json")
+    assert got.status == "timeout" and got.result["rows"] == [1]

@@ -8,7 +8,7 @@ child process with its own hard time limit, so a hang or a crash costs one part,
     tests      pytest -m cuda: every CUDA-only test (the varlen FlashAttention-2       90
                backend against math, forward and backward; cp.attention on CUDA)
     attention  TFLOP/s of the CP segment-attention backends on real packs (shipped    150
-               length lists, 128K tokens, Llama-8B heads, bf16), forward and
+               length lists, 32K-128K tokens, Llama-8B heads, bf16), forward and
                backward, against dense causal FlashAttention (SDPA) of the same
                useful FLOPs
     gemm       the GEMM efficiency lost by splitting a TP linear of an 8B model        60

@@ -21,6 +21,7 @@ The ``math`` backend builds every batch's score matrix; batches that would need 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from flashpar.cp.exchange import add_rows
 from flashpar.cp.layout import device_layout, rank_layout
 from flashpar.cp.lengths import resolve_lengths
 
-MATH_LIMIT_BYTES = 48e9  # score matrices of the math backend (six float32 [B, H, Lq, Lk] copies at most)
+MATH_LIMIT_BYTES = 90e9  # score matrices of the math backend (six float32 [B, H, Lq, Lk] copies at most; H200: 139 GB)
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,12 @@ class Case:
     lengths: str  # a shipped length list
     tokens: int  # of the pack
     cp: int  # ranks of the plan; the rank timed is ``rank``
-    rank: int = 0
+    rank: int = -1  # -1: the rank that receives the most K/V (a Whole-Doc rank would receive none)
     scale: int = 1  # document lengths divided by this (tiny runs)
 
     @property
     def label(self) -> str:
-        where = "whole pack" if self.cp == 1 else f"rank {self.rank} of cp {self.cp}"
+        where = "whole pack" if self.cp == 1 else f"busiest receiver of cp {self.cp}"
         return f"{self.lengths} {self.tokens // 1024}K, {where}" if self.tokens >= 1024 else \
             f"{self.lengths} {self.tokens}, {where}"
 
@@ -62,9 +63,10 @@ class Sizes:
     reps: int
 
 
-FULL = Sizes((Case("prolong", 131072, 1), Case("wlbllm", 131072, 1), Case("prolong", 131072, 8, 0)),
+FULL = Sizes((Case("spamassassin", 32768, 1), Case("prolong", 131072, 1), Case("wlbllm", 131072, 1),
+              Case("wlbllm", 131072, 8)),
              heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, reps=5)  # Llama 3 8B's attention heads
-TINY = Sizes((Case("sotu", 512, 1, scale=32), Case("sotu", 512, 2, 1, scale=32)),
+TINY = Sizes((Case("sotu", 512, 1, scale=32), Case("sotu", 512, 2, scale=32)),
              heads=4, kv_heads=2, head_dim=16, dtype=torch.float32, reps=2)
 
 
@@ -143,15 +145,20 @@ def dense_rate(pairs: int, sizes: Sizes, device: torch.device, cap: int, gen, bu
     h, hkv, d = sizes.heads, sizes.kv_heads, sizes.head_dim
     mk = lambda n: torch.randn(1, n, length, d, device=device, dtype=sizes.dtype, generator=gen)  # noqa: E731
     q, k, v = (mk(n).requires_grad_() for n in (h, hkv, hkv))
-    dout = mk(h)
+    dout, note = mk(h), "GQA"
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        fwd = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,  # noqa: E731
-                                                                       enable_gqa=True)
+        try:
+            sdpa(q, k, v, is_causal=True, enable_gqa=True)
+        except RuntimeError:  # this flash kernel takes no grouped kv heads: each kv head repeated (the same FLOPs)
+            k, v = (x.detach().repeat_interleave(h // hkv, 1).requires_grad_() for x in (k, v))
+            note = "kv heads repeated"
+        fwd = lambda: sdpa(q, k, v, is_causal=True, enable_gqa=k.shape[1] != h)  # noqa: E731
         t_fwd = _timed(fwd, device, sizes, budget_s / 2)
         t_both = _timed(lambda: fwd().backward(dout), device, sizes, budget_s / 2)
     dense_pairs = length * (length + 1) // 2
     t_bwd = max(t_both - t_fwd, 1e-9)
-    return {"tokens": length, "pairs": dense_pairs, "fwd_ms": 1e3 * t_fwd, "bwd_ms": 1e3 * t_bwd,
+    return {"tokens": length, "pairs": dense_pairs, "fwd_ms": 1e3 * t_fwd, "bwd_ms": 1e3 * t_bwd, "note": note,
             "fwd_tflops": 4 * dense_pairs * h * d / t_fwd / 1e12, "bwd_tflops": 10 * dense_pairs * h * d / t_bwd / 1e12}
 
 
@@ -164,6 +171,9 @@ def _timed(fn, device, sizes: Sizes, budget_s: float) -> float:
 def run_case(case: Case, sizes: Sizes, device: torch.device, hw: costs.Hardware, budget_s: float) -> dict:
     lens = resolve_lengths(case.lengths).packs(case.tokens, 1, scale=case.scale)[0]
     plan = make_plan(lens, case.cp, strategy="flashcp")
+    rank = case.rank if case.rank >= 0 else max(range(case.cp), key=lambda r: sum(
+        rank_layout(plan, r).recv_tokens(o) for o in range(case.cp)))
+    case = dataclasses.replace(case, rank=rank)
     layout = rank_layout(plan, case.rank, True)
     pairs = useful_pairs(layout)
     h, hkv, d = sizes.heads, sizes.kv_heads, sizes.head_dim
@@ -176,7 +186,8 @@ def run_case(case: Case, sizes: Sizes, device: torch.device, hw: costs.Hardware,
     dout = mk(layout.tokens, h)
     scale = d ** -0.5
     fwd_flops, bwd_flops = 4 * pairs * h * d, 10 * pairs * h * d
-    row = {"case": case.label, "documents": len(lens), "longest": max(lens), "local_tokens": layout.tokens,
+    row = {"case": case.label, "rank": rank, "documents": len(lens), "longest": max(lens),
+           "local_tokens": layout.tokens,
            "received_tokens": sum(layout.recv_tokens(o) for o in bufs if o != -1), "pairs": pairs,
            "fwd_gflop": fwd_flops / 1e9, "backends": [],
            "predicted_fwd_tflops": fwd_flops / predicted_seconds(layout, hw, h, d, 4) / 1e12,
@@ -234,10 +245,13 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0][:300] if text else ''}"
 
 
-def run(device: str, tiny: bool, budget_s: float) -> dict:
+def run(device: str, tiny: bool, budget_s: float, partial=None) -> dict:
     dev = torch.device(device)
     sizes = TINY if tiny else FULL
-    hw = costs.preset(costs.gpu_preset(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else "cpu")
+    preset = costs.gpu_preset(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else "cpu"
+    hw = costs.preset(preset)
+    setup = {"heads": sizes.heads, "kv_heads": sizes.kv_heads, "head_dim": sizes.head_dim,
+             "dtype": str(sizes.dtype).removeprefix("torch."), "strategy": "flashcp", "preset": preset}
     rows, t0 = [], time.perf_counter()
     for i, case in enumerate(sizes.cases):
         left = budget_s - (time.perf_counter() - t0)
@@ -247,11 +261,10 @@ def run(device: str, tiny: bool, budget_s: float) -> dict:
         print(f"attention: {case.label} ...", flush=True)
         rows.append(run_case(case, sizes, dev, hw, left / (len(sizes.cases) - i)))
         print(f"attention: {case.label}: {_summary(rows[-1])}", flush=True)
+        if partial is not None:
+            partial({"rows": rows, "setup": setup})
     ran = [b for r in rows for b in r.get("backends", ()) if b.get("status") == "ran"]
-    return {"status": "passed" if ran else "failed", "rows": rows,
-            "setup": {"heads": sizes.heads, "kv_heads": sizes.kv_heads, "head_dim": sizes.head_dim,
-                      "dtype": str(sizes.dtype).removeprefix("torch."), "strategy": "flashcp",
-                      "preset": costs.gpu_preset(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else "cpu"}}
+    return {"status": "passed" if ran else "failed", "rows": rows, "setup": setup}
 
 
 def _summary(row: dict) -> str:

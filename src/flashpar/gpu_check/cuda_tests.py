@@ -23,7 +23,8 @@ def test_files(root: Path) -> list[Path]:
 
 
 def command(python: str, files: list[Path], xml: Path) -> list[str]:
-    return [python, "-m", "pytest", *map(str, files), "-m", "cuda", "-q", "-rA", "-p", "no:cacheprovider",
+    # -v: a line per test as it ends, so a run killed at its limit still shows which tests passed
+    return [python, "-m", "pytest", *map(str, files), "-m", "cuda", "-v", "-rA", "-p", "no:cacheprovider",
             "-o", "addopts=", f"--junitxml={xml}", "--durations=10"]
 
 

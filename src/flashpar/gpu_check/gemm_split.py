@@ -86,12 +86,14 @@ def measure(name: str, m: int, k: int, n: int, s: Sizes, device: torch.device, h
     return rows
 
 
-def run(device: str, tiny: bool, budget_s: float) -> dict:
+def run(device: str, tiny: bool, budget_s: float, partial=None) -> dict:
     dev = torch.device(device)
     s = TINY if tiny else FULL
     preset = costs.gpu_preset(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else "cpu"
     hw = costs.preset(preset)
     gen = torch.Generator(device=dev).manual_seed(0)
+    setup = {"tokens": s.tokens, "hidden": s.hidden, "ffn": s.ffn, "heads": s.heads, "kv_heads": s.kv_heads,
+             "head_dim": s.head_dim, "dtype": str(s.dtype).removeprefix("torch."), "preset": preset}
     rows, t0 = [], time.perf_counter()
     shapes = [(tp, *lin) for tp in s.tps for lin in linears(s, tp)]
     for i, (tp, name, m, k, n) in enumerate(shapes):
@@ -104,11 +106,11 @@ def run(device: str, tiny: bool, budget_s: float) -> dict:
         done = [r for r in rows if r.get("tp") == tp and r.get("linear") == name and "efficiency" in r]
         print(f"gemm: tp {tp} {name} [{m}, {k}] x [{k}, {n}]: one {done[0]['one_tflops']:.3g} TFLOP/s; efficiency "
               + " ".join(f"N={r['pieces']} {r['efficiency']:.2f}" for r in done), flush=True)
+        if partial is not None:
+            partial({"rows": rows, "setup": setup})
     measured = [r for r in rows if "efficiency" in r]
     by_pieces = {p: [r["efficiency"] for r in measured if r["pieces"] == p] for p in s.pieces}
     summary = [{"pieces": p, "mean_efficiency": sum(v) / len(v), "worst_efficiency": min(v),
                 "mean_predicted": sum(r["predicted_efficiency"] for r in measured if r["pieces"] == p) / len(v)}
                for p, v in by_pieces.items() if v]
-    return {"status": "passed" if measured else "failed", "rows": rows, "by_pieces": summary,
-            "setup": {"tokens": s.tokens, "hidden": s.hidden, "ffn": s.ffn, "heads": s.heads, "kv_heads": s.kv_heads,
-                      "head_dim": s.head_dim, "dtype": str(s.dtype).removeprefix("torch."), "preset": preset}}
+    return {"status": "passed" if measured else "failed", "rows": rows, "by_pieces": summary, "setup": setup}

@@ -87,7 +87,7 @@ def _attention(p: dict) -> list[str]:
         d = c.get("dense", {})
         if "fwd_tflops" in d:
             rows.append([c["case"], f"dense {d['tokens']} tokens", d["fwd_ms"], d["bwd_ms"], d["fwd_tflops"],
-                         d["bwd_tflops"], 1.0, ""])
+                         d["bwd_tflops"], 1.0, d.get("note", "")])
         elif "error" in d:
             rows.append([c["case"], "dense", "", "", "", "", "", d["error"]])
         rows.append([c["case"], "predicted", "", "", c["predicted_fwd_tflops"], c["predicted_bwd_tflops"], "",
@@ -103,7 +103,8 @@ def _gemm(p: dict) -> list[str]:
         return []
     st = r.get("setup", {})
     out = ["## GEMM split into N row pieces", "",
-           f"Per-rank GEMMs of an 8B model (hidden {st.get('hidden')}, FFN {st.get('ffn')}), {st.get('tokens')} "
+           f"Per-rank GEMMs of a Llama model (hidden {st.get('hidden')}, FFN {st.get('ffn')}; 8B: 4096, 14336), "
+           f"{st.get('tokens')} "
            f"tokens, {st.get('dtype')}; efficiency = one GEMM's time / its N pieces' time (each written into its "
            f"slice of the output); predicted: preset {st.get('preset')}.", ""]
     out += _table(["pieces", "mean efficiency", "worst", "predicted (mean)"],

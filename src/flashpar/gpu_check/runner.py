@@ -46,7 +46,8 @@ def run_child(name: str, cmd: list[str], limit_s: float, result_path: Path | Non
     """Run ``cmd`` for at most ``limit_s`` seconds; read its JSON result from ``result_path`` (if given).
 
     The status is the result's ``status`` when the child wrote one; else ``error`` (its exit status), or
-    ``timeout`` when it ran past its limit."""
+    ``timeout`` when it ran past its limit.  A child may write ``{"status": "partial", ...}`` as it goes: a
+    child killed or dead after that keeps those rows in its outcome."""
     if result_path is not None:
         Path(result_path).unlink(missing_ok=True)
     t0 = time.perf_counter()
@@ -70,6 +71,9 @@ def run_child(name: str, cmd: list[str], limit_s: float, result_path: Path | Non
     if result is None:
         return Outcome(name, "error", wall, limit_s, {}, output,
                        f"exit status {proc.returncode} and no result" + _last_line(output))
+    if result.get("status") == "partial":  # it died between rows: what it measured stays
+        return Outcome(name, "error", wall, limit_s, result, output,
+                       f"exit status {proc.returncode} after a partial result" + _last_line(output))
     return Outcome(name, result.get("status", "error"), wall, limit_s, result, output, result.get("error"))
 
 
