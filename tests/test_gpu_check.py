@@ -13,8 +13,12 @@ import json
 import math
 import sys
 
+import pytest
+import torch
+
 from flashpar.gpu_check.cli import main
 from flashpar.gpu_check.runner import run_child
+from flashpar.train.config import TrainConfig, ready
 
 
 def test_dry_run_runs_every_part_and_writes_the_report(tmp_path, capsys):
@@ -73,3 +77,13 @@ def test_a_part_past_its_limit_is_killed_and_a_crash_is_recorded(tmp_path):
             "time.sleep(60)"]
     got = run_child("half", half, 1.0, tmp_path / "half.json")
     assert got.status == "timeout" and got.result["rows"] == [1]
+
+
+def test_cuda_runs_need_a_gpu_per_rank(monkeypatch, tmp_path):
+    """One GPU cannot host two NCCL ranks: more ranks than GPUs stop before any process starts (one line)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    config = TrainConfig(device="cuda", nproc=2, dp=1, cp=2, tp=1, out=str(tmp_path))
+    with pytest.raises(ValueError, match=r"--device cuda: 2 ranks on this machine need 2 GPUs \(one per rank\)"):
+        ready(config, 2)
