@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -249,8 +250,6 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if have == 0:
             raise ValueError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
-        import os
-
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun's ranks on this machine
         if local > have:  # rank r takes cuda:r: NCCL cannot run two ranks on one GPU
             raise ValueError(f"--device cuda: {local} ranks on this machine need {local} GPUs (one per rank), but "
