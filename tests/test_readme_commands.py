@@ -80,6 +80,8 @@ SKIPPED = {
     "make run": "sets up .venv and trains 400 steps (minutes); its `flashpar train` is run here shortened",
     "make test": "is this test suite (ruff + pytest, what CI runs)",
     "make bench": "runs the benchmarks at full size (about 6 minutes); their commands are run here shortened",
+    "make gpu-check": "needs a CUDA GPU; its CPU rehearsal (--dry-run) runs in tests/test_gpu_check.py",
+    "python -m flashpar.gpu_check --dry-run": "runs in tests/test_gpu_check.py (in process: --in-process)",
 }
 OVERRIDDEN = {"--ops"}  # options a run may leave out: it runs every op instead
 

@@ -265,6 +265,10 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if have == 0:
             raise ValueError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun's ranks on this machine
+        if local > have:  # rank r takes cuda:r: NCCL cannot run two ranks on one GPU
+            raise ValueError(f"--device cuda: {local} ranks on this machine need {local} GPUs (one per rank), but "
+                             f"{have} {'is' if have == 1 else 'are'} available")
     out = Path(config.out)
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -58,16 +58,16 @@ def _check(config: TrainConfig):
     from flashpar.train.data import training_data
     from flashpar.train.loop import setup
 
-    _, mesh = setup(config)
+    device, mesh = setup(config)
     data = training_data(config)  # the byte corpus, or the tokens of --data / --tokenizer
     micro = config.check_micro_batches  # accumulation always exercised
     seqs = [(data[i]["tokens"], data[i]["labels"], data[i]["doc_lens"]) for i in range(micro * config.dp)]
     errors = one_step(config.model, mesh, seqs, strategy=config.strategy, mode=config.mode, seed=config.seed,
                       timeout_s=config.timeout, dp_mode=config.dp_mode, micro_batches=micro,
                       clip_ratio=CHECK_CLIP_RATIO, init_from=config.init_from, dtype=config.dtype,
-                      checkpoint_activations=config.checkpoint_activations)
+                      checkpoint_activations=config.checkpoint_activations, device=device)
     rows = by_group(errors, CHECK_TOL[config.dtype])
-    worst = torch.tensor([max(e for _, e, _ in rows)], dtype=torch.float64)
+    worst = torch.tensor([max(e for _, e, _ in rows)], dtype=torch.float64, device=device)  # NCCL: a device tensor
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return {"rows": rows, "worst": float(worst), "micro_batches": micro} if dist.get_rank() == 0 else None
 
