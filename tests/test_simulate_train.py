@@ -94,9 +94,10 @@ def test_groups_ride_nvlink_inside_a_node_and_infiniband_across():
 
 
 def test_search_prints_layouts_that_divide_the_gpus_and_fit_memory(tmp_path, capsys):
-    out = tmp_path / "train.json"
+    out, lengths = tmp_path / "train.json", tmp_path / "lengths.json"
+    lengths.write_text(json.dumps([3000, 1000, 4192, 500]))  # one pack of 8192 tokens (a short list: fast)
     code, text, err = _sim(["--search", "--gpus", "16", "--seq", "8192", "--configs", "flashpar,torch",
-                            "--json", str(out)], capsys)
+                            "--lengths", str(lengths), "--json", str(out)], capsys)
     assert code == 0, err
     report = json.loads(out.read_text())
     assert report["setup"]["simulated"] and report["setup"]["gpus"] == 16
@@ -110,7 +111,8 @@ def test_search_prints_layouts_that_divide_the_gpus_and_fit_memory(tmp_path, cap
             assert key in r, key
         assert r["exposed_ms"] == pytest.approx(sum(r[f"exposed_{k}_ms"] for k in ("tp", "ulysses", "cp", "dp")))
         assert r["fits"] == ("yes" if r["mem_gb"] <= 0.9 * 80 else "no")
-    fastest = max((r for r in rows if r["config"] == "flashpar" and r["fits"] == "yes"), key=lambda r: r["tokens_per_s"])
+    fits = [r for r in rows if r["config"] == "flashpar" and r["fits"] == "yes"]
+    fastest = max(fits, key=lambda r: r["tokens_per_s"])
     assert f"fastest flashpar layout: {fastest['layout']}" in text
     assert any(r["fits"] == "no" for r in rows)  # tp 1 / dp 16 of an 8B model does not fit 80 GB
 
@@ -160,15 +162,14 @@ def test_check_of_a_perfect_report_is_within_and_of_a_perturbed_one_flagged():
     report = _report()
     assert kind_of(report) == "train"
     rows = [finish(r) for r in check_train.check(report)]
-    assert [r["row"] for r in rows] == ["flashpar vs baseline", "flashpar vs torch", "flashpar", "baseline", "torch"]
+    assert [r["row"] for r in rows] == ["flashpar vs baseline", "flashpar vs torch"] * 2 + list(PEERS)
     assert all(r["within"] == "yes" and abs(r["error"]) < 1e-9 for r in rows), rows
-    slow = report["configs"][0]
+    slow = report["configs"][0]  # flashpar's communication 1.5 x the step longer than predicted
     slow.update(tokens_per_s=slow["tokens_per_s"] / 1.5, step_ms=slow["step_ms"] * 1.5,
                 exposed_ms=slow["exposed_ms"] + slow["step_ms"] / 2)
-    rows = {r["row"]: finish(r) for r in check_train.check(report)}
-    assert rows["flashpar vs baseline"]["within"] == rows["flashpar vs torch"]["within"] == "no"
-    assert rows["flashpar"]["within"] == "no" and "flashpar exposed" in rows["flashpar"]["why"]
-    assert rows["torch"]["within"] == "yes"
+    rows = [finish(r) for r in check_train.check(report)]
+    assert [r["within"] for r in rows] == ["no"] * 4 + ["no", "yes", "yes"], rows
+    assert "flashpar exposed" in rows[4]["why"]
 
 
 def test_check_without_a_calibration_says_so_in_one_line(tmp_path, capsys):

@@ -52,10 +52,7 @@ def local_params(w: Workload, peer: Peer) -> float:
     if peer.data_parallel == "fsdp":
         return cfg.params / s["tp"] / (L.dp * L.cp * L.ulysses)
     zero = L.dp if L.dp > 1 else 1
-    if s["u"] > 1:
-        block = attn + mlp / zero
-    else:
-        block = (attn + mlp) / s["tp"] / zero
+    block = attn + mlp / zero if s["u"] > 1 else (attn + mlp) / s["tp"] / zero
     return cfg.layers * (block + 2 * h) + tables / s["tp"] + h
 
 
@@ -65,16 +62,10 @@ def activations(w: Workload, peer: Peer, kv_recv_tokens: float) -> float:
     h, d, r, t = cfg.hidden, cfg.head_dim, s["split"], s["t_cp"]
     attn = (s["heads"] + 2 * s["kv_heads"]) * d + s["heads"] * d
     mlp = 4 * cfg.ffn / r
-    if peer.data_parallel == "fsdp" and s["tp"] > 1:
-        rows = 2 * h / s["tp"] + 2 * h
-    else:
-        rows = 4 * h / r
+    rows = 2 * h / s["tp"] + 2 * h if peer.data_parallel == "fsdp" and s["tp"] > 1 else 4 * h / r
     kv = 2 * s["kv_heads"] * d * kv_recv_tokens
     one_block = (t * (rows + attn + mlp) + kv) * w.elem_bytes
-    if w.checkpoint:
-        blocks = cfg.layers * t * h / r * w.elem_bytes + one_block
-    else:
-        blocks = cfg.layers * one_block
+    blocks = cfg.layers * t * h / r * w.elem_bytes + one_block if w.checkpoint else cfg.layers * one_block
     logits = s["t_u"] * cfg.vocab_size / s["tp"] * (w.elem_bytes + 8)
     return blocks + logits
 
