@@ -47,7 +47,7 @@ RUNS = {
                     "--json", "bench-train.json"],
     # simulate train (pure Python; the README's sizes shortened), then simulate check of the bench-train run's JSON
     "simulate-train": ["simulate", "train", "--model", "llama3-8b", "--gpus", "64", "--tp", "8", "--seq", "8192"],
-    "simulate-search": ["simulate", "train", "--model", "llama3-70b", "--gpus", "16", "--seq", "8192", "--search",
+    "simulate-search": ["simulate", "train", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192", "--search",
                         "--configs", "flashpar", "--lengths", "my_lengths.txt"],
     "simulate-config": ["simulate", "train", "--model", "config.json", "--dp", "2", "--cp", "4", "--tp", "8", "--seq",
                         "32768", "--lengths", "my_lengths.txt", "--json", "simulate-train.json"],

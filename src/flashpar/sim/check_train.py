@@ -8,8 +8,9 @@ the executor's overheads, link bandwidth and latency, memory; ``attn_fwd`` / ``a
 kernel's curves).  What the bench runs that a GPU cluster would not, the simulator is told:
 
 * the torch peer's attention is SDPA with a document mask over the all-gathered K/V, which computes all
-  ``S_loc x S`` scores (``torch_attention="dense"``), and its FSDP2 gathers a block when the block's forward
-  starts (``fsdp_prefetch=False``: on CPU nothing runs ahead of the host to issue it earlier);
+  ``S_loc x S`` scores (``torch_attention="dense"``; torch picks its CPU flash kernel for it, which the
+  calibration's attention curve times), and its FSDP2 gathers a block when the block's forward starts
+  (``fsdp_prefetch=False``: an assumption, on CPU no stream lets the host run ahead and issue it earlier);
 * gradient reduce-scatters are fp32 like everything else (the bench runs fp32).
 
 Compared (each predicted against measured, ``flashpar.sim.check.finish`` marks what is within 15%), two ways:

@@ -178,8 +178,7 @@ def block(w: Workload, peer: Peer) -> tuple[Part, Part, Part, Part]:
     """(forward, backward, forward compute-only, backward compute-only) of one block on its slowest cp rank
     (forward and backward each take their own slowest)."""
     lin_f, lin_b = linears(w, peer)
-    hw = w.groups(peer)["cp"][1]
-    el_f, el_b = elementwise(w, peer, w.cluster.device if hw is None else hw)
+    el_f, el_b = elementwise(w, peer, w.cluster.device)
     best = [None, None]
     nocomm = [0.0, 0.0]
     for scale, af, ab in attention(w, peer):
