@@ -82,6 +82,14 @@ def test_flashpar_hides_tensor_parallel_communication_that_the_baseline_exposes(
     assert flash["exposed"]["cp"] <= none["exposed"]["cp"]  # flashcp sends only the K/V the mask needs
 
 
+def test_ulysses_all_to_alls_are_hidden_by_flashpar_and_the_torch_peer_runs_them_as_cp():
+    w = Workload(load_model("llama3-8b"), Layout(1, 2, 4, 1), H100, ((16384, 16384),))
+    flash, none, peer = (step.simulate(w, PEERS[n]) for n in ("flashpar", "baseline", "torch"))
+    assert none["exposed"]["ulysses"] > 0 and flash["exposed"]["ulysses"] < 0.5 * none["exposed"]["ulysses"]
+    assert peer["exposed"]["ulysses"] == 0 and peer["exposed"]["cp"] > 0  # torch: cp 2 x 4 = 8 ranks, no Ulysses
+    assert w.sizes(PEERS["torch"])["cp_size"] == 8 and w.sizes(PEERS["flashpar"])["heads"] == 8
+
+
 def test_groups_ride_nvlink_inside_a_node_and_infiniband_across():
     layout = Layout(4, 2, 1, 4)  # tp 4 wide, cp 8 wide: one node of 8; dp 32 wide
     kinds = {dim: H100.group(layout, (dim,))[2] for dim in ("tp", "cp", "dp")}
