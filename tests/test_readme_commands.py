@@ -45,6 +45,13 @@ RUNS = {
                     "--ffn", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--seq-len", "128",
                     "--link-rate", "none", "--rounds", "1", "--steps", "1", "--warmup", "1",
                     "--json", "bench-train.json"],
+    # simulate train (pure Python; the README's sizes shortened), then simulate check of the bench-train run's JSON
+    "simulate-train": ["simulate", "train", "--model", "llama3-8b", "--gpus", "64", "--tp", "8", "--seq", "8192"],
+    "simulate-search": ["simulate", "train", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192", "--search",
+                        "--configs", "flashpar", "--lengths", "my_lengths.txt"],
+    "simulate-config": ["simulate", "train", "--model", "config.json", "--dp", "2", "--cp", "4", "--tp", "8", "--seq",
+                        "32768", "--lengths", "my_lengths.txt", "--json", "simulate-train.json"],
+    "simulate-check": ["simulate", "check", "bench-train.json"],
 }
 COMMANDS = {  # README command -> the run that exercises it
     "flashpar train": "train",
@@ -75,6 +82,11 @@ COMMANDS = {  # README command -> the run that exercises it
     "flashpar bench train --cp 2 --ulysses 2 --tp 1": "bench-train",
     "flashpar bench train --dp 2 --cp 1 --tp 2": "bench-train",
     "flashpar bench train --hidden 512 --ffn 1408 --link-rate 1gbit --rounds 3": "bench-train",
+    "flashpar simulate train --model llama3-8b --gpus 64 --tp 8 --seq 8192": "simulate-train",
+    "flashpar simulate train --model llama3-70b --gpus 512 --seq 131072 --search": "simulate-search",
+    "flashpar simulate train --model path/to/config.json --dp 2 --cp 4 --tp 8 --seq 32768 --json out.json":
+        "simulate-config",
+    "flashpar simulate check docs/bench/train.json": "simulate-check",
 }
 SKIPPED = {
     "make run": "sets up .venv and trains 400 steps (minutes); its `flashpar train` is run here shortened",
@@ -109,7 +121,7 @@ def test_every_readme_command_is_run_or_skipped_with_a_reason():
     assert not stale, f"table entries the README no longer shows: {stale}"
     for command, run in COMMANDS.items():
         words = shlex.split(command)[1:]
-        subcommand = [w for w in words if not w.startswith("-")][: 2 if words[0] == "bench" else 1]
+        subcommand = [w for w in words if not w.startswith("-")][: 2 if words[0] in ("bench", "simulate") else 1]
         assert RUNS[run][: len(subcommand)] == subcommand, (command, run)
         missing = options(words) - options(RUNS[run]) - OVERRIDDEN
         assert not missing, f"run {run!r} drops {missing} of README command {command!r}"
@@ -119,6 +131,10 @@ def test_every_readme_command_is_run_or_skipped_with_a_reason():
 def in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_lengths.txt").write_text("\n".join(map(str, [900, 30, 4000, 120, 77, 2500, 60, 3100] * 4)))
+    from importlib import resources  # a Hugging Face config.json for `simulate train --model`: the shipped 8B one
+
+    shipped = resources.files("flashpar.sim").joinpath("configs", "llama3-8b.json")
+    (tmp_path / "config.json").write_text(shipped.read_text())
     return tmp_path
 
 
@@ -134,7 +150,8 @@ def test_training_commands_run(train_runs):
 
 
 def test_planning_and_benchmark_commands_run(in_tmp, capsys):
-    for name in ("plan-wlbllm", "plan-file", "bench-plan", "bench-overlap", "bench-cp", "bench-train"):
+    for name in ("plan-wlbllm", "plan-file", "bench-plan", "bench-overlap", "bench-cp", "bench-train", "simulate-train",
+                 "simulate-search", "simulate-config", "simulate-check"):
         assert main(RUNS[name]) == 0, name
     out = capsys.readouterr().out
     assert "== wlbllm: 2 pack(s) of 131072 tokens" in out and "== my_lengths.txt: one pack of" in out
@@ -152,3 +169,7 @@ def test_planning_and_benchmark_commands_run(in_tmp, capsys):
     report = json.loads((in_tmp / "bench-train.json").read_text())
     assert report["setup"]["losses_agree"] is True and report["setup"]["ulysses"] == 2
     assert [c["name"] for c in report["configs"]] == ["flashpar", "baseline", "torch"]
+    assert "fastest flashpar layout:" in out and "bench train: bench-train.json (predicted" in out
+    rows = json.loads((in_tmp / "simulate-train.json").read_text())["rows"]
+    assert [(r["config"], r["layout"]) for r in rows] == [(c, "dp2 cp4 u1 tp8") for c in ("flashpar", "baseline",
+                                                                                          "torch")]
