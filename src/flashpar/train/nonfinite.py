@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from flashpar.train import where
 from flashpar.train.optimizer import set_lr
 from flashpar.train.step import gradients
 from flashpar.train.stop import JobStop
@@ -71,6 +72,7 @@ def checked_step(model, opt, micro_batches, count: float, *, clip: float, lr: fl
     """One optimizer step of the global batch (the module docstring); ``kv_sent``: this rank's forward K/V bytes
     so far this step, a callable read after the forward passes."""
     loss, norm = gradients(model, micro_batches, count, clip=clip)
+    where.enter("step figures")
     stats = torch.stack([loss.detach().to(torch.float64).reshape(()),
                          torch.tensor(float(kv_sent()), dtype=torch.float64, device=loss.device)])
     dist.all_reduce(stats)
@@ -78,6 +80,7 @@ def checked_step(model, opt, micro_batches, count: float, *, clip: float, lr: fl
     apply = guard.apply(step, total, grad_norm)
     if apply:
         set_lr(opt, lr)
+        where.enter("optimizer")
         opt.step()
     opt.zero_grad(set_to_none=True)
     return StepTotals(total, grad_norm, int(kv), not apply)
