@@ -1,10 +1,11 @@
 """``flashpar simulate cp``: every context-parallel strategy's plan on packs of real document lengths, at
 cluster scale, timed by the planner's own cost model.
 
-    flashpar simulate cp [--ranks 8,32] [--tokens 128K,512K] [--lengths wlbllm,...,long-context]
+    flashpar simulate cp [--ranks 8,32] [--tokens 128K,512K] [--grid N:T,...] [--lengths wlbllm,...,long-context]
                          [--strategies all] [--hardware h100-ib] [--packs 2] [--json OUT]
 
-For every length source, every (ranks N, tokens T) of the grid (N <= T) and every strategy, the first
+For every length source, every (ranks N, tokens T) of the grid (``--ranks`` x ``--tokens``, or the pairs of
+``--grid``; N <= T) and every strategy, the first
 ``--packs`` packs of ``T`` tokens (:meth:`flashpar.cp.lengths.Lengths.packs`, a sampled mix with
 ``--seed``) are planned with ``flashpar.cp.plan`` on :class:`flashpar.cp.cost.CostModel` (the model's
 layer shape, default a Llama-3-8B layer, on the ``--hardware`` preset), and each plan is timed by that
@@ -16,7 +17,9 @@ model (:func:`flashpar.cp.cp_plan.rank_figures`, the figures the planner scores 
                        (the plan's ``stats()["total_kv_bytes"]``)
     compute_imbalance  max_r compute_r / mean_r compute_r      (linear + attention time per rank)
     token_imbalance    max_r tokens_r / mean_r tokens_r
-    plan_ms            wall time of that ``plan()`` call on this machine (not simulated: measured)
+    plan_ms            CPU time of that ``plan()`` call on this machine (not simulated: measured; the
+                       process's CPU time, which on an idle machine is its wall time, and on a loaded one
+                       leaves out the other processes' turns)
     vs_baseline        step of ``--baseline`` (default megatron_dynamic) / this step, pack by pack
 
 A row is one (lengths, N, T, strategy): means over its packs (``*_max``: the worst pack); the JSON holds
@@ -75,6 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", default="128K,512K",
                    help="tokens per packed sequence, comma-separated, K/M suffixes (default 128K,512K; 8M at N=1024 "
                         "costs 13-63 s of flashcp planning per pack today)")
+    p.add_argument("--grid", default=None,
+                   help="(ranks, tokens) pairs instead of --ranks x --tokens, e.g. 8:128K,32:512K,128:2M,1024:8M")
     p.add_argument("--lengths", default=DEFAULT_LENGTHS,
                    help=f"length sources, comma-separated: shipped names or files, as --lengths of every command "
                         f"(default {DEFAULT_LENGTHS})")
@@ -106,7 +111,18 @@ def _setup(args: argparse.Namespace):
         tokens = [parse_size(t) for t in _list(args.tokens, "--tokens")]
     except ValueError as err:
         raise ValueError(f"--tokens: {err}") from None
-    bad = [(n, t) for n in ranks for t in tokens if n > t]
+    grid = [(n, t) for t in tokens for n in ranks]
+    if args.grid is not None:
+        grid = []
+        for cell in _list(args.grid, "--grid"):
+            n, _, t = cell.partition(":")
+            if not n.strip().isdigit() or int(n) < 1 or not t:
+                raise ValueError(f"--grid: {cell!r} is not RANKS:TOKENS (example 32:512K)")
+            try:
+                grid.append((int(n), parse_size(t)))
+            except ValueError as err:
+                raise ValueError(f"--grid: {err}") from None
+    bad = [(n, t) for n, t in grid if n > t]
     if bad:
         n, t = bad[0]
         raise ValueError(f"--ranks {n} > --tokens {size_label(t)}: a rank needs at least one token")
@@ -130,7 +146,6 @@ def _setup(args: argparse.Namespace):
     cost = CostModel(hidden=args.hidden, ffn=args.ffn, heads=args.heads, kv_heads=args.kv_heads,
                      head_dim=args.head_dim, dtype_bytes=args.dtype_bytes, linear=not args.attention_only,
                      hardware=args.hardware)  # an unknown preset: ValueError naming the known ones
-    grid = [(n, t) for t in tokens for n in ranks]
     return grid, sources, strategies, cost
 
 
@@ -138,9 +153,9 @@ def plan_figures(doc_lens: list[int], n: int, strategy: str, cost) -> dict:
     """One plan and its simulated figures (the module docstring), ``plan_ms`` measured around ``plan()``."""
     from flashpar.cp import plan
 
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: on a shared box, wall time counts the other processes' turns
     p = plan(doc_lens, n, strategy=strategy, cost=cost)
-    plan_ms = (time.perf_counter() - t0) * 1e3
+    plan_ms = (time.process_time() - t0) * 1e3
     fig = p.figures()
     ratio = lambda xs: max(xs) / (sum(xs) / len(xs)) if sum(xs) > 0 else 1.0  # noqa: E731
     return {"step_ms": max(fig.time) * 1e3, "kv_bytes": sum(fig.recv_tokens) * cost.kv_bytes_per_token,
@@ -213,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     work = "attention only" if args.attention_only else "attention + linear"
     title = (f"simulated, {args.hardware}: one layer forward ({cost.hidden} hidden, {cost.heads}/{cost.kv_heads} heads "
              f"of {cost.head_dim}, {work}); means over packs; vs_baseline = {args.baseline} step / this step; "
-             f"plan_ms measured on this machine")
+             f"plan_ms: CPU ms of plan() on this machine")
     print(table(rows, COLUMNS, title=title))
     for line in notes + (versus_lines(versus) if versus else []):
         print(line)
