@@ -165,25 +165,3 @@ def test_simulate_check_command_on_a_bench_cp_file(report, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "bench cp:" in out and "18 of 18 ratios within 15%" in out
 
-
-def test_executor_curve_fit_recovers_the_curve_that_timed_the_probes():
-    """``bench cp`` fits (attn_peak, attn_half) to the executor's times on its two probes: times made by the cost
-    model with a known curve give that curve back; a short probe as fast per pair as the long one gives half 1."""
-    from flashpar.bench.cp import PROBE_LONG, PROBE_SHORT, fit_executor_curve
-    from flashpar.cp.cp_plan import rank_figures
-
-    model = CostModel(hidden=512, heads=8, kv_heads=2, head_dim=64, dtype_bytes=4, linear=False)
-
-    def seconds(lens, peak, half):
-        cost = model.with_hardware(attn_peak=peak, attn_half=half)
-        starts = [sum(lens[:i]) for i in range(len(lens))]
-        return rank_figures([[(s, s + n) for s, n in zip(starts, lens, strict=True)]], list(lens), starts, cost,
-                            "aware").compute[0]
-
-    for peak, half in ((3e-4, 40.0), (1e-3, 700.0)):
-        got = fit_executor_curve(model, {PROBE_LONG: seconds(PROBE_LONG, peak, half),
-                                         PROBE_SHORT: seconds(PROBE_SHORT, peak, half)})
-        assert got == pytest.approx((peak, half), rel=1e-6)
-    pairs = lambda lens: sum(n * (n + 1) // 2 for n in lens)  # noqa: E731
-    flat = fit_executor_curve(model, {PROBE_LONG: 1.0, PROBE_SHORT: pairs(PROBE_SHORT) / pairs(PROBE_LONG)})
-    assert flat[1] == 1.0

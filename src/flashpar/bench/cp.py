@@ -3,11 +3,10 @@
 The parent starts N gloo ranks (behind emulated rate-limited links with ``--link-rate``, as
 ``flashpar bench overlap`` does; loopback otherwise).  Each rank
 
-1. calibrates (:mod:`flashpar.cost.calibrate`): the GEMM rate, the link, and the attention rate
-   forward and backward of ``cp.attention`` itself, each rank alone, on one long document and on
-   many short ones (fitting the attention curve's plateau and half-efficiency length:
-   ``fit_executor_curve``); rank 0's values go into one ``CostModel`` per direction (attention work
-   alone, this model's heads and dtype);
+1. calibrates (:mod:`flashpar.cost.calibrate`): the GEMM rate, the link, and the CPU
+   flash-attention rate forward and backward on a long and a short causal block (fitting the
+   attention curve's plateau and half-efficiency length); rank 0's values go into one
+   ``CostModel`` per direction (attention work alone, this model's heads and dtype);
 2. packs real document lengths (``--lengths``: a shipped name or a file, as in every command;
    validated in the parent before any rank starts), divided by ``--scale``
    (default 16: 8K-token packs with the shape of 128K-token packs, which a CPU cannot run), into
@@ -46,103 +45,19 @@ KINDS = ("overlapped", "compute", "comm")
 # worker (one per rank)
 
 
-PROBE_LONG = (2048,)
-PROBE_SHORT = (16, 32, 64, 128, 256) * 4
-"""Document lengths of the two executor probes (one long causal document; many short ones, 1,984 tokens)."""
-
-
 def calibrate_costs(config: dict):
-    """(forward CostModel, backward CostModel) fitted on this machine; rank 0's values on every rank.
-
-    The GEMM rate and the link come from :func:`flashpar.cost.calibrate.calibrate`; the attention curve
-    (plateau ``attn_peak``, ``attn_half``) is fitted to ``cp.attention`` itself (:func:`fit_executor_curve`),
-    not to the bare kernel: on many short documents the executor's batches, copies and merges cost several
-    times the kernel's own time at this benchmark's sizes, which the bare probe never sees."""
-    import dataclasses
-
+    """(forward CostModel, backward CostModel) fitted on this machine; rank 0's values on every rank."""
     import torch
 
-    from flashpar.cost.calibrate import calibrate
+    from flashpar.cost.calibrate import calibrate, calibrate_attention
     from flashpar.cp import CostModel
 
     dtype = getattr(torch, config["dtype"])
     h, hkv, d = config["heads"], config["kv_heads"], config["head_dim"]
-    hw = calibrate(dtype=dtype)
+    fwd, bwd = calibrate_attention(calibrate(dtype=dtype), h, hkv, d, dtype)
     shape = {"hidden": h * d, "heads": h, "kv_heads": hkv, "head_dim": d, "layers": 1,
              "dtype_bytes": torch.empty((), dtype=dtype).element_size(), "linear": False}
-    model = CostModel(**shape, hardware=hw)
-    times = executor_times(config, dtype)  # {lengths: (forward s, backward s)}, rank 0's
-    out = []
-    for direction in (0, 1):
-        peak, half = fit_executor_curve(model, {lens: t[direction] for lens, t in times.items()})
-        out.append(CostModel(**shape, hardware=dataclasses.replace(hw, attn_peak=peak, attn_half=half)))
-    return out[0], out[1]
-
-
-def executor_times(config: dict, dtype) -> dict:
-    """Median seconds of ``cp.attention`` forward and backward, one rank alone (a group of its own), on the
-    probe documents, every rank at once (as the benchmark runs them: the cores shared); rank 0's values."""
-    import torch
-    import torch.distributed as dist
-
-    from flashpar.cost.calibrate import _from_rank0
-    from flashpar.cp import attention, plan
-
-    rank, n = dist.get_rank(), dist.get_world_size()
-    alone = [dist.new_group([r]) for r in range(n)][rank]  # new_group is collective: every rank makes every one
-    h, hkv, d = config["heads"], config["kv_heads"], config["head_dim"]
-    gen = torch.Generator().manual_seed(0)
-    out = {}
-    for lens in (PROBE_LONG, PROBE_SHORT):
-        p = plan(list(lens), 1, strategy="whole_doc")
-        total = sum(lens)
-        q, dout = (torch.randn(total, h, d, generator=gen, dtype=dtype) for _ in range(2))
-        k, v = (torch.randn(total, hkv, d, generator=gen, dtype=dtype).requires_grad_() for _ in range(2))
-        q.requires_grad_()
-        samples = []
-        for _ in range(4):  # the first is a warm-up (layouts, allocator)
-            dist.barrier()
-            t0 = time.perf_counter()
-            o = attention(q, k, v, p, group=alone, check=False)
-            t1 = time.perf_counter()
-            o.backward(dout)
-            samples.append((t1 - t0, time.perf_counter() - t1))
-        out[lens] = tuple(statistics.median(x[i] for x in samples[1:]) for i in (0, 1))
-    return _from_rank0(out)
-
-
-def fit_executor_curve(model, measured: dict) -> tuple[float, float]:
-    """(attn_peak, attn_half) with which the cost model times both probes as measured (``measured``:
-    {document lengths: seconds}; the long probe first): ``attn_half`` by bisection (in log scale) on the ratio
-    short / long, which grows with it, then ``attn_peak`` from the long probe.  A ratio below the curve's
-    floor gives ``attn_half = 1``, above its ceiling ``1e5``."""
-    import dataclasses
-    import math
-
-    from flashpar.cp.cp_plan import rank_figures
-
-    (long_lens, t_long), (short_lens, t_short) = measured.items()
-    plans = [(list(lens), [sum(lens[:i]) for i in range(len(lens))]) for lens in (long_lens, short_lens)]
-
-    def model_time(lens_starts, half):  # seconds at attn_peak = 1
-        lens, starts = lens_starts
-        cost = dataclasses.replace(model, hardware=dataclasses.replace(model.hardware, attn_peak=1.0, attn_half=half))
-        return rank_figures([[(s, s + n) for s, n in zip(starts, lens, strict=True)]], lens, starts, cost,
-                            "aware").compute[0]
-
-    ratio = lambda half: model_time(plans[1], half) / model_time(plans[0], half)  # noqa: E731
-    target = t_short / t_long
-    lo, hi = 0.0, math.log(1e5)
-    if target <= ratio(1.0):
-        hi = 0.0
-    elif target < ratio(1e5):
-        for _ in range(50):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if ratio(math.exp(mid)) < target else (lo, mid)
-    else:
-        lo = hi
-    half = math.exp((lo + hi) / 2)
-    return model_time(plans[0], half) / t_long, half
+    return CostModel(**shape, hardware=fwd), CostModel(**shape, hardware=bwd)
 
 
 def _packs(config: dict) -> list[list[int]]:
@@ -223,6 +138,7 @@ def worker(config: dict) -> None:
 
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
+    load_before = os.getloadavg()[0]  # the box's 1-minute load average: how busy it was apart from the ranks
     torch.set_num_threads(config["threads"])
     dtype = getattr(torch, config["dtype"])
     fwd_cost, bwd_cost = calibrate_costs(config)
@@ -248,7 +164,8 @@ def worker(config: dict) -> None:
     dist.all_gather_object(gathered, samples)
     if rank == 0:
         report = {"world_size": n, "config": config, "packs": [len(x) for x in packs], "tokens": config["tokens"],
-                  "fwd_cost": fwd_cost.to_dict(), "bwd_cost": bwd_cost.to_dict(), "rows": {}}
+                  "fwd_cost": fwd_cost.to_dict(), "bwd_cost": bwd_cost.to_dict(), "rows": {},
+                  "load_avg": [load_before, os.getloadavg()[0]]}
         for s in strategies:
             row = {k: 0.0 for k in ("overlapped", "compute", "comm", "forward", "backward", "bytes",
                                     "pred_step", "pred_compute")}
@@ -300,7 +217,9 @@ def format_report(report: dict) -> str:
         f"calibrated: attention {fc['flops'] * fc['attn_peak'] / 1e9:.1f} GFLOP/s forward, "
         f"{bc['flops'] * bc['attn_peak'] / 1e9:.1f} backward "
         f"(half efficiency at {fc['attn_half']:.0f} / {bc['attn_half']:.0f} tokens), "
-        f"link {fc['link_bytes_per_s'] / 1e6:.1f} MB/s; {c['cores']:g} cores shared by the ranks",
+        f"link {fc['link_bytes_per_s'] / 1e6:.1f} MB/s; {c['cores']:g} cores shared by the ranks"
+        + (f"; load average {report['load_avg'][0]:.1f} before, {report['load_avg'][1]:.1f} after"
+           if "load_avg" in report else ""),
         "",
         f"{'strategy':<15}{'step ms':>9}{'fwd':>7}{'bwd':>7}{'compute':>9}{'comm':>7}{'ovl/ideal':>10}"
         f"{'sent MB':>9}{'imb':>6}{'x headtail':>11}{'x per_doc':>10} | {'pred ms':>8}{'imb':>6}"
