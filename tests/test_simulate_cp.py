@@ -107,7 +107,7 @@ def synthetic_report(strategies=("contiguous", "headtail", "per_doc", "megatron_
     packs, n = _packs(config), 4
     rows = {}
     for s in strategies:
-        row = {"overlapped": 0.0, "bytes": 0, "pred_step": 0.0}
+        row = {"overlapped": 0.0, "bytes": 0, "pred_step": 0.0, "compute": 0.0, "comm": 0.0}
         imb = []
         for lens in packs:
             p = plan(lens, n, strategy=s, cost=fwd)
@@ -119,6 +119,9 @@ def synthetic_report(strategies=("contiguous", "headtail", "per_doc", "megatron_
                     for c in (fwd, bwd))
             t = [x + y for x, y in zip(f, b, strict=True)]
             imb.append(max(t) / (sum(t) / n))
+            row["compute"] += max(t)  # the compute-only run: the slowest rank's shared-core finish, fwd + bwd
+            comm = [rank_figures(p.segments, p.doc_lens, p.doc_starts, c, p.comm).comm for c in (fwd, bwd)]
+            row["comm"] += max(x + y for x, y in zip(*comm, strict=True))
         row["imbalance"] = row["pred_imbalance"] = sum(imb) / len(imb)
         rows[s] = row
     return {"world_size": n, "config": config, "packs": [len(x) for x in packs], "tokens": 2048,
@@ -148,6 +151,10 @@ def test_check_flags_a_perturbed_report(report):
     missed = {(r["row"], r["figure"]) for r in rows if r["within"] == "no"}
     assert missed == {("flashcp", "x headtail"), ("flashcp", "x per_doc"), ("headtail", "compute imbalance"),
                       ("per_doc", "sent MB (exact)")}
+    assert all(r["why"] == "" for r in rows if r["row"] == "flashcp")  # its parts were measured as predicted
+    bad["rows"]["flashcp"]["compute"] *= 1.3  # now the compute-only part shows where the step's miss comes from
+    why = [r["why"] for r in check_cp.check(bad) if r["row"] == "flashcp" and r["figure"] == "x headtail"][0]
+    assert "compute-only measured/predicted 1.30 vs 1.00" in why
 
 
 def test_check_falls_back_to_stored_predictions_and_says_so(report):
