@@ -39,12 +39,16 @@ RUNS = {
     "bench-plan": ["bench", "plan", "--packs", "1", "--lists", "sotu,long-context"],
     # all five ops (a superset of --ops), 2 ranks (the README's 4-rank runs differ only in --nproc's value)
     "bench-overlap": ["bench", "overlap", "--nproc", "2", *OVERLAP, "--json", "bench-overlap.json"],
-    "bench-cp": ["bench", "cp", "--lengths", "prolong", *CP],
+    "bench-cp": ["bench", "cp", "--lengths", "prolong", *CP, "--json", "bench-cp.json"],
     # every option of the README's bench train commands, on 2 ranks (Ulysses 2; the torch peer: cp 2)
     "bench-train": ["bench", "train", "--dp", "1", "--cp", "1", "--ulysses", "2", "--tp", "1", "--hidden", "32",
                     "--ffn", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--seq-len", "128",
                     "--link-rate", "none", "--rounds", "1", "--steps", "1", "--warmup", "1",
                     "--json", "bench-train.json"],
+    # simulate cp (every option of the README's commands, a tiny grid) and simulate check of the README's bench cp
+    "simulate-cp": ["simulate", "cp", "--grid", "8:16K", "--lengths", "sotu,long-context", "--packs", "1",
+                    "--json", "sim-cp.json"],
+    "simulate-check-cp": ["simulate", "check", str(README.parent / "docs/bench/cp.json")],
 }
 COMMANDS = {  # README command -> the run that exercises it
     "flashpar train": "train",
@@ -68,13 +72,17 @@ COMMANDS = {  # README command -> the run that exercises it
         "bench-overlap",
     "flashpar bench overlap --nproc 4 --link-rate 300mbit --rounds 3 --shapes comm-heavy,small-M --ops fsdp,qkv,out":
         "bench-overlap",
-    "flashpar bench cp --nproc 4 --link-rate 300mbit --packs 2 --rounds 5": "bench-cp",
+    "flashpar bench cp --nproc 4 --link-rate 300mbit --packs 2 --rounds 5 --json docs/bench/cp.json": "bench-cp",
     "flashpar bench cp --nproc 4 --link-rate 300mbit --lengths prolong": "bench-cp",
     "flashpar bench train": "bench-train",
     "flashpar bench train --link-rate 300mbit": "bench-train",
     "flashpar bench train --cp 2 --ulysses 2 --tp 1": "bench-train",
     "flashpar bench train --dp 2 --cp 1 --tp 2": "bench-train",
     "flashpar bench train --hidden 512 --ffn 1408 --link-rate 1gbit --rounds 3": "bench-train",
+    "flashpar simulate cp": "simulate-cp",
+    "flashpar simulate cp --grid 8:128K,32:512K,128:2M --json sim-cp.json": "simulate-cp",
+    "flashpar simulate cp --grid 1024:8M --lengths wlbllm,prolong,spamassassin,long-context --packs 1": "simulate-cp",
+    "flashpar simulate check docs/bench/cp.json": "simulate-check-cp",
 }
 SKIPPED = {
     "make run": "sets up .venv and trains 400 steps (minutes); its `flashpar train` is run here shortened",
@@ -150,3 +158,10 @@ def test_planning_and_benchmark_commands_run(in_tmp, capsys):
     report = json.loads((in_tmp / "bench-train.json").read_text())
     assert report["setup"]["losses_agree"] is True and report["setup"]["ulysses"] == 2
     assert [c["name"] for c in report["configs"]] == ["flashpar", "baseline", "torch"]
+
+
+def test_simulate_cp_commands_run(in_tmp, capsys):
+    for name in ("simulate-cp", "simulate-check-cp"):
+        assert main(RUNS[name]) == 0, name
+    out = capsys.readouterr().out
+    assert "simulated, h100-ib" in out and "flashcp vs megatron_dynamic" in out and "bench cp:" in out

@@ -27,9 +27,11 @@ the per-pack steps too.  A source whose documents make no full pack of ``T`` tok
 tokens in all) is skipped with a note.  After the table, per (lengths, N, T): whether flashcp is
 estimated no slower than megatron_dynamic on every pack, and by how much it is faster where it is.
 
-Cost of the big cases today (2-core box, the planner as of issue 14's start): flashcp plans 8M tokens at
-N = 1,024 in 13-63 s per pack, so they are opt-in (``--ranks 1024 --tokens 8M``); the default grid
-(N = 8, 32; 128K, 512K; six sources; two packs) takes about a minute.
+Cost of the big cases today (CPU time on the 2-core box, 2026-12-01, the planner as of issue 14's start):
+at 8M tokens and N = 1,024 flashcp takes 20-60 s per pack of the shipped lists (6.7 s on the long-context
+mix), ``torch_per_doc`` 10-15 s, ``per_doc`` 2-3 s; so they are opt-in (``--grid 1024:8M``).  At 2M / 128
+flashcp takes 0.3-1.2 s per pack.  The default grid (N = 8, 32; 128K, 512K; six sources; two packs) is the
+everyday run.
 """
 
 from __future__ import annotations
