@@ -107,7 +107,7 @@ def synthetic_report(strategies=("contiguous", "headtail", "per_doc", "megatron_
     packs, n = _packs(config), 4
     rows = {}
     for s in strategies:
-        row = {"overlapped": 0.0, "bytes": 0, "pred_step": 0.0, "compute": 0.0, "comm": 0.0}
+        row = {"overlapped": 0.0, "bytes": 0, "pred_step": 0.0, "compute": 0.0, "comm": 0.0, "per_pack": []}
         imb = []
         for lens in packs:
             p = plan(lens, n, strategy=s, cost=fwd)
@@ -120,6 +120,7 @@ def synthetic_report(strategies=("contiguous", "headtail", "per_doc", "megatron_
             t = [x + y for x, y in zip(f, b, strict=True)]
             imb.append(max(t) / (sum(t) / n))
             row["compute"] += max(t)  # the compute-only run: the slowest rank's shared-core finish, fwd + bwd
+            row["per_pack"].append({"rank_compute_fwd": f, "rank_compute_bwd": b})
             comm = [rank_figures(p.segments, p.doc_lens, p.doc_starts, c, p.comm).comm for c in (fwd, bwd)]
             row["comm"] += max(x + y for x, y in zip(*comm, strict=True))
         row["imbalance"] = row["pred_imbalance"] = sum(imb) / len(imb)
@@ -155,6 +156,14 @@ def test_check_flags_a_perturbed_report(report):
     bad["rows"]["flashcp"]["compute"] *= 1.3  # now the compute-only part shows where the step's miss comes from
     why = [r["why"] for r in check_cp.check(bad) if r["row"] == "flashcp" and r["figure"] == "x headtail"][0]
     assert "compute-only measured/predicted 1.30 vs 1.00" in why
+    imb = [r for r in check_cp.check(bad) if r["row"] == "headtail" and r["figure"] == "compute imbalance"][0]
+    assert imb["why"] == ""  # the imbalance alone was perturbed: the per-rank times do not show why
+    for pack in bad["rows"]["headtail"]["per_pack"]:  # the busiest rank measured 30% slower than predicted
+        busy = max(range(4), key=lambda r, pack=pack: pack["rank_compute_fwd"][r] + pack["rank_compute_bwd"][r])
+        pack["rank_compute_fwd"][busy] *= 1.3
+        pack["rank_compute_bwd"][busy] *= 1.3
+    imb = [r for r in check_cp.check(bad) if r["row"] == "headtail" and r["figure"] == "compute imbalance"][0]
+    assert "1.30 on the busiest rank" in imb["why"] and "1.00 on the others" in imb["why"]
 
 
 def test_check_falls_back_to_stored_predictions_and_says_so(report):
