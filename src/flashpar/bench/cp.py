@@ -13,7 +13,9 @@ The parent starts N gloo ranks (behind emulated rate-limited links with ``--link
    sequences of ``--tokens`` tokens and plans every strategy with that cost model;
 3. runs, round by round with the strategies' order rotated, ``flashpar.cp.attention`` forward and
    backward three ways: overlapped, compute-only and communication-only;
-4. reports medians over rounds of the slowest rank, summed over packs.
+4. reports medians over rounds of the slowest rank, summed over packs; the JSON (``--json``) also keeps,
+   per strategy and pack, those medians, each rank's compute-only forward and backward medians and the
+   bytes sent, and the box's load average before and after (what ``flashpar simulate check`` reads).
 
 Columns: measured step (forward + backward) and its parts, ``ideal = max(compute, comm)``,
 ``ovl/ideal``; bytes sent forward (measured, all ranks); compute imbalance (the busiest rank's
