@@ -39,7 +39,7 @@ RUNS = {
     "bench-plan": ["bench", "plan", "--packs", "1", "--lists", "sotu,long-context"],
     # all five ops (a superset of --ops), 2 ranks (the README's 4-rank runs differ only in --nproc's value)
     "bench-overlap": ["bench", "overlap", "--nproc", "2", *OVERLAP, "--json", "bench-overlap.json"],
-    "bench-cp": ["bench", "cp", "--lengths", "prolong", *CP],
+    "bench-cp": ["bench", "cp", "--lengths", "prolong", *CP, "--json", "bench-cp.json"],
     # every option of the README's bench train commands, on 2 ranks (Ulysses 2; the torch peer: cp 2)
     "bench-train": ["bench", "train", "--dp", "1", "--cp", "1", "--ulysses", "2", "--tp", "1", "--hidden", "32",
                     "--ffn", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--seq-len", "128",
@@ -52,6 +52,10 @@ RUNS = {
     "simulate-config": ["simulate", "train", "--model", "config.json", "--dp", "2", "--cp", "4", "--tp", "8", "--seq",
                         "32768", "--lengths", "my_lengths.txt", "--json", "simulate-train.json"],
     "simulate-check": ["simulate", "check", "bench-train.json"],
+    # simulate cp (every option of the README's commands, a tiny grid) and simulate check of the README's bench cp
+    "simulate-cp": ["simulate", "cp", "--grid", "8:16K", "--lengths", "sotu,long-context", "--packs", "1",
+                    "--json", "sim-cp.json"],
+    "simulate-check-cp": ["simulate", "check", str(README.parent / "docs/bench/cp.json")],
 }
 COMMANDS = {  # README command -> the run that exercises it
     "flashpar train": "train",
@@ -75,7 +79,7 @@ COMMANDS = {  # README command -> the run that exercises it
         "bench-overlap",
     "flashpar bench overlap --nproc 4 --link-rate 300mbit --rounds 3 --shapes comm-heavy,small-M --ops fsdp,qkv,out":
         "bench-overlap",
-    "flashpar bench cp --nproc 4 --link-rate 300mbit --packs 2 --rounds 5": "bench-cp",
+    "flashpar bench cp --nproc 4 --link-rate 300mbit --packs 2 --rounds 5 --json docs/bench/cp.json": "bench-cp",
     "flashpar bench cp --nproc 4 --link-rate 300mbit --lengths prolong": "bench-cp",
     "flashpar bench train": "bench-train",
     "flashpar bench train --link-rate 300mbit": "bench-train",
@@ -87,6 +91,10 @@ COMMANDS = {  # README command -> the run that exercises it
     "flashpar simulate train --model path/to/config.json --dp 2 --cp 4 --tp 8 --seq 32768 --json out.json":
         "simulate-config",
     "flashpar simulate check docs/bench/train.json": "simulate-check",
+    "flashpar simulate cp": "simulate-cp",
+    "flashpar simulate cp --grid 8:128K,32:512K,128:2M --json sim-cp.json": "simulate-cp",
+    "flashpar simulate cp --grid 1024:8M --lengths wlbllm,prolong,spamassassin,long-context --packs 1": "simulate-cp",
+    "flashpar simulate check docs/bench/cp.json": "simulate-check-cp",
 }
 SKIPPED = {
     "make run": "sets up .venv and trains 400 steps (minutes); its `flashpar train` is run here shortened",
@@ -173,3 +181,10 @@ def test_planning_and_benchmark_commands_run(in_tmp, capsys):
     rows = json.loads((in_tmp / "simulate-train.json").read_text())["rows"]
     assert [(r["config"], r["layout"]) for r in rows] == [(c, "dp2 cp4 u1 tp8") for c in ("flashpar", "baseline",
                                                                                           "torch")]
+
+
+def test_simulate_cp_commands_run(in_tmp, capsys):
+    for name in ("simulate-cp", "simulate-check-cp"):
+        assert main(RUNS[name]) == 0, name
+    out = capsys.readouterr().out
+    assert "simulated, h100-ib" in out and "flashcp vs megatron_dynamic" in out and "bench cp:" in out
