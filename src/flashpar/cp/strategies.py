@@ -70,6 +70,22 @@ class Placement:
     def frozen(self) -> tuple[tuple[tuple[int, int], ...], ...]:
         return tuple(tuple(segs) for segs in self.segments)
 
+    @property
+    def n(self) -> int:
+        return len(self.segments)
+
+    def arrays(self):
+        """(rank, start, end) of every piece, as int64 arrays, each rank's in its local order."""
+        import itertools
+
+        import numpy as np
+
+        counts = np.fromiter((len(s) for s in self.segments), dtype=np.int64, count=self.n)
+        m = int(counts.sum())
+        flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(self.segments)),
+                           dtype=np.int64, count=2 * m).reshape(m, 2)
+        return np.repeat(np.arange(self.n, dtype=np.int64), counts), flat[:, 0].copy(), flat[:, 1].copy()
+
 
 def sized_pieces(sizes: list[int], start: int, length: int) -> list[tuple[tuple[int, int], ...]]:
     """The (head, tail) pieces of each member of an unequal head-tail split (see ``Placement.headtail_sized``);
