@@ -652,7 +652,43 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
     # attention alone: balance the attention work itself (pairs), as the solvers it is compared with do
     greedy = _Greedy(doc_lens, n, cost if cost.linear else cost.with_hardware(attn_half=0.0), cap)
     starts = greedy.starts_np
+    lower = greedy.mean  # no plan's step time is below the mean compute of every document whole (cuts only add)
     first = greedy.calibrate()  # the pass (tol 0, force 0, share 1), where the mean did not move
+    whole = greedy.run(float("inf"), 0, subgroups=False)
+    ring = [ArrayPlacement.of(f(doc_lens, n)) for f in (headtail, contiguous)]
+    # per_doc, torch_per_doc (beyond 16 ranks not: cutting every document into 2N pieces twice over is the
+    # costliest candidate at large N); in the order the baselines have always been compared in
+    cut_all = lambda: ([ArrayPlacement.of(per_doc(doc_lens, n))],  # noqa: E731
+                       [ArrayPlacement.of(torch_per_doc(doc_lens, n, False))] if n <= 16 else [])
+    fig_of: dict[bytes, object] = {}
+
+    def scored(candidates: list[ArrayPlacement]):
+        """The pick among ``candidates`` and the baselines (see _pick), and its figures."""
+        for p in _unique(candidates + [whole, *ring]):
+            if p.key() not in fig_of:
+                fig_of[p.key()] = p.figures(doc_lens, starts, cost)
+        # per_doc and torch_per_doc cut every document into 2N pieces (O(D N) of them): skipped where even
+        # their lower bound (see _cut_all_bound) is slower than the fastest candidate within the cap by more
+        # than a tie, which leaves the choice as it was (such a candidate can be neither the fastest nor tied,
+        # and its time cannot lower the bound the baselines set)
+        pool = [max(fig_of[p.key()].time) for p in candidates + [whole, *ring] if max(fig_of[p.key()].tokens) <= cap]
+        pd, tpd = [], []
+        if not pool or _cut_all_bound(greedy.lens_np, n, cost) <= min(pool) * (1 + TIME_TIE):
+            pd, tpd = cut_all()
+            for p in pd + tpd:
+                if p.key() not in fig_of:
+                    fig_of[p.key()] = p.figures(doc_lens, starts, cost)
+        baselines = [whole, *pd, *ring, *tpd]
+        unique = _unique(candidates + baselines)
+        keys = {p.key() for p in baselines}
+        best = unique[_pick([fig_of[p.key()] for p in unique], cap, [p.key() in keys for p in unique])]
+        return best, fig_of[best.key()]
+
+    if cost.linear and first is not None:
+        fig_of[first[0].key()] = greedy.first_figures
+        best, fig = scored([first[0]])
+        if sum(fig.recv_tokens) == 0 and max(fig.time) <= lower * (1 + PERFECT):  # nothing left to gain
+            return best
     # beyond 16 ranks a pass costs O(N) per document: a smaller grid keeps 1M tokens at N=64 near 200 ms
     forced, tolerances = (FORCED, TOLERANCES) if n <= 16 else (FORCED[:1], TOLERANCES[:2])
     if max(doc_lens) > cap:  # the longest document fits whole nowhere: forcing it to split changes nothing
@@ -669,34 +705,13 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
                     continue
                 candidates.append(greedy.run(tol, force, share))
                 peak[(force, tol)] = greedy.peak_share
-    whole = greedy.run(float("inf"), 0, subgroups=False)
-    ring = [ArrayPlacement.of(f(doc_lens, n)) for f in (headtail, contiguous)]
-    # per_doc, torch_per_doc (beyond 16 ranks not: cutting every document into 2N pieces twice over is the
-    # costliest candidate at large N); in the order the baselines have always been compared in
-    cut_all = lambda: ([ArrayPlacement.of(per_doc(doc_lens, n))],  # noqa: E731
-                       [ArrayPlacement.of(torch_per_doc(doc_lens, n, False))] if n <= 16 else [])
     if not cost.linear:  # attention alone: balance first (see _balanced), then the least time, then K/V
         pd, tpd = cut_all()
         unique = _unique(candidates + [whole, *pd, *ring, *tpd])
         figs = {i: unique[i].figures(doc_lens, starts, cost)
                 for i in _balanced([p.segments for p in unique], greedy.starts, cap)}
         return unique[min(figs, key=lambda i: (max(figs[i].time), sum(figs[i].recv_tokens), i))]
-    fig_of = {p.key(): p.figures(doc_lens, starts, cost) for p in _unique(candidates + [whole, *ring])}
-    # per_doc and torch_per_doc cut every document into 2N pieces (O(D N) of them): skipped where even their
-    # lower bound (see _cut_all_bound) is slower than the fastest candidate within the cap by more than a tie,
-    # which leaves the choice as it was (such a candidate can be neither the fastest nor tied, and its time
-    # cannot lower the bound the baselines set)
-    pool = [max(f.time) for f in fig_of.values() if max(f.tokens) <= cap]
-    pd, tpd = [], []
-    if not pool or _cut_all_bound(greedy.lens_np, n, cost) <= min(pool) * (1 + TIME_TIE):
-        pd, tpd = cut_all()
-        for p in pd + tpd:
-            if p.key() not in fig_of:
-                fig_of[p.key()] = p.figures(doc_lens, starts, cost)
-    baselines = [whole, *pd, *ring, *tpd]
-    unique = _unique(candidates + baselines)
-    keys = {p.key() for p in baselines}
-    return unique[_pick([fig_of[p.key()] for p in unique], cap, [p.key() in keys for p in unique])]
+    return scored(candidates)[0]
 
 
 def _unique(placements: list[ArrayPlacement]) -> list[ArrayPlacement]:
@@ -731,6 +746,12 @@ BALANCE = 0.03
 
 TIME_TIE = 0.002
 """Step times within this fraction of the fastest candidate's count as equal (then fewer K/V bytes win)."""
+
+
+PERFECT = 1e-4
+"""The search ends after its first pass and the baselines where their pick receives no K/V and is estimated within
+this fraction of the lower bound (the mean compute with every document whole): no other candidate could be more
+than 0.01% faster, nor receive less (packs of many short documents, where the knobs change nothing that matters)."""
 
 
 def _balanced(placements, doc_starts: list[int], cap: int) -> list[int]:
