@@ -61,6 +61,8 @@ the mean compute."""
 EXCHANGE_MIN = 64
 """Fewest tokens a trade moves (smaller ones add members for little balance)."""
 BATCH = 16
+SKIP_MAX = 24
+"""Full ranks met at the top of the Whole-Doc heap after which the step searches all ranks at once (the same rank)."""
 """Documents of one length in a row from which the Whole-Doc step places them in one sort (``_batch_whole``)
 rather than one by one (the same placement; only faster)."""
 
@@ -177,6 +179,7 @@ class _Greedy:
         self.run_end = np.repeat(ends, np.diff(np.concatenate(([0], ends)))).tolist()
         self._shares: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
         self._whole: dict[int, float] = {}
+        self._top: dict[tuple[int, int], tuple] = {}  # per (length, g): max of the shares, shares as arrays
         # group sizes tried: every size up to 8, then about 1.25x apart (and N itself)
         sizes, g = [], 2
         while g < n:
@@ -241,10 +244,19 @@ class _Greedy:
             if load[by_load[g - 1]] >= limit:  # this member, and every larger group's, is already full
                 return None
             work, tok = self.shares(length, g)
-            if max(work) > share * self.mean and g < self.n:
+            top = self._top.get((length, g))
+            if top is None:
+                top = self._top[(length, g)] = (max(work), np.asarray(work), np.asarray(tok))
+            if top[0] > share * self.mean and g < self.n:
                 continue
             members = by_load[:g]  # member i takes chunks i and 2g - 1 - i
-            if all(load[r] + work[i] <= limit and toks[r] + tok[i] <= self.cap for i, r in enumerate(members)):
+            if g > 32:  # (on arrays: the same sums and comparisons)
+                ranks = np.asarray(members)
+                fits = bool(np.all((np.asarray(load)[ranks] + top[1] <= limit)
+                                   & (np.asarray(toks)[ranks] + top[2] <= self.cap)))
+            else:
+                fits = all(load[r] + work[i] <= limit and toks[r] + tok[i] <= self.cap for i, r in enumerate(members))
+            if fits:
                 if share < math.inf:
                     self.peak_share = max(self.peak_share, max(work) / self.mean)
                 return members
@@ -386,6 +398,7 @@ class _Greedy:
                     fits = mins.tok() <= tok_room and mins.load() <= work_room
                 else:
                     fits = min(toks) <= tok_room and min(load) <= work_room  # (else no rank fits)
+                at_top = True
                 while fits and heap:
                     e = heap[0]
                     q = e[2]
@@ -396,12 +409,19 @@ class _Greedy:
                         r = q
                         break
                     skipped.append(heapq.heappop(heap))
+                    if len(skipped) >= SKIP_MAX:  # many full ranks first: the least key that fits, on arrays
+                        r, at_top = self._fitting(load, toks, limit, tok_room, work_room), False
+                        break
                 if r >= 0:
                     doc_rank[d], doc_seq[d] = r, seq
                     seq += 1
                     load[r] += w
                     toks[r] += length
-                    heapq.heapreplace(heap, (max(load[r] / limit, toks[r] / cap), load[r], r, toks[r]))
+                    entry = (max(load[r] / limit, toks[r] / cap), load[r], r, toks[r])
+                    if at_top:
+                        heapq.heapreplace(heap, entry)
+                    else:
+                        heapq.heappush(heap, entry)
                     if mins is not None:
                         mins.push((r,))
                 for e in skipped:
@@ -429,6 +449,16 @@ class _Greedy:
         whole = np.flatnonzero(doc_rank >= 0)
         ws = self.starts_np[whole]
         return ArrayPlacement.sorted_from(n, [(doc_rank[whole], ws, ws + self.lens_np[whole]), p.arrays()])
+
+    def _fitting(self, load, toks, limit: float, tok_room: int, work_room: float) -> int:
+        """The rank of least key ``(max(load / limit, tokens / cap), load, rank)`` among those with
+        ``tokens <= tok_room`` and ``load <= work_room``; -1 if none."""
+        lv, tv = np.asarray(load), np.asarray(toks, dtype=np.int64)
+        ok = np.flatnonzero((tv <= tok_room) & (lv <= work_room))
+        if not len(ok):
+            return -1
+        key0 = np.maximum(lv[ok] / limit, tv[ok] / self.cap)
+        return int(ok[np.lexsort((ok, lv[ok], key0))[0]])
 
     def _place_other(self, k, d, length, start, force, load, toks, limit, share, subgroups, p, splits):
         """A document the Whole-Doc step did not place (see the module docstring); returns the ranks it changed, or
@@ -488,28 +518,55 @@ class _Greedy:
                 held[r].add(i)
         # the splits of each rank over the mean, heaviest first (what a trade gives it is not offered again)
         heaviest = {v: sorted(held[v], key=lambda i: -rate[i]) for v in over}
+        # The scan, per (u, B): over v (busiest first) and its X (heaviest first), trade where the move is at least
+        # EXCHANGE_MIN; X stops at the first no heavier than B.  Between two trades nothing changes, so each step
+        # finds the next trade of the scan at once: every (v, X) pair of the scan as arrays, in scan order, with
+        # the part of X on v (0 once v holds none) and v's load kept in step with the trades.
+        pv = [v for v in over for _ in heaviest[v]]
+        px = [x for v in over for x in heaviest[v]]
+        if not px:
+            return
+        prate = np.asarray(rate)[px]
+        ppart = np.asarray([splits[x].parts.get(v, 0) for v, x in zip(pv, px, strict=True)], dtype=np.float64)
+        vload = np.asarray([load[v] for v in pv])
+        pair_at = {vx: i for i, vx in enumerate(zip(pv, px, strict=True))}
+        rows_of: dict[int, list[int]] = {}
+        for i, v in enumerate(pv):
+            rows_of.setdefault(v, []).append(i)
+        rates_sorted = sorted(set(prate.tolist()))
         for u in under:
             for b in sorted(held[u], key=rate.__getitem__):
-                for v in over:
-                    if load[u] >= mean:
+                pos = 0
+                while load[u] < mean and b in held[u] and splits[b].parts[u] >= EXCHANGE_MIN:
+                    # (a quick bound first: the lightest X heavier than B must gain little enough for u's room)
+                    j = bisect.bisect_right(rates_sorted, rate[b])
+                    if j == len(rates_sorted) or (rates_sorted[j] - rate[b]) * EXCHANGE_MIN > (mean - load[u]) * (
+                            1 + 1e-9):
                         break
-                    for x in heaviest[v]:
-                        gain = rate[x] - rate[b]
-                        if gain <= 0 or b not in held[u]:
-                            break
-                        if x not in held[v]:
-                            continue
-                        move = int(min((load[v] - mean) / gain, (mean - load[u]) / gain,
-                                       splits[x].parts[v], splits[b].parts[u]))
-                        if move < EXCHANGE_MIN:
-                            continue
-                        for i, src, dst in ((x, v, u), (b, u, v)):
-                            splits[i].trade(src, dst, move)
-                            held[dst].add(i)
-                            if src not in splits[i].parts:
-                                held[src].discard(i)
-                        load[u] += gain * move
-                        load[v] -= gain * move
+                    gain = prate[pos:] - rate[b]
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        ok = ((gain > 0) & (ppart[pos:] >= EXCHANGE_MIN) & ((vload[pos:] - mean) / gain >= EXCHANGE_MIN)
+                              & ((mean - load[u]) / gain >= EXCHANGE_MIN))
+                    hit = np.flatnonzero(ok)
+                    if not len(hit):
+                        break
+                    i = pos + int(hit[0])
+                    v, x = pv[i], px[i]
+                    gain = rate[x] - rate[b]
+                    move = int(min((load[v] - mean) / gain, (mean - load[u]) / gain, splits[x].parts[v],
+                                   splits[b].parts[u]))
+                    for t, src, dst in ((x, v, u), (b, u, v)):
+                        splits[t].trade(src, dst, move)
+                        held[dst].add(t)
+                        if src not in splits[t].parts:
+                            held[src].discard(t)
+                    load[u] += gain * move
+                    load[v] -= gain * move
+                    for t in (x, b):
+                        if (v, t) in pair_at:
+                            ppart[pair_at[(v, t)]] = splits[t].parts.get(v, 0)
+                    vload[rows_of[v]] = load[v]
+                    pos = i + 1
 
     def _batch_whole(self, docs, length: int, w: float, load, toks, limit: float, doc_rank, doc_seq, seq: int):
         """Documents ``docs`` (all of ``length`` tokens and compute ``w``, in pass order) placed whole as the
