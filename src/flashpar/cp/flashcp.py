@@ -180,6 +180,8 @@ class _Greedy:
         self._shares: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
         self._whole: dict[int, float] = {}
         self._top: dict[tuple[int, int], tuple] = {}  # per (length, g): max of the shares, shares as arrays
+        self._big: dict[int, dict] = {}  # per length: _big_shares
+        self._big_index = None
         # group sizes tried: every size up to 8, then about 1.25x apart (and N itself)
         sizes, g = [], 2
         while g < n:
@@ -200,7 +202,9 @@ class _Greedy:
         if g == 1:
             return [self.whole(length)], [length]
         if key not in self._shares and g >= 16:
-            self._shares[key] = self._shares_arrays(length, g)
+            big = self._big_shares(length).get(g)
+            self._shares[key] = ((big[0].tolist(), big[1].tolist()) if big is not None
+                                 else self._shares_arrays(length, g))
         if key not in self._shares:
             b = chunk_bounds(0, length, 2 * g)
             work, toks = [], []
@@ -212,6 +216,36 @@ class _Greedy:
                 toks.append(n_tok)
             self._shares[key] = (work, toks)
         return self._shares[key]
+
+    def _big_shares(self, length: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """:meth:`_shares_arrays` of every group size of at least 16 tried (``self.sizes``) at once, as arrays."""
+        if length not in self._big:
+            gs = [g for g in self.sizes if g >= 16]
+            if not gs:
+                self._big[length] = {}
+                return self._big[length]
+            if self._big_index is None:
+                G = np.repeat(np.asarray(gs, dtype=np.int64), gs)
+                idx = np.concatenate([np.arange(g, dtype=np.int64) for g in gs])
+                self._big_index = (G, idx, np.cumsum([0, *gs]).tolist())
+            G, i, offsets = self._big_index
+            two = 2 * G
+            h0, h1 = length * i // two, length * (i + 1) // two
+            t0, t1 = length * (two - 1 - i) // two, length * (two - i) // two
+            n_tok = (h1 - h0) + (t1 - t0)
+            work = (self._piece_time(h0, h1) + self._piece_time(t0, t1)) + n_tok.astype(np.float64) * (
+                self.cost.flops_per_token) / self.cost.hardware.gemm_flops
+            self._big[length] = {g: (work[o:o + g], n_tok[o:o + g]) for g, o in zip(gs, offsets, strict=False)}
+        return self._big[length]
+
+    def _piece_time(self, x, y):
+        """``CostModel.attn_time`` of the pieces ``[x, y)`` of a document from 0, on arrays (the same floats)."""
+        hw, cost = self.cost.hardware, self.cost
+        q, k = (y - x).astype(np.float64), y.astype(np.float64)
+        work = (((y - x) * (x + y + 1)) // 2).astype(np.float64) * cost.flops_per_pair
+        with np.errstate(divide="ignore", invalid="ignore"):  # (empty pieces: masked)
+            eff = hw.attn_peak * (q / (q + hw.attn_half)) * (k / (k + hw.attn_half))
+            return np.where((y > x) & (work > 0), work / (hw.flops * eff), 0.0)
 
     def _shares_arrays(self, length: int, g: int) -> tuple[list[float], list[int]]:
         """:meth:`shares` on arrays (the same floats: each piece's time as ``CostModel.attn_time`` rounds it, the
@@ -233,9 +267,11 @@ class _Greedy:
         work = (head + tail) + n_tok.astype(np.float64) * cost.flops_per_token / hw.gemm_flops
         return work.tolist(), n_tok.tolist()
 
-    def _group(self, length: int, by_load: list[int], load, toks, limit: float, share: float) -> list[int] | None:
+    def _group(self, length: int, by_load: list[int], load, toks, limit: float, share: float,
+               sorted_rooms=None) -> list[int] | None:
         """The smallest head-tail group (of ``self.sizes`` least-loaded ranks) whose members all stay under
-        ``limit`` and the token cap, each taking at most ``share`` of a rank's mean compute."""
+        ``limit`` and the token cap, each taking at most ``share`` of a rank's mean compute.  ``sorted_rooms``:
+        (loads, tokens) as arrays in ``by_load`` order, where given."""
         # a member's share is about whole / g (a little more: cut pieces run less efficiently)
         first = max(2, min(self.n, math.ceil(self.whole(length) / (share * self.mean)))) if share < math.inf else 2
         for g in self.sizes:
@@ -246,14 +282,15 @@ class _Greedy:
             work, tok = self.shares(length, g)
             top = self._top.get((length, g))
             if top is None:
-                top = self._top[(length, g)] = (max(work), np.asarray(work), np.asarray(tok))
+                big = self._big_shares(length).get(g) if g >= 16 else None
+                arrays = big if big is not None else (np.asarray(work), np.asarray(tok))
+                top = self._top[(length, g)] = (max(work), *arrays)
             if top[0] > share * self.mean and g < self.n:
                 continue
             members = by_load[:g]  # member i takes chunks i and 2g - 1 - i
-            if g > 32:  # (on arrays: the same sums and comparisons)
-                ranks = np.asarray(members)
-                fits = bool(np.all((np.asarray(load)[ranks] + top[1] <= limit)
-                                   & (np.asarray(toks)[ranks] + top[2] <= self.cap)))
+            if g > 32 and sorted_rooms is not None:  # (on arrays: the same sums and comparisons)
+                ls, ts = sorted_rooms
+                fits = bool(np.all((ls[:g] + top[1] <= limit) & (ts[:g] + top[2] <= self.cap)))
             else:
                 fits = all(load[r] + work[i] <= limit and toks[r] + tok[i] <= self.cap for i, r in enumerate(members))
             if fits:
@@ -369,9 +406,14 @@ class _Greedy:
         mins = _Mins(load, toks) if n > 64 else None  # min(toks), min(load) in O(log N) where N is large
         seq = 0
 
+        # load and toks as arrays too (the Whole-Doc step's rank only where they are next needed: ``dirty``)
+        arrays = (np.zeros(n), np.zeros(n, dtype=np.int64))
+        dirty: list[int] = []
+
         def touched(ranks) -> None:  # new current entries for ranks whose load changed
             for q in ranks:
                 heapq.heappush(heap, (max(load[q] / limit, toks[q] / cap), load[q], q, toks[q]))
+                arrays[0][q], arrays[1][q] = load[q], toks[q]
             if mins is not None:
                 mins.push(ranks)
 
@@ -417,6 +459,7 @@ class _Greedy:
                     seq += 1
                     load[r] += w
                     toks[r] += length
+                    dirty.append(r)
                     entry = (max(load[r] / limit, toks[r] / cap), load[r], r, toks[r])
                     if at_top:
                         heapq.heapreplace(heap, entry)
@@ -429,7 +472,11 @@ class _Greedy:
                 if r >= 0:
                     k += 1
                     continue
-            changed = self._place_other(k, d, length, start, force, load, toks, limit, share, subgroups, p, splits)
+            for q in dirty:
+                arrays[0][q], arrays[1][q] = load[q], toks[q]
+            dirty.clear()
+            changed = self._place_other(k, d, length, start, force, load, toks, limit, share, subgroups, p, splits,
+                                        arrays)
             if changed is None:  # whole on one rank, over the work bound
                 r = self._last_whole
                 doc_rank[d], doc_seq[d] = r, seq
@@ -460,14 +507,17 @@ class _Greedy:
         key0 = np.maximum(lv[ok] / limit, tv[ok] / self.cap)
         return int(ok[np.lexsort((ok, lv[ok], key0))[0]])
 
-    def _place_other(self, k, d, length, start, force, load, toks, limit, share, subgroups, p, splits):
+    def _place_other(self, k, d, length, start, force, load, toks, limit, share, subgroups, p, splits, arrays):
         """A document the Whole-Doc step did not place (see the module docstring); returns the ranks it changed, or
         None where it went whole onto one rank (``self._last_whole``)."""
         cap = self.cap
-        by_load = np.lexsort((np.asarray(toks), np.asarray(load))).tolist()  # by (load, tokens, rank)
-        group = self._group(length, by_load, load, toks, limit, share) if subgroups else None
+        lv, tv = arrays  # (load and toks as arrays)
+        by_np = np.lexsort((tv, lv))  # by (load, tokens, rank)
+        by_load = by_np.tolist()
+        rooms = (lv[by_np], tv[by_np])
+        group = self._group(length, by_load, load, toks, limit, share, rooms) if subgroups else None
         # unequal parts only where the document fits whole on no rank (else: whole, over the bound, below)
-        cut = group is None and subgroups and length > cap - min(toks)
+        cut = group is None and subgroups and length > cap - int(tv.min())
         fill = self._fill(length, start, load, toks, limit, share) if cut else None
         if fill is not None and len(fill[0]) > 1:  # unequal parts by each rank's room
             members, sizes = fill
@@ -479,10 +529,10 @@ class _Greedy:
         if fill is not None:
             group = fill[0]
         if group is None and k >= force:  # over the work bound: whole on the least-loaded rank with room
-            room = [r for r in by_load if toks[r] + length <= cap]
-            group = room[:1] or None
+            room = np.flatnonzero(rooms[1] + length <= cap)[:1]
+            group = [by_load[int(room[0])]] if len(room) else None
         if group is None and subgroups:  # tokens alone
-            group = self._group(length, by_load, load, toks, float("inf"), float("inf"))
+            group = self._group(length, by_load, load, toks, float("inf"), float("inf"), rooms)
         if group is None and subgroups:  # no group has token room: cut it by the room each rank has left
             return self._cut_by_room(p, by_load, load, toks, start, length)
         group = group or by_load  # Per-Doc over every rank (the whole_doc baseline)
