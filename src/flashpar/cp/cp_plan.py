@@ -30,10 +30,8 @@ Segment = tuple[int, int]
 
 
 def doc_starts_of(doc_lens) -> list[int]:
-    out, acc = [], 0
-    for n in doc_lens:
-        out.append(acc)
-        acc += n
+    out = list(itertools.accumulate(doc_lens, initial=0))
+    out.pop()
     return out
 
 

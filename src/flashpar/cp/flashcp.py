@@ -47,8 +47,17 @@ import math
 import numpy as np
 
 from flashpar.cp.cost import CostModel
-from flashpar.cp.cp_plan import causal_pairs, doc_starts_of, figures_of_arrays
-from flashpar.cp.strategies import Placement, chunk_bounds, contiguous, headtail, per_doc, sized_pieces, torch_per_doc
+from flashpar.cp.cp_plan import causal_pairs, doc_starts_of
+from flashpar.cp.strategies import (
+    ArrayPlacement,
+    Placement,
+    chunk_bounds,
+    contiguous,
+    headtail,
+    per_doc,
+    sized_pieces,
+    torch_per_doc,
+)
 
 TOLERANCES = (0.0, 0.02, 0.05)
 FORCED = (0, 1)
@@ -65,50 +74,6 @@ SKIP_MAX = 24
 """Full ranks met at the top of the Whole-Doc heap after which the step searches all ranks at once (the same rank)."""
 """Documents of one length in a row from which the Whole-Doc step places them in one sort (``_batch_whole``)
 rather than one by one (the same placement; only faster)."""
-
-
-class ArrayPlacement:
-    """A placement as arrays: piece ``i`` is ``[a[i], b[i])`` on rank ``rank[i]``, each rank's pieces in its local
-    order (:meth:`frozen` gives the per-rank tuples a :class:`~flashpar.cp.cp_plan.CPPlan` holds)."""
-
-    def __init__(self, n: int, rank, a, b) -> None:
-        self.n, self.rank, self.a, self.b = n, rank, a, b
-        self._frozen = None
-
-    @classmethod
-    def sorted_from(cls, n: int, parts) -> ArrayPlacement:
-        """The pieces of ``parts`` ((rank, a, b) arrays), each rank's sorted by start, empty ones dropped."""
-        rank, a, b = (np.concatenate([np.asarray(x[i], dtype=np.int64) for x in parts]) for i in range(3))
-        keep = b > a
-        rank, a, b = rank[keep], a[keep], b[keep]
-        order = np.lexsort((a, rank))
-        return cls(n, rank[order], a[order], b[order])
-
-    @classmethod
-    def of(cls, placement: Placement) -> ArrayPlacement:
-        return cls(placement.n, *placement.arrays())
-
-    def frozen(self) -> tuple[tuple[tuple[int, int], ...], ...]:
-        if self._frozen is None:
-            counts = np.bincount(self.rank, minlength=self.n).tolist()
-            pieces = list(zip(self.a.tolist(), self.b.tolist(), strict=True))
-            out, lo = [], 0
-            for c in counts:
-                out.append(tuple(pieces[lo:lo + c]))
-                lo += c
-            self._frozen = tuple(out)
-        return self._frozen
-
-    @property
-    def segments(self):
-        return self.frozen()
-
-    def key(self) -> bytes:
-        """Equal for equal placements (the same pieces, each rank's in the same order)."""
-        return self.rank.tobytes() + self.a.tobytes() + self.b.tobytes()
-
-    def figures(self, doc_lens, doc_starts, cost: CostModel, comm: str = "aware"):
-        return figures_of_arrays(self.rank, self.a, self.b, self.n, sum(doc_lens), doc_starts, cost, comm)
 
 
 class _Mins:
@@ -188,7 +153,9 @@ class _Greedy:
             sizes.append(g)
             g = g + 1 if g < 8 else math.ceil(g * 1.25)
         self.sizes = [*sizes, n] if n >= 2 else []
-        self.mean = sum(self.whole(L) for L in doc_lens) / n
+        for length in set(doc_lens):
+            self.whole(length)
+        self.mean = sum(map(self._whole.__getitem__, doc_lens)) / n  # (added in document order, as always)
 
     def whole(self, length: int) -> float:
         if length not in self._whole:

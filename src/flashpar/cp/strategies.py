@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import bisect
 
+import numpy as np
+
 from flashpar.cp.cp_plan import doc_starts_of
 
 
@@ -87,6 +89,53 @@ class Placement:
         return np.repeat(np.arange(self.n, dtype=np.int64), counts), flat[:, 0].copy(), flat[:, 1].copy()
 
 
+class ArrayPlacement:
+    """A placement as arrays: piece ``i`` is ``[a[i], b[i])`` on rank ``rank[i]``, each rank's pieces in its local
+    order (:meth:`frozen` gives the per-rank tuples a :class:`~flashpar.cp.cp_plan.CPPlan` holds)."""
+
+    def __init__(self, n: int, rank, a, b) -> None:
+        self.n, self.rank, self.a, self.b = n, rank, a, b
+        self._frozen = None
+
+    @classmethod
+    def sorted_from(cls, n: int, parts) -> ArrayPlacement:
+        """The pieces of ``parts`` ((rank, a, b) arrays), each rank's sorted by start, empty ones dropped."""
+        rank, a, b = (np.concatenate([np.asarray(x[i], dtype=np.int64) for x in parts]) for i in range(3))
+        keep = b > a
+        rank, a, b = rank[keep], a[keep], b[keep]
+        order = np.lexsort((a, rank))
+        return cls(n, rank[order], a[order], b[order])
+
+    @classmethod
+    def of(cls, placement) -> ArrayPlacement:
+        """``placement`` (a :class:`Placement` or one of these) as arrays."""
+        return placement if isinstance(placement, ArrayPlacement) else cls(placement.n, *placement.arrays())
+
+    def frozen(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        if self._frozen is None:
+            counts = np.bincount(self.rank, minlength=self.n).tolist()
+            pieces = list(zip(self.a.tolist(), self.b.tolist(), strict=True))
+            out, lo = [], 0
+            for c in counts:
+                out.append(tuple(pieces[lo:lo + c]))
+                lo += c
+            self._frozen = tuple(out)
+        return self._frozen
+
+    @property
+    def segments(self):
+        return self.frozen()
+
+    def key(self) -> bytes:
+        """Equal for equal placements (the same pieces, each rank's in the same order)."""
+        return self.rank.tobytes() + self.a.tobytes() + self.b.tobytes()
+
+    def figures(self, doc_lens, doc_starts, cost, comm: str = "aware"):
+        from flashpar.cp.cp_plan import figures_of_arrays
+
+        return figures_of_arrays(self.rank, self.a, self.b, self.n, sum(doc_lens), doc_starts, cost, comm)
+
+
 def sized_pieces(sizes: list[int], start: int, length: int) -> list[tuple[tuple[int, int], ...]]:
     """The (head, tail) pieces of each member of an unequal head-tail split (see ``Placement.headtail_sized``);
     the last member's is one piece, the middle."""
@@ -101,23 +150,27 @@ def sized_pieces(sizes: list[int], start: int, length: int) -> list[tuple[tuple[
     return out
 
 
-def contiguous(doc_lens: list[int], n: int) -> Placement:
-    starts = doc_starts_of(doc_lens)
-    bounds = chunk_bounds(0, sum(doc_lens), n)
-    p = Placement(n)
-    for r in range(n):
-        p.add_split(r, bounds[r], bounds[r + 1], starts)
-    return p
+def contiguous(doc_lens: list[int], n: int) -> ArrayPlacement:
+    return _chunks_at_docs(doc_lens, n, n)
 
 
-def headtail(doc_lens: list[int], n: int) -> Placement:
-    starts = doc_starts_of(doc_lens)
-    bounds = chunk_bounds(0, sum(doc_lens), 2 * n)
-    p = Placement(n)
-    for r in range(n):
-        p.add_split(r, bounds[r], bounds[r + 1], starts)
-        p.add_split(r, bounds[2 * n - 1 - r], bounds[2 * n - r], starts)
-    return p
+def headtail(doc_lens: list[int], n: int) -> ArrayPlacement:
+    return _chunks_at_docs(doc_lens, n, 2 * n)
+
+
+def _chunks_at_docs(doc_lens: list[int], n: int, parts: int) -> ArrayPlacement:
+    """The whole sequence cut into ``parts`` chunks (``chunk_bounds``), every chunk cut at the document starts
+    inside it; chunk ``c`` goes to rank ``c`` (``parts == n``: contiguous) or, head-tail (``parts == 2n``), to
+    ``c`` and ``2n - 1 - c``.  On arrays: the pieces are the gaps between consecutive cut points (the chunk
+    bounds and the document starts), in order; each rank's pieces in token order."""
+    starts = np.asarray(doc_starts_of(doc_lens), dtype=np.int64)
+    total = int(sum(doc_lens))
+    bounds = total * np.arange(parts + 1, dtype=np.int64) // parts
+    cuts = np.union1d(starts, bounds)
+    a, b = cuts[:-1], cuts[1:]
+    chunk = np.searchsorted(bounds, a, side="right") - 1
+    rank = chunk if parts == n else np.where(chunk < n, chunk, 2 * n - 1 - chunk)
+    return ArrayPlacement.sorted_from(n, [(rank, a, b)])
 
 
 def per_doc(doc_lens: list[int], n: int) -> Placement:
