@@ -80,8 +80,8 @@ def test_bench_plan_scale_block(monkeypatch, capsys):
                                                               ("sotu", [4000, 4192], 8192, 4)])
     lines = plan_targets.planning_at_scale(2)
     assert lines[0].startswith("Planning time at scale, flashcp (ms, median of 2 runs") and len(lines) == 4
-    assert lines[2].split()[:4] == ["short", "4K", "2", "700"] and lines[2].split()[6] == "yes"
-    assert lines[3].split()[:4] == ["sotu", "8K", "4", "2"] and lines[3].split()[6] == "NO"
+    assert lines[2].split()[:4] == ["short", "4K", "2", "700"] and lines[2].split()[7] == "yes"
+    assert lines[3].split()[:4] == ["sotu", "8K", "4", "2"] and lines[3].split()[7] == "NO"
     assert main(["bench", "plan", "--scale-runs", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "flashpar bench plan: --scale-runs must be >= 1, got 0", err
