@@ -249,8 +249,8 @@ class _Greedy:
             work, tok = self.shares(length, g)
             top = self._top.get((length, g))
             if top is None:
-                big = self._big_shares(length).get(g) if g >= 16 else None
-                arrays = big if big is not None else (np.asarray(work), np.asarray(tok))
+                big = self._big_shares(length).get(g) if g > 32 else None
+                arrays = big if big is not None else ((np.asarray(work), np.asarray(tok)) if g > 32 else (None, None))
                 top = self._top[(length, g)] = (max(work), *arrays)
             if top[0] > share * self.mean and g < self.n:
                 continue
@@ -380,7 +380,8 @@ class _Greedy:
         def touched(ranks) -> None:  # new current entries for ranks whose load changed
             for q in ranks:
                 heapq.heappush(heap, (max(load[q] / limit, toks[q] / cap), load[q], q, toks[q]))
-                arrays[0][q], arrays[1][q] = load[q], toks[q]
+                if n > 32:
+                    arrays[0][q], arrays[1][q] = load[q], toks[q]
             if mins is not None:
                 mins.push(ranks)
 
@@ -426,7 +427,8 @@ class _Greedy:
                     seq += 1
                     load[r] += w
                     toks[r] += length
-                    dirty.append(r)
+                    if n > 32:
+                        dirty.append(r)
                     entry = (max(load[r] / limit, toks[r] / cap), load[r], r, toks[r])
                     if at_top:
                         heapq.heapreplace(heap, entry)
@@ -478,13 +480,16 @@ class _Greedy:
         """A document the Whole-Doc step did not place (see the module docstring); returns the ranks it changed, or
         None where it went whole onto one rank (``self._last_whole``)."""
         cap = self.cap
-        lv, tv = arrays  # (load and toks as arrays)
-        by_np = np.lexsort((tv, lv))  # by (load, tokens, rank)
-        by_load = by_np.tolist()
-        rooms = (lv[by_np], tv[by_np])
+        if self.n > 32:
+            lv, tv = arrays  # (load and toks as arrays)
+            by_np = np.lexsort((tv, lv))  # by (load, tokens, rank)
+            by_load = by_np.tolist()
+            rooms = (lv[by_np], tv[by_np])
+        else:  # (few ranks: in Python, the same order)
+            by_load, rooms = sorted(range(self.n), key=lambda r: (load[r], toks[r])), None
         group = self._group(length, by_load, load, toks, limit, share, rooms) if subgroups else None
         # unequal parts only where the document fits whole on no rank (else: whole, over the bound, below)
-        cut = group is None and subgroups and length > cap - int(tv.min())
+        cut = group is None and subgroups and length > cap - min(toks)
         fill = self._fill(length, start, load, toks, limit, share) if cut else None
         if fill is not None and len(fill[0]) > 1:  # unequal parts by each rank's room
             members, sizes = fill
@@ -496,8 +501,11 @@ class _Greedy:
         if fill is not None:
             group = fill[0]
         if group is None and k >= force:  # over the work bound: whole on the least-loaded rank with room
-            room = np.flatnonzero(rooms[1] + length <= cap)[:1]
-            group = [by_load[int(room[0])]] if len(room) else None
+            if rooms is not None:
+                room = np.flatnonzero(rooms[1] + length <= cap)[:1]
+                group = [by_load[int(room[0])]] if len(room) else None
+            else:
+                group = [r for r in by_load if toks[r] + length <= cap][:1] or None
         if group is None and subgroups:  # tokens alone
             group = self._group(length, by_load, load, toks, float("inf"), float("inf"), rooms)
         if group is None and subgroups:  # no group has token room: cut it by the room each rank has left
@@ -655,9 +663,8 @@ class _Greedy:
         def options(r: int):
             g = groups(r)
             lens = sorted(g)
-            firsts = [g[x][0] for x in lens]
-            return (np.asarray(lens, dtype=np.int64), np.asarray([self.whole(x) for x in lens]),
-                    doc_seq[np.asarray(firsts, dtype=np.int64)] if firsts else np.zeros(0, dtype=np.int64))
+            firsts = doc_seq[[g[x][0] for x in lens]].tolist() if lens else []
+            return lens, [self._whole[x] for x in lens], firsts
 
         for _ in range(2 * len(whole)):
             hi = load.index(max(load))  # the first busiest / least busy rank
@@ -701,6 +708,20 @@ class _Greedy:
         lb, wb, sb = lo_opts
         if not len(la):
             return None
+        if len(la) * (len(lb) + 1) <= 256:  # few pairs: in Python (the same peaks, the same order on ties)
+            best, best_key = None, (h - 1e-12 * abs(h),)
+            opts = [(0, 0.0, -1), *zip(lb, wb, sb, strict=True)]
+            cap = self.cap
+            for x, w, i in zip(la, wa, sa, strict=True):
+                lo_b, hi_b = x + tok_lo - cap, cap - tok_hi + x
+                for y, v, j in opts:
+                    if lo_b <= y <= hi_b:
+                        key = (max(h - w + v, low + w - v), i, j)
+                        if key < best_key:
+                            best, best_key = (x, y or None), key
+            return best
+        la, wa, sa = (np.asarray(x) for x in hi_opts)
+        lb, wb, sb = (np.asarray(x) for x in lo_opts)
         ol = np.concatenate(([0], lb))
         ow = np.concatenate(([0.0], wb))
         oj = np.concatenate(([-1], sb))  # nothing first on ties
