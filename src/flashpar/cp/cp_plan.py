@@ -252,10 +252,13 @@ class CPPlan:
         fig = self.figures()
         kv = self.cost.kv_bytes_per_token
         recv_bytes = [t * kv for t in fig.recv_tokens]
-        send_tokens = [0] * n
-        for r in range(n):
-            for src, a, b in self.kv_recv(r):
-                send_tokens[src] += b - a
+        if self.comm == "all":  # every other rank receives all of a rank's tokens
+            send_tokens = [t * (n - 1) for t in fig.tokens]
+        else:
+            send_tokens = [0] * n
+            for r in range(n):
+                for src, a, b in self.kv_recv(r):
+                    send_tokens[src] += b - a
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         ratio = lambda xs: max(xs) / mean(xs) if mean(xs) > 0 else 1.0  # noqa: E731
         others = [self.total_tokens - t for t in fig.tokens]  # what an all-gather would bring each rank

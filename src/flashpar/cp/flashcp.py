@@ -31,7 +31,10 @@ less the tail tokens of the members before it).  The search scores candidates wi
 by the estimated step time (max over ranks of ``max(compute, comm + remote compute)``): among those
 within ``TIME_TIE`` (0.2%) of the fastest in step time and in peak compute, the fewest K/V bytes
 wins.  The placements of the baselines are candidates too, with sharding-aware communication, and
-the winner is never estimated slower than any of them.  With attention work alone
+the winner is never estimated slower than any of them.  Where the pick among the first pass and the baselines
+receives no K/V and is estimated within ``PERFECT`` (0.01%) of the lower bound (the mean compute with every
+document whole), the search stops there: no other candidate could be more than that faster, nor receive less
+(packs of thousands of short documents).  With attention work alone
 (``CostModel(linear=False)``) the greedy balances causal pairs (no efficiency curve) and balance
 comes first (see ``_balanced``); there a better-balanced plan may be estimated slower.
 """
