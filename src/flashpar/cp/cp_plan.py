@@ -115,6 +115,33 @@ def figures_of_arrays(rank, a, b, n: int, total: int, doc_starts, cost: CostMode
                        comm_t.tolist(), time.tolist())
 
 
+def aware_send_tokens(segments, doc_starts, total: int) -> list[int]:
+    """Tokens of K/V each rank sends under sharding-aware K/V (the sum over ranks ``r`` of what ``kv_recv(r)`` takes
+    from it), on arrays.  Rank ``r`` receives, of every document ``d`` it holds part of, the other ranks' pieces of
+    ``d`` before ``E_rd``, the end of its own last piece of ``d`` (pieces never straddle another's end).  So a piece
+    ``[a, b)`` of ``d`` on rank ``o`` goes whole to every rank holding ``d`` with ``E_rd >= b``, less ``o`` itself:
+    one sorted search per piece over the (document, E) pairs."""
+    n = len(segments)
+    counts = np.fromiter((len(x) for x in segments), dtype=np.int64, count=n)
+    m = int(counts.sum())
+    if m == 0:
+        return [0] * n
+    flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(segments)), dtype=np.int64,
+                       count=2 * m).reshape(m, 2)
+    rank = np.repeat(np.arange(n, dtype=np.int64), counts)
+    order = np.lexsort((flat[:, 0], rank))
+    a, b, rank = flat[order, 0], flat[order, 1], rank[order]
+    starts = np.asarray(doc_starts, dtype=np.int64)
+    doc = np.searchsorted(starts, a, side="right") - 1
+    last = np.ones(m, dtype=bool)  # the last piece of each (rank, document) group
+    last[:-1] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1])
+    span = total + 1
+    keys = np.sort(doc[last] * span + b[last])  # (document, E) of every rank holding part of it
+    n_ge = np.searchsorted(keys, (doc + 1) * span, side="left") - np.searchsorted(keys, doc * span + b, side="left")
+    sent = (n_ge - 1) * (b - a)
+    return np.bincount(rank, weights=sent, minlength=n).astype(np.int64).tolist()
+
+
 def _int_sums(rank, values, n: int, total: int):
     """Per-rank sums of non-negative integers of at most ``total^2 / 2`` in all: ``bincount`` (float64 sums, exact
     below 2^53), else ``np.add.at``."""
@@ -255,10 +282,7 @@ class CPPlan:
         if self.comm == "all":  # every other rank receives all of a rank's tokens
             send_tokens = [t * (n - 1) for t in fig.tokens]
         else:
-            send_tokens = [0] * n
-            for r in range(n):
-                for src, a, b in self.kv_recv(r):
-                    send_tokens[src] += b - a
+            send_tokens = aware_send_tokens(self.segments, self.doc_starts, self.total_tokens)
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         ratio = lambda xs: max(xs) / mean(xs) if mean(xs) > 0 else 1.0  # noqa: E731
         others = [self.total_tokens - t for t in fig.tokens]  # what an all-gather would bring each rank
