@@ -166,7 +166,7 @@ def _chunks_at_docs(doc_lens: list[int], n: int, parts: int) -> ArrayPlacement:
     starts = np.asarray(doc_starts_of(doc_lens), dtype=np.int64)
     total = int(sum(doc_lens))
     bounds = total * np.arange(parts + 1, dtype=np.int64) // parts
-    cuts = np.union1d(starts, bounds)
+    cuts = _sorted_union(starts, bounds)
     a, b = cuts[:-1], cuts[1:]
     chunk = np.searchsorted(bounds, a, side="right") - 1
     rank = chunk if parts == n else np.where(chunk < n, chunk, 2 * n - 1 - chunk)
@@ -200,6 +200,8 @@ def torch_per_doc(doc_lens: list[int], n: int, use_torch: bool = True) -> Placem
     """torch's per-document head-tail order (per document, per rank: head chunk, tail chunk), cut into
     N contiguous shards of the rearranged sequence.  Where every length is a multiple of 2N (and
     ``use_torch``) the order comes from torch's own class; elsewhere the same rule with uneven chunks."""
+    if not (use_torch and all(length % (2 * n) == 0 for length in doc_lens)):
+        return _torch_per_doc_arrays(doc_lens, n)
     starts = doc_starts_of(doc_lens)
     first = set(starts)
     bounds = chunk_bounds(0, sum(doc_lens), n)
@@ -216,6 +218,42 @@ def torch_per_doc(doc_lens: list[int], n: int, use_torch: bool = True) -> Placem
                 p.add(r, a, a + take)
             a, pos = a + take, pos + take
     return p
+
+
+def _sorted_union(x, y):
+    """The sorted distinct values of two integer arrays (``np.union1d`` by sorting: its hashing is slow here)."""
+    c = np.sort(np.concatenate((x, y)))
+    return c[np.concatenate(([True], c[1:] != c[:-1]))] if len(c) else c
+
+
+def _torch_per_doc_arrays(doc_lens: list[int], n: int) -> ArrayPlacement:
+    """:func:`torch_per_doc` by its rule (no torch), on arrays: the rearranged sequence's runs (per document, per
+    rank ``r``: chunks ``r`` and ``2n - 1 - r`` of ``2n``, empty ones dropped), cut at the N shard bounds of the
+    rearranged sequence; consecutive pieces of one shard that continue each other inside one document join."""
+    lens = np.asarray(doc_lens, dtype=np.int64)
+    starts = np.asarray(doc_starts_of(doc_lens), dtype=np.int64)
+    total = int(lens.sum())
+    cb = starts[:, None] + lens[:, None] * np.arange(2 * n + 1, dtype=np.int64)[None, :] // (2 * n)
+    r = np.arange(n)
+    a = np.stack((cb[:, r], cb[:, 2 * n - 1 - r]), axis=2).reshape(-1)  # per document, per rank: head, tail
+    b = np.stack((cb[:, r + 1], cb[:, 2 * n - r]), axis=2).reshape(-1)
+    keep = b > a
+    a, b = a[keep], b[keep]
+    pos = np.concatenate(([0], np.cumsum(b - a)))  # where each run starts in the rearranged sequence
+    shard = total * np.arange(n + 1, dtype=np.int64) // n
+    cuts = _sorted_union(pos, shard)  # elementary pieces of the rearranged sequence
+    x, y = cuts[:-1], cuts[1:]
+    run = np.searchsorted(pos, x, side="right") - 1
+    rank = np.searchsorted(shard, x, side="right") - 1
+    pa = a[run] + (x - pos[run])
+    pb = pa + (y - x)
+    # join a piece to the one before it: same rank, continuing it, not at a document start
+    at_doc_start = np.isin(pa, starts)
+    join = np.zeros(len(pa), dtype=bool)
+    join[1:] = (rank[1:] == rank[:-1]) & (pa[1:] == pb[:-1]) & ~at_doc_start[1:]
+    head = np.flatnonzero(~join)
+    ends = np.append(head[1:], len(pa)) - 1
+    return ArrayPlacement(n, rank[head], pa[head], pb[ends])
 
 
 def _torch_order(doc_lens: list[int], n: int, first: set[int], use_torch: bool) -> list[tuple[int, int]]:
