@@ -8,6 +8,7 @@ received come from the receive lists)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -22,8 +23,9 @@ FROZEN = Path(__file__).parent / "data" / "frozen_plans.json"
 STRATEGIES = ("flashcp", "whole_doc")
 
 
+@functools.lru_cache(maxsize=1)
 def cases() -> dict[str, tuple[list[int], int, bool]]:
-    """name -> (document lengths, ranks, linear work)."""
+    """name -> (document lengths, ranks, linear work); built once (packing the lists costs more than planning)."""
     out = {}
     for name in ("wlbllm", "prolong", "spamassassin", "sotu"):
         out[f"{name}-128K-8"] = (resolve_lengths(name).packs(131072, 1)[0], 8, True)
@@ -45,6 +47,7 @@ def summary(doc_lens: list[int], n: int, linear: bool, strategy: str) -> dict:
     return {"segments": [[list(s) for s in segs] for segs in p.segments], "stats": stats}
 
 
+@functools.lru_cache(maxsize=1)
 def frozen() -> dict:
     return json.loads(FROZEN.read_text())
 
