@@ -11,6 +11,7 @@ import torch
 from flashpar.cp import STRATEGIES, plan
 from flashpar.cp.kernels import PAD_LIMIT, Task, batch_backward, make_batches, padded_len, segment_attention
 from flashpar.cp.layout import rank_layout
+from flashpar.cp.lengths import resolve_lengths
 
 
 def test_padding_ladder_is_tight():
@@ -99,6 +100,51 @@ def test_many_short_documents_make_few_kernel_calls():
     assert sum(len(ph) for ph in rank_layout(p, 0, True).phases) == 1  # varlen: one launch per phase and kind
 
 
+def test_varlen_flash_calls_match_the_op_schemas_on_meta():
+    """The CUDA path of the varlen backend, run on the meta device: torch's shape functions of
+    ``aten::_flash_attention_forward`` / ``_flash_attention_backward`` bind the very calls the GPU makes
+    (a misplaced argument fails to match the schema) and give the shapes and dtypes the kernels return."""
+    from flashpar.cp import kernels
+
+    rng, meta = random.Random(3), torch.device("meta")
+    t, nb, h, hkv, d = 60, 40, 8, 2, 64
+    q = torch.empty(t, h, d, dtype=torch.bfloat16, device=meta)
+    k, v, kb, vb = (torch.empty(n, hkv, d, dtype=torch.bfloat16, device=meta) for n in (t, t, nb, nb))
+    tasks = _random_tasks(rng, t, nb)
+    bufs = {-1: (k, v), 0: (kb, vb)}
+    out, lse = torch.empty(t, h, d, device=meta), torch.empty(t, h, device=meta)  # merged, float32 (merge: not on meta)
+    batches = [b.to(meta) for b in make_batches(tasks, varlen=True)]
+    assert {b.causal for b in batches} == {True, False} and all(b.cu_q.device == meta for b in batches)
+    for b in batches:
+        rows, o, m = kernels.batch_forward(b, q, *bufs[b.buf], 0.125, "varlen")
+        n = b.q_rows.numel()
+        assert (o.shape, o.dtype, m.shape, m.dtype) == ((n, h, d), torch.bfloat16, (n, h), torch.float32)
+        dq, dk, dv = batch_backward(b, q, *bufs[b.buf], out.to(q.dtype), out, lse, 0.125, "varlen")
+        assert dq.shape == (b.q_rows.numel(), h, d) and dk.shape == dv.shape == (b.k_rows.numel(), hkv, d)
+        assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
+    # operands FlashAttention-2 refuses (its TORCH_CHECKs, which the meta functions skip): one clear line
+    with pytest.raises(ValueError, match=r"float16 or bfloat16, got torch.float32\); use backend='math'"):
+        kernels.batch_forward(batches[0], q.float(), k.float(), v.float(), 0.125, "varlen")
+    q12, k12 = torch.empty(t, h, 12, device=meta, dtype=torch.bfloat16), torch.empty(t, hkv, 12, device=meta,
+                                                                                    dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 8 and at most 256, got 12"):
+        kernels.batch_forward(make_batches([Task(0, t, -1, 0, t, True)], True)[0].to(meta), q12, k12, k12, 0.125,
+                              "varlen")
+
+
+def test_cuda_default_backend_is_one_constant(monkeypatch):
+    from flashpar.cp import kernels
+
+    cuda = torch.device("cuda", 0)
+    assert kernels.default_backend(torch.device("cpu"), torch.bfloat16, 128) == "flash"
+    assert kernels.default_backend(cuda, torch.bfloat16, 128) == kernels.CUDA_DEFAULT_BACKEND == "math"
+    monkeypatch.setattr(kernels, "CUDA_DEFAULT_BACKEND", "varlen")  # the flip, once gpu-check passes varlen
+    assert kernels.default_backend(cuda, torch.bfloat16, 128) == "varlen"
+    assert kernels.default_backend(cuda, torch.float32, 128) == "math"  # operands the kernel cannot take
+    assert kernels.default_backend(cuda, torch.float16, 12) == "math"
+
+
+@pytest.mark.cuda  # run by make gpu-check (python -m flashpar.gpu_check) on a GPU
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FlashAttention-2 varlen kernel)")
 @pytest.mark.parametrize("seed", range(2))
 def test_varlen_cuda_kernel_matches_math(seed):
@@ -119,6 +165,7 @@ def test_varlen_cuda_kernel_matches_math(seed):
     def grads(varlen: bool, backend: str):
         acc = [torch.zeros(x.shape, device="cuda") for x in (q, k, v, kb, vb)]
         for b in make_batches(tasks, varlen):
+            b = b.to(q.device)  # the kernels' offsets and masks on the GPU, as cp.attention's device layout has them
             dq, dk, dv = batch_backward(b, q, *bufs[b.buf], dout, out.to(q.dtype), lse, 0.125, backend)
             rows = torch.arange(t, device="cuda")[b.rows]
             keys = torch.arange(bufs[b.buf][0].shape[0], device="cuda")[b.keys]
@@ -129,6 +176,43 @@ def test_varlen_cuda_kernel_matches_math(seed):
 
     for x, y in zip(grads(True, "varlen"), grads(False, "math"), strict=True):
         torch.testing.assert_close(x, y, rtol=0, atol=5e-2)
+
+
+def _cp_attention_against_float64(device: str, dtype: torch.dtype, backend: str, lens: list[int], atol: float,
+                                  grad_atol: float) -> None:
+    """``cp.attention`` at world size 1 (autograd, its executor and device layout on ``device``) against the
+    float64 document-masked causal attention of the same full tensors, forward and backward."""
+    from flashpar import cp
+
+    p = plan(lens, 1)
+    t, h, hkv, d = sum(lens), 8, 2, 64
+    gen = torch.Generator(device=device).manual_seed(0)
+    full = [torch.randn(t, n, d, device=device, generator=gen).to(dtype) for n in (h, hkv, hkv, h)]
+    doc = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
+    allowed = (doc[:, None] == doc[None, :]) & torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    ref = [x.double().requires_grad_() for x in full[:3]]
+    s = torch.einsum("thd,shd->hts", ref[0], ref[1].repeat_interleave(h // hkv, 1)) * d ** -0.5
+    ref_out = torch.einsum("hts,shd->thd", torch.softmax(s.masked_fill(~allowed, -math.inf), -1),
+                           ref[2].repeat_interleave(h // hkv, 1))
+    ref_out.backward(full[3].double())
+    q, k, v = (cp.shard(x, p, 0).detach().requires_grad_() for x in full[:3])
+    out = cp.attention(q, k, v, p, backend=backend)
+    out.backward(cp.shard(full[3], p, 0))
+    torch.testing.assert_close(out.double(), cp.shard(ref_out, p, 0).detach(), rtol=0, atol=atol)
+    for got, want in zip((q.grad, k.grad, v.grad), ref, strict=True):
+        torch.testing.assert_close(got.double(), cp.shard(want.grad, p, 0), rtol=0, atol=grad_atol)
+
+
+@pytest.mark.cuda  # run by make gpu-check (python -m flashpar.gpu_check) on a GPU
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["math", "varlen"])
+def test_cp_attention_on_cuda_matches_float64(backend):
+    """The whole ``cp.attention`` path on CUDA (never run before gpu-check), bf16, real document lengths."""
+    lens = resolve_lengths("sotu").packs(4096, 1, scale=4)[0]  # real speech lengths / 4, packed: 4096 tokens
+    # bf16 operands (the reference takes the same rounded values) with fp32 accumulation: the output (|out| <= 3.3)
+    # is rounded to bf16 once (half an ulp: 8e-3), gradients (|g| <= 10) once per task share; the math backend on
+    # the CPU is off by 7.7e-3 (out) and 1.8e-2 (grads) here, a wrong key by O(1)
+    _cp_attention_against_float64("cuda", torch.bfloat16, backend, lens, atol=2e-2, grad_atol=5e-2)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

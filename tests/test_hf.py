@@ -313,6 +313,7 @@ def test_parallel_model_from_slices_matches_the_single_process_model(world, fold
 
 def test_export_of_a_checkpoint_loads_in_transformers(transformers, folders, world2, tmp_path, capsys):
     from flashpar.cli import main
+    from flashpar.train import checkpoint
 
     root, original = folders
     assert main(["export", str(root / "checkpoints"), "--hf", str(tmp_path / "out")]) == 0
@@ -325,12 +326,18 @@ def test_export_of_a_checkpoint_loads_in_transformers(transformers, folders, wor
     capsys.readouterr()
     assert main(["export", str(tmp_path / "nothing"), "--hf", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("flashpar export: no checkpoint (meta.json) at") and "\n" not in err
+    assert err.startswith("flashpar export: no checkpoint (flashpar.json) at") and "\n" not in err
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "meta.json").write_text(json.dumps({"step": 1}))
+    (tmp_path / "bad" / ".metadata").write_bytes(b"")
+    assert main(["export", str(tmp_path / "bad"), "--hf", str(tmp_path / "x")]) == 2
+    assert "has no flashpar.json" in capsys.readouterr().err  # refused before anything reads it (issue 15)
+    checkpoint.trust(tmp_path / "bad")  # described as it is: export's own checks come next
     assert main(["export", str(tmp_path / "bad"), "--hf", str(tmp_path / "x")]) == 2
     assert "meta.json holds no valid model config" in capsys.readouterr().err
-    (tmp_path / "bad" / "meta.json").write_text(json.dumps({"model": LlamaConfig().to_dict()}))
+    (tmp_path / "bad" / "meta.json").write_text(json.dumps({"step": 1, "model": LlamaConfig().to_dict()}))
+    (tmp_path / "bad" / checkpoint.MARKER).unlink()
+    checkpoint.trust(tmp_path / "bad")
     assert main(["export", str(tmp_path / "bad"), "--hf", str(tmp_path / "x")]) == 2
     assert "is not a torch.distributed.checkpoint folder" in capsys.readouterr().err
 

@@ -39,12 +39,23 @@ RUNS = {
     "bench-plan": ["bench", "plan", "--packs", "1", "--lists", "sotu,long-context"],
     # all five ops (a superset of --ops), 2 ranks (the README's 4-rank runs differ only in --nproc's value)
     "bench-overlap": ["bench", "overlap", "--nproc", "2", *OVERLAP, "--json", "bench-overlap.json"],
-    "bench-cp": ["bench", "cp", "--lengths", "prolong", *CP],
+    "bench-cp": ["bench", "cp", "--lengths", "prolong", *CP, "--json", "bench-cp.json"],
     # every option of the README's bench train commands, on 2 ranks (Ulysses 2; the torch peer: cp 2)
     "bench-train": ["bench", "train", "--dp", "1", "--cp", "1", "--ulysses", "2", "--tp", "1", "--hidden", "32",
                     "--ffn", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--seq-len", "128",
                     "--link-rate", "none", "--rounds", "1", "--steps", "1", "--warmup", "1",
                     "--json", "bench-train.json"],
+    # simulate train (pure Python; the README's sizes shortened), then simulate check of the bench-train run's JSON
+    "simulate-train": ["simulate", "train", "--model", "llama3-8b", "--gpus", "64", "--tp", "8", "--seq", "8192"],
+    "simulate-search": ["simulate", "train", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192", "--search",
+                        "--configs", "flashpar", "--lengths", "my_lengths.txt"],
+    "simulate-config": ["simulate", "train", "--model", "config.json", "--dp", "2", "--cp", "4", "--tp", "8", "--seq",
+                        "32768", "--lengths", "my_lengths.txt", "--json", "simulate-train.json"],
+    "simulate-check": ["simulate", "check", "bench-train.json"],
+    # simulate cp (every option of the README's commands, a tiny grid) and simulate check of the README's bench cp
+    "simulate-cp": ["simulate", "cp", "--grid", "8:16K", "--lengths", "sotu,long-context", "--packs", "1",
+                    "--json", "sim-cp.json"],
+    "simulate-check-cp": ["simulate", "check", str(README.parent / "docs/bench/cp.json")],
     # simulate: pure Python, the README's own arguments (a bench overlap JSON from the repository)
     "simulate-overlap": ["simulate", "overlap", "--block", "mlp", "--tp", "4", "--batch", "32", "--seq", "4096",
                          "--hidden", "4096", "--hardware", "h100-nvlink", "--paper", "--json", "out.json"],
@@ -72,13 +83,22 @@ COMMANDS = {  # README command -> the run that exercises it
         "bench-overlap",
     "flashpar bench overlap --nproc 4 --link-rate 300mbit --rounds 3 --shapes comm-heavy,small-M --ops fsdp,qkv,out":
         "bench-overlap",
-    "flashpar bench cp --nproc 4 --link-rate 300mbit --packs 2 --rounds 5": "bench-cp",
+    "flashpar bench cp --nproc 4 --link-rate 300mbit --packs 2 --rounds 5 --json docs/bench/cp.json": "bench-cp",
     "flashpar bench cp --nproc 4 --link-rate 300mbit --lengths prolong": "bench-cp",
     "flashpar bench train": "bench-train",
     "flashpar bench train --link-rate 300mbit": "bench-train",
     "flashpar bench train --cp 2 --ulysses 2 --tp 1": "bench-train",
     "flashpar bench train --dp 2 --cp 1 --tp 2": "bench-train",
     "flashpar bench train --hidden 512 --ffn 1408 --link-rate 1gbit --rounds 3": "bench-train",
+    "flashpar simulate train --model llama3-8b --gpus 64 --tp 8 --seq 8192": "simulate-train",
+    "flashpar simulate train --model llama3-70b --gpus 512 --seq 131072 --search": "simulate-search",
+    "flashpar simulate train --model path/to/config.json --dp 2 --cp 4 --tp 8 --seq 32768 --json out.json":
+        "simulate-config",
+    "flashpar simulate check docs/bench/train.json": "simulate-check",
+    "flashpar simulate cp": "simulate-cp",
+    "flashpar simulate cp --grid 8:128K,32:512K,128:2M --json sim-cp.json": "simulate-cp",
+    "flashpar simulate cp --grid 1024:8M --lengths wlbllm,prolong,spamassassin,long-context --packs 1": "simulate-cp",
+    "flashpar simulate check docs/bench/cp.json": "simulate-check-cp",
     "flashpar simulate overlap --block mlp --tp 4 --batch 32 --seq 4096 --hidden 4096 --hardware h100-nvlink "
     "--paper --json out.json": "simulate-overlap",
     "flashpar simulate check docs/bench/overlap.json": "simulate-check-overlap",
@@ -87,6 +107,8 @@ SKIPPED = {
     "make run": "sets up .venv and trains 400 steps (minutes); its `flashpar train` is run here shortened",
     "make test": "is this test suite (ruff + pytest, what CI runs)",
     "make bench": "runs the benchmarks at full size (about 6 minutes); their commands are run here shortened",
+    "make gpu-check": "needs a CUDA GPU; its CPU rehearsal (--dry-run) runs in tests/test_gpu_check.py",
+    "python -m flashpar.gpu_check --dry-run": "runs in tests/test_gpu_check.py (in process: --in-process)",
 }
 OVERRIDDEN = {"--ops"}  # options a run may leave out: it runs every op instead
 
@@ -114,7 +136,7 @@ def test_every_readme_command_is_run_or_skipped_with_a_reason():
     assert not stale, f"table entries the README no longer shows: {stale}"
     for command, run in COMMANDS.items():
         words = shlex.split(command)[1:]
-        subcommand = [w for w in words if not w.startswith("-")][: 2 if words[0] == "bench" else 1]
+        subcommand = [w for w in words if not w.startswith("-")][: 2 if words[0] in ("bench", "simulate") else 1]
         assert RUNS[run][: len(subcommand)] == subcommand, (command, run)
         missing = options(words) - options(RUNS[run]) - OVERRIDDEN
         assert not missing, f"run {run!r} drops {missing} of README command {command!r}"
@@ -124,6 +146,10 @@ def test_every_readme_command_is_run_or_skipped_with_a_reason():
 def in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_lengths.txt").write_text("\n".join(map(str, [900, 30, 4000, 120, 77, 2500, 60, 3100] * 4)))
+    from importlib import resources  # a Hugging Face config.json for `simulate train --model`: the shipped 8B one
+
+    shipped = resources.files("flashpar.sim").joinpath("configs", "llama3-8b.json")
+    (tmp_path / "config.json").write_text(shipped.read_text())
     return tmp_path
 
 
@@ -139,7 +165,8 @@ def test_training_commands_run(train_runs):
 
 
 def test_planning_and_benchmark_commands_run(in_tmp, capsys):
-    for name in ("plan-wlbllm", "plan-file", "bench-plan", "bench-overlap", "bench-cp", "bench-train"):
+    for name in ("plan-wlbllm", "plan-file", "bench-plan", "bench-overlap", "bench-cp", "bench-train", "simulate-train",
+                 "simulate-search", "simulate-config", "simulate-check"):
         assert main(RUNS[name]) == 0, name
     out = capsys.readouterr().out
     assert "== wlbllm: 2 pack(s) of 131072 tokens" in out and "== my_lengths.txt: one pack of" in out
@@ -157,10 +184,21 @@ def test_planning_and_benchmark_commands_run(in_tmp, capsys):
     report = json.loads((in_tmp / "bench-train.json").read_text())
     assert report["setup"]["losses_agree"] is True and report["setup"]["ulysses"] == 2
     assert [c["name"] for c in report["configs"]] == ["flashpar", "baseline", "torch"]
+    assert "fastest flashpar layout:" in out and "bench train: bench-train.json (predicted" in out
+    rows = json.loads((in_tmp / "simulate-train.json").read_text())["rows"]
+    assert [(r["config"], r["layout"]) for r in rows] == [(c, "dp2 cp4 u1 tp8") for c in ("flashpar", "baseline",
+                                                                                          "torch")]
 
 
-def test_simulate_commands_run(in_tmp, capsys):
-    for name in [n for n in RUNS if n.startswith("simulate-")]:
+def test_simulate_cp_commands_run(in_tmp, capsys):
+    for name in ("simulate-cp", "simulate-check-cp"):
+        assert main(RUNS[name]) == 0, name
+    out = capsys.readouterr().out
+    assert "simulated, h100-ib" in out and "flashcp vs megatron_dynamic" in out and "bench cp:" in out
+
+
+def test_simulate_overlap_commands_run(in_tmp, capsys):
+    for name in ("simulate-overlap", "simulate-check-overlap"):
         assert main(RUNS[name]) == 0, name
     out = capsys.readouterr().out
     assert "simulated, h100-nvlink preset" in out and "43.8 ms -> 0.1 ms" in out and "ratios within 15%" in out

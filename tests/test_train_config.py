@@ -58,6 +58,8 @@ def test_the_flags_default_to_the_dataclass_and_set_every_field():
     ({"ulysses": 4, "tp": 1, "model": LlamaConfig(heads=12, kv_heads=3, hidden=96)},
      r"ulysses = 4: kv_heads = 3 < 4 ranks must divide 4"),
     ({"ulysses": 2, "tp": 1, "cp": 4, "seq_len": 15}, r"cp = 4 x ulysses = 2 x tp = 1 \(at least 16 tokens\)"),
+    ({"dtype": "fp8"}, "dtype must be one of fp32, bf16, got 'fp8'"),
+    ({"checkpoint_activations": 1}, "checkpoint-activations must be True or False, got 1"),
 ])
 def test_bad_values_are_named_in_one_line(kw, words):
     with pytest.raises(ValueError, match=words) as err:

@@ -25,7 +25,7 @@ import multiprocessing
 import os
 import sys
 
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "flashpar.train.loop",
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch._dynamo", "flashpar.train.loop",
            "flashpar.train.check"]  # imported once by the server (an import that fails is skipped)
 
 
@@ -75,3 +75,89 @@ def _rebuild(env: dict, fds: tuple) -> Inherit:
     inherit = Inherit.__new__(Inherit)
     inherit.env, inherit.fds = env, fds
     return inherit
+
+
+# ---- the spawn launcher's rendezvous ---------------------------------------------------------------------------
+#
+#    launcher: TCPStore server on (--master-addr, a port the kernel picks), that address only
+#        ▲ MASTER_ADDR / MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE=True: every rank is a client
+#    rank 0 ... rank N-1   (gloo's own sockets: GLOO_SOCKET_IFNAME = the loopback interface when the
+#                           address is loopback and the variable is not set)
+#
+# torch's env:// rendezvous makes rank 0 host the store on every interface (it binds the port on ``::``,
+# whatever MASTER_ADDR says); a server bound here, handed to TCPStore as a listening socket, is reachable
+# at that address only, and needs no port guessed in advance.
+
+
+def _address(addr: str):
+    import socket
+
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as err:
+        raise ValueError(f"--master-addr {addr}: not an address of this machine ({err})") from None
+    return family, sockaddr
+
+
+def _listen(addr: str):
+    import socket
+
+    family, sockaddr = _address(addr)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind(sockaddr)
+        sock.listen(128)
+    except OSError as err:
+        sock.close()
+        raise ValueError(f"--master-addr {addr}: cannot listen there: {err.strerror or err}") from None
+    return sock
+
+
+def can_listen(addr: str) -> None:
+    """``ValueError`` (one line) unless a socket can listen on ``addr``."""
+    _listen(addr).close()
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface (Linux: the one with IFF_LOOPBACK in its flags), or None."""
+    from pathlib import Path
+
+    for flags in sorted(Path("/sys/class/net").glob("*/flags")):
+        try:
+            if int(flags.read_text(), 16) & 0x8:
+                return flags.parent.name
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+class Rendezvous:
+    """The launcher's ``TCPStore`` server on ``addr`` only (the comment above); ``env()`` is what each spawned rank
+    adds to its environment before ``init_process_group`` (env://); ``close()`` when the ranks are done."""
+
+    def __init__(self, addr: str, timeout_s: float) -> None:
+        import datetime
+        import ipaddress
+
+        import torch.distributed as dist
+
+        self.addr = addr
+        sock = _listen(addr)
+        self.port = sock.getsockname()[1]
+        self.loopback = ipaddress.ip_address(_address(addr)[1][0].split("%")[0]).is_loopback
+        try:
+            self.store = dist.TCPStore(addr, self.port, None, True, datetime.timedelta(seconds=timeout_s),
+                                       wait_for_workers=False, master_listen_fd=sock.fileno())
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()  # the store owns the listening socket now (and closes it)
+
+    def env(self) -> dict[str, str]:
+        env = {"MASTER_ADDR": self.addr, "MASTER_PORT": str(self.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        if self.loopback and "GLOO_SOCKET_IFNAME" not in os.environ and (lo := loopback_interface()):
+            env["GLOO_SOCKET_IFNAME"] = lo
+        return env
+
+    def close(self) -> None:
+        self.store = None  # the server stops with its last reference

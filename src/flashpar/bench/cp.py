@@ -13,7 +13,9 @@ The parent starts N gloo ranks (behind emulated rate-limited links with ``--link
    sequences of ``--tokens`` tokens and plans every strategy with that cost model;
 3. runs, round by round with the strategies' order rotated, ``flashpar.cp.attention`` forward and
    backward three ways: overlapped, compute-only and communication-only;
-4. reports medians over rounds of the slowest rank, summed over packs.
+4. reports medians over rounds of the slowest rank, summed over packs; the JSON (``--json``) also keeps,
+   per strategy and pack, those medians, each rank's compute-only forward and backward medians and the
+   bytes sent, and the box's load average before and after (what ``flashpar simulate check`` reads).
 
 Columns: measured step (forward + backward) and its parts, ``ideal = max(compute, comm)``,
 ``ovl/ideal``; bytes sent forward (measured, all ranks); compute imbalance (the busiest rank's
@@ -138,6 +140,7 @@ def worker(config: dict) -> None:
 
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
+    load_before = os.getloadavg()[0]  # the box's 1-minute load average: how busy it was apart from the ranks
     torch.set_num_threads(config["threads"])
     dtype = getattr(torch, config["dtype"])
     fwd_cost, bwd_cost = calibrate_costs(config)
@@ -163,13 +166,14 @@ def worker(config: dict) -> None:
     dist.all_gather_object(gathered, samples)
     if rank == 0:
         report = {"world_size": n, "config": config, "packs": [len(x) for x in packs], "tokens": config["tokens"],
-                  "fwd_cost": fwd_cost.to_dict(), "bwd_cost": bwd_cost.to_dict(), "rows": {}}
+                  "fwd_cost": fwd_cost.to_dict(), "bwd_cost": bwd_cost.to_dict(), "rows": {},
+                  "load_avg": [load_before, os.getloadavg()[0]]}
         for s in strategies:
             row = {k: 0.0 for k in ("overlapped", "compute", "comm", "forward", "backward", "bytes",
                                     "pred_step", "pred_compute")}
-            imb, pred_imb = [], []
+            imb, pred_imb, row["per_pack"] = [], [], []
             for i in range(len(packs)):
-                med = {}
+                med, detail = {}, {}
                 for kind in KINDS:
                     per_round = [[gathered[r][(i, s, kind)][j] for r in range(n)] for j in range(config["rounds"])]
                     steps = [max(t[0] + t[1] for t in rr) for rr in per_round]
@@ -181,8 +185,12 @@ def worker(config: dict) -> None:
                     if kind == "compute":  # per rank: median over rounds of forward + backward
                         per_rank = [statistics.median(rr[r][0] + rr[r][1] for rr in per_round) for r in range(n)]
                         imb.append(max(per_rank) / (sum(per_rank) / n))
+                        for d, key in ((0, "rank_compute_fwd"), (1, "rank_compute_bwd")):  # for simulate check
+                            detail[key] = [statistics.median(rr[r][d] for rr in per_round) for r in range(n)]
                 for kind in KINDS:
                     row[kind] += med[kind]
+                sent = sum(gathered[r][(i, s, "overlapped")][0][2] for r in range(n))  # first round, all ranks
+                row["per_pack"].append({**med, **detail, "bytes": sent})
                 pred = predict(plans[i][s], fwd_cost, bwd_cost, config["cores"])
                 row["pred_step"] += pred["step"]
                 row["pred_compute"] += pred["compute"]
@@ -211,7 +219,9 @@ def format_report(report: dict) -> str:
         f"calibrated: attention {fc['flops'] * fc['attn_peak'] / 1e9:.1f} GFLOP/s forward, "
         f"{bc['flops'] * bc['attn_peak'] / 1e9:.1f} backward "
         f"(half efficiency at {fc['attn_half']:.0f} / {bc['attn_half']:.0f} tokens), "
-        f"link {fc['link_bytes_per_s'] / 1e6:.1f} MB/s; {c['cores']:g} cores shared by the ranks",
+        f"link {fc['link_bytes_per_s'] / 1e6:.1f} MB/s; {c['cores']:g} cores shared by the ranks"
+        + (f"; load average {report['load_avg'][0]:.1f} before, {report['load_avg'][1]:.1f} after"
+           if "load_avg" in report else ""),
         "",
         f"{'strategy':<15}{'step ms':>9}{'fwd':>7}{'bwd':>7}{'compute':>9}{'comm':>7}{'ovl/ideal':>10}"
         f"{'sent MB':>9}{'imb':>6}{'x headtail':>11}{'x per_doc':>10} | {'pred ms':>8}{'imb':>6}"

@@ -58,8 +58,6 @@ import time
 from types import FrameType
 from typing import IO
 
-from flashpar.dist import free_port
-
 __all__ = ["EmulatedLinks", "launch_ranks", "links_available", "parse_rate"]
 
 _PREFIX = "fpnet"  # namespaces: f"{_PREFIX}{pid}-{serial}-r{rank}" and f"...-hub"
@@ -284,6 +282,18 @@ class EmulatedLinks:
                     raise RuntimeError(f"{e} (delay= needs the netem qdisc, CONFIG_NET_SCH_NETEM)") from None
                 _run(f"tc -n {hub} qdisc add dev {port} parent 1:1 handle 10: {tbf}")
 
+    def cut(self, rank: int) -> None:
+        """Make ``rank``'s link stop carrying traffic, both ways, while its processes live on (a fault drill):
+        both of its tbf qdiscs drop to 8 bit/s, so every packet waits past the queue's latency and is dropped."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not one of the {self.world_size} ranks")
+        dead = f"tbf rate 8bit burst {2 * 1514} latency 1ms"
+        _run(f"tc -n {self.netns(rank)} qdisc replace dev {self.ifname} root {dead}")
+        if self.delay is None:
+            _run(f"tc -n {self.hub} qdisc replace dev p{rank} root {dead}")
+        else:
+            _run(f"tc -n {self.hub} qdisc replace dev p{rank} parent 1:1 handle 10: {dead}")
+
     def close(self) -> None:
         """Delete all namespaces (which removes the veths and the bridge), killing any process still
         running inside one of them. Idempotent."""
@@ -381,8 +391,14 @@ def launch_ranks(
     """
     if links is not None and links.world_size != world_size:
         raise ValueError(f"links are built for {links.world_size} ranks, not {world_size}")
+    rendezvous = None
+    if port is None and links is None:  # the store in this process, on loopback only (flashpar.ranks.Rendezvous)
+        from flashpar.ranks import Rendezvous
+
+        rendezvous = Rendezvous("127.0.0.1", timeout)
+        port = rendezvous.port
     if port is None:
-        port = 29500 if links is not None else free_port()  # a fresh namespace has every port free
+        port = 29500  # a fresh namespace has every port free
     procs: list[subprocess.Popen] = []
     with contextlib.ExitStack() as files:
         # temp files, not pipes: a chatty rank cannot block while we wait on another one
@@ -401,9 +417,9 @@ def launch_ranks(
                     cmd = links.wrap(r, argv)
                 else:
                     rank_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+                    rank_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                    rank_env.update(rendezvous.env() if rendezvous is not None else {})
                     rank_env.update(
-                        MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(port),
                         RANK=str(r),
                         WORLD_SIZE=str(world_size),
                         LOCAL_RANK=str(r),
@@ -447,6 +463,8 @@ def launch_ranks(
         finally:  # failure, timeout, KeyboardInterrupt, SystemExit from SIGTERM: leave no orphans behind
             for p in procs:
                 _kill_group(p)
+            if rendezvous is not None:
+                rendezvous.close()
         return [
             subprocess.CompletedProcess(p.args, p.returncode, read(o), read(e))
             for p, o, e in zip(procs, outs, errs, strict=True)

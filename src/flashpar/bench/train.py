@@ -26,7 +26,9 @@ Figures per configuration: ``step_ms`` the median over the timed steps of the sl
 ``tokens_per_s`` = dp x seq_len / step; ``mfu`` = model FLOPs of the step (``LlamaConfig.flops_per_token``
 with the documents' causal pairs, as ``flashpar.train.loop``) / step / (peak FLOP/s per rank x ranks),
 the peak from ``flashpar.cost.calibrate.peak_flops`` (a GEMM probe on every rank at once on CPU,
-averaged over the ranks); ``peak_mem_mb`` the largest rank's peak; ``loss_step1``.  The first-step
+averaged over the ranks); ``peak_mem_mb`` the largest rank's peak; ``loss_step1``.  ``setup.hardware`` /
+``attn_fwd`` / ``attn_bwd``: the cost model's calibration on this run's ranks (``calibrate_hardware``), from
+which ``flashpar simulate check`` predicts the step of every configuration.  The first-step
 losses must agree (relative 1e-4) or the command exits 1.
 
 The data: ``--lengths`` (a shipped name or a file), each length divided by ``--scale``, packed into
@@ -43,6 +45,7 @@ import contextlib
 import ctypes
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -243,6 +246,7 @@ def worker(config: dict) -> None:
             runners[name].step()
     peak = torch.tensor([peak_flops(torch.device("cpu"))], dtype=torch.float64)
     dist.all_reduce(peak)
+    hardware = calibrate_hardware(config)  # for `flashpar simulate check` (flashpar.sim.check_train)
     samples = {(name, kind): [] for name in names for kind in ("step", "no_comm")}
     barrier = dist.barrier
     for rnd in range(config["rounds"]):
@@ -270,14 +274,36 @@ def worker(config: dict) -> None:
     gathered = [None] * n
     dist.all_gather_object(gathered, {"samples": samples, "mem": mem})
     if rank == 0:
-        report = make_report(config, gathered, loss_sum.tolist(), float(peak) / n, seqs)
+        report = make_report(config, gathered, loss_sum.tolist(), float(peak) / n, seqs, hardware)
         with open(config["out"], "w") as f:
             json.dump(report, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank: float, seqs) -> dict:
+def calibrate_hardware(config: dict) -> dict:
+    """This machine as the cost model sees it, measured on every rank at once after the warm-up (as ``bench
+    overlap`` and ``bench cp`` calibrate): GEMM rate and the executor's overheads, the link, memory
+    (``flashpar.cost.calibrate.calibrate``), and the CPU flash kernel's forward and backward curves at one
+    rank's heads (``calibrate_attention``).  ``{"hardware": Hardware fields, "attn_fwd" / "attn_bwd":
+    {attn_peak, attn_half}}``, rank 0's values."""
+    import dataclasses
+
+    import torch
+
+    from flashpar.bench.overlap import measure_schedule_overheads
+    from flashpar.cost.calibrate import calibrate, calibrate_attention
+
+    hw = calibrate(dtype=torch.float32, overheads=measure_schedule_overheads)
+    cfg, split = model_config(config), config["tp"] * config["ulysses"]
+    fwd, bwd = calibrate_attention(hw, max(cfg.heads // split, 1), max(cfg.kv_heads // split, 1), cfg.head_dim,
+                                   torch.float32)
+    curve = lambda h: {"attn_peak": h.attn_peak, "attn_half": h.attn_half}  # noqa: E731
+    return {"hardware": dataclasses.asdict(hw), "attn_fwd": curve(fwd), "attn_bwd": curve(bwd)}
+
+
+def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank: float, seqs,
+                hardware: dict | None = None) -> dict:
     names, n = config["configs"], len(gathered)
     flops = step_flops(config, seqs)
     tokens = config["seq_len"] * config["dp"]
@@ -299,6 +325,7 @@ def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank
     setup.update(world_size=n, documents=[len(lens) for _, _, lens in seqs], flops_per_step=flops,
                  peak_flops_per_rank=peak_per_rank, params=model_config(config).params,
                  loss_rel_diff=worst, losses_agree=worst <= LOSS_RTOL, torch_cp=torch_cp(config),
+                 cores=os.cpu_count(), **(hardware or {}),
                  peak_mem="CPU: rise of the rank's peak resident set (VmHWM, reset via /proc/self/clear_refs) over "
                           "its resident set before building, 2 steps of a fresh build; largest rank")
     return {"setup": setup, "configs": rows}
@@ -318,6 +345,9 @@ def format_report(report: dict) -> str:
         f"({s['lengths']} / {s['scale']}: {s['documents']} documents), fp32, {s['threads']} thread(s)/rank",
         f"median of {s['rounds']} rounds x {s['steps']} steps (slowest rank per step), {s['warmup']} warm-up steps; "
         f"peak {s['peak_flops_per_rank'] / 1e9:.1f} GFLOP/s per rank",
+        *([f"calibration (setup.hardware, for `flashpar simulate check`): GEMM {s['hardware']['flops'] / 1e9:.1f} "
+           f"GFLOP/s, link {s['hardware']['link_bytes_per_s'] / 1e6:.1f} MB/s, "
+           f"{1e6 * s['hardware']['link_latency_s']:.0f} us per message"] if "hardware" in s else []),
         "",
         f"{'config':<10}{'tokens/s':>10}{'step ms':>9}{'no-comm':>9}{'exposed':>9}{'exp %':>7}{'MFU %':>7}"
         f"{'mem MB':>8}{'loss step 1':>13}{'x baseline':>11}{'x torch':>9}",

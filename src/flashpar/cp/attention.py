@@ -143,7 +143,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan, *
         _agree(q, k, plan, info, error, timeout_s)
     elif error is not None:
         raise error
-    backend = backend or kernels.default_backend(q.device)
+    backend = backend or kernels.default_backend(q.device, q.dtype, q.shape[-1])
     placed = device_layout(plan, info.rank, backend == "varlen", q.device)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     run = _Run(placed, info, scale, backend, timeout_s, counter)

@@ -25,6 +25,11 @@ COLUMNS = (("compute_imbalance", "compute imb"), ("attn_imbalance", "attn imb"),
            ("est_step_time", "step ms"), ("vs_headtail", "x headtail"), ("vs_per_doc", "x per_doc"),
            ("planning_s", "plan ms"))
 SCALE = {"total_kv_bytes": 1e-6, "max_kv_bytes": 1e-6, "est_step_time": 1e3, "planning_s": 1e3}
+# Input that would exhaust the machine is refused before any planning (issue 15): one pack longer than
+# this many tokens (the 394M-token wlbllm list as one pack plans for minutes), more packs than this
+# (every pack's statistics are kept, per strategy), or a pack shorter than two tokens per rank.
+MAX_ONE_PACK = 1 << 24
+MAX_PACKS = 100_000
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,13 +48,13 @@ def run(args: argparse.Namespace) -> int:
 
     from flashpar.cp import STRATEGIES, CostModel, plan
 
+    if args.cp < 1:
+        print(f"flashpar plan: --cp must be >= 1, got {args.cp}", file=sys.stderr)
+        return 2
     try:
         packs = _packs(args)
     except (OSError, ValueError) as err:
         print(f"flashpar plan: {err}", file=sys.stderr)
-        return 2
-    if args.cp < 1:
-        print(f"flashpar plan: --cp must be >= 1, got {args.cp}", file=sys.stderr)
         return 2
     strategies = list(STRATEGIES) if args.strategy == "all" else [args.strategy]
     unknown = [s for s in strategies if s not in STRATEGIES]
@@ -89,9 +94,27 @@ def _packs(args: argparse.Namespace) -> list[list[int]]:
         raise ValueError(f"--packs must be >= 1, got {args.packs}")
     if source.sampled and (args.tokens is None or args.packs is None):
         raise ValueError(f"--lengths {args.lengths} is a sampled distribution: give --tokens and --packs")
+    least = 2 * args.cp  # a head and a tail per rank
     if args.tokens is None:
+        total = sum(source.values)
+        if total < least:
+            raise ValueError(f"--lengths {args.lengths} holds {total} tokens, fewer than 2 per rank of --cp {args.cp}")
+        if total > MAX_ONE_PACK:
+            raise ValueError(f"--lengths {args.lengths} holds {total:,} tokens: without --tokens that is one pack of "
+                             f"{total:,} tokens (more than {MAX_ONE_PACK:,}), minutes of planning; cut the list into "
+                             "packs with --tokens T (and --packs K to plan only the first K)")
+        print(f"flashpar plan: planning the whole list as one pack of {total:,} tokens (--tokens T cuts it into "
+              "packs)", file=sys.stderr)
         return [list(source.values)]
-    packs = source.packs(args.tokens, args.packs)
+    if args.tokens < least:
+        raise ValueError(f"--tokens {args.tokens} is shorter than the ranks can share: --cp {args.cp} needs at least "
+                         f"{least} tokens per pack (2 per rank)")
+    available = args.packs if source.sampled else sum(source.values) // args.tokens
+    building = available if args.packs is None else min(args.packs, available)
+    if building > MAX_PACKS:
+        raise ValueError(f"{building:,} packs of {args.tokens} tokens would be planned, more than {MAX_PACKS:,} (each "
+                         "pack's figures are kept for every strategy): use a larger --tokens or --packs K")
+    packs = source.packs(args.tokens, args.packs)  # only the first --packs are built
     if not packs:
         raise ValueError(f"--lengths {args.lengths}: {sum(source.values)} tokens make no full pack of {args.tokens}")
     return packs

@@ -30,10 +30,8 @@ Segment = tuple[int, int]
 
 
 def doc_starts_of(doc_lens) -> list[int]:
-    out, acc = [], 0
-    for n in doc_lens:
-        out.append(acc)
-        acc += n
+    out = list(itertools.accumulate(doc_lens, initial=0))
+    out.pop()
     return out
 
 
@@ -64,15 +62,20 @@ def rank_figures(segments, doc_lens, doc_starts, cost: CostModel, comm: str) -> 
     receives, per document, ``[s, end of its last piece)`` less what it holds.  Computed on arrays (numpy),
     with every float rounded as the scalar formulas round it and the per-rank sums taken in token order."""
     n = len(segments)
-    total = sum(doc_lens)
     counts = np.fromiter((len(s) for s in segments), dtype=np.int64, count=n)
     m = int(counts.sum())
     flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(segments)), dtype=np.int64,
                        count=2 * m).reshape(m, 2)
     rank = np.repeat(np.arange(n, dtype=np.int64), counts)
-    order = np.lexsort((flat[:, 0], rank))  # per rank, by start: sorted(segs)
-    a, b, rank = flat[order, 0], flat[order, 1], rank[order]
-    starts = np.asarray(doc_starts, dtype=np.int64)
+    return figures_of_arrays(rank, flat[:, 0], flat[:, 1], n, sum(doc_lens), doc_starts, cost, comm)
+
+
+def figures_of_arrays(rank, a, b, n: int, total: int, doc_starts, cost: CostModel, comm: str) -> RankFigures:
+    """:func:`rank_figures` of the pieces ``[a_i, b_i)`` held by ``rank_i`` (arrays, in any order)."""
+    order = np.lexsort((a, rank))  # per rank, by start: sorted(segs)
+    a, b, rank = a[order], b[order], rank[order]
+    m = len(a)
+    starts = doc_starts if isinstance(doc_starts, np.ndarray) else np.asarray(doc_starts, dtype=np.int64)
     doc = np.searchsorted(starts, a, side="right") - 1
     s = starts[doc]
     length = b - a
@@ -100,30 +103,76 @@ def rank_figures(segments, doc_lens, doc_starts, cost: CostModel, comm: str) -> 
     group_last = np.append(group_first[1:], m) - 1
     held = csum[group_last] - before_group
     recv_g = (b[group_last] - s[group_first]) - held
-    group_rank = rank[group_first]
-    recv_r = np.zeros(n, dtype=np.int64)
-    np.add.at(recv_r, group_rank, recv_g)
-    tokens_r = np.zeros(n, dtype=np.int64)
-    np.add.at(tokens_r, rank, length)
-    pairs_r = np.zeros(n, dtype=np.int64)
-    np.add.at(pairs_r, rank, pairs)
-    bounds = np.concatenate(([0], np.cumsum(counts)))
-    fig = RankFigures([0] * n, [0] * n, [0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
-    tokens_l, pairs_l, recv_l = tokens_r.tolist(), pairs_r.tolist(), recv_r.tolist()
-    bounds_l = bounds.tolist()
-    for r in range(n):
-        lo, hi = bounds_l[r], bounds_l[r + 1]
-        # sums in token order, as a running ``+=`` adds them (cumsum is sequential; sum() is not)
-        lt = float(np.cumsum(local_t[lo:hi])[-1]) if hi > lo else 0.0
-        rt = float(np.cumsum(remote_t[lo:hi])[-1]) if hi > lo else 0.0
-        tokens = tokens_l[r]
-        recv = total - tokens if comm == "all" else recv_l[r]
-        fig.tokens[r], fig.attn_pairs[r], fig.recv_tokens[r] = tokens, pairs_l[r], recv
-        fig.compute[r] = cost.linear_time(tokens) + lt + rt
-        fig.remote[r] = rt
-        fig.comm[r] = cost.comm_time(recv)
-        fig.time[r] = max(fig.compute[r], fig.comm[r] + rt)
-    return fig
+    recv_r, tokens_r, pairs_r = (_int_sums(rank[group_first], recv_g, n, total), _int_sums(rank, length, n, total),
+                                 _int_sums(rank, pairs, n, total))
+    counts = np.bincount(rank, minlength=n)
+    lt, rt = _sums_in_order(local_t, counts), _sums_in_order(remote_t, counts)
+    recv = (total - tokens_r) if comm == "all" else recv_r
+    compute = tokens_r * cost.flops_per_token / hw.gemm_flops + lt + rt  # linear_time(tokens) + lt + rt
+    comm_t = (recv * cost.kv_bytes_per_token) / hw.link_bytes_per_s
+    time = np.maximum(compute, comm_t + rt)
+    return RankFigures(tokens_r.tolist(), pairs_r.tolist(), recv.tolist(), compute.tolist(), rt.tolist(),
+                       comm_t.tolist(), time.tolist())
+
+
+def aware_send_tokens(segments, doc_starts, total: int) -> list[int]:
+    """Tokens of K/V each rank sends under sharding-aware K/V (the sum over ranks ``r`` of what ``kv_recv(r)`` takes
+    from it), on arrays.  Rank ``r`` receives, of every document ``d`` it holds part of, the other ranks' pieces of
+    ``d`` before ``E_rd``, the end of its own last piece of ``d`` (pieces never straddle another's end).  So a piece
+    ``[a, b)`` of ``d`` on rank ``o`` goes whole to every rank holding ``d`` with ``E_rd >= b``, less ``o`` itself:
+    one sorted search per piece over the (document, E) pairs."""
+    n = len(segments)
+    counts = np.fromiter((len(x) for x in segments), dtype=np.int64, count=n)
+    m = int(counts.sum())
+    if m == 0:
+        return [0] * n
+    flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(segments)), dtype=np.int64,
+                       count=2 * m).reshape(m, 2)
+    rank = np.repeat(np.arange(n, dtype=np.int64), counts)
+    order = np.lexsort((flat[:, 0], rank))
+    a, b, rank = flat[order, 0], flat[order, 1], rank[order]
+    starts = np.asarray(doc_starts, dtype=np.int64)
+    doc = np.searchsorted(starts, a, side="right") - 1
+    last = np.ones(m, dtype=bool)  # the last piece of each (rank, document) group
+    last[:-1] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1])
+    span = total + 1
+    keys = np.sort(doc[last] * span + b[last])  # (document, E) of every rank holding part of it
+    n_ge = np.searchsorted(keys, (doc + 1) * span, side="left") - np.searchsorted(keys, doc * span + b, side="left")
+    sent = (n_ge - 1) * (b - a)
+    return np.bincount(rank, weights=sent, minlength=n).astype(np.int64).tolist()
+
+
+def _int_sums(rank, values, n: int, total: int):
+    """Per-rank sums of non-negative integers of at most ``total^2 / 2`` in all: ``bincount`` (float64 sums, exact
+    below 2^53), else ``np.add.at``."""
+    if total * total < 1 << 53:
+        return np.bincount(rank, weights=values, minlength=n).astype(np.int64)
+    out = np.zeros(n, dtype=np.int64)
+    np.add.at(out, rank, values)
+    return out
+
+
+def _sums_in_order(values, counts):
+    """Per rank, the sum of its consecutive run of ``values`` (``counts[r]`` of them), added left to right as a
+    running ``+=`` adds them (``cumsum`` is sequential; ``sum()`` is pairwise): in one ``cumsum`` along the rows
+    of a zero-padded table (adding 0.0 changes no sum) where that is small, else one ``cumsum`` per rank."""
+    n, m = len(counts), len(values)
+    width = int(counts.max()) if n else 0
+    out = np.zeros(n)
+    if width == 0:
+        return out
+    if n * width <= 4 * m + 4096:
+        bounds = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        col = np.arange(m) - np.repeat(bounds, counts)
+        table = np.zeros((n, width))
+        table[np.repeat(np.arange(n), counts), col] = values
+        return np.cumsum(table, axis=1)[:, -1]
+    lo = 0
+    for r, c in enumerate(counts.tolist()):
+        if c:
+            out[r] = np.cumsum(values[lo:lo + c])[-1]
+        lo += c
+    return out
 
 
 @dataclass(frozen=True)
@@ -230,10 +279,10 @@ class CPPlan:
         fig = self.figures()
         kv = self.cost.kv_bytes_per_token
         recv_bytes = [t * kv for t in fig.recv_tokens]
-        send_tokens = [0] * n
-        for r in range(n):
-            for src, a, b in self.kv_recv(r):
-                send_tokens[src] += b - a
+        if self.comm == "all":  # every other rank receives all of a rank's tokens
+            send_tokens = [t * (n - 1) for t in fig.tokens]
+        else:
+            send_tokens = aware_send_tokens(self.segments, self.doc_starts, self.total_tokens)
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         ratio = lambda xs: max(xs) / mean(xs) if mean(xs) > 0 else 1.0  # noqa: E731
         others = [self.total_tokens - t for t in fig.tokens]  # what an all-gather would bring each rank
@@ -263,7 +312,12 @@ class CPPlan:
 
     @classmethod
     def from_json(cls, text: str) -> CPPlan:
-        d = json.loads(text)
-        return cls(d["cp_size"], tuple(d["doc_lens"]), d["strategy"],
-                   tuple(tuple((a, b) for a, b in segs) for segs in d["segments"]), d["comm"],
-                   CostModel.from_dict(d["cost"]), d["token_slack"])
+        """The plan ``to_json`` wrote; any other text is refused with one line (:mod:`flashpar.cp.plan_check`)."""
+        from flashpar.cp.plan_check import parse_plan
+
+        d = parse_plan(text)
+        try:
+            cost = CostModel.from_dict(d["cost"])
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"plan JSON: cost is not a CostModel ({err})".replace("\n", " ")) from None
+        return cls(d["cp_size"], d["doc_lens"], d["strategy"], d["segments"], d["comm"], cost, d["token_slack"])

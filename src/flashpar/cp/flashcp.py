@@ -31,7 +31,10 @@ less the tail tokens of the members before it).  The search scores candidates wi
 by the estimated step time (max over ranks of ``max(compute, comm + remote compute)``): among those
 within ``TIME_TIE`` (0.2%) of the fastest in step time and in peak compute, the fewest K/V bytes
 wins.  The placements of the baselines are candidates too, with sharding-aware communication, and
-the winner is never estimated slower than any of them.  With attention work alone
+the winner is never estimated slower than any of them.  Where the pick among the first pass and the baselines
+receives no K/V and is estimated within ``PERFECT`` (0.01%) of the lower bound (the mean compute with every
+document whole), the search stops there: no other candidate could be more than that faster, nor receive less
+(packs of thousands of short documents).  With attention work alone
 (``CostModel(linear=False)``) the greedy balances causal pairs (no efficiency curve) and balance
 comes first (see ``_balanced``); there a better-balanced plan may be estimated slower.
 """
@@ -39,6 +42,7 @@ comes first (see ``_balanced``); there a better-balanced plan may be estimated s
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import heapq
 import math
@@ -46,8 +50,17 @@ import math
 import numpy as np
 
 from flashpar.cp.cost import CostModel
-from flashpar.cp.cp_plan import causal_pairs, doc_starts_of, rank_figures
-from flashpar.cp.strategies import Placement, chunk_bounds, contiguous, headtail, per_doc, sized_pieces, torch_per_doc
+from flashpar.cp.cp_plan import causal_pairs, doc_starts_of
+from flashpar.cp.strategies import (
+    ArrayPlacement,
+    Placement,
+    chunk_bounds,
+    contiguous,
+    headtail,
+    per_doc,
+    sized_pieces,
+    torch_per_doc,
+)
 
 TOLERANCES = (0.0, 0.02, 0.05)
 FORCED = (0, 1)
@@ -59,6 +72,40 @@ EXCHANGE_GAP = 0.01
 the mean compute."""
 EXCHANGE_MIN = 64
 """Fewest tokens a trade moves (smaller ones add members for little balance)."""
+BATCH = 16
+SKIP_MAX = 24
+"""Full ranks met at the top of the Whole-Doc heap after which the step searches all ranks at once (the same rank)."""
+"""Documents of one length in a row from which the Whole-Doc step places them in one sort (``_batch_whole``)
+rather than one by one (the same placement; only faster)."""
+
+
+class _Mins:
+    """``min(toks)`` and ``min(load)`` of the greedy pass, kept in two heaps whose stale entries (no longer a
+    rank's value) are dropped when met: O(log N) where ``min()`` is O(N)."""
+
+    def __init__(self, load, toks) -> None:
+        self.load_v, self.toks_v = load, toks
+        self.loads = [(v, r) for r, v in enumerate(load)]
+        self.tokss = [(v, r) for r, v in enumerate(toks)]
+        heapq.heapify(self.loads)
+        heapq.heapify(self.tokss)
+
+    def push(self, ranks) -> None:
+        for r in ranks:
+            heapq.heappush(self.loads, (self.load_v[r], r))
+            heapq.heappush(self.tokss, (self.toks_v[r], r))
+
+    def load(self) -> float:
+        h, cur = self.loads, self.load_v
+        while h[0][0] != cur[h[0][1]]:
+            heapq.heappop(h)
+        return h[0][0]
+
+    def tok(self) -> int:
+        h, cur = self.tokss, self.toks_v
+        while h[0][0] != cur[h[0][1]]:
+            heapq.heappop(h)
+        return h[0][0]
 
 
 def token_cap(doc_lens: list[int], n: int, token_slack: float) -> int:
@@ -90,16 +137,28 @@ class _Greedy:
     def __init__(self, doc_lens: list[int], n: int, cost: CostModel, cap: int) -> None:
         self.lens, self.n, self.cost, self.cap = doc_lens, n, cost, cap
         self.starts = doc_starts_of(doc_lens)
-        self.order = sorted(range(len(doc_lens)), key=lambda d: (-doc_lens[d], d))
+        self.lens_np = np.asarray(doc_lens, dtype=np.int64)
+        self.starts_np = np.asarray(self.starts, dtype=np.int64)
+        order = np.lexsort((np.arange(len(doc_lens)), -self.lens_np))  # by (-length, index)
+        self.order = order.tolist()
+        # run_end[k]: where the run of documents of order[k]'s length ends (in pass order)
+        sl = self.lens_np[order]
+        ends = np.append(np.flatnonzero(sl[1:] != sl[:-1]) + 1, len(sl))
+        self.run_end = np.repeat(ends, np.diff(np.concatenate(([0], ends)))).tolist()
         self._shares: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
         self._whole: dict[int, float] = {}
+        self._top: dict[tuple[int, int], tuple] = {}  # per (length, g): max of the shares, shares as arrays
+        self._big: dict[int, dict] = {}  # per length: _big_shares
+        self._big_index = None
         # group sizes tried: every size up to 8, then about 1.25x apart (and N itself)
         sizes, g = [], 2
         while g < n:
             sizes.append(g)
             g = g + 1 if g < 8 else math.ceil(g * 1.25)
         self.sizes = [*sizes, n] if n >= 2 else []
-        self.mean = sum(self.whole(L) for L in doc_lens) / n
+        for length in set(doc_lens):
+            self.whole(length)
+        self.mean = sum(map(self._whole.__getitem__, doc_lens)) / n  # (added in document order, as always)
 
     def whole(self, length: int) -> float:
         if length not in self._whole:
@@ -113,7 +172,9 @@ class _Greedy:
         if g == 1:
             return [self.whole(length)], [length]
         if key not in self._shares and g >= 16:
-            self._shares[key] = self._shares_arrays(length, g)
+            big = self._big_shares(length).get(g)
+            self._shares[key] = ((big[0].tolist(), big[1].tolist()) if big is not None
+                                 else self._shares_arrays(length, g))
         if key not in self._shares:
             b = chunk_bounds(0, length, 2 * g)
             work, toks = [], []
@@ -125,6 +186,36 @@ class _Greedy:
                 toks.append(n_tok)
             self._shares[key] = (work, toks)
         return self._shares[key]
+
+    def _big_shares(self, length: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """:meth:`_shares_arrays` of every group size of at least 16 tried (``self.sizes``) at once, as arrays."""
+        if length not in self._big:
+            gs = [g for g in self.sizes if g >= 16]
+            if not gs:
+                self._big[length] = {}
+                return self._big[length]
+            if self._big_index is None:
+                G = np.repeat(np.asarray(gs, dtype=np.int64), gs)
+                idx = np.concatenate([np.arange(g, dtype=np.int64) for g in gs])
+                self._big_index = (G, idx, np.cumsum([0, *gs]).tolist())
+            G, i, offsets = self._big_index
+            two = 2 * G
+            h0, h1 = length * i // two, length * (i + 1) // two
+            t0, t1 = length * (two - 1 - i) // two, length * (two - i) // two
+            n_tok = (h1 - h0) + (t1 - t0)
+            work = (self._piece_time(h0, h1) + self._piece_time(t0, t1)) + n_tok.astype(np.float64) * (
+                self.cost.flops_per_token) / self.cost.hardware.gemm_flops
+            self._big[length] = {g: (work[o:o + g], n_tok[o:o + g]) for g, o in zip(gs, offsets, strict=False)}
+        return self._big[length]
+
+    def _piece_time(self, x, y):
+        """``CostModel.attn_time`` of the pieces ``[x, y)`` of a document from 0, on arrays (the same floats)."""
+        hw, cost = self.cost.hardware, self.cost
+        q, k = (y - x).astype(np.float64), y.astype(np.float64)
+        work = (((y - x) * (x + y + 1)) // 2).astype(np.float64) * cost.flops_per_pair
+        with np.errstate(divide="ignore", invalid="ignore"):  # (empty pieces: masked)
+            eff = hw.attn_peak * (q / (q + hw.attn_half)) * (k / (k + hw.attn_half))
+            return np.where((y > x) & (work > 0), work / (hw.flops * eff), 0.0)
 
     def _shares_arrays(self, length: int, g: int) -> tuple[list[float], list[int]]:
         """:meth:`shares` on arrays (the same floats: each piece's time as ``CostModel.attn_time`` rounds it, the
@@ -146,9 +237,11 @@ class _Greedy:
         work = (head + tail) + n_tok.astype(np.float64) * cost.flops_per_token / hw.gemm_flops
         return work.tolist(), n_tok.tolist()
 
-    def _group(self, length: int, by_load: list[int], load, toks, limit: float, share: float) -> list[int] | None:
+    def _group(self, length: int, by_load: list[int], load, toks, limit: float, share: float,
+               sorted_rooms=None) -> list[int] | None:
         """The smallest head-tail group (of ``self.sizes`` least-loaded ranks) whose members all stay under
-        ``limit`` and the token cap, each taking at most ``share`` of a rank's mean compute."""
+        ``limit`` and the token cap, each taking at most ``share`` of a rank's mean compute.  ``sorted_rooms``:
+        (loads, tokens) as arrays in ``by_load`` order, where given."""
         # a member's share is about whole / g (a little more: cut pieces run less efficiently)
         first = max(2, min(self.n, math.ceil(self.whole(length) / (share * self.mean)))) if share < math.inf else 2
         for g in self.sizes:
@@ -157,10 +250,20 @@ class _Greedy:
             if load[by_load[g - 1]] >= limit:  # this member, and every larger group's, is already full
                 return None
             work, tok = self.shares(length, g)
-            if max(work) > share * self.mean and g < self.n:
+            top = self._top.get((length, g))
+            if top is None:
+                big = self._big_shares(length).get(g) if g > 32 else None
+                arrays = big if big is not None else ((np.asarray(work), np.asarray(tok)) if g > 32 else (None, None))
+                top = self._top[(length, g)] = (max(work), *arrays)
+            if top[0] > share * self.mean and g < self.n:
                 continue
             members = by_load[:g]  # member i takes chunks i and 2g - 1 - i
-            if all(load[r] + work[i] <= limit and toks[r] + tok[i] <= self.cap for i, r in enumerate(members)):
+            if g > 32 and sorted_rooms is not None:  # (on arrays: the same sums and comparisons)
+                ls, ts = sorted_rooms
+                fits = bool(np.all((ls[:g] + top[1] <= limit) & (ts[:g] + top[2] <= self.cap)))
+            else:
+                fits = all(load[r] + work[i] <= limit and toks[r] + tok[i] <= self.cap for i, r in enumerate(members))
+            if fits:
                 if share < math.inf:
                     self.peak_share = max(self.peak_share, max(work) / self.mean)
                 return members
@@ -236,16 +339,17 @@ class _Greedy:
         """Re-base the mean compute on a first placement (cutting documents costs kernel efficiency).  Where
         the mean stays, that placement is the pass ``run(0.0, 0)``'s: returned, with its ``peak_share``."""
         p = self.run(0.0, 0)
-        fig = rank_figures(p.segments, self.lens, self.starts, self.cost, "aware")
+        fig = p.figures(self.lens, self.starts_np, self.cost)
+        self.first_figures = fig
         if sum(fig.compute) / self.n <= self.mean * (1 + 1e-9):  # (sums of the same work in another order)
             return p, self.peak_share
         self.mean = sum(fig.compute) / self.n
         return None
 
-    def _cut_by_room(self, p: Placement, by_load: list[int], load, toks, start: int, length: int) -> None:
+    def _cut_by_room(self, p: Placement, by_load: list[int], load, toks, start: int, length: int) -> list[int]:
         """Last resort: consecutive pieces of the document, each as large as a rank's token room (least-loaded
         ranks first), so the token cap holds; the rank of a later piece receives the earlier ones' K/V."""
-        a, end = start, start + length
+        a, end, changed = start, start + length, []
         for r in by_load:
             b = end if r == by_load[-1] else min(end, a + max(self.cap - toks[r], 0))
             if b > a:
@@ -254,94 +358,171 @@ class _Greedy:
                                                                                  b - start)
                 toks[r] += b - a
                 a = b
+                changed.append(r)
+        return changed
 
-    def run(self, tol: float, force: int, share: float = 1.0, subgroups: bool = True) -> Placement:
+    def run(self, tol: float, force: int, share: float = 1.0, subgroups: bool = True) -> ArrayPlacement:
         n, cap = self.n, self.cap
         limit = (1 + tol) * self.mean
         self.peak_share = 0.0  # the largest share of the mean any split member took (see flashcp())
         load, toks = [0.0] * n, [0] * n
-        wholes: list[list[tuple[float, int, int]]] = [[] for _ in range(n)]  # (compute, length, start) per rank
+        doc_rank = np.full(len(self.lens), -1, dtype=np.int64)  # the rank of each document placed whole
+        doc_seq = np.zeros(len(self.lens), dtype=np.int64)  # ... and its place in that rank's list of them
         p = Placement(n)
         splits: list[_Split] = []  # documents over several ranks (laid out at the end)
-        # the ranks by fullness, key (max(load / limit, tokens / cap), load, rank): a heap, one entry per rank,
-        # rebuilt after a document placed otherwise than whole (which may change several ranks)
-        heap: list[tuple[float, float, int]] = []
-        stale = True
-        for k, d in enumerate(self.order):
+        # the ranks by fullness, key (max(load / limit, tokens / cap), load, rank): a heap with a current entry
+        # (key, load, rank, tokens) per rank; an entry whose load and tokens are no longer the rank's is stale
+        heap = [(0.0, 0.0, q, 0) for q in range(n)]
+        mins = _Mins(load, toks) if n > 64 else None  # min(toks), min(load) in O(log N) where N is large
+        seq = 0
+
+        # load and toks as arrays too (the Whole-Doc step's rank only where they are next needed: ``dirty``)
+        arrays = (np.zeros(n), np.zeros(n, dtype=np.int64))
+        dirty: list[int] = []
+
+        def touched(ranks) -> None:  # new current entries for ranks whose load changed
+            for q in ranks:
+                heapq.heappush(heap, (max(load[q] / limit, toks[q] / cap), load[q], q, toks[q]))
+                if n > 32:
+                    arrays[0][q], arrays[1][q] = load[q], toks[q]
+            if mins is not None:
+                mins.push(ranks)
+
+        order, run_end = self.order, self.run_end
+        k, count = 0, len(order)
+        while k < count:
+            d = order[k]
             length, start = self.lens[d], self.starts[d]
             if k >= force:
                 w = self.whole(length)
+                tok_room, work_room = cap - length, limit - w
+                if run_end[k] - k >= BATCH:  # a run of equal lengths: place as many whole as the greedy would
+                    placed = self._batch_whole(order[k:run_end[k]], length, w, load, toks, limit, doc_rank, doc_seq,
+                                               seq)
+                    if placed:
+                        seq += len(placed[0])
+                        k += len(placed[0])
+                        touched(placed[1])
+                        continue
                 # the rank with the most room left in both work and tokens, among those it fits: the first in
                 # key order that fits (the least key, the lowest rank on ties)
-                tok_room, work_room = cap - length, limit - w
                 r, skipped = -1, []
-                fits = min(toks) <= tok_room and min(load) <= work_room  # (else no rank fits)
-                if fits and stale:
-                    heap = [(max(load[q] / limit, toks[q] / cap), load[q], q) for q in range(n)]
-                    heapq.heapify(heap)
-                    stale = False
+                if mins is not None:
+                    fits = mins.tok() <= tok_room and mins.load() <= work_room
+                else:
+                    fits = min(toks) <= tok_room and min(load) <= work_room  # (else no rank fits)
+                at_top = True
                 while fits and heap:
-                    q = heap[0][2]
+                    e = heap[0]
+                    q = e[2]
+                    if e[1] != load[q] or e[3] != toks[q]:
+                        heapq.heappop(heap)  # stale
+                        continue
                     if toks[q] <= tok_room and load[q] <= work_room:
                         r = q
                         break
                     skipped.append(heapq.heappop(heap))
+                    if len(skipped) >= SKIP_MAX:  # many full ranks first: the least key that fits, on arrays
+                        r, at_top = self._fitting(load, toks, limit, tok_room, work_room), False
+                        break
                 if r >= 0:
-                    wholes[r].append((w, length, start))
+                    doc_rank[d], doc_seq[d] = r, seq
+                    seq += 1
                     load[r] += w
                     toks[r] += length
-                    heapq.heapreplace(heap, (max(load[r] / limit, toks[r] / cap), load[r], r))
+                    if n > 32:
+                        dirty.append(r)
+                    entry = (max(load[r] / limit, toks[r] / cap), load[r], r, toks[r])
+                    if at_top:
+                        heapq.heapreplace(heap, entry)
+                    else:
+                        heapq.heappush(heap, entry)
+                    if mins is not None:
+                        mins.push((r,))
                 for e in skipped:
                     heapq.heappush(heap, e)
                 if r >= 0:
+                    k += 1
                     continue
-            stale = True
-            by_load = np.lexsort((np.asarray(toks), np.asarray(load))).tolist()  # by (load, tokens, rank)
-            group = self._group(length, by_load, load, toks, limit, share) if subgroups else None
-            # unequal parts only where the document fits whole on no rank (else: whole, over the bound, below)
-            cut = group is None and subgroups and length > cap - min(toks)
-            fill = self._fill(length, start, load, toks, limit, share) if cut else None
-            if fill is not None and len(fill[0]) > 1:  # unequal parts by each rank's room
-                members, sizes = fill
-                splits.append(_Split(start, length, dict(zip(members, sizes, strict=True)), False))
-                for r, w, t in zip(members, self.sized_work(start, length, sizes), sizes, strict=True):
-                    load[r] += w
-                    toks[r] += t
-                continue
-            if fill is not None:
-                group = fill[0]
-            if group is None and k >= force:  # over the work bound: whole on the least-loaded rank with room
-                room = [r for r in by_load if toks[r] + length <= cap]
-                group = room[:1] or None
-            if group is None and subgroups:  # tokens alone
-                group = self._group(length, by_load, load, toks, float("inf"), float("inf"))
-            if group is None and subgroups:  # no group has token room: cut it by the room each rank has left
-                self._cut_by_room(p, by_load, load, toks, start, length)
-                continue
-            group = group or by_load  # Per-Doc over every rank (the whole_doc baseline)
-            work, tok = self.shares(length, len(group))
-            if len(group) == 1:
-                wholes[group[0]].append((self.whole(length), length, start))
-            else:
-                splits.append(_Split(start, length, dict(zip(group, tok, strict=True)), True))
-            for i, r in enumerate(group):
-                load[r] += work[i]
-                toks[r] += tok[i]
+            for q in dirty:
+                arrays[0][q], arrays[1][q] = load[q], toks[q]
+            dirty.clear()
+            changed = self._place_other(k, d, length, start, force, load, toks, limit, share, subgroups, p, splits,
+                                        arrays)
+            if changed is None:  # whole on one rank, over the work bound
+                r = self._last_whole
+                doc_rank[d], doc_seq[d] = r, seq
+                seq += 1
+                changed = [r]
+            touched(changed)
+            k += 1
         if subgroups:
             self._exchange(splits, load, toks)
-        self._refine(wholes, load, toks)
-        for r, docs in enumerate(wholes):
-            for _, length, start in docs:
-                p.add(r, start, start + length)
+        self._refine(doc_rank, doc_seq, load, toks, seq)
         for sp in splits:
             if sp.equal:  # member i takes chunks i and 2g - 1 - i
                 p.headtail(list(sp.parts), sp.start, sp.length)
             else:  # the largest parts outermost
                 members = sorted(sp.parts, key=lambda r: -sp.parts[r])
                 p.headtail_sized(members, [sp.parts[r] for r in members], sp.start, sp.length)
-        for segs in p.segments:
-            segs.sort()
-        return p
+        whole = np.flatnonzero(doc_rank >= 0)
+        ws = self.starts_np[whole]
+        return ArrayPlacement.sorted_from(n, [(doc_rank[whole], ws, ws + self.lens_np[whole]), p.arrays()])
+
+    def _fitting(self, load, toks, limit: float, tok_room: int, work_room: float) -> int:
+        """The rank of least key ``(max(load / limit, tokens / cap), load, rank)`` among those with
+        ``tokens <= tok_room`` and ``load <= work_room``; -1 if none."""
+        lv, tv = np.asarray(load), np.asarray(toks, dtype=np.int64)
+        ok = np.flatnonzero((tv <= tok_room) & (lv <= work_room))
+        if not len(ok):
+            return -1
+        key0 = np.maximum(lv[ok] / limit, tv[ok] / self.cap)
+        return int(ok[np.lexsort((ok, lv[ok], key0))[0]])
+
+    def _place_other(self, k, d, length, start, force, load, toks, limit, share, subgroups, p, splits, arrays):
+        """A document the Whole-Doc step did not place (see the module docstring); returns the ranks it changed, or
+        None where it went whole onto one rank (``self._last_whole``)."""
+        cap = self.cap
+        if self.n > 32:
+            lv, tv = arrays  # (load and toks as arrays)
+            by_np = np.lexsort((tv, lv))  # by (load, tokens, rank)
+            by_load = by_np.tolist()
+            rooms = (lv[by_np], tv[by_np])
+        else:  # (few ranks: in Python, the same order)
+            by_load, rooms = sorted(range(self.n), key=lambda r: (load[r], toks[r])), None
+        group = self._group(length, by_load, load, toks, limit, share, rooms) if subgroups else None
+        # unequal parts only where the document fits whole on no rank (else: whole, over the bound, below)
+        cut = group is None and subgroups and length > cap - min(toks)
+        fill = self._fill(length, start, load, toks, limit, share) if cut else None
+        if fill is not None and len(fill[0]) > 1:  # unequal parts by each rank's room
+            members, sizes = fill
+            splits.append(_Split(start, length, dict(zip(members, sizes, strict=True)), False))
+            for r, w, t in zip(members, self.sized_work(start, length, sizes), sizes, strict=True):
+                load[r] += w
+                toks[r] += t
+            return members
+        if fill is not None:
+            group = fill[0]
+        if group is None and k >= force:  # over the work bound: whole on the least-loaded rank with room
+            if rooms is not None:
+                room = np.flatnonzero(rooms[1] + length <= cap)[:1]
+                group = [by_load[int(room[0])]] if len(room) else None
+            else:
+                group = [r for r in by_load if toks[r] + length <= cap][:1] or None
+        if group is None and subgroups:  # tokens alone
+            group = self._group(length, by_load, load, toks, float("inf"), float("inf"), rooms)
+        if group is None and subgroups:  # no group has token room: cut it by the room each rank has left
+            return self._cut_by_room(p, by_load, load, toks, start, length)
+        group = group or by_load  # Per-Doc over every rank (the whole_doc baseline)
+        work, tok = self.shares(length, len(group))
+        for i, r in enumerate(group):
+            load[r] += work[i]
+            toks[r] += tok[i]
+        if len(group) == 1:  # whole (the caller records it with the Whole-Doc documents)
+            self._last_whole = group[0]
+            return None
+        splits.append(_Split(start, length, dict(zip(group, tok, strict=True)), True))
+        return group
 
     def _exchange(self, splits: list[_Split], load, toks) -> None:
         """Trade parts of split documents between ranks under and over the mean compute ``W``, tokens for tokens.
@@ -365,132 +546,247 @@ class _Greedy:
                 held[r].add(i)
         # the splits of each rank over the mean, heaviest first (what a trade gives it is not offered again)
         heaviest = {v: sorted(held[v], key=lambda i: -rate[i]) for v in over}
+        # The scan, per (u, B): over v (busiest first) and its X (heaviest first), trade where the move is at least
+        # EXCHANGE_MIN; X stops at the first no heavier than B.  Between two trades nothing changes, so each step
+        # finds the next trade of the scan at once: every (v, X) pair of the scan as arrays, in scan order, with
+        # the part of X on v (0 once v holds none) and v's load kept in step with the trades.
+        pv = [v for v in over for _ in heaviest[v]]
+        px = [x for v in over for x in heaviest[v]]
+        if not px:
+            return
+        prate = np.asarray(rate)[px]
+        ppart = np.asarray([splits[x].parts.get(v, 0) for v, x in zip(pv, px, strict=True)], dtype=np.float64)
+        vload = np.asarray([load[v] for v in pv])
+        pair_at = {vx: i for i, vx in enumerate(zip(pv, px, strict=True))}
+        rows_of: dict[int, list[int]] = {}
+        for i, v in enumerate(pv):
+            rows_of.setdefault(v, []).append(i)
+        rates_sorted = sorted(set(prate.tolist()))
         for u in under:
             for b in sorted(held[u], key=rate.__getitem__):
-                for v in over:
-                    if load[u] >= mean:
+                pos = 0
+                while load[u] < mean and b in held[u] and splits[b].parts[u] >= EXCHANGE_MIN:
+                    # (a quick bound first: the lightest X heavier than B must gain little enough for u's room)
+                    j = bisect.bisect_right(rates_sorted, rate[b])
+                    if j == len(rates_sorted) or (rates_sorted[j] - rate[b]) * EXCHANGE_MIN > (mean - load[u]) * (
+                            1 + 1e-9):
                         break
-                    for x in heaviest[v]:
-                        gain = rate[x] - rate[b]
-                        if gain <= 0 or b not in held[u]:
-                            break
-                        if x not in held[v]:
-                            continue
-                        move = int(min((load[v] - mean) / gain, (mean - load[u]) / gain,
-                                       splits[x].parts[v], splits[b].parts[u]))
-                        if move < EXCHANGE_MIN:
-                            continue
-                        for i, src, dst in ((x, v, u), (b, u, v)):
-                            splits[i].trade(src, dst, move)
-                            held[dst].add(i)
-                            if src not in splits[i].parts:
-                                held[src].discard(i)
-                        load[u] += gain * move
-                        load[v] -= gain * move
+                    gain = prate[pos:] - rate[b]
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        ok = ((gain > 0) & (ppart[pos:] >= EXCHANGE_MIN) & ((vload[pos:] - mean) / gain >= EXCHANGE_MIN)
+                              & ((mean - load[u]) / gain >= EXCHANGE_MIN))
+                    hit = np.flatnonzero(ok)
+                    if not len(hit):
+                        break
+                    i = pos + int(hit[0])
+                    v, x = pv[i], px[i]
+                    gain = rate[x] - rate[b]
+                    move = int(min((load[v] - mean) / gain, (mean - load[u]) / gain, splits[x].parts[v],
+                                   splits[b].parts[u]))
+                    for t, src, dst in ((x, v, u), (b, u, v)):
+                        splits[t].trade(src, dst, move)
+                        held[dst].add(t)
+                        if src not in splits[t].parts:
+                            held[src].discard(t)
+                    load[u] += gain * move
+                    load[v] -= gain * move
+                    for t in (x, b):
+                        if (v, t) in pair_at:
+                            ppart[pair_at[(v, t)]] = splits[t].parts.get(v, 0)
+                    vload[rows_of[v]] = load[v]
+                    pos = i + 1
 
-    def _refine(self, wholes, load, toks) -> None:
+    def _batch_whole(self, docs, length: int, w: float, load, toks, limit: float, doc_rank, doc_seq, seq: int):
+        """Documents ``docs`` (all of ``length`` tokens and compute ``w``, in pass order) placed whole as the
+        one-by-one step places them, as far as they fit: returns (the ranks of those placed, in order; the ranks
+        changed), or None where the first fits nowhere.
+
+        Rank ``r`` after taking ``j`` of them has load ``l_r + w + ... + w`` (added one by one, as the step adds)
+        and ``t_r + j L`` tokens; its ``j``-th slot fits while both stay within ``limit - w`` and ``cap - L``,
+        and the step takes each document onto the fitting rank of least key ``(max(load / limit, tokens / cap),
+        load, rank)``.  A rank's keys rise with ``j`` and its fitting slots are a prefix, so the documents go to
+        the ``len(docs)`` least keys of all fitting slots, in key order: one sort.  Slots per rank are tried up
+        to ``m`` (doubled while some rank took all of its ``m`` and more might follow)."""
+        n, cap, k = self.n, self.cap, len(docs)
+        l0, t0 = np.asarray(load), np.asarray(toks, dtype=np.int64)
+        m = min(k, 2 * -(-k // n) + 2)
+        while True:
+            lt = np.empty((n, m + 1))
+            lt[:, 0] = l0
+            lt[:, 1:] = w
+            np.cumsum(lt, axis=1, out=lt)  # sequential: lt[r, j] = load after j more documents
+            tt = t0[:, None] + length * np.arange(m + 1, dtype=np.int64)
+            ls, ts = lt[:, :m], tt[:, :m]
+            ok = np.flatnonzero(((ts <= cap - length) & (ls <= limit - w)).ravel())
+            rank_of = ok // m
+            lv = ls.ravel()[ok]
+            key0 = np.maximum(lv / limit, ts.ravel()[ok] / cap)
+            take = ok[np.lexsort((rank_of, lv, key0))[:k]]
+            counts = np.bincount(take // m, minlength=n)
+            if m >= k or not (counts == m).any():
+                break
+            m = min(k, 2 * m)
+        if not len(take):
+            return None
+        ranks = take // m
+        idx = np.asarray(docs[: len(take)])
+        doc_rank[idx] = ranks
+        doc_seq[idx] = np.arange(seq, seq + len(take))
+        changed = np.flatnonzero(counts).tolist()
+        for r in changed:
+            load[r] = float(lt[r, counts[r]])
+            toks[r] = int(tt[r, counts[r]])
+        return ranks, changed
+
+    def _refine(self, doc_rank, doc_seq, load, toks, seq: int) -> None:
         """Lower the busiest rank by moving one of its Whole-Doc documents to the least busy rank, or by
         swapping one for a lighter one there (no K/V cost: whole documents need none), while the peak drops.
 
         Each step takes, over every document ``a`` of the busiest rank and every option ``b`` of the least
         busy (nothing, or one of its documents) within the token cap, the lowest peak
         ``max(H - w_a + w_b, L + w_a - w_b)``, the first in (``a``, then nothing, then ``b``) order on ties
-        (see :meth:`_best_move`)."""
-        for _ in range(2 * sum(map(len, wholes))):
+        (see :meth:`_best_move`).  A rank's documents are kept in the order it received them (``doc_seq``);
+        per length only the first can be chosen (``w`` is a function of the length), so each rank holds, per
+        length, its documents of that length in that order (built when the rank is first met)."""
+        whole = np.flatnonzero(doc_rank >= 0)
+        if not len(whole):
+            return
+        by_rank: dict[int, dict[int, collections.deque]] = {}
+
+        def groups(r: int) -> dict[int, collections.deque]:
+            if r not in by_rank:
+                mine = whole[doc_rank[whole] == r]
+                mine = mine[np.lexsort((doc_seq[mine], self.lens_np[mine]))]
+                lens = self.lens_np[mine]
+                cuts = np.flatnonzero(lens[1:] != lens[:-1]) + 1
+                by_rank[r] = {} if not len(mine) else {int(lens[lo]): collections.deque(mine[lo:hi].tolist())
+                              for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(mine)], strict=True)}
+            return by_rank[r]
+
+        def options(r: int):
+            g = groups(r)
+            lens = sorted(g)
+            firsts = doc_seq[[g[x][0] for x in lens]].tolist() if lens else []
+            return lens, [self._whole[x] for x in lens], firsts
+
+        for _ in range(2 * len(whole)):
             hi = load.index(max(load))  # the first busiest / least busy rank
             lo = load.index(min(load))
-            best = self._best_move(wholes[hi], wholes[lo], load[hi], load[lo], toks[hi], toks[lo])
+            if hi == lo:
+                return
+            best = self._best_move(options(hi), options(lo), load[hi], load[lo], toks[hi], toks[lo])
             if best is None:
                 return
-            i, j = best
-            a = wholes[hi].pop(i)
-            b = wholes[lo].pop(j) if j is not None else None
-            wholes[lo].append(a)
-            if b is not None:
-                wholes[hi].append(b)
-            wb, lb = (b[0], b[1]) if b is not None else (0.0, 0)
-            load[hi] += wb - a[0]
-            load[lo] += a[0] - wb
-            toks[hi] += lb - a[1]
-            toks[lo] += a[1] - lb
+            la, lb = best
+            ga, gb = groups(hi), groups(lo)
+            a = ga[la].popleft()
+            if not ga[la]:
+                del ga[la]
+            gb.setdefault(la, collections.deque()).append(a)
+            doc_rank[a], doc_seq[a] = lo, seq
+            seq += 1
+            wa, wb = self.whole(la), 0.0
+            if lb is not None:
+                b = gb[lb].popleft()
+                if not gb[lb]:
+                    del gb[lb]
+                ga.setdefault(lb, collections.deque()).append(b)
+                doc_rank[b], doc_seq[b] = hi, seq
+                seq += 1
+                wb = self.whole(lb)
+            load[hi] += wb - wa
+            load[lo] += wa - wb
+            toks[hi] += (lb or 0) - la
+            toks[lo] += la - (lb or 0)
 
-    def _best_move(self, hi_docs, lo_docs, h: float, low: float, tok_hi: int, tok_lo: int):
-        """``(i, j)``: move document ``i`` of the busiest rank (load ``h``) to the least busy (load ``low``) and
-        document ``j`` back (``None``: nothing back), the pair of lowest peak ``p = max(h - w_i + w_j,
-        low + w_i - w_j)`` below ``h (1 - 1e-12)`` with both ranks within the token cap, the first in
-        (``i``, then ``None``, then ``j``) order on equal peaks; ``None`` if no pair lowers the peak.
-
-        The peak is ``(h + low) / 2 + |w_i - w_j - (h - low) / 2|`` (up to rounding), and ``w`` is a function
-        of the length: per length of the busiest rank (its first document), the options of the least busy
-        (per length, its first document; and nothing) sorted by ``w``, bisected at ``w_i - (h - low) / 2``.
-        Pass 1 finds the least distance ``|w_i - w_j - (h - low) / 2|`` over feasible pairs; pass 2 takes
-        every feasible pair within a rounding margin of it and compares their peaks as the step writes them,
-        so the choice is the one of the scan over all pairs, in O(D log D) for D distinct lengths."""
+    def _best_move(self, hi_opts, lo_opts, h: float, low: float, tok_hi: int, tok_lo: int):
+        """``(la, lb)``: move the first document of length ``la`` of the busiest rank (load ``h``) to the least
+        busy (load ``low``) and its first of length ``lb`` back (``None``: nothing back), the pair of lowest
+        peak ``p = max(h - w_a + w_b, low + w_a - w_b)`` below ``h (1 - 1e-12)`` with both ranks within the
+        token cap, the first on equal peaks in (the busiest rank's order of its documents, then nothing, then
+        the least busy rank's order); ``None`` if no pair lowers the peak.  ``*_opts``: per length a rank
+        holds, (lengths, compute, place in its order of the first document of that length).  All pairs at once
+        (lengths x lengths, in numpy), each peak rounded as the step writes it."""
+        la, wa, sa = hi_opts
+        lb, wb, sb = lo_opts
+        if not len(la):
+            return None
+        if len(la) * (len(lb) + 1) <= 256:  # few pairs: in Python (the same peaks, the same order on ties)
+            best, best_key = None, (h - 1e-12 * abs(h),)
+            opts = [(0, 0.0, -1), *zip(lb, wb, sb, strict=True)]
+            cap = self.cap
+            for x, w, i in zip(la, wa, sa, strict=True):
+                lo_b, hi_b = x + tok_lo - cap, cap - tok_hi + x
+                for y, v, j in opts:
+                    if lo_b <= y <= hi_b:
+                        key = (max(h - w + v, low + w - v), i, j)
+                        if key < best_key:
+                            best, best_key = (x, y or None), key
+            return best
+        la, wa, sa = (np.asarray(x) for x in hi_opts)
+        lb, wb, sb = (np.asarray(x) for x in lo_opts)
+        ol = np.concatenate(([0], lb))
+        ow = np.concatenate(([0.0], wb))
+        oj = np.concatenate(([-1], sb))  # nothing first on ties
         cap = self.cap
-        first_hi: dict[int, tuple[float, int]] = {}
-        for i, (w, length, _) in enumerate(hi_docs):
-            if length not in first_hi:
-                first_hi[length] = (w, i)
-        first_lo: dict[int, tuple[float, int]] = {}
-        for j, (w, length, _) in enumerate(lo_docs):
-            if length not in first_lo:
-                first_lo[length] = (w, j)
-        options = sorted([(w, length, j) for length, (w, j) in first_lo.items()] + [(0.0, 0, -1)])
-        ws = [o[0] for o in options]
-        ls = [o[1] for o in options]
-        m = len(options)
-        half = (h - low) / 2
-        nearest, walks = math.inf, []
-        for la, (wa, ia) in first_hi.items():
-            lo_b, hi_b = la + tok_lo - cap, cap - tok_hi + la  # the option's length must lie in [lo_b, hi_b]
-            t = wa - half
-            pos = bisect.bisect_left(ws, t)
-            k = pos - 1
-            while k >= 0 and not lo_b <= ls[k] <= hi_b:
-                k -= 1
-            if k >= 0:
-                nearest = min(nearest, t - ws[k])
-            k = pos
-            while k < m and not lo_b <= ls[k] <= hi_b:
-                k += 1
-            if k < m:
-                nearest = min(nearest, ws[k] - t)
-            walks.append((wa, ia, lo_b, hi_b, t, pos))
-        if nearest == math.inf:
+        feasible = (ol[None, :] >= (la + tok_lo - cap)[:, None]) & (ol[None, :] <= (cap - tok_hi + la)[:, None])
+        peak = np.maximum((h - wa)[:, None] + ow[None, :], (low + wa)[:, None] - ow[None, :])
+        peak = np.where(feasible & (peak < h - 1e-12 * abs(h)), peak, np.inf)
+        best = peak.min()
+        if best == np.inf:
             return None
-        bound = nearest + 1e-9 * (abs(h) + abs(low))  # rounding margin (peaks are exact to a few ulps)
-        best, best_key = None, (h - 1e-12 * abs(h),)
-        for wa, ia, lo_b, hi_b, t, pos in walks:
-            k = pos - 1
-            while k >= 0 and t - ws[k] <= bound:
-                if lo_b <= ls[k] <= hi_b:
-                    key = (max(h - wa + ws[k], low + wa - ws[k]), ia, options[k][2])
-                    if key < best_key:
-                        best, best_key = (ia, options[k][2]), key
-                k -= 1
-            k = pos
-            while k < m and ws[k] - t <= bound:
-                if lo_b <= ls[k] <= hi_b:
-                    key = (max(h - wa + ws[k], low + wa - ws[k]), ia, options[k][2])
-                    if key < best_key:
-                        best, best_key = (ia, options[k][2]), key
-                k += 1
-        if best is None:
-            return None
-        return best[0], (None if best[1] < 0 else best[1])
+        ii, jj = np.nonzero(peak == best)
+        k = np.lexsort((oj[jj], sa[ii]))[0]
+        return int(la[ii[k]]), (None if jj[k] == 0 else int(ol[jj[k]]))
 
 
-def whole_doc(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) -> Placement:
+def whole_doc(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) -> ArrayPlacement:
     """Baseline: Whole-Doc wherever a document fits under the token cap, Per-Doc for the rest."""
     return _Greedy(doc_lens, n, cost, token_cap(doc_lens, n, token_slack)).run(float("inf"), 0, subgroups=False)
 
 
-def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) -> Placement:
+def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) -> ArrayPlacement:
     cap = token_cap(doc_lens, n, token_slack)
     # attention alone: balance the attention work itself (pairs), as the solvers it is compared with do
     greedy = _Greedy(doc_lens, n, cost if cost.linear else cost.with_hardware(attn_half=0.0), cap)
-    starts = doc_starts_of(doc_lens)
+    starts = greedy.starts_np
+    lower = greedy.mean  # no plan's step time is below the mean compute of every document whole (cuts only add)
     first = greedy.calibrate()  # the pass (tol 0, force 0, share 1), where the mean did not move
+    whole = greedy.run(float("inf"), 0, subgroups=False)
+    ring = [ArrayPlacement.of(f(doc_lens, n)) for f in (headtail, contiguous)]
+    # per_doc, torch_per_doc (beyond 16 ranks not: cutting every document into 2N pieces twice over is the
+    # costliest candidate at large N); in the order the baselines have always been compared in
+    cut_all = lambda: ([ArrayPlacement.of(per_doc(doc_lens, n))],  # noqa: E731
+                       [ArrayPlacement.of(torch_per_doc(doc_lens, n, False))] if n <= 16 else [])
+    fig_of: dict[bytes, object] = {}
+
+    def scored(candidates: list[ArrayPlacement]):
+        """The pick among ``candidates`` and the baselines (see _pick), and its figures."""
+        for p in _unique(candidates + [whole, *ring]):
+            if p.key() not in fig_of:
+                fig_of[p.key()] = p.figures(doc_lens, starts, cost)
+        # per_doc and torch_per_doc cut every document into 2N pieces (O(D N) of them): skipped where even
+        # their lower bound (see _cut_all_bound) is slower than the fastest candidate within the cap by more
+        # than a tie, which leaves the choice as it was (such a candidate can be neither the fastest nor tied,
+        # and its time cannot lower the bound the baselines set)
+        pool = [max(fig_of[p.key()].time) for p in candidates + [whole, *ring] if max(fig_of[p.key()].tokens) <= cap]
+        pd, tpd = [], []
+        if not pool or _cut_all_bound(greedy.lens_np, n, cost) <= min(pool) * (1 + TIME_TIE):
+            pd, tpd = cut_all()
+            for p in pd + tpd:
+                if p.key() not in fig_of:
+                    fig_of[p.key()] = p.figures(doc_lens, starts, cost)
+        baselines = [whole, *pd, *ring, *tpd]
+        unique = _unique(candidates + baselines)
+        keys = {p.key() for p in baselines}
+        best = unique[_pick([fig_of[p.key()] for p in unique], cap, [p.key() in keys for p in unique])]
+        return best, fig_of[best.key()]
+
+    if cost.linear and first is not None:
+        fig_of[first[0].key()] = greedy.first_figures
+        best, fig = scored([first[0]])
+        if sum(fig.recv_tokens) == 0 and max(fig.time) <= lower * (1 + PERFECT):  # nothing left to gain
+            return best
     # beyond 16 ranks a pass costs O(N) per document: a smaller grid keeps 1M tokens at N=64 near 200 ms
     forced, tolerances = (FORCED, TOLERANCES) if n <= 16 else (FORCED[:1], TOLERANCES[:2])
     if max(doc_lens) > cap:  # the longest document fits whole nowhere: forcing it to split changes nothing
@@ -507,19 +803,39 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
                     continue
                 candidates.append(greedy.run(tol, force, share))
                 peak[(force, tol)] = greedy.peak_share
-    baselines = [greedy.run(float("inf"), 0, subgroups=False)]
-    baselines += [f(doc_lens, n) for f in (per_doc, headtail, contiguous)]
-    if n <= 16:  # cutting every document into 2N pieces twice over is the costliest candidate at large N
-        baselines.append(torch_per_doc(doc_lens, n, False))
-
-    unique = list({p.frozen(): p for p in reversed(candidates + baselines)}.values())[::-1]  # knobs often agree
     if not cost.linear:  # attention alone: balance first (see _balanced), then the least time, then K/V
-        figs = {i: rank_figures(unique[i].segments, doc_lens, starts, cost, "aware")
-                for i in _balanced([p.segments for p in unique], starts, cap)}
+        pd, tpd = cut_all()
+        unique = _unique(candidates + [whole, *pd, *ring, *tpd])
+        figs = {i: unique[i].figures(doc_lens, starts, cost)
+                for i in _balanced([p.segments for p in unique], greedy.starts, cap)}
         return unique[min(figs, key=lambda i: (max(figs[i].time), sum(figs[i].recv_tokens), i))]
-    figs = [rank_figures(p.segments, doc_lens, starts, cost, "aware") for p in unique]
-    keys = {p.frozen() for p in baselines}
-    return unique[_pick(figs, cap, [p.frozen() in keys for p in unique])]
+    return scored(candidates)[0]
+
+
+def _unique(placements: list[ArrayPlacement]) -> list[ArrayPlacement]:
+    """Distinct placements (the knobs often agree), each the first of its equals, ordered by where the last of
+    its equals stands (the order the search has always compared them in)."""
+    first: dict[bytes, ArrayPlacement] = {}
+    last: dict[bytes, int] = {}
+    for i, p in enumerate(placements):
+        k = p.key()
+        first.setdefault(k, p)
+        last[k] = i
+    return [first[k] for k in sorted(last, key=last.__getitem__)]
+
+
+def _cut_all_bound(lens, n: int, cost: CostModel) -> float:
+    """A lower bound on the estimated step time of ``per_doc`` and ``torch_per_doc`` (every document cut into 2N
+    chunks, torch's further cut at shard boundaries): the mean compute per rank, each document's causal pairs
+    at the efficiency of its longest possible piece (``ceil(L / 2N)`` queries over ``L`` keys; efficiency
+    rises with both, and a piece cut further only loses), plus the linear work.  Less a millionth for rounding."""
+    hw = cost.hardware
+    L = lens.astype(np.float64)
+    q = np.ceil(L / (2 * n)) if n > 1 else L
+    h = hw.attn_half
+    eff = hw.attn_peak * (q / (q + h)) * (L / (L + h))
+    attn = (lens * (lens + 1) // 2).astype(np.float64) * cost.flops_per_pair / (hw.flops * eff)
+    return (float(attn.sum()) + cost.linear_time(int(lens.sum()))) / n * (1 - 1e-6)
 
 
 BALANCE = 0.03
@@ -528,6 +844,12 @@ BALANCE = 0.03
 
 TIME_TIE = 0.002
 """Step times within this fraction of the fastest candidate's count as equal (then fewer K/V bytes win)."""
+
+
+PERFECT = 1e-4
+"""The search ends after its first pass and the baselines where their pick receives no K/V and is estimated within
+this fraction of the lower bound (the mean compute with every document whole): no other candidate could be more
+than 0.01% faster, nor receive less (packs of many short documents, where the knobs change nothing that matters)."""
 
 
 def _balanced(placements, doc_starts: list[int], cap: int) -> list[int]:

@@ -30,11 +30,13 @@ get zero gradient input), key pads of a full task are masked with ``-inf``.
 Backends: ``flash`` is torch's flash attention for CPU
 (``_scaled_dot_product_flash_attention_for_cpu`` and its backward: GQA native, never a T x T mask);
 ``math`` computes the same with explicit matrices per batch, on any device (the reference for tests
-and the default off CPU); ``varlen`` packs a phase's tasks of one kind without padding, with
-cumulative offsets, for FlashAttention-2's variable-length kernel on CUDA
-(``_flash_attention_forward`` / ``_flash_attention_backward``: one launch per phase and kind; fp16 and
-bf16 only; written against the op schemas and not yet run on a GPU), and runs the same batches
-task by task with the CPU kernel elsewhere, which is how its packing is tested.
+and, until ``make gpu-check`` passes ``varlen`` on a GPU, the default on CUDA: ``CUDA_DEFAULT_BACKEND``);
+``varlen`` packs a phase's tasks of one kind without padding, with cumulative offsets, for
+FlashAttention-2's variable-length kernel on CUDA (``_flash_attention_forward`` /
+``_flash_attention_backward``: one launch per phase and kind; fp16 and bf16, head dimension a multiple
+of 8 up to 256; the calls are checked against the op schemas on the meta device, the kernel has not
+yet run on a GPU), and runs the same batches task by task with the CPU kernel elsewhere, which is how
+its packing is tested.
 """
 
 from __future__ import annotations
@@ -251,11 +253,36 @@ def _math_bwd(dout, q, k, v, out, lse, causal, mask, scale):
     return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
 
 
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)  # what FlashAttention-2's kernels take (flash_api.cpp)
+VARLEN_DEVICES = ("cuda", "meta")  # meta: torch's shape functions of the same ops (tests check the calls on CPU)
+
+
+def varlen_unsupported(dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why FlashAttention-2's variable-length kernel cannot take these operands (``None``: it can): it
+    takes fp16 / bf16 only and head dimensions that are a multiple of 8, at most 256 (its
+    ``TORCH_CHECK``s in ``mha_varlen_fwd`` / ``mha_varlen_bwd``; the meta functions do not check them)."""
+    if dtype not in VARLEN_DTYPES:
+        return f"it takes float16 or bfloat16, got {dtype}"
+    if head_dim % 8 or head_dim > 256:
+        return f"it takes a head dimension that is a multiple of 8 and at most 256, got {head_dim}"
+    return None
+
+
+def _check_varlen(q: torch.Tensor) -> None:
+    why = varlen_unsupported(q.dtype, q.shape[-1])
+    if why is not None:
+        raise ValueError(f"cp varlen backend on {q.device.type}: FlashAttention-2's variable-length kernel cannot "
+                         f"run these operands ({why}); use backend='math'")
+
+
 def _varlen_fwd(batch: Batch, q, k, v, scale):
     """Packed ``q`` [n, H, D], ``k``, ``v`` [m, H_kv, D] of a varlen batch -> out [n, H, D], lse [n, H].
-    CUDA: FlashAttention-2's variable-length kernel, one launch.  Elsewhere (tests) the same per task
-    with the CPU flash kernel."""
-    if q.is_cuda:
+    CUDA: FlashAttention-2's variable-length kernel, one launch (``aten::_flash_attention_forward``:
+    ``(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
+    *, scale)`` -> ``(output [n, H, D], softmax_logsumexp [H, n] float32, rng_state, unused,
+    debug_attn_mask)``).  Elsewhere (tests) the same per task with the CPU flash kernel."""
+    if q.device.type in VARLEN_DEVICES:
+        _check_varlen(q)
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
             q, k, v, batch.cu_q, batch.cu_k, batch.max_q, batch.max_k, 0.0, batch.causal, False, scale=scale)
         if lse.shape != (q.shape[1], q.shape[0]):
@@ -271,13 +298,18 @@ def _varlen_fwd(batch: Batch, q, k, v, scale):
 
 
 def _varlen_bwd(batch: Batch, dout, q, k, v, out, lse, scale):
-    """Gradients of a varlen batch (packed operands; ``lse`` [n, H])."""
-    if q.is_cuda:
-        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout 0: the generator state is not read
-        unused = torch.empty(0, dtype=torch.uint64, device=q.device)
+    """Gradients of a varlen batch (packed operands; ``lse`` [n, H]).  CUDA:
+    ``aten::_flash_attention_backward(grad_out, query, key, value, out, logsumexp [H, n] float32
+    contiguous, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, rng_state, unused, *, scale)``
+    -> ``(dq, dk, dv)`` in the operands' dtype; ``out`` and ``grad_out`` must have the operands' dtype."""
+    if q.device.type in VARLEN_DEVICES:
+        _check_varlen(q)
+        # dropout 0: the kernel never reads the generator state; these have the shapes and dtype the forward returns
+        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        unused = torch.zeros((), dtype=torch.uint64, device=q.device)
         return torch.ops.aten._flash_attention_backward(
-            dout, q, k, v, out, lse.T.contiguous(), batch.cu_q, batch.cu_k, batch.max_q, batch.max_k, 0.0,
-            batch.causal, rng, unused, scale=scale)
+            dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.T.to(torch.float32).contiguous(), batch.cu_q, batch.cu_k,
+            batch.max_q, batch.max_k, 0.0, batch.causal, rng, unused, scale=scale)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for (a, b), (c, d) in zip(_spans(batch.cu_q), _spans(batch.cu_k), strict=True):
         g = _flash_bwd(_bhld(dout[a:b], 1).contiguous(), _bhld(q[a:b], 1), _bhld(k[c:d], 1), _bhld(v[c:d], 1),
@@ -295,8 +327,22 @@ def _spans(cu: torch.Tensor) -> list[tuple[int, int]]:
 BACKENDS = {"flash": (_flash_fwd, _flash_bwd), "math": (_math_fwd, _math_bwd), "varlen": (_varlen_fwd, _varlen_bwd)}
 
 
-def default_backend(device: torch.device) -> str:
-    return "flash" if device.type == "cpu" else "math"
+CPU_DEFAULT_BACKEND = "flash"
+CUDA_DEFAULT_BACKEND = "math"
+"""The backend ``attention`` and ``segment_attention`` use on CUDA when none is named.  ``varlen`` once
+``make gpu-check`` reports ``test_varlen_cuda_kernel_matches_math`` passing on a GPU (its report says
+so); until then ``math``.  Operands the varlen kernel cannot take (``varlen_unsupported``: fp32, odd
+head dimensions) fall back to ``math`` either way."""
+
+
+def default_backend(device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None) -> str:
+    """The backend for operands on ``device`` (of ``dtype`` and ``head_dim``, where known)."""
+    if device.type == "cpu":
+        return CPU_DEFAULT_BACKEND
+    if CUDA_DEFAULT_BACKEND == "varlen" and (
+            dtype is None or head_dim is None or varlen_unsupported(dtype, head_dim) is not None):
+        return "math"
+    return CUDA_DEFAULT_BACKEND
 
 
 # ----------------------------------------------------------------------------------------------
@@ -346,7 +392,7 @@ def segment_attention(q: torch.Tensor, bufs: dict[int, tuple[torch.Tensor, torch
     """Forward of a set of tasks over key buffers ``bufs`` (``-1``: own K/V): merged ``(out, lse)`` of every
     query row (rows no task touches get out 0 and lse -inf).  No autograd: see ``batch_backward``."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    backend = backend or default_backend(q.device)
+    backend = backend or default_backend(q.device, q.dtype, q.shape[-1])
     acc = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full(q.shape[:2], -math.inf, dtype=acc, device=q.device)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import bisect
 
+import numpy as np
+
 from flashpar.cp.cp_plan import doc_starts_of
 
 
@@ -70,6 +72,69 @@ class Placement:
     def frozen(self) -> tuple[tuple[tuple[int, int], ...], ...]:
         return tuple(tuple(segs) for segs in self.segments)
 
+    @property
+    def n(self) -> int:
+        return len(self.segments)
+
+    def arrays(self):
+        """(rank, start, end) of every piece, as int64 arrays, each rank's in its local order."""
+        import itertools
+
+        import numpy as np
+
+        counts = np.fromiter((len(s) for s in self.segments), dtype=np.int64, count=self.n)
+        m = int(counts.sum())
+        flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(self.segments)),
+                           dtype=np.int64, count=2 * m).reshape(m, 2)
+        return np.repeat(np.arange(self.n, dtype=np.int64), counts), flat[:, 0].copy(), flat[:, 1].copy()
+
+
+class ArrayPlacement:
+    """A placement as arrays: piece ``i`` is ``[a[i], b[i])`` on rank ``rank[i]``, each rank's pieces in its local
+    order (:meth:`frozen` gives the per-rank tuples a :class:`~flashpar.cp.cp_plan.CPPlan` holds)."""
+
+    def __init__(self, n: int, rank, a, b) -> None:
+        self.n, self.rank, self.a, self.b = n, rank, a, b
+        self._frozen = None
+
+    @classmethod
+    def sorted_from(cls, n: int, parts) -> ArrayPlacement:
+        """The pieces of ``parts`` ((rank, a, b) arrays), each rank's sorted by start, empty ones dropped."""
+        rank, a, b = (np.concatenate([np.asarray(x[i], dtype=np.int64) for x in parts]) for i in range(3))
+        keep = b > a
+        rank, a, b = rank[keep], a[keep], b[keep]
+        order = np.lexsort((a, rank))
+        return cls(n, rank[order], a[order], b[order])
+
+    @classmethod
+    def of(cls, placement) -> ArrayPlacement:
+        """``placement`` (a :class:`Placement` or one of these) as arrays."""
+        return placement if isinstance(placement, ArrayPlacement) else cls(placement.n, *placement.arrays())
+
+    def frozen(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        if self._frozen is None:
+            counts = np.bincount(self.rank, minlength=self.n).tolist()
+            pieces = list(zip(self.a.tolist(), self.b.tolist(), strict=True))
+            out, lo = [], 0
+            for c in counts:
+                out.append(tuple(pieces[lo:lo + c]))
+                lo += c
+            self._frozen = tuple(out)
+        return self._frozen
+
+    @property
+    def segments(self):
+        return self.frozen()
+
+    def key(self) -> bytes:
+        """Equal for equal placements (the same pieces, each rank's in the same order)."""
+        return self.rank.tobytes() + self.a.tobytes() + self.b.tobytes()
+
+    def figures(self, doc_lens, doc_starts, cost, comm: str = "aware"):
+        from flashpar.cp.cp_plan import figures_of_arrays
+
+        return figures_of_arrays(self.rank, self.a, self.b, self.n, sum(doc_lens), doc_starts, cost, comm)
+
 
 def sized_pieces(sizes: list[int], start: int, length: int) -> list[tuple[tuple[int, int], ...]]:
     """The (head, tail) pieces of each member of an unequal head-tail split (see ``Placement.headtail_sized``);
@@ -85,23 +150,27 @@ def sized_pieces(sizes: list[int], start: int, length: int) -> list[tuple[tuple[
     return out
 
 
-def contiguous(doc_lens: list[int], n: int) -> Placement:
-    starts = doc_starts_of(doc_lens)
-    bounds = chunk_bounds(0, sum(doc_lens), n)
-    p = Placement(n)
-    for r in range(n):
-        p.add_split(r, bounds[r], bounds[r + 1], starts)
-    return p
+def contiguous(doc_lens: list[int], n: int) -> ArrayPlacement:
+    return _chunks_at_docs(doc_lens, n, n)
 
 
-def headtail(doc_lens: list[int], n: int) -> Placement:
-    starts = doc_starts_of(doc_lens)
-    bounds = chunk_bounds(0, sum(doc_lens), 2 * n)
-    p = Placement(n)
-    for r in range(n):
-        p.add_split(r, bounds[r], bounds[r + 1], starts)
-        p.add_split(r, bounds[2 * n - 1 - r], bounds[2 * n - r], starts)
-    return p
+def headtail(doc_lens: list[int], n: int) -> ArrayPlacement:
+    return _chunks_at_docs(doc_lens, n, 2 * n)
+
+
+def _chunks_at_docs(doc_lens: list[int], n: int, parts: int) -> ArrayPlacement:
+    """The whole sequence cut into ``parts`` chunks (``chunk_bounds``), every chunk cut at the document starts
+    inside it; chunk ``c`` goes to rank ``c`` (``parts == n``: contiguous) or, head-tail (``parts == 2n``), to
+    ``c`` and ``2n - 1 - c``.  On arrays: the pieces are the gaps between consecutive cut points (the chunk
+    bounds and the document starts), in order; each rank's pieces in token order."""
+    starts = np.asarray(doc_starts_of(doc_lens), dtype=np.int64)
+    total = int(sum(doc_lens))
+    bounds = total * np.arange(parts + 1, dtype=np.int64) // parts
+    cuts = _sorted_union(starts, bounds)
+    a, b = cuts[:-1], cuts[1:]
+    chunk = np.searchsorted(bounds, a, side="right") - 1
+    rank = chunk if parts == n else np.where(chunk < n, chunk, 2 * n - 1 - chunk)
+    return ArrayPlacement.sorted_from(n, [(rank, a, b)])
 
 
 def per_doc(doc_lens: list[int], n: int) -> Placement:
@@ -131,6 +200,8 @@ def torch_per_doc(doc_lens: list[int], n: int, use_torch: bool = True) -> Placem
     """torch's per-document head-tail order (per document, per rank: head chunk, tail chunk), cut into
     N contiguous shards of the rearranged sequence.  Where every length is a multiple of 2N (and
     ``use_torch``) the order comes from torch's own class; elsewhere the same rule with uneven chunks."""
+    if not (use_torch and all(length % (2 * n) == 0 for length in doc_lens)):
+        return _torch_per_doc_arrays(doc_lens, n)
     starts = doc_starts_of(doc_lens)
     first = set(starts)
     bounds = chunk_bounds(0, sum(doc_lens), n)
@@ -147,6 +218,42 @@ def torch_per_doc(doc_lens: list[int], n: int, use_torch: bool = True) -> Placem
                 p.add(r, a, a + take)
             a, pos = a + take, pos + take
     return p
+
+
+def _sorted_union(x, y):
+    """The sorted distinct values of two integer arrays (``np.union1d`` by sorting: its hashing is slow here)."""
+    c = np.sort(np.concatenate((x, y)))
+    return c[np.concatenate(([True], c[1:] != c[:-1]))] if len(c) else c
+
+
+def _torch_per_doc_arrays(doc_lens: list[int], n: int) -> ArrayPlacement:
+    """:func:`torch_per_doc` by its rule (no torch), on arrays: the rearranged sequence's runs (per document, per
+    rank ``r``: chunks ``r`` and ``2n - 1 - r`` of ``2n``, empty ones dropped), cut at the N shard bounds of the
+    rearranged sequence; consecutive pieces of one shard that continue each other inside one document join."""
+    lens = np.asarray(doc_lens, dtype=np.int64)
+    starts = np.asarray(doc_starts_of(doc_lens), dtype=np.int64)
+    total = int(lens.sum())
+    cb = starts[:, None] + lens[:, None] * np.arange(2 * n + 1, dtype=np.int64)[None, :] // (2 * n)
+    r = np.arange(n)
+    a = np.stack((cb[:, r], cb[:, 2 * n - 1 - r]), axis=2).reshape(-1)  # per document, per rank: head, tail
+    b = np.stack((cb[:, r + 1], cb[:, 2 * n - r]), axis=2).reshape(-1)
+    keep = b > a
+    a, b = a[keep], b[keep]
+    pos = np.concatenate(([0], np.cumsum(b - a)))  # where each run starts in the rearranged sequence
+    shard = total * np.arange(n + 1, dtype=np.int64) // n
+    cuts = _sorted_union(pos, shard)  # elementary pieces of the rearranged sequence
+    x, y = cuts[:-1], cuts[1:]
+    run = np.searchsorted(pos, x, side="right") - 1
+    rank = np.searchsorted(shard, x, side="right") - 1
+    pa = a[run] + (x - pos[run])
+    pb = pa + (y - x)
+    # join a piece to the one before it: same rank, continuing it, not at a document start
+    at_doc_start = np.isin(pa, starts)
+    join = np.zeros(len(pa), dtype=bool)
+    join[1:] = (rank[1:] == rank[:-1]) & (pa[1:] == pb[:-1]) & ~at_doc_start[1:]
+    head = np.flatnonzero(~join)
+    ends = np.append(head[1:], len(pa)) - 1
+    return ArrayPlacement(n, rank[head], pa[head], pb[ends])
 
 
 def _torch_order(doc_lens: list[int], n: int, first: set[int], use_torch: bool) -> list[tuple[int, int]]:

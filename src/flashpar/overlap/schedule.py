@@ -331,6 +331,8 @@ def build_schedule(
     by the forward (False).
     ``reduce_weight``: all-to-all backward ops all-reduce ``gw`` over the group.
     """
+    _check_flags(grad_input=grad_input, grad_weight=grad_weight, grad_bias=grad_bias, regather=regather,
+                 reduce_weight=reduce_weight)
     if op in A2A_OPS:
         return _a2a_schedule(op, mode, world_size, rank, chunks, grad_input, grad_weight, reduce_weight)
     if op not in OPS:
@@ -402,7 +404,16 @@ def _gather_scatter(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, scatt
         b.compute((gathered_gemm,), WHOLE, gathered)
 
 
+def _check_flags(**flags) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def _check(mode: str, modes: tuple[str, ...], world_size: int, rank: int, chunks: int) -> None:
+    for name, value in (("world_size", world_size), ("rank", rank), ("chunks", chunks)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
     if mode not in modes:
         raise ValueError(f"unknown mode {mode!r}; expected one of {modes}")
     if world_size < 1 or not 0 <= rank < world_size:

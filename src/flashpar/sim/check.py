@@ -58,10 +58,12 @@ def kind_of(report) -> str:
 
 
 def finish(row: dict) -> dict:
-    """``row`` with ``error`` and ``within`` filled from ``predicted`` and ``measured``."""
+    """``row`` with ``error`` and ``within`` filled from ``predicted`` and ``measured`` (``"exact": True``: a
+    count, within only when equal)."""
     p, m = row["predicted"], row["measured"]
-    err = p / m - 1.0 if m else float("inf")
-    return {**row, "error": err, "within": "yes" if abs(err) <= TOLERANCE else "no", "why": row.get("why", "")}
+    err = p / m - 1.0 if m else (0.0 if p == m else float("inf"))
+    ok = p == m if row.get("exact") else abs(err) <= TOLERANCE
+    return {**row, "error": err, "within": "yes" if ok else "no", "why": row.get("why", "")}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

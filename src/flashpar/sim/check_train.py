@@ -1,7 +1,104 @@
-"""``flashpar simulate check`` on a ``flashpar bench train`` report: not built yet (issue 14)."""
+"""``flashpar simulate check`` on a ``flashpar bench train`` report: every configuration's step predicted from
+the calibration in the file, the tokens/s ratios compared.
+
+The bench's own run, rebuilt from ``report["setup"]``: its model (untied, the byte vocabulary), its mesh, its
+packed documents (``flashpar.bench.train.packed_docs``: the same lengths, scale and seed), fp32, on a one-node
+"cluster" whose every group rides the one emulated link of the calibration (``setup.hardware``: GEMM rate,
+the executor's overheads, link bandwidth and latency, memory; ``attn_fwd`` / ``attn_bwd``: the CPU flash
+kernel's curves).  What the bench runs that a GPU cluster would not, the simulator is told:
+
+* the torch peer's attention is SDPA with a document mask over the all-gathered K/V, which computes all
+  ``S_loc x S`` scores (``torch_attention="dense"``; torch picks its CPU flash kernel for it, which the
+  calibration's attention curve times), and its FSDP2 gathers a block when the block's forward starts
+  (``fsdp_prefetch=False``: an assumption, on CPU no stream lets the host run ahead and issue it earlier);
+* gradient reduce-scatters are fp32 like everything else (the bench runs fp32).
+
+Compared (each predicted against measured, ``flashpar.sim.check.finish`` marks what is within 15%), two ways:
+
+    full    the whole step from the calibration:      tokens/s flashpar / baseline, flashpar / torch
+    comm    the measured no-communication step plus   the same two ratios, and each configuration's
+            the predicted exposed communication       step / no-comm step (how much it hides)
+
+"full" is what the simulator does at cluster scale; "comm" isolates the communication model (what the
+schedules hide, on the link the file calibrated) from the compute model, which on this box misses the CPU's
+host overhead and the ranks' sharing of too few cores (the no-comm step measures both).
+
+A miss gets a reason only from the file's own figures: which part of the prediction (the no-communication
+step or the exposed communication, of which configuration) is off, by how much.
+"""
 
 from __future__ import annotations
 
+from flashpar.sim.peers import NAMES, PEERS
+
+
+def workload(report: dict, name: str):
+    """The bench's run of configuration ``name`` as a :class:`flashpar.sim.workload.Workload`."""
+    from flashpar.bench.train import model_config, packed_docs
+    from flashpar.cost import Hardware
+    from flashpar.sim.topology import Cluster, Layout
+    from flashpar.sim.workload import Workload
+
+    s = report["setup"]
+    if "hardware" not in s:
+        raise ValueError("the report has no calibration (setup.hardware): run `flashpar bench train` again, "
+                         "the benchmark calibrates since issue 14")
+    cfg = model_config(s)
+    hw = Hardware(**{**s["hardware"], **s["attn_fwd"]})
+    bwd = (s["attn_bwd"]["attn_peak"], s["attn_bwd"]["attn_half"])
+    layout = Layout(s["dp"], s["cp"], s["ulysses"], s["tp"])
+    cluster = Cluster(hw, hw, gpus_per_node=layout.gpus, device_name="calibrated", inter_name="calibrated")
+    packs = tuple(tuple(p) for p in packed_docs(s))
+    return Workload(cfg, layout, cluster, packs, elem_bytes=4, attn_bwd=bwd, zero_rs_elem_bytes=4,
+                    torch_attention="dense", fsdp_prefetch=False)
+
+
+def predict(report: dict) -> dict[str, dict]:
+    """``flashpar.sim.step.simulate`` of every configuration the report measured."""
+    from flashpar.sim.step import simulate
+
+    names = [r["name"] for r in report["configs"]]
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        raise ValueError(f"unknown configuration(s) {unknown} in the report (expected {', '.join(NAMES)})")
+    return {n: simulate(workload(report, n), PEERS[n]) for n in names}
+
+
+def _why(pred: dict, meas: dict, names: list[str], comm_only: bool = False) -> str:
+    """Which part of which configuration's step the prediction misses most (from the file's figures); with
+    ``comm_only`` (the comm-model rows, which take the measured no-comm step) only the exposed communication."""
+    parts = []
+    for n in names:
+        p, m = pred[n], meas[n]
+        figures = [("no-comm step", 1e3 * p["no_comm_s"], m["no_comm_ms"])] if not comm_only else []
+        figures.append(("exposed", 1e3 * (p["step_s"] - p["no_comm_s"]), m["exposed_ms"]))
+        for label, pv, mv in figures:
+            parts.append((abs(pv - mv) / max(m["step_ms"], 1e-9), f"{n} {label} {pv:.0f} ms predicted, {mv:.0f} "
+                                                                   f"measured"))
+    parts.sort(reverse=True)
+    return "; ".join(text for _, text in parts[:2])
+
 
 def check(report: dict) -> list[dict]:
-    raise ValueError("simulate check of a bench train report is not built yet")
+    meas = {r["name"]: r for r in report["configs"]}
+    pred = predict(report)
+    # "comm": each configuration's measured no-communication step plus its predicted exposed communication
+    comm = {n: m["no_comm_ms"] / 1e3 + pred[n]["step_s"] - pred[n]["no_comm_s"] for n, m in meas.items()}
+    rows = []
+    for steps, label, comm_only in (({n: p["step_s"] for n, p in pred.items()}, "tokens/s ratio", False),
+                                    (comm, "tokens/s ratio, comm model", True)):
+        if "flashpar" not in meas:
+            break
+        for other in ("baseline", "torch"):
+            if other not in meas:
+                continue
+            p = steps[other] / steps["flashpar"]
+            m = meas["flashpar"]["tokens_per_s"] / meas[other]["tokens_per_s"]
+            rows.append({"row": f"flashpar vs {other}", "figure": label, "predicted": p, "measured": m,
+                         "why": "" if abs(p / m - 1) <= 0.15 else _why(pred, meas, ["flashpar", other], comm_only)})
+    for n, m in meas.items():
+        p = comm[n] / (m["no_comm_ms"] / 1e3)
+        mv = m["step_ms"] / m["no_comm_ms"]
+        rows.append({"row": n, "figure": "step / no-comm, comm model", "predicted": p, "measured": mv,
+                     "why": "" if abs(p / mv - 1) <= 0.15 else _why(pred, meas, [n], True)})
+    return rows

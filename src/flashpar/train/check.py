@@ -39,14 +39,15 @@ NORM = "grad norm"  # the row of the global gradient norm (before clipping)
 def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, seed: int = 0,
              timeout_s: float = 300.0, dp_mode: str = "zero3", micro_batches: int = 1,
              clip_ratio: float | None = None, init_from: str | None = None, dtype: str = "fp32",
-             checkpoint_activations: bool = False) -> dict[str, float]:
+             checkpoint_activations: bool = False, device: torch.device | None = None) -> dict[str, float]:
     """Relative errors of the loss, of the gradient norm (with ``clip_ratio``) and of every parameter's
     gradient after clipping (names of the single-process model).  ``sequences``: ``micro_batches x dp``
     ``(tokens, labels, doc_lens)``, dp rank ``d``'s micro-batch ``m`` at ``m * dp + d``.  ``init_from``:
     the weights of that Hugging Face folder (the reference ``load_hf``, the mesh model its slices:
     ``ParallelLlama.load_hf_slices``) instead of seeded ones.  ``dtype`` / ``checkpoint_activations``: the
     mesh model's (``--dtype``, ``--checkpoint-activations``); the reference stays the fp32 single-process
-    model."""
+    model, on the CPU.  ``device``: the mesh model's (its mesh's device type: NCCL reduces device tensors only;
+    None: the CPU)."""
     dp = mesh["dp"].size()
     if len(sequences) != micro_batches * dp:
         raise ValueError(f"one_step: {len(sequences)} sequences for {micro_batches} micro-batches x dp = {dp}")
@@ -55,7 +56,7 @@ def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, see
     want = _reference(ref, sequences, clip_ratio)
     got = _mesh_step(ref, cfg, mesh, sequences, strategy=strategy, mode=mode, timeout_s=timeout_s, dp_mode=dp_mode,
                      micro_batches=micro_batches, clip=want["clip"], init_from=init_from, dtype=dtype,
-                     checkpoint_activations=checkpoint_activations)
+                     checkpoint_activations=checkpoint_activations, device=device)
     return _errors(got, want, ref, clipped=clip_ratio is not None)
 
 
@@ -75,7 +76,7 @@ def _reference(ref: Llama, sequences, clip_ratio: float | None) -> dict:
 
 def _mesh_step(ref: Llama, cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, timeout_s: float,
                dp_mode: str, micro_batches: int, clip: float, init_from: str | None = None, dtype: str = "fp32",
-               checkpoint_activations: bool = False) -> dict:
+               checkpoint_activations: bool = False, device: torch.device | None = None) -> dict:
     """The mesh model with ``ref``'s weights, through ``gradients`` on this rank's micro-batches: the loss
     summed over ranks, the global norm and the full gradients (collective)."""
     model = ParallelLlama(cfg, mesh, mode=mode, timeout_s=timeout_s, dp_mode=dp_mode, dtype=DTYPES[dtype],
@@ -84,13 +85,15 @@ def _mesh_step(ref: Llama, cfg: LlamaConfig, mesh, sequences, *, strategy: str, 
         model.load_hf_slices(init_from)  # the same weights as ref, read by this rank's slices
     else:
         model.load_full(ref)
+    device = device or torch.device("cpu")
+    model.to(device)
     dp, d, c = mesh["dp"].size(), mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     count = sum(int((lab != -100).sum()) for _, lab, _ in sequences)
     batch = []
     for m in range(micro_batches):
         tokens, labels, doc_lens = sequences[m * dp + d]
         plan = cp.plan(doc_lens, mesh["cp"].size(), strategy=strategy)
-        batch.append(MicroBatch(cp.shard(tokens, plan, c), cp.shard(labels, plan, c), plan))
+        batch.append(MicroBatch(cp.shard(tokens, plan, c).to(device), cp.shard(labels, plan, c).to(device), plan))
     loss, norm = gradients(model, batch, count, clip=clip)
     total = loss.clone()
     dist.all_reduce(total)
@@ -104,7 +107,7 @@ def _errors(got: dict, want: dict, ref: Llama, *, clipped: bool) -> dict[str, fl
     grads = dict(ref.named_parameters())
     for name, g in got["grads"].items():
         w = grads[name].grad
-        errors[name] = float((g - w).abs().max() / w.abs().max().clamp_min(1e-12))
+        errors[name] = float((g.to(w.device) - w).abs().max() / w.abs().max().clamp_min(1e-12))
     return errors
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,6 +103,14 @@ class TrainConfig:
                               "fp32 master weights, AdamW state and gradient sums", choices=tuple(DTYPES))
     checkpoint_activations: bool = _opt(False, "recompute each block's activations in backward (less memory, one "
                                                "more forward per block)")
+    # faults (issue 15, helper "faults": flashpar.train.checkpoint, .atomic, .nonfinite; flashpar.ranks)
+    keep: int = _opt(2, "keep the K newest complete checkpoints, deleting older ones after each save (0: keep "
+                        "every one); 2 leaves one to fall back on if the newest is found broken")
+    skip_nonfinite: int = _opt(0, "skip up to N steps whose loss or gradient norm is not finite (their weights and "
+                                  "AdamW state untouched, each counted); the next such step ends the job (0: the "
+                                  "first one does)")
+    master_addr: str = _opt("127.0.0.1", "the address the spawned ranks' rendezvous listens on (without torchrun); "
+                                         "the loopback default is reachable from this machine only")
 
     def __post_init__(self) -> None:
         for name in ("strategy", "mode", "dp_mode", "device"):
@@ -152,6 +161,18 @@ class TrainConfig:
         if not self.weight_decay >= 0 or not self.clip >= 0:
             raise ValueError(f"weight-decay and clip must be >= 0 (clip 0: off), got weight-decay {self.weight_decay}, "
                              f"clip {self.clip}")
+        # mixed precision and activation checkpointing (issue 13; the checks sat after a property's return)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.checkpoint_activations, bool):
+            raise ValueError(f"checkpoint-activations must be True or False, got {self.checkpoint_activations!r}")
+        # faults (issue 15)
+        for name in ("keep", "skip_nonfinite"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{_flag(name)} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.master_addr, str) or not self.master_addr.strip():
+            raise ValueError(f"master-addr must be a host address, got {self.master_addr!r}")
 
     @property
     def check_micro_batches(self) -> int:
@@ -162,11 +183,6 @@ class TrainConfig:
     def final_lr(self) -> float:
         """The learning rate of the last step: ``--lr-min``, by default 0.1 x ``--lr``."""
         return 0.1 * self.lr if self.lr_min is None else self.lr_min
-        # mixed precision and activation checkpointing (helper "precision")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if not isinstance(self.checkpoint_activations, bool):
-            raise ValueError(f"checkpoint-activations must be True or False, got {self.checkpoint_activations!r}")
 
     @property
     def world_size(self) -> int:
@@ -249,6 +265,10 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if have == 0:
             raise ValueError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun's ranks on this machine
+        if local > have:  # rank r takes cuda:r: NCCL cannot run two ranks on one GPU
+            raise ValueError(f"--device cuda: {local} ranks on this machine need {local} GPUs (one per rank), but "
+                             f"{have} {'is' if have == 1 else 'are'} available")
     out = Path(config.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -275,7 +295,7 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
     if config.resume:
         from flashpar.train import checkpoint
 
-        resume = checkpoint.latest(Path(config.resume))  # FileNotFoundError: one line
+        resume = checkpoint.resolve(Path(config.resume))  # checked (checksums), or skipped / refused: one line each
         checkpoint.read_meta(resume, config)  # same model, data and seed, or one line
         config = dataclasses.replace(config, resume=str(resume))
     if config.init_from:  # hf (issue 13): the weights fit the model (names, shapes), read from the headers only
@@ -286,4 +306,8 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
     from flashpar.train.data import ready_data
 
     ready_data(config)  # tokenizer, data files, the token cache (built here), held-out documents: one line each
+    if "RANK" not in os.environ:  # faults (issue 15): the spawn launcher's rendezvous can listen on --master-addr
+        from flashpar.ranks import can_listen
+
+        can_listen(config.master_addr)  # ValueError: one line
     return config

@@ -2,7 +2,8 @@
 
 Per step, on every rank of the (dp, cp, ulysses, tp) mesh: the dp rank's ``M = --micro-batches`` packed
 sequences and their plans (made in a data-loader worker), this cp rank's tokens of each, and
-``optimizer_step`` (``flashpar.train.step``: per micro-batch the model's forward on this ulysses and
+``checked_step`` (``flashpar.train.nonfinite``: ``flashpar.train.step``'s optimizer step, skipped or stopped
+when its loss or gradient norm is not finite; per micro-batch the model's forward on this ulysses and
 tp rank's rows, which the model takes from the cp rank's tokens, the next-token loss normalised by the
 global batch's targets, backward; the gradients summed over copies once, clipped by their global norm
 (``--clip``), AdamW at the step's rate (``flashpar.train.schedule``)).  Around it the loop keeps the books:
@@ -43,13 +44,15 @@ from flashpar import cp
 from flashpar.cost.calibrate import peak_flops
 from flashpar.models.parallel import MESH_DIMS
 from flashpar.models.precision import DTYPES
-from flashpar.train import checkpoint
+from flashpar.train import checkpoint, where
 from flashpar.train.config import TrainConfig
 from flashpar.train.data import PlannedSequences, make_loader, training_data
 from flashpar.train.evaluate import at_step, held_out
 from flashpar.train.metrics import StepMetrics, largest, peak_since, reset_peak, summary
+from flashpar.train.nonfinite import NonFiniteGuard, StepTotals, checked_step
 from flashpar.train.schedule import lr_at
-from flashpar.train.step import MicroBatch, build, optimizer_step, planner_cost
+from flashpar.train.step import MicroBatch, build, planner_cost
+from flashpar.train.stop import JobStop
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class Hooks:
     module-level functions (or ``functools.partial`` of them)."""
 
     before_step: Callable[[int], None] | None = None  # called with the 1-based step about to run
+    on_model: Callable[[int, object], None] | None = None  # the same, with the rank's model (drills poison a step)
 
 
 def setup(config: TrainConfig):
@@ -81,6 +85,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     """Train on this rank (every rank calls it); rank 0 returns the summary, the others ``None``."""
     hooks = hooks or Hooks()
     device, mesh = setup(config)
+    where.install(Path(config.out) / ".where", dist.get_rank())  # what a peer that times out reads
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg, model, opt = build(config, mesh, device)
     dp_group = mesh["dp"].get_group()
@@ -91,8 +96,12 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     first_step, start = 0, 0
     if config.resume:
         meta = checkpoint.read_meta(Path(config.resume), config)
-        checkpoint.load(Path(config.resume), model, opt)
+        try:
+            checkpoint.load(Path(config.resume), model, opt)  # its files checked first, on every rank
+        except checkpoint.BrokenCheckpoint as err:
+            raise JobStop(str(err)) from None
         first_step, start = meta["step"], meta["sequences"]
+    guard = NonFiniteGuard(config.skip_nonfinite)  # a non-finite step: skipped (--skip-nonfinite N) or the end
     planned = PlannedSequences(data, config.cp, config.strategy, cost, dp_rank=dp_rank, dp_size=config.dp,
                                start=start)
     micro = config.micro_batches
@@ -106,8 +115,11 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     mem_step, mem_mb = first_step + 1 if steps - first_step > 1 else first_step, float("nan")  # peak of this step
     t_start = time.perf_counter()
     for step, items in zip(range(first_step, steps), group_micro_batches(loader, micro), strict=False):
+        where.begin_step(step + 1)
         if hooks.before_step is not None:
             hooks.before_step(step + 1)
+        if hooks.on_model is not None:
+            hooks.on_model(step + 1, model)
         batch = [MicroBatch(cp.shard(it["tokens"], it["plan"], cp_rank).to(device),
                             cp.shard(it["labels"], it["plan"], cp_rank).to(device), it["plan"]) for it in items]
         count, pairs, figures = _batch_figures(items, dp_group, device)
@@ -116,8 +128,9 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         mem_before = reset_peak(device) if step == mem_step else None  # outside the timed step
         profiler = _profiler(config, device) if step == min(first_step + 2, steps - 1) else None
         t0 = time.perf_counter()
-        with profiler or contextlib.nullcontext():
-            loss, grad_norm = optimizer_step(model, opt, batch, count, clip=config.clip, lr=lr)
+        with profiler or contextlib.nullcontext():  # the loss summed over the ranks: before AdamW (nonfinite.py)
+            totals = checked_step(model, opt, batch, count, clip=config.clip, lr=lr, step=step + 1, guard=guard,
+                                  kv_sent=lambda s0=sent0: model.kv_counter.fwd_sent - s0)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the step's kernels, not only their launches, in step_s
         elapsed = time.perf_counter() - t0
@@ -126,10 +139,17 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         if profiler is not None:
             profiler.export_chrome_trace(str(out / f"trace_rank{rank}.json"))
         planning_ms = 1e3 * sum(it["planning_s"] for it in items)
-        metrics = _measure(step + 1, loss, model.kv_counter.fwd_sent - sent0, elapsed, config, pairs, peak * world,
-                           planning_ms, figures, device, lr=lr, grad_norm=grad_norm)
-        metrics = at_step(evaluator, model, metrics, step + 1, steps)  # eval_loss every --eval-every steps, last
-        if rank == 0:
+        metrics = _measure(step + 1, totals, elapsed, config, pairs, peak * world, planning_ms, figures, lr=lr,
+                           device=device)
+        if totals.skipped:  # --skip-nonfinite: a row that says so, no figures in the summary
+            if rank == 0:
+                log.write(json.dumps(_skipped_row(totals, step + 1, lr)) + "\n")
+                log.flush()
+                bar.update(1)
+        else:
+            where.enter("evaluate")
+            metrics = at_step(evaluator, model, metrics, step + 1, steps)  # eval_loss every --eval-every steps, last
+        if rank == 0 and not totals.skipped:
             history.append(metrics)
             log.write(json.dumps(metrics.row()) + "\n")
             log.flush()
@@ -137,13 +157,16 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
             bar.set_postfix(**metrics.postfix())
         if config.save_every and ((step + 1) % config.save_every == 0 or step + 1 == steps):
             sequences = checkpoint.sequences_after(start, step + 1 - first_step, config.dp, micro)
-            checkpoint.save(out / "checkpoints" / f"step_{step + 1}", model, opt, step + 1, config, sequences)
+            where.enter("save")
+            checkpoint.save(out / "checkpoints" / f"step_{step + 1}", model, opt, step + 1, config, sequences,
+                            keep=config.keep)
     result = None
     wall_s, mem_mb = time.perf_counter() - t_start, largest(mem_mb, device)  # a collective
     if rank == 0:
         bar.close()
         log.close()
         result = summary(history, wall_s, config, peak, peak_mem_mb=mem_mb)
+        result["skipped_nonfinite"] = guard.skipped
         if config.plot and history:
             from flashpar.train.report import plot
 
@@ -179,22 +202,25 @@ def _batch_figures(items: list[dict], dp_group, device) -> tuple[float, float, d
     return float(sums[0]), float(sums[1]), figures  # host values: read between steps
 
 
-def _measure(step: int, loss: torch.Tensor, kv_sent: int, elapsed: float, config: TrainConfig, pairs: float,
-             peak_total: float, planning_ms: float, figures: dict[str, float], device, *, lr: float,
-             grad_norm: torch.Tensor) -> StepMetrics:
-    """The step's figures reduced over every rank (a collective, after the step): the loss shares and K/V
-    bytes summed, the time of the slowest rank; the gradient norm is already global (read here, after
-    the step)."""
-    stats = torch.tensor([float(loss), kv_sent], dtype=torch.float64, device=device)
+def _measure(step: int, totals: StepTotals, elapsed: float, config: TrainConfig, pairs: float, peak_total: float,
+             planning_ms: float, figures: dict[str, float], *, lr: float, device) -> StepMetrics:
+    """The step's figures over every rank: the loss and K/V bytes summed and the gradient norm come from the
+    step (``nonfinite.checked_step``: summed there, before AdamW); the time of the slowest rank is reduced
+    here (a collective, after the step)."""
     slowest = torch.tensor([elapsed], dtype=torch.float64, device=device)
-    dist.all_reduce(stats)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     tokens = config.seq_len * config.dp * config.micro_batches  # the global batch
     step_s = float(slowest[0])
     flops = tokens * config.model.flops_per_token(pairs / tokens)
-    return StepMetrics(step=step, loss=float(stats[0]), step_s=step_s, tokens_per_s=tokens / step_s,
-                       mfu=flops / step_s / peak_total, kv_bytes=int(stats[1]), planning_ms_dp0=planning_ms,
-                       plan=figures, lr=lr, grad_norm=float(grad_norm))
+    return StepMetrics(step=step, loss=totals.loss, step_s=step_s, tokens_per_s=tokens / step_s,
+                       mfu=flops / step_s / peak_total, kv_bytes=totals.kv_bytes, planning_ms_dp0=planning_ms,
+                       plan=figures, lr=lr, grad_norm=totals.grad_norm)
+
+
+def _skipped_row(totals: StepTotals, step: int, lr: float) -> dict:
+    """metrics.jsonl's row of a step skipped for a non-finite loss or gradient norm (as strings: JSON has no NaN)."""
+    return {"step": step, "skipped": "non-finite", "loss": str(totals.loss), "grad_norm": str(totals.grad_norm),
+            "lr": lr}
 
 
 def _profiler(config: TrainConfig, device):

@@ -31,6 +31,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flashpar.train import where
 from flashpar.train.config import MODES, TrainConfig, add_arguments, from_args, ready
 
 if TYPE_CHECKING:
@@ -57,41 +58,63 @@ def _check(config: TrainConfig):
     from flashpar.train.data import training_data
     from flashpar.train.loop import setup
 
-    _, mesh = setup(config)
+    device, mesh = setup(config)
     data = training_data(config)  # the byte corpus, or the tokens of --data / --tokenizer
     micro = config.check_micro_batches  # accumulation always exercised
     seqs = [(data[i]["tokens"], data[i]["labels"], data[i]["doc_lens"]) for i in range(micro * config.dp)]
     errors = one_step(config.model, mesh, seqs, strategy=config.strategy, mode=config.mode, seed=config.seed,
                       timeout_s=config.timeout, dp_mode=config.dp_mode, micro_batches=micro,
                       clip_ratio=CHECK_CLIP_RATIO, init_from=config.init_from, dtype=config.dtype,
-                      checkpoint_activations=config.checkpoint_activations)
+                      checkpoint_activations=config.checkpoint_activations, device=device)
     rows = by_group(errors, CHECK_TOL[config.dtype])
-    worst = torch.tensor([max(e for _, e, _ in rows)], dtype=torch.float64)
+    worst = torch.tensor([max(e for _, e, _ in rows)], dtype=torch.float64, device=device)  # NCCL: a device tensor
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return {"rows": rows, "worst": float(worst), "micro_batches": micro} if dist.get_rank() == 0 else None
 
 
+GRACE_S = 2.0
+"""Seconds the other ranks get to exit after one failed, before they are killed (a stopped rank ignores
+SIGTERM until killed; torch's default waits 30 s)."""
+
 RAISED = 73  # a rank's exit status after an exception: its traceback ends its rank<r>.log
+STOPPED = 74  # every rank stopped the job together (flashpar.train.stop.JobStop): its log ends with the one line
 
 
-def _spawned(rank: int, world: int, port: int, config: TrainConfig, result_path: str, hooks: Hooks | None,
+def _spawned(rank: int, world: int, rendezvous: dict, config: TrainConfig, result_path: str, hooks: Hooks | None,
              inherit) -> None:
     inherit.apply()  # the launcher's environment and stdout / stderr (flashpar.ranks: forked from a server)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(rendezvous, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # ranks.Rendezvous
     log = _own_stderr(rank, _rank_log(Path(config.out), rank))
     import torch.distributed as dist
 
+    from flashpar.train.stop import JobStop
+
     try:
         out = rank_main(config, hooks)
-    except BaseException:  # noqa: BLE001 - reported by the launcher from the log
+    except JobStop as err:  # the same line on every rank: the launcher prints it
+        print(str(err), file=log, flush=True)
+        os._exit(STOPPED)
+    except BaseException as err:  # noqa: BLE001 - reported by the launcher from the log
         traceback.print_exc(file=log)
+        late = where.blame() if _timed_out(err) else ""  # a wait that timed out: who did not arrive, and where
+        if late:
+            first = (str(err).strip().splitlines() or [""])[0]
+            log.write(f"{type(err).__name__}: {first} -- {late}\n")
         log.flush()
         os._exit(RAISED)  # at once: tearing the group down could wait for peers that are mid-transfer with us
     if rank == 0:
         Path(result_path).write_text(json.dumps(out))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _timed_out(err: BaseException) -> bool:
+    """``err`` (or what caused it) is a distributed wait that ran out of time."""
+    while err is not None:
+        if "timed out" in str(err).lower() or "timeout" in str(err).lower():
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _rank_log(out: Path, rank) -> Path:
@@ -115,6 +138,8 @@ def _failure(err, out: Path) -> str:
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.is_file() else []
     if getattr(err, "exit_code", None) == RAISED and lines:
         return f"rank {err.error_index}: {lines[-1].strip()} (traceback: {log})"
+    if getattr(err, "exit_code", None) == STOPPED and lines:
+        return lines[-1].strip()
     return f"{err} (its output: {log})"
 
 
@@ -139,11 +164,25 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
         print(f"flashpar train: {err}", file=sys.stderr)
         return 2
     if "RANK" in os.environ:  # under torchrun: this process is one rank
-        return _report(rank_main(config, hooks), config)
+        from flashpar.train.stop import JobStop
+
+        try:
+            return _report(rank_main(config, hooks), config)
+        except JobStop as err:
+            print(f"flashpar train: {err}", file=sys.stderr)
+            return 1
+        except Exception as err:  # a wait that timed out: the traceback, then who did not arrive, in one line
+            late = where.blame() if _timed_out(err) else ""
+            if not late:
+                raise
+            traceback.print_exc()
+            first = (str(err).strip().splitlines() or [""])[0]
+            print(f"flashpar train: rank {os.environ['RANK']}: {type(err).__name__}: {first} -- {late}",
+                  file=sys.stderr)
+            return 1
     import torch.multiprocessing as mp
 
     from flashpar import ranks
-    from flashpar.dist import free_port
 
     out = Path(config.out)
     result = out / (".check.json" if config.check else ".result.json")  # rank 0's return
@@ -151,12 +190,17 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
     spawn_log = logging.getLogger("torch.multiprocessing.spawn")  # 'Terminating process ...': our line says it
     level = spawn_log.level
     spawn_log.setLevel(logging.ERROR)
+    rendezvous = ranks.Rendezvous(config.master_addr, config.timeout)  # listens on --master-addr only
     try:
         ranks.context()  # ranks fork from a server that has imported torch (flashpar.ranks)
-        mp.start_processes(_spawned, args=(config.nproc, free_port(), config, str(result), hooks, ranks.Inherit()),
-                           nprocs=config.nproc, join=True, start_method=ranks.start_method())
+        procs = mp.start_processes(_spawned, args=(config.nproc, rendezvous.env(), config, str(result), hooks,
+                                                   ranks.Inherit()),
+                                   nprocs=config.nproc, join=False, start_method=ranks.start_method())
+        while not procs.join(grace_period=GRACE_S):  # on a failure: the others get GRACE_S, then SIGKILL
+            pass
     except mp.ProcessExitedException as err:  # the first rank to stop: raised (its log), killed, or crashed
-        print(f"flashpar train: a rank failed: {_failure(err, out)}", file=sys.stderr)
+        stopped = getattr(err, "exit_code", None) == STOPPED
+        print(f"flashpar train: {'' if stopped else 'a rank failed: '}{_failure(err, out)}", file=sys.stderr)
         return 1
     except mp.ProcessRaisedException as err:  # raised outside rank_main (starting up): the traceback is here
         print(f"flashpar train: a rank failed: rank {err.error_index}: {str(err).strip().splitlines()[-1]}",
@@ -164,6 +208,7 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
         return 1
     finally:
         spawn_log.setLevel(level)
+        rendezvous.close()
     for r in range(config.nproc):  # keep only the logs that say something
         log = _rank_log(out, r)
         if log.is_file() and log.stat().st_size == 0:
@@ -205,6 +250,9 @@ def _report(out, config: TrainConfig) -> int:
           f"{s['headtail_est_step_ms'] / max(s['est_step_ms'], 1e-12):.2f}x than headtail")
     if s.get("eval_loss") is not None:
         print(f"validation loss (held-out documents) {s['eval_loss']:.3f} at step {s['eval'][-1][0]}")
+    if s.get("skipped_nonfinite"):
+        print(f"skipped {len(s['skipped_nonfinite'])} steps with a non-finite loss or gradient norm (--skip-nonfinite "
+              f"{config.skip_nonfinite}): steps {', '.join(map(str, s['skipped_nonfinite']))}")
     extra = [f"plot: {s['plot']}"] if s.get("plot") else []
     extra += [f"traces: {Path(s['out']) / 'trace_rank*.json'}"] if config.trace else []
     extra += [f"checkpoints: {Path(s['out']) / 'checkpoints'}"] if config.save_every else []

@@ -40,6 +40,7 @@ from flashpar.models import Llama, LlamaConfig
 from flashpar.models.grad_norm import clip_grads_
 from flashpar.models.parallel import ParallelLlama
 from flashpar.models.precision import DTYPES
+from flashpar.train import where
 from flashpar.train.config import TrainConfig
 from flashpar.train.optimizer import adamw, set_lr
 
@@ -89,11 +90,14 @@ def forward_backward(model: ParallelLlama, tokens_cp: torch.Tensor, labels_cp: t
     ``sum_grads`` (the last micro-batch) they are then summed over the ranks holding copies
     (``reduce_grads``, posted during backward).  ``checked``: the inputs were checked across ranks already
     (``ParallelLlama.check_step``)."""
+    where.enter("forward")
     loss = model(tokens_cp, plan, labels_cp, count, checked=checked)
     if sum_grads:
         model.sum_grads_in_backward()  # each gradient's sum travels while backward computes the earlier layers
+    where.enter("backward")
     loss.backward()
     if sum_grads:
+        where.enter("gradient sums")
         model.reduce_grads()
     return loss.detach()
 
@@ -105,6 +109,7 @@ def accumulate(model: ParallelLlama, micro_batches: list[MicroBatch], count: flo
     if not micro_batches:
         raise ValueError("accumulate: no micro-batches")
     last = len(micro_batches) - 1
+    where.enter("input check")
     model.check_step([(mb.tokens_cp, mb.labels_cp, mb.plan) for mb in micro_batches], count)  # one exchange a step
     losses = [forward_backward(model, *mb, count, sum_grads=m == last, checked=True)
               for m, mb in enumerate(micro_batches)]
@@ -117,6 +122,7 @@ def gradients(model: ParallelLlama, micro_batches: list[MicroBatch], count: floa
     scaled to at most that norm (``flashpar.models.grad_norm``: one all-reduce, no host wait).  Returns
     ``(loss share, norm before clipping)``, both device tensors."""
     loss = accumulate(model, micro_batches, count)
+    where.enter("gradient norm")
     return loss, clip_grads_(model, clip)
 
 
@@ -129,6 +135,7 @@ def optimizer_step(model: ParallelLlama, opt: torch.optim.Optimizer, micro_batch
     loss, norm = gradients(model, micro_batches, count, clip=clip)
     if lr is not None:
         set_lr(opt, lr)
+    where.enter("optimizer")
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss, norm

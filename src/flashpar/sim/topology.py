@@ -1,0 +1,97 @@
+"""A cluster (GPUs per node; NVLink inside a node, InfiniBand between) and a (dp, cp, ulysses, tp) layout on it.
+
+Ranks are numbered ``((d cp + c) U + u) tp + t``, as ``flashpar.train.loop.setup`` lays out its mesh (tp
+innermost), and node ``k`` holds ranks ``[k G, (k + 1) G)`` (``G`` GPUs per node).  A group of one mesh dim
+(its size ``n``, the product ``s`` of the dims inside it as its stride) spans the ranks ``s (n - 1) + 1`` wide,
+so it stays inside a node when ``s n <= G`` (then every transfer rides NVLink) and crosses nodes otherwise
+(its ring then waits on the InfiniBand port of each GPU, which bounds it)::
+
+    G = 8, layout (dp 4, cp 2, ulysses 1, tp 4):   node 0: ranks 0-7  = (d 0, c 0, t 0-3) (d 0, c 1, t 0-3)
+        tp  stride 1, 4 wide   -> NVLink           node 1: ranks 8-15 = (d 1, ...)
+        cp  stride 4, 8 wide   -> NVLink
+        dp  stride 8, 32 wide  -> InfiniBand
+
+``Hardware`` per group: the device's figures (``--hardware``: FLOP/s, memory) with the link of the group's
+kind (``--hardware``'s own link inside a node, ``--inter``'s between nodes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from flashpar.cost import Hardware
+
+DIMS = ("dp", "cp", "ulysses", "tp")  # outermost first, as flashpar.models.parallel.MESH_DIMS
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    cp: int = 1
+    ulysses: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in DIMS:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"--{name} must be a positive integer, got {v!r}")
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.cp * self.ulysses * self.tp
+
+    def stride(self, dim: str) -> int:
+        """Ranks between two neighbours of a ``dim`` group: the product of the dims inside it."""
+        out = 1
+        for name in reversed(DIMS):
+            if name == dim:
+                return out
+            out *= getattr(self, name)
+        raise ValueError(f"unknown mesh dim {dim!r}")
+
+    def label(self) -> str:
+        return f"dp{self.dp} cp{self.cp} u{self.ulysses} tp{self.tp}"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``gpus_per_node`` GPUs of ``device`` per node (NVLink among them: ``device``'s link figures), the nodes
+    joined by ``inter``'s link figures (one port per GPU)."""
+
+    device: Hardware
+    inter: Hardware
+    gpus_per_node: int = 8
+    device_name: str = "h100-nvlink"
+    inter_name: str = "h100-ib"
+
+    def spans_nodes(self, width: int) -> bool:
+        """Whether a group of ranks ``width`` wide (stride x size) crosses a node boundary."""
+        return width > self.gpus_per_node
+
+    def link(self, cross: bool) -> Hardware:
+        """The device's figures with the link of a group inside a node (``cross`` False) or across nodes."""
+        if not cross:
+            return self.device
+        return dataclasses.replace(self.device, link_bytes_per_s=self.inter.link_bytes_per_s,
+                                   link_latency_s=self.inter.link_latency_s)
+
+    def group(self, layout: Layout, dims: tuple[str, ...]) -> tuple[int, Hardware, str]:
+        """(size, hardware, "nvlink" | "ib" | "-") of the group spanning mesh dims ``dims`` (e.g. ``("dp", "cp")``:
+        the ranks that share every other coordinate).  Its width is that of its outermost dim of size > 1."""
+        size, width = 1, 1
+        for d in dims:
+            n = getattr(layout, d)
+            size *= n
+            if n > 1:
+                width = max(width, layout.stride(d) * n)
+        if size == 1:
+            return 1, self.device, "-"
+        cross = self.spans_nodes(width)
+        return size, self.link(cross), "ib" if cross else "nvlink"
+
+    def describe(self) -> str:
+        return (f"{self.gpus_per_node} GPUs/node, {self.device_name} in a node "
+                f"({self.device.link_bytes_per_s / 1e9:.0f} GB/s per GPU each way), {self.inter_name} between nodes "
+                f"({self.inter.link_bytes_per_s / 1e9:.0f} GB/s per GPU)")

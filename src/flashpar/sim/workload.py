@@ -1,0 +1,80 @@
+"""What one simulated training step is made of: the model, the layout on the cluster, the packed documents.
+
+Every dp rank trains on one packed sequence of ``seq`` tokens per step (``packs``: the document lengths of
+the sequences; dp rank ``d`` gets ``packs[d % len(packs)]``).  Sizes per rank, for one configuration
+(``flashpar.sim.peers``: the torch peer has no Ulysses, its cp group is cp x U ranks)::
+
+    cp_size = cp (x U for torch)        T_cp = seq / cp_size    tokens of a cp rank (the plan's, on average)
+    u       = U (1 for torch)           T_u  = T_cp / u         rows of a ulysses rank = the rows a tp op gathers
+    heads   = H / tp or H / U           kv_heads = H_kv / tp or max(H_kv / U, 1)   (flashpar.overlap.ulysses)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from flashpar.cost import Hardware
+from flashpar.models.config import LlamaConfig
+from flashpar.sim.peers import Peer
+from flashpar.sim.topology import Cluster, Layout
+
+BWD_ATTN_TIME = 2.5
+"""Backward attention takes this many times the forward's time on a GPU preset (FlashAttention-2's backward:
+five matrix products against the forward's two, at a somewhat lower rate; the usual rule of thumb).  A
+calibrated CPU run (``bench train``'s ``attn_bwd``) measures its own backward curve instead."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    cfg: LlamaConfig
+    layout: Layout
+    cluster: Cluster
+    packs: tuple[tuple[int, ...], ...]
+    elem_bytes: int = 2  # activations and GEMMs (bf16); master weights, gradient sums and AdamW state fp32
+    checkpoint: bool = False  # activation checkpointing: each block recomputed in backward
+    torch_attention: str = "flex"  # the torch peer's kernel: "flex" (document blocks only) or "dense" (S_loc x S)
+    attn_bwd: tuple[float, float] | None = None  # (attn_peak, attn_half) of the backward kernel; None: BWD_ATTN_TIME
+    zero_rs_elem_bytes: int = 4  # the ZeRO-3 / FSDP gradient reduce-scatter's element (fp32 sums)
+    fsdp_prefetch: bool = True  # FSDP2 all-gathers the next block while this one computes
+
+    @property
+    def seq(self) -> int:
+        return sum(self.packs[0])
+
+    def sizes(self, peer: Peer) -> dict:
+        """The per-rank sizes of ``peer`` on this layout (the module docstring's table)."""
+        from flashpar.overlap.ulysses import head_layout
+
+        L, cfg = self.layout, self.cfg
+        u = L.ulysses if peer.ulysses else 1
+        cp_size = L.cp * (1 if peer.ulysses else L.ulysses)
+        if u > 1:
+            heads, kv_heads = head_layout(cfg.heads, cfg.kv_heads, u)
+        else:
+            heads, kv_heads = cfg.heads // L.tp, max(cfg.kv_heads // L.tp, 1)
+        t_cp = self.seq / cp_size
+        return {"u": u, "cp_size": cp_size, "tp": L.tp, "heads": heads, "kv_heads": kv_heads, "t_cp": t_cp,
+                "t_u": t_cp / u, "split": L.tp * u}
+
+    def groups(self, peer: Peer) -> dict[str, tuple[int, Hardware, str]]:
+        """(size, hardware, link kind) of every group ``peer`` communicates over (``Cluster.group``)."""
+        g = self.cluster.group
+        L = self.layout
+        cp_dims = ("cp",) if peer.ulysses else ("cp", "ulysses")
+        return {"tp": g(L, ("tp",)), "ulysses": g(L, ("ulysses",)) if peer.ulysses else g(L, ()),
+                "cp": g(L, cp_dims), "dp": g(L, ("dp",)), "shard": g(L, ("dp", "cp", "ulysses")),
+                "zero": g(L, ("cp", "ulysses")), "all": g(L, ("dp", "cp", "ulysses", "tp"))}
+
+    def bwd_hardware(self, hw: Hardware) -> Hardware:
+        """``hw`` with the backward attention kernel's curve."""
+        if self.attn_bwd is not None:
+            return dataclasses.replace(hw, attn_peak=self.attn_bwd[0], attn_half=self.attn_bwd[1])
+        return dataclasses.replace(hw, attn_peak=hw.attn_peak / BWD_ATTN_TIME)
+
+    @functools.cached_property
+    def keys_per_token(self) -> float:
+        """Mean keys a query attends to under the causal document mask (the MFU's attention term)."""
+        pairs = sum(n * (n + 1) // 2 for p in self.packs for n in p)
+        return pairs / sum(sum(p) for p in self.packs)

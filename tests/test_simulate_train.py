@@ -1,0 +1,191 @@
+"""``flashpar simulate train`` and ``simulate check`` of a ``bench train`` report: pure Python, no process group."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from flashpar import cli
+from flashpar.cost import preset
+from flashpar.models.config import LlamaConfig
+from flashpar.sim import check_train, memory, step
+from flashpar.sim.model_configs import load_model
+from flashpar.sim.peers import PEERS
+from flashpar.sim.topology import Cluster, Layout
+from flashpar.sim.workload import Workload
+
+H100 = Cluster(preset("h100-nvlink"), preset("h100-ib"))
+TINY = LlamaConfig(vocab_size=64, hidden=16, layers=2, heads=4, kv_heads=2, ffn=32, tie_embeddings=False)
+
+
+def _sim(argv, capsys) -> tuple[int, str, str]:
+    code = cli.main(["simulate", "train", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ---- the model ----------------------------------------------------------------------------------------------
+
+
+def test_llama3_8b_has_8_billion_parameters_and_6n_plus_attention_flops_per_token():
+    cfg = load_model("llama3-8b")
+    # embedding + untied head 2 x 128256 x 4096; 32 blocks of q, k, v, o (4096 x 6144 + 4096 x 4096) and the
+    # SwiGLU (3 x 4096 x 14336) with two norms; the final norm
+    by_hand = 2 * 128256 * 4096 + 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336 + 2 * 4096) + 4096
+    assert cfg.params == by_hand and abs(cfg.params / 8.03e9 - 1) < 0.001
+    assert abs(load_model("llama3-70b").params / 70.55e9 - 1) < 0.001
+    keys = 2048.5  # one 4096-token document: (4096 + 1) / 2 keys per query on average
+    assert cfg.flops_per_token(keys) == 6 * cfg.matmul_params + 12 * 32 * 32 * 128 * keys
+    w = Workload(cfg, Layout(1, 1, 1, 8), H100, ((4096, 4096),))
+    assert w.keys_per_token == keys
+    r = step.simulate(w, PEERS["flashpar"])
+    assert r["flops"] == 8192 * cfg.flops_per_token(keys)
+    assert math.isclose(r["mfu"], r["flops"] / r["step_s"] / (989e12 * 8))
+
+
+def test_memory_per_gpu_by_hand_on_a_small_model():
+    """dp 2 x tp 2, ZeRO-3: a block's projections (16 x 16 q, 16 x 8 k and v, 16 x 16 o, 3 x 16 x 32 MLP =
+    2304) / tp / dp + its two norms (32); embedding and head 64 x 16 each / tp; the final norm."""
+    w = Workload(TINY, Layout(2, 1, 1, 2), H100, ((64,),), elem_bytes=2)
+    p = 2 * (2304 / 2 / 2 + 32) + 2 * 64 * 16 / 2 + 16
+    assert memory.local_params(w, PEERS["flashpar"]) == p
+    assert memory.local_params(w, PEERS["torch"]) == TINY.params / 2 / 2  # FSDP2 over dp x cp, then tp
+    # activations (bf16): per token of the cp rank (64) and block, 4 h / tp (32) rows, q k v (2 + 2 x 1) x 4
+    # (16), the attention output 2 x 4 (8), 4 ffn / tp (64): 120 elements; the logits 64 x 32 x (2 + 8) bytes
+    acts = 2 * 64 * 120 * 2 + 64 * 32 * 10
+    assert memory.activations(w, PEERS["flashpar"], 0.0) == acts
+    mem = memory.memory(w, PEERS["flashpar"], 0.0)
+    buffers = (16 * 64) / 2 * (2 + 4)  # the largest tp shard (gate / up: 16 x 64 / tp), bf16 + its fp32 gradient
+    assert mem["total"] == pytest.approx((16 * p + acts + buffers) / 1e9)
+    ckpt = dataclasses.replace(w, checkpoint=True)  # block inputs (h / tp per token) + one block
+    assert memory.activations(ckpt, PEERS["flashpar"], 0.0) == 2 * 64 * 8 * 2 + 64 * 120 * 2 + 64 * 32 * 10
+
+
+def test_one_gpu_exposes_no_communication_and_every_configuration_takes_the_same_step():
+    w = Workload(load_model("llama3-8b"), Layout(1, 1, 1, 1), H100, ((2048, 4096, 2048),))
+    steps = set()
+    for peer in PEERS.values():
+        r = step.simulate(w, peer)
+        assert all(v == 0.0 for v in r["exposed"].values()), r["exposed"]
+        assert r["step_s"] == pytest.approx(r["no_comm_s"], rel=1e-12) and r["step_s"] > 0  # summed in another order
+        steps.add(round(r["step_s"], 9))
+    assert len(steps) == 1
+
+
+def test_flashpar_hides_tensor_parallel_communication_that_the_baseline_exposes():
+    w = Workload(load_model("llama3-8b"), Layout(1, 2, 1, 8), H100, ((8192, 8192, 16384),))
+    flash, none = (step.simulate(w, PEERS[n]) for n in ("flashpar", "baseline"))
+    assert flash["exposed"]["tp"] < 0.5 * none["exposed"]["tp"]
+    assert flash["exposed"]["cp"] <= none["exposed"]["cp"]  # flashcp sends only the K/V the mask needs
+
+
+def test_ulysses_all_to_alls_are_hidden_by_flashpar_and_the_torch_peer_runs_them_as_cp():
+    w = Workload(load_model("llama3-8b"), Layout(1, 2, 4, 1), H100, ((16384, 16384),))
+    flash, none, peer = (step.simulate(w, PEERS[n]) for n in ("flashpar", "baseline", "torch"))
+    assert none["exposed"]["ulysses"] > 0 and flash["exposed"]["ulysses"] < 0.5 * none["exposed"]["ulysses"]
+    assert peer["exposed"]["ulysses"] == 0 and peer["exposed"]["cp"] > 0  # torch: cp 2 x 4 = 8 ranks, no Ulysses
+    assert w.sizes(PEERS["torch"])["cp_size"] == 8 and w.sizes(PEERS["flashpar"])["heads"] == 8
+
+
+def test_groups_ride_nvlink_inside_a_node_and_infiniband_across():
+    layout = Layout(4, 2, 1, 4)  # tp 4 wide, cp 8 wide: one node of 8; dp 32 wide
+    kinds = {dim: H100.group(layout, (dim,))[2] for dim in ("tp", "cp", "dp")}
+    assert kinds == {"tp": "nvlink", "cp": "nvlink", "dp": "ib"}
+    assert H100.group(layout, ("dp",))[1].link_bytes_per_s == preset("h100-ib").link_bytes_per_s
+    assert H100.group(Layout(1, 1, 1, 1), ("tp",))[0] == 1
+
+
+# ---- the command --------------------------------------------------------------------------------------------
+
+
+def test_search_prints_layouts_that_divide_the_gpus_and_fit_memory(tmp_path, capsys):
+    out, lengths = tmp_path / "train.json", tmp_path / "lengths.json"
+    lengths.write_text(json.dumps([3000, 1000, 4192, 500]))  # one pack of 8192 tokens (a short list: fast)
+    code, text, err = _sim(["--search", "--gpus", "8", "--seq", "8192", "--configs", "flashpar,torch",
+                            "--lengths", str(lengths), "--json", str(out)], capsys)
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    assert report["setup"]["simulated"] and report["setup"]["gpus"] == 8
+    rows = report["rows"]
+    assert {r["config"] for r in rows} == {"flashpar", "torch"}
+    for r in rows:
+        assert r["dp"] * r["cp"] * r["ulysses"] * r["tp"] == 8
+        assert 8 % r["tp"] == 0 and (r["ulysses"] == 1 or r["tp"] == 1)
+        for key in ("tokens_per_s", "mfu", "exposed_ms", "mem_gb", "step_ms", "exposed_tp_ms", "exposed_cp_ms",
+                    "exposed_ulysses_ms", "exposed_dp_ms", "layout", "fits"):
+            assert key in r, key
+        assert r["exposed_ms"] == pytest.approx(sum(r[f"exposed_{k}_ms"] for k in ("tp", "ulysses", "cp", "dp")))
+        assert r["fits"] == ("yes" if r["mem_gb"] <= 0.9 * 80 else "no")
+    fits = [r for r in rows if r["config"] == "flashpar" and r["fits"] == "yes"]
+    fastest = max(fits, key=lambda r: r["tokens_per_s"])
+    assert f"fastest flashpar layout: {fastest['layout']}" in text
+    # cp 8 x tp 1 does not fit 80 GB: without dp there is no ZeRO, every GPU holds the 8B weights' fp32 state
+    assert {r["layout"] for r in rows if r["fits"] == "no"} >= {"dp1 cp8 u1 tp1"}
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--gpus", "64", "--dp", "3"], "does not match --gpus 64"),
+    (["--tp", "3", "--gpus", "3"], "not divisible by tp = 3"),
+    (["--tp", "2", "--ulysses", "2"], "both > 1"),
+    (["--tp", "1", "--ulysses", "3"], "ulysses = 3"),
+    (["--model", "no-such-model"], "--model"),
+    (["--hardware", "h900"], "unknown hardware preset"),
+    (["--search"], "--search needs --gpus"),
+    (["--seq", "1001"], "not divisible by cp x ulysses x tp"),
+    (["--configs", "flashpar,jax"], "--configs"),
+    (["--lengths", "/no/such/file"], "--lengths"),
+])
+def test_bad_arguments_stop_with_one_line(argv, needle, capsys):
+    code, _, err = _sim(argv, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("flashpar simulate train: ") and needle in err, err
+
+
+# ---- simulate check of a bench train report -----------------------------------------------------------------
+
+
+def _report(**setup) -> dict:
+    """A bench train report of the default setup whose measured figures are the simulator's own predictions."""
+    from flashpar.bench import train as bench_train
+
+    p = __import__("argparse").ArgumentParser()
+    bench_train.add_arguments(p)
+    config = bench_train.config_of(p.parse_args([]))
+    hw = dataclasses.asdict(preset("cpu"))
+    s = {**config, **setup, "link_rate": "500mbit", "hardware": hw, "attn_fwd": {"attn_peak": 0.5, "attn_half": 60.0},
+         "attn_bwd": {"attn_peak": 0.3, "attn_half": 60.0}}
+    report = {"setup": s, "configs": [{"name": n} for n in bench_train.CONFIGS]}
+    for row, (_, r) in zip(report["configs"], check_train.predict(report).items(), strict=True):
+        step_ms, no_comm = 1e3 * r["step_s"], 1e3 * r["no_comm_s"]
+        row.update(step_ms=step_ms, no_comm_ms=no_comm, exposed_ms=step_ms - no_comm,
+                   tokens_per_s=s["seq_len"] * s["dp"] / r["step_s"])
+    return report
+
+
+def test_check_of_a_perfect_report_is_within_and_of_a_perturbed_one_flagged():
+    from flashpar.sim.check import finish, kind_of
+
+    report = _report()
+    assert kind_of(report) == "train"
+    rows = [finish(r) for r in check_train.check(report)]
+    assert [r["row"] for r in rows] == ["flashpar vs baseline", "flashpar vs torch"] * 2 + list(PEERS)
+    assert all(r["within"] == "yes" and abs(r["error"]) < 1e-9 for r in rows), rows
+    slow = report["configs"][0]  # flashpar's communication 1.5 x the step longer than predicted
+    slow.update(tokens_per_s=slow["tokens_per_s"] / 1.5, step_ms=slow["step_ms"] * 1.5,
+                exposed_ms=slow["exposed_ms"] + slow["step_ms"] / 2)
+    rows = [finish(r) for r in check_train.check(report)]
+    assert [r["within"] for r in rows] == ["no"] * 4 + ["no", "yes", "yes"], rows
+    assert "flashpar exposed" in rows[4]["why"]
+
+
+def test_check_without_a_calibration_says_so_in_one_line(tmp_path, capsys):
+    report = _report()
+    del report["setup"]["hardware"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(report))
+    assert cli.main(["simulate", "check", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no calibration" in err, err

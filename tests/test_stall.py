@@ -1,0 +1,102 @@
+"""A stalled rank (stopped, not dead: SIGSTOP) ends the job within ``--timeout`` with one line naming the rank
+that did not arrive and the phase it was in (issue 15), and no rank process is left behind.
+
+Rank 1 stops itself before step 2 (``Hooks.before_step``); ranks 0, 2 and 3 time out in step 2's first
+cross-rank wait, each reads the ranks' phase stamps (``flashpar.train.where``) and names rank 1, stopped, in
+step 2's ``data`` phase; the launcher kills the stopped rank after its 2 s grace (torch's default is 30 s)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+from flashpar.train import where
+from flashpar.train.config import TrainConfig
+from flashpar.train.loop import Hooks
+from flashpar.train.run import GRACE_S, launch
+from train_workers import stop_at
+
+TIMEOUT_S = 8.0  # long enough for a loaded 2-core CI machine to finish step 1 on 4 ranks, short for the test
+LINK_TIMEOUT_S = 15.0  # also the rendezvous's: four fresh processes import torch at once before they join
+
+
+def test_a_stopped_rank_is_named_and_the_job_ends_within_the_timeout(tmp_path, capsys):
+    config = TrainConfig(steps=3, seq_len=128, max_docs=40, workers=0, timeout=TIMEOUT_S, out=str(tmp_path))
+    rc = launch(config, hooks=Hooks(before_step=functools.partial(stop_at, rank=1, at=2)))
+    ended = time.time()
+    stalled = os.path.getmtime(tmp_path / ".where" / "rank1")  # rank 1's last stamp: the moment it stopped
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1
+    assert "did not arrive: rank 1 (stopped) in step 2 data" in err[-1] and "a rank failed" in err[-1], err[-3:]
+    # every waiting rank says it in its own log, not only the one the launcher quotes
+    for r in (0, 2, 3):
+        assert "did not arrive: rank 1 (stopped) in step 2 data" in (tmp_path / f"rank{r}.log").read_text()
+    stamps = where.read(tmp_path / ".where")
+    assert where.process_state(stamps[1][0]) == "gone", "the stopped rank was killed"
+    assert not [r for r, s in stamps.items() if os.path.exists(f"/proc/{s[0]}")], "no rank process left"
+    # from the stall to the end: the peers' timeout, the launcher's grace for the stopped rank, and slack for
+    # a loaded machine; torch's own 30 s wait before SIGKILL (without GRACE_S) would not fit
+    assert ended - stalled < TIMEOUT_S + GRACE_S + 12, ended - stalled
+    print(f"stall to end: {ended - stalled:.1f} s")
+
+
+def test_blame_names_ranks_behind_or_says_none_is(tmp_path):
+    for r, (step, phase) in enumerate([(4, "forward"), (4, "data"), (3, "optimizer")]):
+        s = where.Stamps(tmp_path, r)
+        s.begin_step(step)
+        if phase != "data":
+            s.enter("input check")
+            s.enter(phase)
+        s.close()
+    line = where.blame(0, tmp_path)
+    assert line.startswith("did not arrive: rank 2 (") and "in step 3 optimizer; rank 1 (" in line
+    assert line.endswith("rank 0 waited in step 4 forward")
+    assert "no rank is behind rank 2" in where.blame(2, tmp_path)
+    assert where.blame(7, tmp_path) == ""
+
+
+def test_a_link_that_stops_ends_the_job_within_the_timeout(tmp_path):
+    """Rank 1's emulated link drops everything from step 2 on (``EmulatedLinks.cut``; the process lives on):
+    the ranks, started as torchrun would (one ``flashpar train`` process each, RANK in the environment), time
+    out in the same phase and say that a transfer stopped, not a rank; the job ends within the timeout."""
+    import subprocess
+    import sys
+    import threading
+
+    import pytest
+
+    from flashpar.bench.netlink import EmulatedLinks, launch_ranks, links_available
+
+    ok, why = links_available()
+    if not ok:
+        pytest.skip(why)
+    argv = [sys.executable, "-m", "flashpar.cli", "train", "--steps", "6", "--seq-len", "128", "--max-docs", "40",
+            "--workers", "0", "--timeout", str(LINK_TIMEOUT_S), "--out", str(tmp_path)]
+    stamp, cut_at = tmp_path / ".where" / "rank1", []
+
+    def cut_at_step_2(links):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            stamps = where.read(tmp_path / ".where") if stamp.exists() else {}
+            if 1 in stamps and stamps[1][1] >= 2:
+                links.cut(1)
+                cut_at.append(time.time())
+                return
+            time.sleep(0.05)
+
+    with EmulatedLinks(4, "1gbit") as links:
+        cutter = threading.Thread(target=cut_at_step_2, args=(links,), daemon=True)
+        cutter.start()
+        with pytest.raises(RuntimeError) as err:
+            launch_ranks(4, argv, links=links, timeout=180)
+        ended = time.time()
+        cutter.join(1)
+    assert cut_at, f"the run never reached step 2: {err.value}"
+    msg = str(err.value)
+    assert "timed out" in msg.lower() and "a transfer between ranks stopped, not a rank" in msg, msg[-1500:]
+    # the timeout, plus the rest of the step in flight and the error path (seconds each on a loaded 2-core box);
+    # without timeouts on the waits the ranks would hang until launch_ranks' 180 s limit
+    assert ended - cut_at[0] < LINK_TIMEOUT_S + 30, ended - cut_at[0]
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert not leftover, f"rank processes left behind: {leftover}"
