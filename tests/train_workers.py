@@ -253,3 +253,13 @@ def stop_at(step: int, *, rank: int, at: int) -> None:
 
     if step == at and dist.get_rank() == rank:
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def kill_during(step: int, *, rank: int, at: int, after_s: float) -> None:
+    """``Hooks.before_step``: ``rank`` is SIGKILLed ``after_s`` seconds into step ``at`` (in the middle of its
+    work: a timer thread sends the signal while the step runs)."""
+    import signal
+    import threading
+
+    if step == at and dist.get_rank() == rank:
+        threading.Timer(after_s, os.kill, (os.getpid(), signal.SIGKILL)).start()

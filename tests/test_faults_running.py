@@ -1,9 +1,11 @@
-"""A stalled rank (stopped, not dead: SIGSTOP) ends the job within ``--timeout`` with one line naming the rank
-that did not arrive and the phase it was in (issue 15), and no rank process is left behind.
+"""Failure drills of the running job (issue 15; the checkpoint and input drills are ``tests/test_faults.py``):
+a rank killed in the middle of a step, a stalled rank, a link that stops carrying traffic.  Each ends the job
+within ``--timeout`` with one line, and no rank process is left behind.
 
-Rank 1 stops itself before step 2 (``Hooks.before_step``); ranks 0, 2 and 3 time out in step 2's first
-cross-rank wait, each reads the ranks' phase stamps (``flashpar.train.where``) and names rank 1, stopped, in
-step 2's ``data`` phase; the launcher kills the stopped rank after its 2 s grace (torch's default is 30 s)."""
+A stalled rank is stopped, not dead (SIGSTOP): rank 1 stops itself before step 2 (``Hooks.before_step``); ranks
+0, 2 and 3 time out in step 2's first cross-rank wait, each reads the ranks' phase stamps
+(``flashpar.train.where``) and names rank 1, stopped, in step 2's ``data`` phase; the launcher kills the stopped
+rank after its 2 s grace (torch's default is 30 s)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,26 @@ from flashpar.train import where
 from flashpar.train.config import TrainConfig
 from flashpar.train.loop import Hooks
 from flashpar.train.run import GRACE_S, launch
-from train_workers import stop_at
+from train_workers import kill_during, stop_at
 
 TIMEOUT_S = 8.0  # long enough for a loaded 2-core CI machine to finish step 1 on 4 ranks, short for the test
 LINK_TIMEOUT_S = 15.0  # also the rendezvous's: four fresh processes import torch at once before they join
+
+
+def test_a_rank_killed_mid_step_ends_the_job_with_one_line(tmp_path, capsys):
+    """Rank 2 is SIGKILLed 150 ms into step 2 (a timer its own hook starts): the launcher names the rank and the
+    signal, stops the others, and the job ends long before the timeout (the others do not wait it out)."""
+    config = TrainConfig(steps=4, seq_len=128, max_docs=40, workers=0, timeout=60.0, out=str(tmp_path))
+    t0 = time.monotonic()
+    rc = launch(config, hooks=Hooks(before_step=functools.partial(kill_during, rank=2, at=2, after_s=0.15)))
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and "a rank failed: process 2 terminated with signal SIGKILL" in err[-1], err[-3:]
+    stamps = where.read(tmp_path / ".where")
+    assert stamps[2][1] == 2, f"rank 2 died in step {stamps[2][1]} ({stamps[2][3]}), not step 2"
+    assert not [r for r, s in stamps.items() if os.path.exists(f"/proc/{s[0]}")], "no rank process left"
+    assert took < 60, took
+    print(f"killed in step 2 {stamps[2][3]}; job ended after {took:.1f} s")
 
 
 def test_a_stopped_rank_is_named_and_the_job_ends_within_the_timeout(tmp_path, capsys):
