@@ -669,6 +669,16 @@ class _Greedy:
             firsts = doc_seq[[g[x][0] for x in lens]].tolist() if lens else []
             return lens, [self._whole[x] for x in lens], firsts
 
+        def move(src: int, dst: int, length: int, at: int) -> int:
+            """The first document of ``length`` on ``src`` goes to ``dst``, received at ``at``; the next seq."""
+            g_src = groups(src)
+            doc = g_src[length].popleft()
+            if not g_src[length]:
+                del g_src[length]
+            groups(dst).setdefault(length, collections.deque()).append(doc)
+            doc_rank[doc], doc_seq[doc] = dst, at
+            return at + 1
+
         for _ in range(2 * len(whole)):
             hi = load.index(max(load))  # the first busiest / least busy rank
             lo = load.index(min(load))
@@ -678,21 +688,10 @@ class _Greedy:
             if best is None:
                 return
             la, lb = best
-            ga, gb = groups(hi), groups(lo)
-            a = ga[la].popleft()
-            if not ga[la]:
-                del ga[la]
-            gb.setdefault(la, collections.deque()).append(a)
-            doc_rank[a], doc_seq[a] = lo, seq
-            seq += 1
+            seq = move(hi, lo, la, seq)
             wa, wb = self.whole(la), 0.0
             if lb is not None:
-                b = gb[lb].popleft()
-                if not gb[lb]:
-                    del gb[lb]
-                ga.setdefault(lb, collections.deque()).append(b)
-                doc_rank[b], doc_seq[b] = hi, seq
-                seq += 1
+                seq = move(lo, hi, lb, seq)
                 wb = self.whole(lb)
             load[hi] += wb - wa
             load[lo] += wa - wb
