@@ -96,16 +96,25 @@ def _spawned(rank: int, world: int, rendezvous: dict, config: TrainConfig, resul
         os._exit(STOPPED)
     except BaseException as err:  # noqa: BLE001 - reported by the launcher from the log
         traceback.print_exc(file=log)
-        late = where.blame() if _timed_out(err) else ""  # a wait that timed out: who did not arrive, and where
+        late = _who_did_not_arrive(err)
         if late:
-            first = (str(err).strip().splitlines() or [""])[0]
-            log.write(f"{type(err).__name__}: {first} -- {late}\n")
+            log.write(late + "\n")
         log.flush()
         os._exit(RAISED)  # at once: tearing the group down could wait for peers that are mid-transfer with us
     if rank == 0:
         Path(result_path).write_text(json.dumps(out))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _who_did_not_arrive(err: BaseException) -> str:
+    """For a wait that timed out: its error's first line and the ranks behind this one (``where.blame``), as one
+    line; ``""`` for any other error."""
+    late = where.blame() if _timed_out(err) else ""
+    if not late:
+        return ""
+    first = (str(err).strip().splitlines() or [""])[0]
+    return f"{type(err).__name__}: {first} -- {late}"
 
 
 def _timed_out(err: BaseException) -> bool:
@@ -172,13 +181,11 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
             print(f"flashpar train: {err}", file=sys.stderr)
             return 1
         except Exception as err:  # a wait that timed out: the traceback, then who did not arrive, in one line
-            late = where.blame() if _timed_out(err) else ""
+            late = _who_did_not_arrive(err)
             if not late:
                 raise
             traceback.print_exc()
-            first = (str(err).strip().splitlines() or [""])[0]
-            print(f"flashpar train: rank {os.environ['RANK']}: {type(err).__name__}: {first} -- {late}",
-                  file=sys.stderr)
+            print(f"flashpar train: rank {os.environ['RANK']}: {late}", file=sys.stderr)
             return 1
     import torch.multiprocessing as mp
 
