@@ -90,10 +90,14 @@ def simulate(schedule: Schedule, shape: Shape, hw: Hardware) -> Timing:
     return Timing(max(t_main, t_lane), compute, comm)
 
 
+def all_reduce_time(nbytes: float, n: int, hw: Hardware) -> float:
+    """Ring all-reduce of ``nbytes`` over ``n`` ranks: ``2 (n - 1) (latency + nbytes / (n link))`` (0 for one)."""
+    return 2 * (n - 1) * (hw.link_latency_s + nbytes / (n * hw.link_bytes_per_s))
+
+
 def _collective_time(step: Collective, rows: RowSpace, width: int, shape: Shape, hw: Hardware, n: int) -> float:
     if step.kind == "all_reduce":
-        b = width * shape.elem_bytes
-        return 2 * (n - 1) * (hw.link_latency_s + b / (n * hw.link_bytes_per_s))
+        return all_reduce_time(width * shape.elem_bytes, n, hw)
     b = rows.max_chunk(step.chunk, step.chunks) * width * shape.elem_bytes
     return (n - 1) * hw.transfer_time(b)
 

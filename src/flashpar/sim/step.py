@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 
 from flashpar.cost import Hardware
+from flashpar.overlap.simulate import all_reduce_time
 from flashpar.sim.parts import Part, total
 from flashpar.sim.peers import Peer
 from flashpar.sim.workload import Workload
@@ -206,7 +207,7 @@ def ends(w: Workload, peer: Peer) -> tuple[Part, Part]:
         fwd.add(Part.of(lookup, tp=rs))
         bwd.add(Part.of(lookup, tp=rs))
         # the loss: three all-reduces over tp of one fp32 per row (row max, sum of exponentials, target logit)
-        ar = 3 * 2 * (tp - 1) * (tp_hw.link_latency_s + 4 * rows / (tp * tp_hw.link_bytes_per_s))
+        ar = 3 * all_reduce_time(4 * rows, tp, tp_hw)
         fwd.add(Part.of(0.0, tp=ar))
     else:
         fwd.add(Part.of(lookup))
@@ -216,11 +217,6 @@ def ends(w: Workload, peer: Peer) -> tuple[Part, Part]:
     fwd.add(hf).add(Part.of(loss))
     bwd.add(hb).add(Part.of(loss))
     return fwd, bwd
-
-
-def allreduce_time(nbytes: float, n: int, hw: Hardware) -> float:
-    """Ring all-reduce (``flashpar.overlap.simulate``'s formula): ``2 (n - 1) (latency + b / (n link))``."""
-    return 2 * (n - 1) * (hw.link_latency_s + nbytes / (n * hw.link_bytes_per_s)) if n > 1 else 0.0
 
 
 def grad_sums(w: Workload, peer: Peer, bwd_block: float, bwd_head: float, bwd_embed: float) -> float:
@@ -235,18 +231,18 @@ def grad_sums(w: Workload, peer: Peer, bwd_block: float, bwd_head: float, bwd_em
     shard_n, shard_hw = g["shard"][:2]
     zero_n, zero_hw = g["zero"][:2]
     all_n, all_hw = g["all"][:2]
-    per_block = allreduce_time(2 * h * 4, all_n, all_hw)  # the two norms, over the whole mesh
+    per_block = all_reduce_time(2 * h * 4, all_n, all_hw)  # the two norms, over the whole mesh
     if s["u"] > 1:  # Ulysses: attention projections whole, summed over dp x cp x U; the MLP tp shards
-        per_block += allreduce_time(attn * 4, shard_n, shard_hw)
+        per_block += all_reduce_time(attn * 4, shard_n, shard_hw)
         proj_tp = mlp
     else:
         proj_tp = (attn + mlp) // tp
     if zero:  # ZeRO rows: reduce-scattered over dp inside the op, summed over cp x U here
-        per_block += allreduce_time(proj_tp / w.layout.dp * 4, zero_n, zero_hw)
+        per_block += all_reduce_time(proj_tp / w.layout.dp * 4, zero_n, zero_hw)
     else:
-        per_block += allreduce_time(proj_tp * 4, shard_n, shard_hw)
-    table = allreduce_time(cfg.vocab_size // tp * h * 4, shard_n, shard_hw)
-    posts = [(bwd_head, table + allreduce_time(h * 4, all_n, all_hw))]
+        per_block += all_reduce_time(proj_tp * 4, shard_n, shard_hw)
+    table = all_reduce_time(cfg.vocab_size // tp * h * 4, shard_n, shard_hw)
+    posts = [(bwd_head, table + all_reduce_time(h * 4, all_n, all_hw))]
     posts += [(bwd_head + (i + 1) * bwd_block, per_block) for i in range(cfg.layers)]
     end = bwd_head + cfg.layers * bwd_block + bwd_embed
     posts.append((end, table if not cfg.tie_embeddings else 0.0))
