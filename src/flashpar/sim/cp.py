@@ -25,7 +25,9 @@ model (:func:`flashpar.cp.cp_plan.rank_figures`, the figures the planner scores 
 A row is one (lengths, N, T, strategy): means over its packs (``*_max``: the worst pack); the JSON holds
 the per-pack steps too.  A source whose documents make no full pack of ``T`` tokens (``sotu`` has 2M
 tokens in all) is skipped with a note.  After the table, per (lengths, N, T): whether flashcp is
-estimated no slower than megatron_dynamic on every pack, and by how much it is faster where it is.
+estimated no slower than megatron_dynamic on every pack, and by how much it is faster where it is, at equal
+memory: where megatron_dynamic's busiest rank holds more tokens than flashcp's cap allows, flashcp is
+planned again under the cap megatron_dynamic reached (:func:`versus_row`).
 
 Cost of the big cases today (CPU time on the 2-core box, 2026-12-01, the planner as of issue 14's start):
 at 8M tokens and N = 1,024 flashcp takes 20-60 s per pack of the shipped lists (6.7 s on the long-context
@@ -37,6 +39,7 @@ everyday run.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -161,7 +164,8 @@ def plan_figures(doc_lens: list[int], n: int, strategy: str, cost) -> dict:
     fig = p.figures()
     ratio = lambda xs: max(xs) / (sum(xs) / len(xs)) if sum(xs) > 0 else 1.0  # noqa: E731
     return {"step_ms": max(fig.time) * 1e3, "kv_bytes": sum(fig.recv_tokens) * cost.kv_bytes_per_token,
-            "compute_imbalance": ratio(fig.compute), "token_imbalance": ratio(fig.tokens), "plan_ms": plan_ms}
+            "compute_imbalance": ratio(fig.compute), "token_imbalance": ratio(fig.tokens),
+            "token_peak": max(fig.tokens), "plan_ms": plan_ms}
 
 
 def simulate(grid, sources: dict, strategies: list[str], cost, *, packs: int, seed: int = 0,
@@ -199,22 +203,58 @@ def simulate(grid, sources: dict, strategies: list[str], cost, *, packs: int, se
                              "plan_ms_max": max(f["plan_ms"] for f in figs), "vs_baseline": statistics.fmean(vs),
                              "vs_baseline_min": min(vs), "step_ms_packs": [f["step_ms"] for f in figs]})
             if "flashcp" in per and "megatron_dynamic" in per:
-                speed = [m["step_ms"] / f["step_ms"] for m, f in zip(per["megatron_dynamic"], per["flashcp"],
-                                                                     strict=True)]
-                versus.append({"lengths": name, "ranks": n, "tokens": size_label(tokens), "packs": len(speed),
-                               "no_slower": all(x >= 1 - 1e-9 for x in speed),
-                               "faster_packs": sum(x > 1 + 1e-3 for x in speed),
-                               "speedup_mean": statistics.fmean(speed), "speedup_max": max(speed),
-                               "speedup_min": min(speed)})
+                versus.append(versus_row(name, n, tokens, pack_list, per["flashcp"], per["megatron_dynamic"], cost))
     return rows, versus, notes
 
 
+def versus_row(name: str, n: int, tokens: int, pack_list, flash: list[dict], mega: list[dict], cost) -> dict:
+    """flashcp against megatron_dynamic on each pack of one (lengths, N, T), at equal memory.
+
+    flashcp plans under a token cap, ``(1 + 0.05) T / N`` by default: no rank holds more than that, which bounds
+    the activation memory of the linear layers.  megatron_dynamic keeps the same cap only while some group has
+    room, and then places documents past it.  On a pack where it does (its busiest rank holds ``P`` tokens
+    above flashcp's cap), comparing the two plans would compare different memory budgets.  There flashcp is
+    planned again with the cap megatron_dynamic reached (``token_slack = P N / T - 1``), and that plan, which
+    holds no more tokens on any rank than megatron_dynamic's, is the one compared.  ``equal_memory_packs``
+    counts those packs; ``speedup_at_cap`` keeps the default-cap figures (the table's flashcp row)."""
+    from flashpar.cp import plan
+    from flashpar.cp.flashcp import token_cap
+
+    at_cap, speed, matched = [], [], 0
+    for doc_lens, f, m in zip(pack_list, flash, mega, strict=True):
+        at_cap.append(m["step_ms"] / f["step_ms"])
+        peak = m["token_peak"]
+        if peak <= token_cap(doc_lens, n, 0.05):
+            speed.append(at_cap[-1])
+            continue
+        slack = peak * n / sum(doc_lens) - 1
+        while token_cap(doc_lens, n, slack) < peak:  # (float rounding: the cap must reach P)
+            slack = math.nextafter(slack, math.inf)
+        g = plan(doc_lens, n, strategy="flashcp", cost=cost, token_slack=slack).figures()
+        if max(g.tokens) > peak:
+            raise RuntimeError(f"flashcp at token_slack {slack} holds {max(g.tokens)} > {peak} tokens on a rank")
+        speed.append(m["step_ms"] / (max(g.time) * 1e3))
+        matched += 1
+    return {"lengths": name, "ranks": n, "tokens": size_label(tokens), "packs": len(speed),
+            "no_slower": all(x >= 1 - 1e-9 for x in speed), "faster_packs": sum(x > 1 + 1e-3 for x in speed),
+            "speedup_mean": statistics.fmean(speed), "speedup_max": max(speed), "speedup_min": min(speed),
+            "equal_memory_packs": matched, "speedup_at_cap": at_cap,
+            "no_slower_at_cap": all(x >= 1 - 1e-9 for x in at_cap)}
+
+
 def versus_lines(versus: list[dict]) -> list[str]:
-    lines = ["flashcp vs megatron_dynamic (estimated step, pack by pack):"]
+    lines = ["flashcp vs megatron_dynamic (estimated step, pack by pack; where megatron_dynamic holds more tokens on "
+             "a rank than flashcp's cap, flashcp planned with the cap megatron_dynamic reached: equal memory):"]
     for v in versus:
         verdict = "no slower on every pack" if v["no_slower"] else "SLOWER on some pack"
+        equal = v.get("equal_memory_packs", 0)
+        note = ""
+        if equal:
+            cap = ", ".join(f"{x:.3f}" for x in v["speedup_at_cap"])
+            note = f"; {equal} pack(s) at megatron_dynamic's token peak (at flashcp's own cap: x{cap})"
         lines.append(f"  {v['lengths']} N={v['ranks']} T={v['tokens']}: {verdict}; faster on {v['faster_packs']} of "
-                     f"{v['packs']}, x{v['speedup_mean']:.2f} mean ({v['speedup_min']:.2f}-{v['speedup_max']:.2f})")
+                     f"{v['packs']}, x{v['speedup_mean']:.2f} mean ({v['speedup_min']:.2f}-{v['speedup_max']:.2f})"
+                     f"{note}")
     return lines
 
 
