@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import replace
 
 import pytest
 
@@ -74,6 +76,37 @@ def test_simulate_counts_every_lane_item():
     sched = build_schedule("matmul_rs_bwd", "ring", 3, 0, grad_bias=True)
     t = simulate(sched, shapes["matmul_rs_bwd"], HW)
     assert t.comm > 0 and t.compute > 0 and t.total >= max(t.comm, t.compute)
+
+
+def test_a_transfer_in_flight_slows_the_compute_beside_it():
+    # N=2 flash all-gather: the exchange (b bytes each way) runs beside the local piece's GEMM, which is as
+    # long as the transfer (comm/compute 0.5): the compute runs at 1 - c 2b / t_b while it is in flight, so
+    # the whole schedule ends c 2b later; the compute-only and comm-only times do not change
+    rows, n_in, n_out, c = 4096, 1024, 2000, 1e-10
+    b = rows // 2 * n_in * 4
+    free = _times("flash", 2, rows, n_in, n_out)
+    slowed = _times("flash", 2, rows, n_in, n_out, hw=replace(HW, comm_cpu_s_per_byte=c))
+    assert (slowed.compute, slowed.comm) == (free.compute, free.comm)
+    assert slowed.total == pytest.approx(free.total + c * 2 * b, rel=1e-9)
+    # none's forward waits for its all-gather before any GEMM: nothing runs beside it, nothing is charged
+    none = _times("none", 2, rows, n_in, n_out, hw=replace(HW, comm_cpu_s_per_byte=c))
+    assert none.total == pytest.approx(none.compute + none.comm, rel=1e-9)
+    # a transport that would take more than all of the CPU stops the compute while it runs: serialised, no worse
+    stalled = _times("flash", 2, rows, n_in, n_out, hw=replace(HW, comm_cpu_s_per_byte=1.0))
+    assert stalled.total == pytest.approx(stalled.compute + stalled.comm, rel=1e-9)
+    assert all(hw.comm_cpu_s_per_byte == 0 for hw in cost.PRESETS.values())  # GPUs: DMA engines move the bytes
+
+
+def test_comm_cpu_figure_on_loopback():
+    from calibrate_workers import comm_cpu
+    from dist_harness import run_ranks
+
+    figures = run_ranks(2, comm_cpu, timeout=120)
+    assert figures[0] == figures[1], figures  # the slowest rank's times: the same figures everywhere
+    f = figures[0]
+    assert math.isfinite(f["s_per_byte"]) and f["s_per_byte"] >= 0 and f["q25"] <= f["q75"], f
+    # pairs: those whose exchange ran at least partly during the GEMM (all of them but on a stalled box)
+    assert 1 <= f["pairs"] <= 3 and f["bytes_moved"] > 0 and f["gemm_s"] > 0, f
 
 
 def test_calibration_round_trip(tmp_path):

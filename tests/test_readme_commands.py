@@ -182,6 +182,7 @@ def test_planning_and_benchmark_commands_run(in_tmp, capsys):
     assert modes["qkv-small-M"] == ["none", "flash", "auto"], "ring does not apply to an all-to-all"
     row = entries["ag-small-M"]["modes"][2]
     assert row["mode"] == "flash" and {"compute", "comm", "overlapped", "ideal", "bound"} <= set(row["forward"])
+    assert overlap["hardware"]["comm_cpu_s_per_byte"] == overlap["comm_cpu"]["s_per_byte"] >= 0  # contention
     assert "first-step losses agree" in out and "dp 1 x cp 1 x ulysses 2 x tp 1" in out
     report = json.loads((in_tmp / "bench-train.json").read_text())
     assert report["setup"]["losses_agree"] is True and report["setup"]["ulysses"] == 2

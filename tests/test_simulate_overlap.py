@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -15,6 +16,7 @@ from flashpar.sim import check_overlap
 from flashpar.sim import overlap as sim_overlap
 
 H100 = cost.preset("h100-nvlink")
+TOL = check_overlap.TOLERANCE
 
 
 def _run(module, argv: list[str]) -> int:
@@ -96,9 +98,9 @@ def test_bad_arguments_give_one_line(argv, message, capsys):
 # simulate check on a bench overlap report
 
 
-def _synthetic_report(n: int = 2) -> dict:
-    """A `flashpar bench overlap` report whose measurements are the simulator's own predictions."""
-    hw = cost.preset("cpu")
+def _synthetic_report(n: int = 2, hw: cost.Hardware | None = None) -> dict:
+    """A `flashpar bench overlap` report whose measurements are the simulator's own predictions on ``hw``."""
+    hw = hw or cost.preset("cpu")
     shapes = []
     for shape in (BenchShape("ag-hidden", "ag", 256, 512, 1024, 0.5), BenchShape("out-hidden", "out", 256, 512, 768)):
         sim_op, *dims = shape.sim_args(n)
@@ -121,6 +123,34 @@ def test_check_of_the_simulators_own_figures_is_exact():
     rows = [sim_check.finish(r) for r in check_overlap.check([_synthetic_report()])]
     assert len(rows) == 2 * (5 * 2 + 4 * 2)  # 2 shapes x (ovl/ideal per mode and direction + vs none but none's)
     assert max(abs(r["error"]) for r in rows) < 1e-12 and all(r["within"] == "yes" for r in rows)
+
+
+def test_check_charges_the_reports_contention_term_and_reads_reports_without_it():
+    # measured on a box where transfers take 2 ns of CPU per byte from the GEMMs beside them
+    report = _synthetic_report(hw=replace(cost.preset("cpu"), comm_cpu_s_per_byte=2e-9))
+    rows = {(r["row"], r["figure"]): sim_check.finish(r) for r in check_overlap.check(report)}
+    assert max(abs(r["error"]) for r in rows.values()) < 1e-12
+    flash = rows[("N=2 ag-hidden flash(k=1) fwd", "ovl/ideal")]
+    assert flash["predicted"] > 1.01  # overlap is not free there
+    # the same report written before the term existed: the prediction is the contention-free one (lower)
+    del report["hardware"]["comm_cpu_s_per_byte"]
+    old = {(r["row"], r["figure"]): r for r in check_overlap.check(report)}
+    assert old[("N=2 ag-hidden flash(k=1) fwd", "ovl/ideal")]["predicted"] < flash["predicted"]
+    assert old[("N=2 ag-hidden none(k=1) fwd", "ovl/ideal")]["predicted"] == pytest.approx(
+        rows[("N=2 ag-hidden none(k=1) fwd", "ovl/ideal")]["predicted"], rel=1e-12)  # none's forward overlaps nothing
+
+
+def test_a_miss_inside_the_contention_figures_interval_is_explained_and_one_outside_is_not():
+    # measured where transfers take 6 ns/byte from the GEMMs; the calibration's median says 1 ns/byte
+    report = _synthetic_report(hw=replace(cost.preset("cpu"), comm_cpu_s_per_byte=6e-9))
+    report["hardware"]["comm_cpu_s_per_byte"] = 1e-9
+    key = ("N=2 ag-hidden flash(k=1) fwd", "ovl/ideal")
+    for (q25, q75), explained in (((-4e-9, 8e-9), True), ((0.95e-9, 1.05e-9), False)):
+        # 9 pairs: interval 1 +- 1.57 IQR / 3 ns/byte = [0, 7.3] (holds 6) or [0.95, 1.05] (does not)
+        report["comm_cpu"] = {"s_per_byte": 1e-9, "q25": q25, "q75": q75, "pairs": 9}
+        rows = {(r["row"], r["figure"]): sim_check.finish(r) for r in check_overlap.check(report)}
+        assert rows[key]["within"] == "no" and rows[key]["error"] < -TOL, rows[key]
+        assert rows[key]["why"].startswith("contention figure's own interval") == explained, rows[key]["why"]
 
 
 def test_check_flags_a_perturbed_measurement(tmp_path, capsys):

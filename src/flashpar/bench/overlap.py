@@ -8,7 +8,9 @@ a rate-limited link with ``--link-rate``, on loopback otherwise) running
 :func:`worker`.  The worker
 
 1. calibrates GEMM rate and link (:mod:`flashpar.cost.calibrate`, plus the executor's own
-   overheads per GEMM piece and lane item), rank 0's values for all;
+   overheads per GEMM piece and lane item), rank 0's values for all, and what a transfer in
+   flight takes from a GEMM beside it (``comm_cpu_s_per_byte``, the slowest rank's, median of
+   pairs; its quartiles in the report's ``comm_cpu``);
 2. sizes the shapes: for a target communication/compute ratio (``--ratio``) the free dim that
    sets the GEMM work is scaled from a measured probe, plus a small-M shape;
 3. runs, round by round with the order of the variants rotated, each variant three ways:
@@ -30,6 +32,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 from flashpar.bench.overlap_ops import OP_KEYS, BenchShape, make_call, modes_for, with_free
 
@@ -139,7 +142,7 @@ def worker(config: dict) -> None:
     import torch.distributed as dist
 
     from flashpar import cost
-    from flashpar.cost.calibrate import calibrate
+    from flashpar.cost.calibrate import calibrate, measure_comm_cpu
     from flashpar.overlap.simulate import choose_mode, predict
 
     dist.init_process_group("gloo")
@@ -149,6 +152,10 @@ def worker(config: dict) -> None:
     dtype = getattr(torch, config["dtype"])
     elem = torch.empty((), dtype=dtype).element_size()
     hw = calibrate(dtype=dtype, overheads=measure_schedule_overheads)
+    # what a transfer in flight takes from the GEMM beside it, on these ranks and links (pairs: twice the
+    # rows' rounds, 5 to 25, about 0.2 s each)
+    comm_cpu = measure_comm_cpu(hw, dtype, pairs=min(25, max(5, 2 * config["rounds"])))
+    hw = replace(hw, comm_cpu_s_per_byte=comm_cpu["s_per_byte"])
     if config["calibrate"] and rank == 0:
         path = cost.save(hw, "cpu")
         print(f"calibration stored in {path}", flush=True)
@@ -175,7 +182,8 @@ def worker(config: dict) -> None:
     dist.all_gather_object(gathered, samples)
     if rank == 0:
         report = {"world_size": n, "link_rate": config["link_rate"], "dtype": config["dtype"],
-                  "threads": config["threads"], "rounds": config["rounds"], "hardware": hw.__dict__, "shapes": []}
+                  "threads": config["threads"], "rounds": config["rounds"], "hardware": hw.__dict__,
+                  "comm_cpu": comm_cpu, "shapes": []}
         for shape in shapes:
             entry = {"shape": shape.__dict__, "describe": shape.describe(n), "reps": reps[shape.name],
                      "rounds": rounds[shape.name], "modes": []}
@@ -230,6 +238,11 @@ def format_report(report: dict) -> str:
     hw = report["hardware"]
     lines.append(f"calibration: GEMM {hw['flops'] / 1e9:.1f} GFLOP/s, link {hw['link_bytes_per_s'] / 1e6:.1f} MB/s, "
                  f"latency {hw['link_latency_s'] * 1e6:.0f} us")
+    if "comm_cpu" in report:
+        c = report["comm_cpu"]
+        lines.append(f"a transfer beside a GEMM takes {hw['comm_cpu_s_per_byte'] * 1e9:.2f} ns of it per byte moved "
+                     f"(quartiles {c['q25'] * 1e9:.2f} to {c['q75'] * 1e9:.2f}, {c['pairs']} pairs of "
+                     f"{c['gemm_s'] * 1e3:.0f} ms GEMMs, {c['bytes_moved'] / 1e6:.1f} MB moved beside each)")
     head = f"{'mode':<12}{'dir':<5}{'compute':>9}{'comm':>9}{'overlap':>9}{'ideal':>9}{'ovl/ideal':>10}" \
            f"{'exposed':>9}{'ovl/bound':>10}{'vs none':>9}{'model':>8}"
     for entry in report["shapes"]:

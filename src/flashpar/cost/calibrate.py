@@ -9,6 +9,9 @@ same mode everywhere.
     link:      t(b) = latency + b / bandwidth, from pairwise exchanges (shift r -> r+1)
                of a small and a large message, the same pattern as a flash exchange
     memory:    an in-place add over a few MB
+    comm CPU:  (GEMM time beside an exchange - GEMM time alone) / bytes the exchange moved during the
+               GEMM (sent + received), every rank at once: what a transfer in flight takes from compute
+               (``comm_cpu_s_per_byte``; :func:`measure_comm_cpu`, which ``flashpar bench overlap`` calls)
     attention: the flash kernel's rate r(L) on a long and a short causal block, forward and
                backward, solved for the curve r(L) = plateau (L / (L + attn_half))^2
 """
@@ -16,6 +19,7 @@ same mode everywhere.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -110,7 +114,8 @@ def calibrate(group=None, *, k: int = 1024, n: int = 512, dtype: torch.dtype = t
 
     ``overheads(group, dtype)``, a collective the caller supplies, measures (seconds per GEMM
     piece, seconds per lane item) that its executor adds on top of the kernel and the wire
-    (``flashpar bench overlap`` passes its own); they raise the GEMM overhead and the latency."""
+    (``flashpar bench overlap`` passes its own); they raise the GEMM overhead and the latency.
+    ``comm_cpu_s_per_byte`` stays 0 here: :func:`measure_comm_cpu` measures it where asked."""
     flops, half_rows, overhead = measure_gemm(k, n, dtype)
     bw, latency = measure_link(group)
     mem = measure_memory(dtype)
@@ -119,6 +124,87 @@ def calibrate(group=None, *, k: int = 1024, n: int = 512, dtype: torch.dtype = t
         piece, item = overheads(group, dtype)
         overhead, latency = max(overhead, piece), max(latency, item)
     return _from_rank0(Hardware(flops, half_rows, overhead, bw, latency, mem), group)
+
+
+def measure_comm_cpu(hw: Hardware, dtype: torch.dtype, group=None, *, gemm_s: float = 0.1, pairs: int = 25,
+                     share: float = 0.8) -> dict:
+    """Seconds the slowest rank's GEMM loses per byte each rank moves beside it (a collective call; the
+    same figures on every rank): ``{"s_per_byte", "q25", "q75", "pairs", "bytes_moved", "gemm_s"}``.
+
+    Every rank at once, ``pairs`` times in alternating order: a GEMM of about ``gemm_s`` (at ``hw``'s rate)
+    alone, and the same GEMM while a thread (as the overlap lane does) posts an exchange with the
+    neighbours (``b`` bytes to r+1, ``b`` from r-1, sized to take ``share`` of the GEMM on ``hw``'s link)
+    and waits for it::
+
+        alone    |====== GEMM ======|
+        beside   |====== GEMM, slowed ======|
+                 |--- exchange, 2b ---|            (the thread stamps its start and end)
+
+    Per pair, ``(beside - alone) / (2b x the exchange's fraction that ran during the GEMM)``, each time the
+    slowest rank's (as the benchmark's rows: with more ranks than cores the scheduler's shares make one
+    rank's time noisy, the last rank's much less) and the smallest fraction.  ``s_per_byte``: the median
+    over pairs (the box's load makes single pairs noisy), at least 0; ``q25`` / ``q75``: the quartiles
+    (the figure's own spread, unclipped); ``bytes_moved``: 2b; ``gemm_s``: the median GEMM alone."""
+    info = resolve_group(group)
+    nr, r = info.world_size, info.rank
+    if nr == 1:
+        return {"s_per_byte": 0.0, "q25": 0.0, "q75": 0.0, "pairs": 0, "bytes_moved": 0, "gemm_s": 0.0}
+    k = n = 1024
+    m = max(64, int(gemm_s * hw.gemm_flops / (2.0 * k * n)))
+    a, w = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    out = torch.empty(m, n, dtype=dtype)
+    b = int(min(16 << 20, max(64 << 10, share * gemm_s * hw.link_bytes_per_s)))
+    send, recv = torch.empty(b, dtype=torch.uint8), torch.empty(b, dtype=torch.uint8)
+    to, frm = info.global_rank((r + 1) % nr), info.global_rank((r - 1) % nr)
+    send_group, recv_group = p2p_group(info, r, (r + 1) % nr), p2p_group(info, (r - 1) % nr, r)
+
+    def alone() -> float:
+        dist.barrier(info.group)
+        t0 = time.perf_counter()
+        torch.mm(a, w, out=out)
+        return time.perf_counter() - t0
+
+    def beside() -> tuple[float, float]:
+        """(GEMM seconds, fraction of the exchange that ran during the GEMM)."""
+        stamps, go = {}, threading.Event()
+
+        def exchange():
+            go.wait()
+            stamps["start"] = time.perf_counter()
+            works = [dist.isend(send, to, group=send_group), dist.irecv(recv, frm, group=recv_group)]
+            for work in works:
+                work.wait()
+            stamps["end"] = time.perf_counter()
+
+        lane = threading.Thread(target=exchange, name="flashpar-calibrate-lane")
+        lane.start()  # started before the clock, like the overlap lane's worker
+        dist.barrier(info.group)
+        t0 = time.perf_counter()
+        go.set()
+        torch.mm(a, w, out=out)
+        t1 = time.perf_counter()
+        lane.join()
+        span = max(stamps["end"] - stamps["start"], 1e-9)
+        return t1 - t0, min(1.0, max(0.0, min(t1, stamps["end"]) - max(t0, stamps["start"])) / span)
+
+    alone()
+    beside()  # warm-up: the GEMM and the exchange's connections
+    times = torch.zeros(pairs, 2, dtype=torch.float64)  # (alone, beside) per pair
+    during = torch.zeros(pairs, dtype=torch.float64)
+    for i in range(pairs):
+        if i % 2:
+            (times[i, 1], during[i]), times[i, 0] = beside(), alone()
+        else:
+            times[i, 0] = alone()
+            times[i, 1], during[i] = beside()
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=info.group)  # the slowest rank's
+    dist.all_reduce(during, op=dist.ReduceOp.MIN, group=info.group)
+    per_byte = sorted(float(t[1] - t[0]) / (2.0 * b * float(f)) for t, f in zip(times, during, strict=True) if f > 0)
+    if not per_byte:  # no exchange overlapped any GEMM: nothing measured
+        per_byte = [0.0]
+    q = statistics.quantiles(per_byte, n=4) if len(per_byte) > 1 else per_byte * 3
+    return {"s_per_byte": max(0.0, statistics.median(per_byte)), "q25": q[0], "q75": q[2], "pairs": len(per_byte),
+            "bytes_moved": 2 * b, "gemm_s": statistics.median(float(t) for t in times[:, 0])}
 
 
 def _from_rank0(value, group=None):

@@ -8,12 +8,18 @@
     attn_time(w, q, k)  = w / (flops attn_efficiency(q, k))              w: the kernel's FLOPs
     transfer_time(b)    = link_latency_s + b / link_bytes_per_s          one message, one direction
     memory_time(b)      = b / memory_bytes_per_s                         element-wise passes
+    comm_cpu_s_per_byte                                                   compute seconds lost per byte a
+                                                                          transfer moves (sent + received)
+                                                                          while it runs beside compute
 
 ``flops`` is the device's peak (the datasheet's dense rate on a GPU, the measured large-M GEMM
 rate on a calibrated CPU, where ``gemm_eff`` is 1): the trainer's MFU divides by it, and every
 kernel's sustained rate is a fraction of it.  The overlap simulator times GEMM pieces with
 ``gemm_time``; the CP planner (:class:`flashpar.cp.CostModel`) charges linear layers at the
-large-M rate ``flops gemm_eff`` and attention through ``attn_efficiency``.  Named machines are in
+large-M rate ``flops gemm_eff`` and attention through ``attn_efficiency``.  ``comm_cpu_s_per_byte``
+is what a transfer in flight takes from the computation beside it (on a CPU the transport's threads
+and the kernel's network path copy the bytes on the cores the GEMMs use): measured by ``flashpar
+bench overlap``'s calibration, 0 in every preset (a GPU's DMA engines and links move the bytes).  Named machines are in
 :mod:`flashpar.cost.presets`.
 """
 
@@ -22,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-_AT_LEAST_ZERO = ("half_rows", "gemm_overhead_s", "link_latency_s", "attn_half")
+_AT_LEAST_ZERO = ("half_rows", "gemm_overhead_s", "link_latency_s", "attn_half", "comm_cpu_s_per_byte")
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,7 @@ class Hardware:
     gemm_eff: float = 1.0  # fraction of ``flops`` a large-M GEMM sustains
     attn_peak: float = 0.6  # fraction of ``flops`` a long attention kernel reaches
     attn_half: float = 256.0  # query / key length at which an attention kernel runs at half its plateau
+    comm_cpu_s_per_byte: float = 0.0  # compute seconds a transfer takes per byte moved beside compute (CPU)
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -9,6 +9,18 @@ order; the lane runs each submitted item after the previous one.
     all_reduce of b bytes = 2 (N - 1) (latency + b / (N link))
     time      = when both agents are done
 
+A transfer in flight takes CPU from the computation beside it (``Hardware.comm_cpu_s_per_byte`` = c, 0 on
+the GPU presets): a lane item that moves m bytes (sent + received by this rank) over [s, e] runs the main
+agent's computes and adds inside [s, e] at ``1 - min(1, c m / (e - s))`` of their rate, so a compute that
+spans the whole transfer ends c m later; compute beside no transfer, and a transfer the main agent only
+waits for, cost nothing extra::
+
+    main  |==== compute ====|~~ compute, slowed ~~|== compute ==|.. wait ..|
+    lane                    |--- transfer, m bytes ---|         |-- next --|
+                            s                         e
+
+The compute-only time (``Timing.compute``) is the computes alone, without that charge.
+
 A transfer's bytes are its piece's rows times the width its buffer declares
 (``Schedule.buffers``: the width rule names one of the shape's ``dims``).  Importable
 without torch.distributed: it reads schedules and row spaces only.
@@ -58,6 +70,7 @@ def simulate(schedule: Schedule, shape: Shape, hw: Hardware) -> Timing:
     t_main = t_lane = 0.0
     done: dict[int, float] = {}
     compute = comm = 0.0
+    in_flight = _InFlight(hw.comm_cpu_s_per_byte)
 
     def nbytes(buffer: str, piece: Piece) -> float:
         lo, hi = rows.rows(piece)
@@ -68,12 +81,12 @@ def simulate(schedule: Schedule, shape: Shape, hw: Hardware) -> Timing:
             lo, hi = rows.rows(step.piece)
             k, m = shape.gemm_dims[step.gemm]
             dt = hw.gemm_time(hi - lo, k, m)
-            t_main += dt
+            t_main = in_flight.run(t_main, dt)
             compute += dt
         elif isinstance(step, Add):
             lo, hi = rows.rows(step.piece)
             dt = hw.memory_time(3 * (hi - lo) * shape.width(schedule, step.dst) * shape.elem_bytes)
-            t_main += dt
+            t_main = in_flight.run(t_main, dt)
             compute += dt
         elif isinstance(step, Wait):
             t_main = max(t_main, done[step.id])
@@ -81,13 +94,46 @@ def simulate(schedule: Schedule, shape: Shape, hw: Hardware) -> Timing:
             if isinstance(step, Exchange):
                 sent = sum(nbytes(t.buffer, t.piece) for t in step.sends)
                 recv = sum(nbytes(t.buffer, t.piece) for t in step.recvs)
-                dt = hw.transfer_time(max(sent, recv))
+                dt, moved = hw.transfer_time(max(sent, recv)), sent + recv
             else:
-                dt = _collective_time(step, rows, shape.width(schedule, step.src), shape, hw, n)
-            t_lane = max(t_main, t_lane) + dt
+                dt, moved = _collective_time(step, rows, shape.width(schedule, step.src), shape, hw, n)
+            start = max(t_main, t_lane)
+            t_lane = start + dt
+            in_flight.add(start, t_lane, moved)
             done[step.id] = t_lane
             comm += dt
     return Timing(max(t_main, t_lane), compute, comm)
+
+
+class _InFlight:
+    """The lane's transfers as (start, end, fraction of the main agent's rate each takes), in time order
+    (one lane: they do not overlap), and the main agent's work timed across them."""
+
+    def __init__(self, s_per_byte: float) -> None:
+        self.s_per_byte = s_per_byte
+        self.spans: list[tuple[float, float, float]] = []
+
+    def add(self, start: float, end: float, moved: float) -> None:
+        if self.s_per_byte > 0 and moved > 0 and end > start:
+            self.spans.append((start, end, min(1.0, self.s_per_byte * moved / (end - start))))
+
+    def run(self, t: float, work: float) -> float:
+        """When ``work`` seconds of computation started at ``t`` end: at full rate outside the spans,
+        at ``1 - taken`` inside them."""
+        for s, e, taken in self.spans:
+            if e <= t:
+                continue
+            if s > t:  # full rate until the transfer starts
+                if work <= s - t:
+                    return t + work
+                work -= s - t
+                t = s
+            rate = 1.0 - taken
+            if rate * (e - t) >= work and rate > 0:
+                return t + work / rate
+            work -= rate * (e - t)
+            t = e
+        return t + work
 
 
 def all_reduce_time(nbytes: float, n: int, hw: Hardware) -> float:
@@ -95,11 +141,14 @@ def all_reduce_time(nbytes: float, n: int, hw: Hardware) -> float:
     return 2 * (n - 1) * (hw.link_latency_s + nbytes / (n * hw.link_bytes_per_s))
 
 
-def _collective_time(step: Collective, rows: RowSpace, width: int, shape: Shape, hw: Hardware, n: int) -> float:
+def _collective_time(step: Collective, rows: RowSpace, width: int, shape: Shape, hw: Hardware,
+                     n: int) -> tuple[float, float]:
+    """(seconds, bytes this rank moves: sent + received) of one collective (ring algorithms)."""
     if step.kind == "all_reduce":
-        return all_reduce_time(width * shape.elem_bytes, n, hw)
+        b = width * shape.elem_bytes
+        return all_reduce_time(b, n, hw), 4 * (n - 1) * b / n
     b = rows.max_chunk(step.chunk, step.chunks) * width * shape.elem_bytes
-    return (n - 1) * hw.transfer_time(b)
+    return (n - 1) * hw.transfer_time(b), 2 * (n - 1) * b
 
 
 def op_shapes(op: str, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int) -> dict[str, Shape]:

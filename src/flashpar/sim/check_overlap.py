@@ -1,7 +1,9 @@
 """``flashpar simulate check`` on a ``flashpar bench overlap --json`` report: every measured row predicted.
 
 The report (one world size, or a list of them as ``--nproc 2,4`` writes) holds the calibration the run
-measured (``hardware``: GEMM rate and small-M curve, per-piece and per-lane-item overheads, link) and, per
+measured (``hardware``: GEMM rate and small-M curve, per-piece and per-lane-item overheads, link, and the
+CPU a transfer takes from the compute beside it, ``comm_cpu_s_per_byte``, 0 in reports older than it, with
+its spread in ``comm_cpu``) and, per
 shape and mode, the medians of the slowest rank: ``compute`` (communication made free), ``comm``
 (computation made free) and ``overlapped``, forward and backward.  Each row is predicted from that
 calibration alone, on the schedule the run executed (``build_schedule`` of rank 0 on equal blocks, without
@@ -44,6 +46,7 @@ def _check_one(report: dict) -> list[dict]:
     elem = ELEM_BYTES.get(report.get("dtype", "float32"))
     if elem is None:
         raise ValueError(f"unknown dtype {report.get('dtype')!r} in the report; expected one of {tuple(ELEM_BYTES)}")
+    bounds = _comm_cpu_bounds(report.get("comm_cpu"))
     out = []
     for entry in report["shapes"]:
         shape = BenchShape(**entry["shape"])
@@ -56,19 +59,46 @@ def _check_one(report: dict) -> list[dict]:
             # the same schedules on the parts this run measured: hw rescaled so that each mode's compute-only
             # and comm-only times are the measured ones (see _rescaled); what remains is the overlap model
             parts = {id(m): _predict(op, m, n, dims, elem, _rescaled(hw, pred[id(m)], m[direction])) for m in modes}
+            # the calibrated prediction at both ends of the contention figure's interval (None: no interval)
+            ends = [{id(m): _predict(op, m, n, dims, elem, replace(hw, comm_cpu_s_per_byte=c)) for m in modes}
+                    for c in bounds] if bounds else None
             spread = _spread(modes, direction)
             for m in modes:
                 meas, p, q = m[direction], pred[id(m)], parts[id(m)]
                 row = f"N={n} {shape.name} {_label(m)} {short}"
-                ev = {"meas": meas, "pred": p, "spread": spread, "none": None}
-                out.append(_row(row, "ovl/ideal", p.total / max(p.compute, p.comm), meas["ovl_ideal"],
+                ev = {"meas": meas, "pred": p, "spread": spread, "none": None, "comm_cpu": None}
+                if ends:
+                    ev["comm_cpu"] = (bounds, [_ovl_ideal(e[id(m)]) for e in ends])
+                out.append(_row(row, "ovl/ideal", _ovl_ideal(p), meas["ovl_ideal"],
                                 q.total / max(meas["compute"], meas["comm"]), ev))
                 if none is not None and m is not none:
-                    ev["none"] = (none[direction], pred[id(none)])
+                    ev = {**ev, "none": (none[direction], pred[id(none)])}
+                    if ends:
+                        ev["comm_cpu"] = (bounds, [e[id(m)].total / e[id(none)].total for e in ends])
                     out.append(_row(row, "vs none", p.total / pred[id(none)].total,
                                     meas["overlapped"] / none[direction]["overlapped"],
                                     q.total / parts[id(none)].total, ev))
     return out
+
+
+def _ovl_ideal(t) -> float:
+    return t.total / max(t.compute, t.comm)
+
+
+NOTCH = 1.57
+"""The median's interval, ``median +- 1.57 IQR / sqrt(n)`` (McGill, Tukey and Larsen's notch: about 95%
+for two medians to differ when their notches do not overlap)."""
+
+
+def _comm_cpu_bounds(figures: dict | None) -> tuple[float, float] | None:
+    """(low, high) of the interval of the report's contention figure (``comm_cpu``: the median of the
+    calibration's pairs and their quartiles, see :func:`flashpar.cost.calibrate.measure_comm_cpu`), at least
+    0; None for a report without it (written before the figure existed)."""
+    if not figures or not figures.get("pairs"):
+        return None
+    s_per_byte = max(0.0, float(figures["s_per_byte"]))
+    half = NOTCH * (float(figures["q75"]) - float(figures["q25"])) / float(figures["pairs"]) ** 0.5
+    return max(0.0, s_per_byte - half), s_per_byte + half
 
 
 def _predict(op: str, m: dict, n: int, dims, elem: int, hw: Hardware):
@@ -138,7 +168,7 @@ def _label(m: dict) -> str:
 
 def _row(row: str, figure: str, predicted: float, measured: float, from_parts: float, ev: dict) -> dict:
     err = predicted / measured - 1.0 if measured else float("inf")
-    why = _why(err, from_parts / measured - 1.0, ev) if abs(err) > TOLERANCE else ""
+    why = _why(err, from_parts / measured - 1.0, {**ev, "measured": measured}) if abs(err) > TOLERANCE else ""
     return {"row": row, "figure": figure, "predicted": predicted, "measured": measured, "from_parts": from_parts,
             "why": why}
 
@@ -150,7 +180,9 @@ def _why(err: float, parts_err: float, ev: dict) -> str:
       times (``from_parts``) land within 15% of the measured ratio, while the calibration's parts are off
       (the factors are printed: the box's speed moved between the calibration and the rows);
     * the measurement's own spread (:func:`_spread`): two figures of this shape that should be equal differ
-      by at least the miss (of the calibrated prediction or of the one on the measured parts).
+      by at least the miss (of the calibrated prediction or of the one on the measured parts);
+    * the contention figure's own uncertainty: the calibrated prediction comes within 15% of the measured
+      ratio for a ``comm_cpu_s_per_byte`` inside the interval of its median (:func:`_comm_cpu_bounds`).
     """
     if abs(parts_err) <= TOLERANCE:
         meas, pred = ev["meas"], ev["pred"]
@@ -162,4 +194,11 @@ def _why(err: float, parts_err: float, ev: dict) -> str:
     spread = ev["spread"]
     if spread is not None and spread[1] >= min(abs(err), abs(parts_err)):
         return f"noise: {spread[0]} {spread[1]:.0%} apart"
+    if ev["comm_cpu"] is not None:
+        (c_lo, c_hi), (r_lo, r_hi) = ev["comm_cpu"]
+        lo, hi = min(r_lo, r_hi), max(r_lo, r_hi)
+        measured = ev["measured"]
+        if lo <= measured * (1 + TOLERANCE) and hi >= measured * (1 - TOLERANCE):
+            return (f"contention figure's own interval: {c_lo * 1e9:.2f}-{c_hi * 1e9:.2f} ns/byte (median "
+                    f"+-{NOTCH} IQR/sqrt(pairs)) predicts {lo:.2f}-{hi:.2f}")
     return ""
