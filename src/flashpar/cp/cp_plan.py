@@ -70,10 +70,32 @@ def rank_figures(segments, doc_lens, doc_starts, cost: CostModel, comm: str) -> 
     return figures_of_arrays(rank, flat[:, 0], flat[:, 1], n, sum(doc_lens), doc_starts, cost, comm)
 
 
+def by_rank_start(rank, a):
+    """The order that sorts pieces by (rank, start), the one ``np.lexsort((a, rank))`` gives (stable); None where
+    they already are so (checked for 1,000 pieces or more).  Pieces of a placement never share a start, so their
+    (rank, start) keys are distinct and one sort of ``rank * span + a`` (any sort: distinct keys have one order)
+    gives that order; with ties, lexsort."""
+    m = len(a)
+    if m < 2:
+        return None
+    if m < 1000:  # (few pieces: one lexsort costs less than the checks)
+        return np.lexsort((a, rank))
+    span = int(a.max()) + 1
+    if a.min() < 0 or rank.min() < 0 or (int(rank.max()) + 1) * span >= 1 << 62:  # (no such placements)
+        return np.lexsort((a, rank))
+    key = rank * span + a
+    if (key[1:] > key[:-1]).all():
+        return None
+    order = np.argsort(key)
+    k = key[order]
+    return order if (k[1:] > k[:-1]).all() else np.lexsort((a, rank))
+
+
 def figures_of_arrays(rank, a, b, n: int, total: int, doc_starts, cost: CostModel, comm: str) -> RankFigures:
     """:func:`rank_figures` of the pieces ``[a_i, b_i)`` held by ``rank_i`` (arrays, in any order)."""
-    order = np.lexsort((a, rank))  # per rank, by start: sorted(segs)
-    a, b, rank = a[order], b[order], rank[order]
+    order = by_rank_start(rank, a)  # per rank, by start: sorted(segs)
+    if order is not None:
+        a, b, rank = a[order], b[order], rank[order]
     m = len(a)
     starts = doc_starts if isinstance(doc_starts, np.ndarray) else np.asarray(doc_starts, dtype=np.int64)
     doc = np.searchsorted(starts, a, side="right") - 1
@@ -115,6 +137,40 @@ def figures_of_arrays(rank, a, b, n: int, total: int, doc_starts, cost: CostMode
                        comm_t.tolist(), time.tolist())
 
 
+def whole_doc_times(lens, cost: CostModel):
+    """Attention time of each document (lengths ``lens``, an int64 array) held whole on one rank: all of it on local
+    keys, rounded as :func:`figures_of_arrays` rounds a piece that is a whole document (``t p / p``)."""
+    pairs = lens * (lens + 1) // 2
+    hw = cost.hardware
+    work = pairs.astype(np.float64) * cost.flops_per_pair
+    q = lens.astype(np.float64)
+    h = hw.attn_half
+    eff = hw.attn_peak * (q / (q + h)) * (q / (q + h))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(work > 0, work / (hw.flops * eff), 0.0)
+        return t * pairs.astype(np.float64) / pairs
+
+
+def figures_of_whole(rank, docs, n: int, lens, times, cost: CostModel) -> RankFigures:
+    """:func:`figures_of_arrays` (sharding-aware) of a placement of whole documents: document ``docs[i]`` on rank
+    ``rank[i]``, sorted by (rank, start); ``lens`` and ``times`` (:func:`whole_doc_times`) per document.  The same
+    floats: nothing is received and no attention is remote, so a rank's compute is its linear time plus its
+    documents' attention times, added in token order."""
+    length = lens[docs]
+    total = int(lens.sum())
+    tokens_r = _int_sums(rank, length, n, total)
+    pairs_r = _int_sums(rank, length * (length + 1) // 2, n, total)
+    counts = np.bincount(rank, minlength=n)
+    lt, rt = _sums_in_order(times[docs], counts), np.zeros(n)
+    hw = cost.hardware
+    recv = np.zeros(n, dtype=np.int64)
+    compute = tokens_r * cost.flops_per_token / hw.gemm_flops + lt + rt
+    comm_t = (recv * cost.kv_bytes_per_token) / hw.link_bytes_per_s
+    time = np.maximum(compute, comm_t + rt)
+    return RankFigures(tokens_r.tolist(), pairs_r.tolist(), recv.tolist(), compute.tolist(), rt.tolist(),
+                       comm_t.tolist(), time.tolist())
+
+
 def aware_send_tokens(segments, doc_starts, total: int) -> list[int]:
     """Tokens of K/V each rank sends under sharding-aware K/V (the sum over ranks ``r`` of what ``kv_recv(r)`` takes
     from it), on arrays.  Rank ``r`` receives, of every document ``d`` it holds part of, the other ranks' pieces of
@@ -129,8 +185,10 @@ def aware_send_tokens(segments, doc_starts, total: int) -> list[int]:
     flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(segments)), dtype=np.int64,
                        count=2 * m).reshape(m, 2)
     rank = np.repeat(np.arange(n, dtype=np.int64), counts)
-    order = np.lexsort((flat[:, 0], rank))
-    a, b, rank = flat[order, 0], flat[order, 1], rank[order]
+    a, b = flat[:, 0], flat[:, 1]
+    order = by_rank_start(rank, a)
+    if order is not None:
+        a, b, rank = a[order], b[order], rank[order]
     starts = np.asarray(doc_starts, dtype=np.int64)
     doc = np.searchsorted(starts, a, side="right") - 1
     last = np.ones(m, dtype=bool)  # the last piece of each (rank, document) group

@@ -50,7 +50,7 @@ import math
 import numpy as np
 
 from flashpar.cp.cost import CostModel
-from flashpar.cp.cp_plan import causal_pairs, doc_starts_of
+from flashpar.cp.cp_plan import causal_pairs, whole_doc_times
 from flashpar.cp.strategies import (
     ArrayPlacement,
     Placement,
@@ -131,34 +131,120 @@ class _Split:
         self.equal = False
 
 
+class _RankDocs:
+    """The Whole-Doc documents of one rank for ``_Greedy._refine``: per length it holds, its documents of that length
+    in the order it received them (``doc_seq``), and as lists (lengths ascending; compute; place in the rank's order
+    of the first document of each length), which :meth:`_Greedy._best_move` reads.  Built with one sort by (length,
+    place); the queue of a length is made when a move first touches it (moves are few, lengths many)."""
+
+    def __init__(self, mine, lens_np, doc_seq, seq_end: int, whole: dict[int, float]) -> None:
+        self.whole = whole
+        self.queues: dict[int, collections.deque] = {}
+        if len(mine) < 64:  # (few: in Python, the same order)
+            items = sorted(zip(lens_np[mine].tolist(), doc_seq[mine].tolist(), mine.tolist(), strict=True))
+            self.docs = [d for _, _, d in items]
+            heads = [i for i in range(len(items)) if i == 0 or items[i][0] != items[i - 1][0]]
+            self.lens = [items[i][0] for i in heads]
+            self.first = [items[i][1] for i in heads]
+        else:
+            lens = lens_np[mine]
+            if int(lens.max()) < (1 << 62) // (seq_end + 1):  # (distinct keys: every place is one document's)
+                mine = mine[np.argsort(lens * (seq_end + 1) + doc_seq[mine])]
+            else:
+                mine = mine[np.lexsort((doc_seq[mine], lens))]
+            lens = lens_np[mine]
+            at = np.flatnonzero(lens[1:] != lens[:-1]) + 1
+            self.docs = mine.tolist()
+            self.lens = [int(lens[0]), *lens[at].tolist()]
+            self.first = [int(doc_seq[mine[0]]), *doc_seq[mine[at]].tolist()]
+            heads = [0, *at.tolist()]
+        self.work = [whole[x] for x in self.lens]
+        # length -> where its documents are in ``docs``, until a move makes its queue
+        ends = [*heads[1:], len(self.docs)] if heads else []
+        self.span = dict(zip(self.lens, zip(heads, ends, strict=True), strict=True))
+
+    def options(self):
+        return self.lens, self.work, self.first
+
+    def _queue(self, length: int) -> collections.deque:
+        if length not in self.queues:
+            lo, hi = self.span.pop(length)
+            self.queues[length] = collections.deque(self.docs[lo:hi])
+        return self.queues[length]
+
+    def pop_first(self, length: int, doc_seq) -> int:
+        """The first document of ``length`` (it leaves)."""
+        q = self._queue(length)
+        doc = q.popleft()
+        i = bisect.bisect_left(self.lens, length)
+        if q:
+            self.first[i] = int(doc_seq[q[0]])
+        else:
+            del self.queues[length], self.lens[i], self.work[i], self.first[i]
+        return doc
+
+    def append(self, length: int, doc: int, at: int) -> None:
+        """``doc`` of ``length`` arrives, received at ``at`` (after all this rank holds)."""
+        i = bisect.bisect_left(self.lens, length)
+        if i < len(self.lens) and self.lens[i] == length:
+            self._queue(length).append(doc)
+            return
+        self.lens.insert(i, length)
+        self.work.insert(i, self.whole[length])
+        self.first.insert(i, at)
+        self.queues[length] = collections.deque([doc])
+
+
 class _Greedy:
     """The greedy pass (see the module docstring), with per-(length, group) shares cached."""
 
     def __init__(self, doc_lens: list[int], n: int, cost: CostModel, cap: int) -> None:
         self.lens, self.n, self.cost, self.cap = doc_lens, n, cost, cap
-        self.starts = doc_starts_of(doc_lens)
-        self.lens_np = np.asarray(doc_lens, dtype=np.int64)
-        self.starts_np = np.asarray(self.starts, dtype=np.int64)
-        order = np.lexsort((np.arange(len(doc_lens)), -self.lens_np))  # by (-length, index)
-        self.order = order.tolist()
+        self.lens_np = lens = np.fromiter(doc_lens, dtype=np.int64, count=len(doc_lens))
+        self.starts_np = np.cumsum(lens) - lens
+        self.starts = self.starts_np.tolist()
+        # by (-length, index): a stable sort (of 16-bit keys, a radix sort, where the lengths allow)
+        neg = -lens if int(lens.max()) >= 1 << 15 else (-lens).astype(np.int16)
+        order = np.argsort(neg, kind="stable")
+        self.order_np, self.order = order, order.tolist()
         # run_end[k]: where the run of documents of order[k]'s length ends (in pass order)
-        sl = self.lens_np[order]
+        sl = lens[order]
         ends = np.append(np.flatnonzero(sl[1:] != sl[:-1]) + 1, len(sl))
         self.run_end = np.repeat(ends, np.diff(np.concatenate(([0], ends)))).tolist()
+        distinct = sl[np.concatenate(([0], ends[:-1]))]
         self._shares: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
         self._whole: dict[int, float] = {}
         self._top: dict[tuple[int, int], tuple] = {}  # per (length, g): max of the shares, shares as arrays
         self._big: dict[int, dict] = {}  # per length: _big_shares
         self._big_index = None
+        self._whole_times = None
         # group sizes tried: every size up to 8, then about 1.25x apart (and N itself)
         sizes, g = [], 2
         while g < n:
             sizes.append(g)
             g = g + 1 if g < 8 else math.ceil(g * 1.25)
         self.sizes = [*sizes, n] if n >= 2 else []
-        for length in set(doc_lens):
-            self.whole(length)
+        self._whole = dict(zip(distinct.tolist(), self._whole_arrays(distinct).tolist(), strict=True))
         self.mean = sum(map(self._whole.__getitem__, doc_lens)) / n  # (added in document order, as always)
+
+    def whole_times(self) -> tuple[np.ndarray, np.ndarray]:
+        """(lengths, ``whole_doc_times``) of the documents under this pass's cost model (placements of whole
+        documents are scored from them)."""
+        if self._whole_times is None:
+            self._whole_times = (self.lens_np, whole_doc_times(self.lens_np, self.cost))
+        return self._whole_times
+
+    def _whole_arrays(self, lens):
+        """:meth:`whole` of each of ``lens`` (an int64 array), on arrays: the same floats (the linear time, then the
+        attention time as ``CostModel.attn_time`` rounds it, added)."""
+        cost, hw = self.cost, self.cost.hardware
+        q = lens.astype(np.float64)
+        h = hw.attn_half
+        work = (lens * (lens + 1) // 2).astype(np.float64) * cost.flops_per_pair
+        eff = hw.attn_peak * (q / (q + h)) * (q / (q + h))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            attn = np.where(work > 0, work / (hw.flops * eff), 0.0)
+        return q * cost.flops_per_token / hw.gemm_flops + attn
 
     def whole(self, length: int) -> float:
         if length not in self._whole:
@@ -339,7 +425,7 @@ class _Greedy:
         """Re-base the mean compute on a first placement (cutting documents costs kernel efficiency).  Where
         the mean stays, that placement is the pass ``run(0.0, 0)``'s: returned, with its ``peak_share``."""
         p = self.run(0.0, 0)
-        fig = p.figures(self.lens, self.starts_np, self.cost)
+        fig = p.figures(self.lens, self.starts_np, self.cost, whole=self.whole_times())
         self.first_figures = fig
         if sum(fig.compute) / self.n <= self.mean * (1 + 1e-9):  # (sums of the same work in another order)
             return p, self.peak_share
@@ -397,8 +483,7 @@ class _Greedy:
                 w = self.whole(length)
                 tok_room, work_room = cap - length, limit - w
                 if run_end[k] - k >= BATCH:  # a run of equal lengths: place as many whole as the greedy would
-                    placed = self._batch_whole(order[k:run_end[k]], length, w, load, toks, limit, doc_rank, doc_seq,
-                                               seq)
+                    placed = self._batch_whole(k, run_end[k], length, w, load, toks, limit, doc_rank, doc_seq, seq)
                     if placed:
                         seq += len(placed[0])
                         k += len(placed[0])
@@ -465,6 +550,8 @@ class _Greedy:
             else:  # the largest parts outermost
                 members = sorted(sp.parts, key=lambda r: -sp.parts[r])
                 p.headtail_sized(members, [sp.parts[r] for r in members], sp.start, sp.length)
+        if not splits and not any(p.segments) and doc_rank.min() >= 0:  # every document whole
+            return ArrayPlacement.of_whole(n, doc_rank, self.starts_np, self.lens_np)
         whole = np.flatnonzero(doc_rank >= 0)
         ws = self.starts_np[whole]
         return ArrayPlacement.sorted_from(n, [(doc_rank[whole], ws, ws + self.lens_np[whole]), p.arrays()])
@@ -596,8 +683,9 @@ class _Greedy:
                     vload[rows_of[v]] = load[v]
                     pos = i + 1
 
-    def _batch_whole(self, docs, length: int, w: float, load, toks, limit: float, doc_rank, doc_seq, seq: int):
-        """Documents ``docs`` (all of ``length`` tokens and compute ``w``, in pass order) placed whole as the
+    def _batch_whole(self, lo: int, hi: int, length: int, w: float, load, toks, limit: float, doc_rank, doc_seq,
+                     seq: int):
+        """Documents ``order[lo:hi]`` (all of ``length`` tokens and compute ``w``, in pass order) placed whole as the
         one-by-one step places them, as far as they fit: returns (the ranks of those placed, in order; the ranks
         changed), or None where the first fits nowhere.
 
@@ -605,10 +693,10 @@ class _Greedy:
         and ``t_r + j L`` tokens; its ``j``-th slot fits while both stay within ``limit - w`` and ``cap - L``,
         and the step takes each document onto the fitting rank of least key ``(max(load / limit, tokens / cap),
         load, rank)``.  A rank's keys rise with ``j`` and its fitting slots are a prefix, so the documents go to
-        the ``len(docs)`` least keys of all fitting slots, in key order: one sort.  Slots per rank are tried up
+        the ``hi - lo`` least keys of all fitting slots, in key order: one sort.  Slots per rank are tried up
         to ``m`` (doubled while some rank took all of its ``m`` and more might follow)."""
-        n, cap, k = self.n, self.cap, len(docs)
-        l0, t0 = np.asarray(load), np.asarray(toks, dtype=np.int64)
+        n, cap, k = self.n, self.cap, hi - lo
+        l0, t0 = np.array(load), np.array(toks, dtype=np.int64)
         m = min(k, 2 * -(-k // n) + 2)
         while True:
             lt = np.empty((n, m + 1))
@@ -616,12 +704,10 @@ class _Greedy:
             lt[:, 1:] = w
             np.cumsum(lt, axis=1, out=lt)  # sequential: lt[r, j] = load after j more documents
             tt = t0[:, None] + length * np.arange(m + 1, dtype=np.int64)
-            ls, ts = lt[:, :m], tt[:, :m]
-            ok = np.flatnonzero(((ts <= cap - length) & (ls <= limit - w)).ravel())
-            rank_of = ok // m
-            lv = ls.ravel()[ok]
-            key0 = np.maximum(lv / limit, ts.ravel()[ok] / cap)
-            take = ok[np.lexsort((rank_of, lv, key0))[:k]]
+            ls, ts = lt[:, :m].ravel(), tt[:, :m].ravel()
+            ok = np.flatnonzero((ts <= cap - length) & (ls <= limit - w))
+            lv = ls[ok]
+            take = ok[np.lexsort((ok // m, lv, np.maximum(lv / limit, ts[ok] / cap)))[:k]]
             counts = np.bincount(take // m, minlength=n)
             if m >= k or not (counts == m).any():
                 break
@@ -629,13 +715,13 @@ class _Greedy:
         if not len(take):
             return None
         ranks = take // m
-        idx = np.asarray(docs[: len(take)])
+        idx = self.order_np[lo:lo + len(take)]
         doc_rank[idx] = ranks
         doc_seq[idx] = np.arange(seq, seq + len(take))
         changed = np.flatnonzero(counts).tolist()
-        for r in changed:
-            load[r] = float(lt[r, counts[r]])
-            toks[r] = int(tt[r, counts[r]])
+        for r, c in zip(changed, counts[changed].tolist(), strict=True):
+            load[r] = float(lt[r, c])
+            toks[r] = int(tt[r, c])
         return ranks, changed
 
     def _refine(self, doc_rank, doc_seq, load, toks, seq: int) -> None:
@@ -647,35 +733,23 @@ class _Greedy:
         ``max(H - w_a + w_b, L + w_a - w_b)``, the first in (``a``, then nothing, then ``b``) order on ties
         (see :meth:`_best_move`).  A rank's documents are kept in the order it received them (``doc_seq``);
         per length only the first can be chosen (``w`` is a function of the length), so each rank holds, per
-        length, its documents of that length in that order (built when the rank is first met)."""
+        length, its documents of that length in that order (:class:`_RankDocs`, built when the rank is first
+        met)."""
         whole = np.flatnonzero(doc_rank >= 0)
         if not len(whole):
             return
-        by_rank: dict[int, dict[int, collections.deque]] = {}
+        by_rank: dict[int, _RankDocs] = {}
+        seq_end = seq  # (every place given so far is below it)
 
-        def groups(r: int) -> dict[int, collections.deque]:
+        def docs_of(r: int) -> _RankDocs:
             if r not in by_rank:
-                mine = whole[doc_rank[whole] == r]
-                mine = mine[np.lexsort((doc_seq[mine], self.lens_np[mine]))]
-                lens = self.lens_np[mine]
-                cuts = np.flatnonzero(lens[1:] != lens[:-1]) + 1
-                by_rank[r] = {} if not len(mine) else {int(lens[lo]): collections.deque(mine[lo:hi].tolist())
-                              for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(mine)], strict=True)}
+                by_rank[r] = _RankDocs(whole[doc_rank[whole] == r], self.lens_np, doc_seq, seq_end, self._whole)
             return by_rank[r]
-
-        def options(r: int):
-            g = groups(r)
-            lens = sorted(g)
-            firsts = doc_seq[[g[x][0] for x in lens]].tolist() if lens else []
-            return lens, [self._whole[x] for x in lens], firsts
 
         def move(src: int, dst: int, length: int, at: int) -> int:
             """The first document of ``length`` on ``src`` goes to ``dst``, received at ``at``; the next seq."""
-            g_src = groups(src)
-            doc = g_src[length].popleft()
-            if not g_src[length]:
-                del g_src[length]
-            groups(dst).setdefault(length, collections.deque()).append(doc)
+            doc = docs_of(src).pop_first(length, doc_seq)
+            docs_of(dst).append(length, doc, at)
             doc_rank[doc], doc_seq[doc] = dst, at
             return at + 1
 
@@ -684,7 +758,8 @@ class _Greedy:
             lo = load.index(min(load))
             if hi == lo:
                 return
-            best = self._best_move(options(hi), options(lo), load[hi], load[lo], toks[hi], toks[lo])
+            best = self._best_move(docs_of(hi).options(), docs_of(lo).options(), load[hi], load[lo], toks[hi],
+                                   toks[lo])
             if best is None:
                 return
             la, lb = best
@@ -758,12 +833,13 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
     cut_all = lambda: ([ArrayPlacement.of(per_doc(doc_lens, n))],  # noqa: E731
                        [ArrayPlacement.of(torch_per_doc(doc_lens, n, False))] if n <= 16 else [])
     fig_of: dict[bytes, object] = {}
+    times = greedy.whole_times() if greedy.cost is cost else (greedy.lens_np, whole_doc_times(greedy.lens_np, cost))
 
     def scored(candidates: list[ArrayPlacement]):
         """The pick among ``candidates`` and the baselines (see _pick), and its figures."""
         for p in _unique(candidates + [whole, *ring]):
             if p.key() not in fig_of:
-                fig_of[p.key()] = p.figures(doc_lens, starts, cost)
+                fig_of[p.key()] = p.figures(doc_lens, starts, cost, whole=times)
         # per_doc and torch_per_doc cut every document into 2N pieces (O(D N) of them): skipped where even
         # their lower bound (see _cut_all_bound) is slower than the fastest candidate within the cap by more
         # than a tie, which leaves the choice as it was (such a candidate can be neither the fastest nor tied,
@@ -774,7 +850,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
             pd, tpd = cut_all()
             for p in pd + tpd:
                 if p.key() not in fig_of:
-                    fig_of[p.key()] = p.figures(doc_lens, starts, cost)
+                    fig_of[p.key()] = p.figures(doc_lens, starts, cost, whole=times)
         baselines = [whole, *pd, *ring, *tpd]
         unique = _unique(candidates + baselines)
         keys = {p.key() for p in baselines}
@@ -805,7 +881,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
     if not cost.linear:  # attention alone: balance first (see _balanced), then the least time, then K/V
         pd, tpd = cut_all()
         unique = _unique(candidates + [whole, *pd, *ring, *tpd])
-        figs = {i: unique[i].figures(doc_lens, starts, cost)
+        figs = {i: unique[i].figures(doc_lens, starts, cost, whole=times)
                 for i in _balanced([p.segments for p in unique], greedy.starts, cap)}
         return unique[min(figs, key=lambda i: (max(figs[i].time), sum(figs[i].recv_tokens), i))]
     return scored(candidates)[0]
