@@ -91,16 +91,52 @@ def by_rank_start(rank, a):
     return order if (k[1:] > k[:-1]).all() else np.lexsort((a, rank))
 
 
-def figures_of_arrays(rank, a, b, n: int, total: int, doc_starts, cost: CostModel, comm: str) -> RankFigures:
-    """:func:`rank_figures` of the pieces ``[a_i, b_i)`` held by ``rank_i`` (arrays, in any order)."""
+def figures_of_arrays(rank, a, b, n: int, total: int, doc_starts, cost: CostModel, comm: str,
+                      whole=None) -> RankFigures:
+    """:func:`rank_figures` of the pieces ``[a_i, b_i)`` held by ``rank_i`` (arrays, in any order).  ``whole``:
+    (lengths, :func:`whole_doc_times`) of the documents, where known: a piece that is a whole document then takes its
+    time from there (the same float) and the formulas below run on the other pieces alone (a whole document is a
+    group of its own, receives nothing and has no remote work, and adding 0.0 changes no sum)."""
     order = by_rank_start(rank, a)  # per rank, by start: sorted(segs)
     if order is not None:
         a, b, rank = a[order], b[order], rank[order]
-    m = len(a)
     starts = doc_starts if isinstance(doc_starts, np.ndarray) else np.asarray(doc_starts, dtype=np.int64)
     doc = np.searchsorted(starts, a, side="right") - 1
     s = starts[doc]
     length = b - a
+    pairs = length * (a + b - 2 * s + 1) // 2
+    counts = np.bincount(rank, minlength=n)
+    tokens_r, pairs_r = _int_sums(rank, length, n, total), _int_sums(rank, pairs, n, total)
+    part = None  # the pieces that are not whole documents (None: all)
+    if whole is not None:
+        lens, times = whole
+        part = np.flatnonzero((a != s) | (length != lens[doc]))
+        if len(part) * 2 > len(a):  # (mostly cut: the formulas on all of them)
+            part = None
+    if part is None:
+        local_t, remote_t, recv_r, part_counts = _cut_figures(rank, a, b, doc, s, length, pairs, n, total, cost)
+    else:
+        local_t = times[doc]
+        if len(part):
+            lt_p, remote_t, recv_r, part_counts = _cut_figures(rank[part], a[part], b[part], doc[part], s[part],
+                                                               length[part], pairs[part], n, total, cost)
+            local_t[part] = lt_p
+        else:
+            remote_t, recv_r, part_counts = np.zeros(0), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    lt, rt = _sums_in_order(local_t, counts), _sums_in_order(remote_t, part_counts)
+    hw = cost.hardware
+    recv = (total - tokens_r) if comm == "all" else recv_r
+    compute = tokens_r * cost.flops_per_token / hw.gemm_flops + lt + rt  # linear_time(tokens) + lt + rt
+    comm_t = (recv * cost.kv_bytes_per_token) / hw.link_bytes_per_s
+    time = np.maximum(compute, comm_t + rt)
+    return RankFigures(tokens_r.tolist(), pairs_r.tolist(), recv.tolist(), compute.tolist(), rt.tolist(),
+                       comm_t.tolist(), time.tolist())
+
+
+def _cut_figures(rank, a, b, doc, s, length, pairs, n: int, total: int, cost: CostModel):
+    """Per piece (sorted by rank and start; ``doc`` and its start ``s``), its local and remote attention time; per
+    rank, the tokens it receives (sharding-aware) and its count of pieces."""
+    m = len(a)
     # groups: consecutive pieces of one document on one rank
     new = np.ones(m, dtype=bool)
     new[1:] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1])
@@ -109,7 +145,6 @@ def figures_of_arrays(rank, a, b, n: int, total: int, doc_starts, cost: CostMode
     group_first = np.flatnonzero(new)
     before_group = (csum - length)[group_first]  # tokens of the rank's earlier groups (running over all)
     held_before = csum - length - before_group[gid]
-    pairs = length * (a + b - 2 * s + 1) // 2
     local_p = length * held_before + length * (length + 1) // 2
     hw = cost.hardware
     work = pairs.astype(np.float64) * cost.flops_per_pair
@@ -125,16 +160,7 @@ def figures_of_arrays(rank, a, b, n: int, total: int, doc_starts, cost: CostMode
     group_last = np.append(group_first[1:], m) - 1
     held = csum[group_last] - before_group
     recv_g = (b[group_last] - s[group_first]) - held
-    recv_r, tokens_r, pairs_r = (_int_sums(rank[group_first], recv_g, n, total), _int_sums(rank, length, n, total),
-                                 _int_sums(rank, pairs, n, total))
-    counts = np.bincount(rank, minlength=n)
-    lt, rt = _sums_in_order(local_t, counts), _sums_in_order(remote_t, counts)
-    recv = (total - tokens_r) if comm == "all" else recv_r
-    compute = tokens_r * cost.flops_per_token / hw.gemm_flops + lt + rt  # linear_time(tokens) + lt + rt
-    comm_t = (recv * cost.kv_bytes_per_token) / hw.link_bytes_per_s
-    time = np.maximum(compute, comm_t + rt)
-    return RankFigures(tokens_r.tolist(), pairs_r.tolist(), recv.tolist(), compute.tolist(), rt.tolist(),
-                       comm_t.tolist(), time.tolist())
+    return local_t, remote_t, _int_sums(rank[group_first], recv_g, n, total), np.bincount(rank, minlength=n)
 
 
 def whole_doc_times(lens, cost: CostModel):

@@ -134,48 +134,79 @@ class _Split:
 class _RankDocs:
     """The Whole-Doc documents of one rank for ``_Greedy._refine``: per length it holds, its documents of that length
     in the order it received them (``doc_seq``), and as lists (lengths ascending; compute; place in the rank's order
-    of the first document of each length), which :meth:`_Greedy._best_move` reads.  Built with one sort by (length,
-    place); the queue of a length is made when a move first touches it (moves are few, lengths many)."""
+    of the first document of each length), which :meth:`_Greedy._best_move` reads.  ``docs``: the rank's documents
+    by (length, place); ``heads``: where each length's begin there.  The queue of a length is made when a move first
+    touches it (moves are few, lengths many)."""
 
-    def __init__(self, mine, lens_np, doc_seq, seq_end: int, whole: dict[int, float]) -> None:
-        self.whole = whole
-        self.queues: dict[int, collections.deque] = {}
-        if len(mine) < 64:  # (few: in Python, the same order)
-            items = sorted(zip(lens_np[mine].tolist(), doc_seq[mine].tolist(), mine.tolist(), strict=True))
-            self.docs = [d for _, _, d in items]
-            heads = [i for i in range(len(items)) if i == 0 or items[i][0] != items[i - 1][0]]
-            self.lens = [items[i][0] for i in heads]
-            self.first = [items[i][1] for i in heads]
+    def __init__(self, docs, lens: list[int], first: list[int], heads: list[int], whole: dict[int, float]) -> None:
+        self.docs, self.lens, self.first, self.whole = docs, lens, first, whole
+        self.work = [whole[x] for x in lens]
+        ends = [*heads[1:], len(docs)] if heads else []
+        self.span = dict(zip(lens, zip(heads, ends, strict=True), strict=True))  # length -> (lo, hi) in docs,
+        self.queues: dict[int, collections.deque] = {}  # until its queue is made
+        self._arrays = None
+
+    @classmethod
+    def of(cls, mine, lens_np, doc_seq, whole: dict[int, float]) -> _RankDocs:
+        """Of the documents ``mine`` (few: in Python)."""
+        items = sorted(zip(lens_np[mine].tolist(), doc_seq[mine].tolist(), mine.tolist(), strict=True))
+        heads = [i for i in range(len(items)) if i == 0 or items[i][0] != items[i - 1][0]]
+        return cls([d for _, _, d in items], [items[i][0] for i in heads], [items[i][1] for i in heads], heads, whole)
+
+    @staticmethod
+    def all_ranks(whole, n: int, doc_rank, lens_np, doc_seq, seq_end: int, work: dict[int, float]):
+        """``r -> _RankDocs`` of every rank ``r`` (made when first called) of the documents ``whole``, in one sort
+        of all of them by (rank, length, place): the places are distinct and below ``seq_end``, so documents by
+        place come from one scatter, then two stable sorts (of small integers: radix sorts) by length, then rank."""
+        by_seq = np.full(seq_end, -1, dtype=np.int64)
+        by_seq[doc_seq[whole]] = whole
+        docs = by_seq[by_seq >= 0]
+        if len(docs) != len(whole):  # (places not distinct: no pass gives such)
+            docs = whole[np.lexsort((doc_seq[whole], lens_np[whole], doc_rank[whole]))]
         else:
-            lens = lens_np[mine]
-            if int(lens.max()) < (1 << 62) // (seq_end + 1):  # (distinct keys: every place is one document's)
-                mine = mine[np.argsort(lens * (seq_end + 1) + doc_seq[mine])]
-            else:
-                mine = mine[np.lexsort((doc_seq[mine], lens))]
-            lens = lens_np[mine]
-            at = np.flatnonzero(lens[1:] != lens[:-1]) + 1
-            self.docs = mine.tolist()
-            self.lens = [int(lens[0]), *lens[at].tolist()]
-            self.first = [int(doc_seq[mine[0]]), *doc_seq[mine[at]].tolist()]
-            heads = [0, *at.tolist()]
-        self.work = [whole[x] for x in self.lens]
-        # length -> where its documents are in ``docs``, until a move makes its queue
-        ends = [*heads[1:], len(self.docs)] if heads else []
-        self.span = dict(zip(self.lens, zip(heads, ends, strict=True), strict=True))
+            for key in (lens_np, doc_rank):
+                k = key[docs]
+                docs = docs[np.argsort(k.astype(np.int16) if int(k.max()) < 1 << 15 else k, kind="stable")]
+        rk, ln = doc_rank[docs], lens_np[docs]
+        heads = np.flatnonzero(np.concatenate(([True], (rk[1:] != rk[:-1]) | (ln[1:] != ln[:-1]))))
+        doc_off = np.searchsorted(rk, np.arange(n + 1)).tolist()
+        head_off = np.searchsorted(heads, doc_off).tolist()
+        made: dict[int, _RankDocs] = {}
+
+        def of_rank(r: int) -> _RankDocs:
+            if r not in made:
+                lo, h0, h1 = doc_off[r], head_off[r], head_off[r + 1]
+                hs = heads[h0:h1]
+                made[r] = _RankDocs(docs[lo:doc_off[r + 1]], ln[hs].tolist(), doc_seq[docs[hs]].tolist(),
+                                    (hs - lo).tolist(), work)
+            return made[r]
+
+        return of_rank
 
     def options(self):
         return self.lens, self.work, self.first
 
+    def arrays(self):
+        """:meth:`options` as arrays, and as the least busy rank's options (nothing first: length 0, compute 0,
+        place -1), made once per change."""
+        if self._arrays is None:
+            lens, work, first = np.asarray(self.lens), np.asarray(self.work), np.asarray(self.first)
+            self._arrays = (lens, work, first), (np.concatenate(([0], lens)), np.concatenate(([0.0], work)),
+                                                 np.concatenate(([-1], first)))
+        return self._arrays
+
     def _queue(self, length: int) -> collections.deque:
         if length not in self.queues:
             lo, hi = self.span.pop(length)
-            self.queues[length] = collections.deque(self.docs[lo:hi])
+            q = self.docs[lo:hi]
+            self.queues[length] = collections.deque(q if isinstance(q, list) else q.tolist())
         return self.queues[length]
 
     def pop_first(self, length: int, doc_seq) -> int:
         """The first document of ``length`` (it leaves)."""
         q = self._queue(length)
         doc = q.popleft()
+        self._arrays = None
         i = bisect.bisect_left(self.lens, length)
         if q:
             self.first[i] = int(doc_seq[q[0]])
@@ -185,6 +216,7 @@ class _RankDocs:
 
     def append(self, length: int, doc: int, at: int) -> None:
         """``doc`` of ``length`` arrives, received at ``at`` (after all this rank holds)."""
+        self._arrays = None
         i = bisect.bisect_left(self.lens, length)
         if i < len(self.lens) and self.lens[i] == length:
             self._queue(length).append(doc)
@@ -738,13 +770,15 @@ class _Greedy:
         whole = np.flatnonzero(doc_rank >= 0)
         if not len(whole):
             return
-        by_rank: dict[int, _RankDocs] = {}
-        seq_end = seq  # (every place given so far is below it)
+        if len(whole) >= 512:  # many: one sort of them all
+            docs_of = _RankDocs.all_ranks(whole, self.n, doc_rank, self.lens_np, doc_seq, seq, self._whole)
+        else:
+            by_rank: dict[int, _RankDocs] = {}
 
-        def docs_of(r: int) -> _RankDocs:
-            if r not in by_rank:
-                by_rank[r] = _RankDocs(whole[doc_rank[whole] == r], self.lens_np, doc_seq, seq_end, self._whole)
-            return by_rank[r]
+            def docs_of(r: int) -> _RankDocs:
+                if r not in by_rank:
+                    by_rank[r] = _RankDocs.of(whole[doc_rank[whole] == r], self.lens_np, doc_seq, self._whole)
+                return by_rank[r]
 
         def move(src: int, dst: int, length: int, at: int) -> int:
             """The first document of ``length`` on ``src`` goes to ``dst``, received at ``at``; the next seq."""
@@ -758,8 +792,7 @@ class _Greedy:
             lo = load.index(min(load))
             if hi == lo:
                 return
-            best = self._best_move(docs_of(hi).options(), docs_of(lo).options(), load[hi], load[lo], toks[hi],
-                                   toks[lo])
+            best = self._best_move(docs_of(hi), docs_of(lo), load[hi], load[lo], toks[hi], toks[lo])
             if best is None:
                 return
             la, lb = best
@@ -773,16 +806,16 @@ class _Greedy:
             toks[hi] += (lb or 0) - la
             toks[lo] += la - (lb or 0)
 
-    def _best_move(self, hi_opts, lo_opts, h: float, low: float, tok_hi: int, tok_lo: int):
+    def _best_move(self, hi_docs: _RankDocs, lo_docs: _RankDocs, h: float, low: float, tok_hi: int, tok_lo: int):
         """``(la, lb)``: move the first document of length ``la`` of the busiest rank (load ``h``) to the least
         busy (load ``low``) and its first of length ``lb`` back (``None``: nothing back), the pair of lowest
         peak ``p = max(h - w_a + w_b, low + w_a - w_b)`` below ``h (1 - 1e-12)`` with both ranks within the
         token cap, the first on equal peaks in (the busiest rank's order of its documents, then nothing, then
-        the least busy rank's order); ``None`` if no pair lowers the peak.  ``*_opts``: per length a rank
-        holds, (lengths, compute, place in its order of the first document of that length).  All pairs at once
-        (lengths x lengths, in numpy), each peak rounded as the step writes it."""
-        la, wa, sa = hi_opts
-        lb, wb, sb = lo_opts
+        the least busy rank's order); ``None`` if no pair lowers the peak.  ``*_docs``: per length a rank
+        holds, (lengths, compute, place in its order of the first document of that length) (``_RankDocs.options``).
+        All pairs at once (lengths x lengths, in numpy), each peak rounded as the step writes it."""
+        la, wa, sa = hi_docs.options()
+        lb, wb, sb = lo_docs.options()
         if not len(la):
             return None
         if len(la) * (len(lb) + 1) <= 256:  # few pairs: in Python (the same peaks, the same order on ties)
@@ -797,11 +830,12 @@ class _Greedy:
                         if key < best_key:
                             best, best_key = (x, y or None), key
             return best
-        la, wa, sa = (np.asarray(x) for x in hi_opts)
-        lb, wb, sb = (np.asarray(x) for x in lo_opts)
-        ol = np.concatenate(([0], lb))
-        ow = np.concatenate(([0.0], wb))
-        oj = np.concatenate(([-1], sb))  # nothing first on ties
+        la, wa, sa = hi_docs.arrays()[0]
+        ol, ow, oj = lo_docs.arrays()[1]  # nothing first on ties
+        if len(la) * len(ol) > 2048:
+            found = self._best_move_rows(la, wa, sa, ol, ow, oj, h, low, tok_hi, tok_lo)
+            if found is not _UNSURE:
+                return found
         cap = self.cap
         feasible = (ol[None, :] >= (la + tok_lo - cap)[:, None]) & (ol[None, :] <= (cap - tok_hi + la)[:, None])
         peak = np.maximum((h - wa)[:, None] + ow[None, :], (low + wa)[:, None] - ow[None, :])
@@ -812,6 +846,55 @@ class _Greedy:
         ii, jj = np.nonzero(peak == best)
         k = np.lexsort((oj[jj], sa[ii]))[0]
         return int(la[ii[k]]), (None if jj[k] == 0 else int(ol[jj[k]]))
+
+    def _best_move_rows(self, la, wa, sa, ol, ow, oj, h: float, low: float, tok_hi: int, tok_lo: int):
+        """:meth:`_best_move` (on its arrays: the options ``ol``, ``ow``, ``oj`` of the least busy rank, nothing
+        first, lengths ascending) with at most two options per document of the busiest rank: the same answer, or
+        ``_UNSURE``.  With ``ow`` ascending, a row's ``f1 = (h - w_a) + w_b`` rises and ``f2 = (low + w_a) - w_b``
+        falls along its options (float sums are monotone), so its peak ``max(f1, f2)`` falls until ``c``, the
+        first option with ``f1 >= f2``, and rises from there: the row's least is at ``c - 1`` or ``c`` (within its
+        token window, a range of options; ``c`` found by ``w_b >= (f2 - f1) / 2``, then checked).  Any equal peak
+        elsewhere in the row would need an equal neighbour: where one is found (or ``c`` is not where the estimate
+        put it: rounding), ``_UNSURE`` (the caller takes all pairs)."""
+        if not bool((ow[1:] >= ow[:-1]).all()):
+            return _UNSURE
+        cap = self.cap
+        top = len(ol)
+        jlo = np.searchsorted(ol, la + tok_lo - cap, side="left")  # the window [jlo, jhi) within the token cap
+        jhi = np.searchsorted(ol, cap - tok_hi + la, side="right")
+        x1, x2 = h - wa, low + wa
+        c = np.clip(np.searchsorted(ow, (x2 - x1) / 2, side="left"), jlo, jhi)
+
+        def above(j):  # f1 >= f2 at option j (j within 0..top-1)
+            return x1 + ow[j] >= x2 - ow[j]
+
+        def peak_at(j):
+            return np.maximum(x1 + ow[j], x2 - ow[j])
+
+        ok = ((c == jlo) | ~above(np.maximum(c - 1, 0))) & ((c == jhi) | above(np.minimum(c, top - 1)))
+        rows = jlo < jhi
+        left, right = rows & (c - 1 >= jlo), rows & (c < jhi)
+        j1, j2 = np.maximum(c - 1, 0), np.minimum(c, top - 1)
+        p1, p2 = peak_at(j1), peak_at(j2)
+        # no equal neighbour beyond either: the row's least peaks are among j1, j2
+        ok &= ~(left & (j1 - 1 >= jlo)) | (peak_at(np.maximum(j1 - 1, 0)) > p1)
+        ok &= ~(right & (j2 + 1 < jhi)) | (peak_at(np.minimum(j2 + 1, top - 1)) > p2)
+        if not bool(ok[rows].all()):
+            return _UNSURE
+        bound = h - 1e-12 * abs(h)
+        p1 = np.where(left & (p1 < bound), p1, np.inf)
+        p2 = np.where(right & (p2 < bound), p2, np.inf)
+        best = min(p1.min(), p2.min())
+        if best == np.inf:
+            return None
+        ii = np.concatenate((np.flatnonzero(p1 == best), np.flatnonzero(p2 == best)))
+        jj = np.concatenate((j1[p1 == best], j2[p2 == best]))
+        k = np.lexsort((oj[jj], sa[ii]))[0]
+        return int(la[ii[k]]), (None if jj[k] == 0 else int(ol[jj[k]]))
+
+
+_UNSURE = object()
+"""``_Greedy._best_move_rows`` could not be sure of its answer."""
 
 
 def whole_doc(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) -> ArrayPlacement:
@@ -827,7 +910,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
     lower = greedy.mean  # no plan's step time is below the mean compute of every document whole (cuts only add)
     first = greedy.calibrate()  # the pass (tol 0, force 0, share 1), where the mean did not move
     whole = greedy.run(float("inf"), 0, subgroups=False)
-    ring = [ArrayPlacement.of(f(doc_lens, n)) for f in (headtail, contiguous)]
+    ring = [f(doc_lens, n, starts) for f in (headtail, contiguous)]
     # per_doc, torch_per_doc (beyond 16 ranks not: cutting every document into 2N pieces twice over is the
     # costliest candidate at large N); in the order the baselines have always been compared in
     cut_all = lambda: ([ArrayPlacement.of(per_doc(doc_lens, n))],  # noqa: E731

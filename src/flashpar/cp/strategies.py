@@ -145,12 +145,13 @@ class ArrayPlacement:
 
     def figures(self, doc_lens, doc_starts, cost, comm: str = "aware", whole=None):
         """:func:`~flashpar.cp.cp_plan.figures_of_arrays`; ``whole``: (lengths, :func:`whole_doc_times`) of the
-        documents, which a placement of whole documents (``docs``) is scored from."""
+        documents, which a placement of whole documents (``docs``) is scored from, and its whole documents where
+        some are cut."""
         from flashpar.cp.cp_plan import figures_of_arrays, figures_of_whole
 
         if whole is not None and self.docs is not None and comm == "aware":
             return figures_of_whole(self.rank, self.docs, self.n, whole[0], whole[1], cost)
-        return figures_of_arrays(self.rank, self.a, self.b, self.n, sum(doc_lens), doc_starts, cost, comm)
+        return figures_of_arrays(self.rank, self.a, self.b, self.n, sum(doc_lens), doc_starts, cost, comm, whole)
 
 
 def sized_pieces(sizes: list[int], start: int, length: int) -> list[tuple[tuple[int, int], ...]]:
@@ -167,27 +168,32 @@ def sized_pieces(sizes: list[int], start: int, length: int) -> list[tuple[tuple[
     return out
 
 
-def contiguous(doc_lens: list[int], n: int) -> ArrayPlacement:
-    return _chunks_at_docs(doc_lens, n, n)
+def contiguous(doc_lens: list[int], n: int, starts=None) -> ArrayPlacement:
+    return _chunks_at_docs(doc_lens, n, n, starts)
 
 
-def headtail(doc_lens: list[int], n: int) -> ArrayPlacement:
-    return _chunks_at_docs(doc_lens, n, 2 * n)
+def headtail(doc_lens: list[int], n: int, starts=None) -> ArrayPlacement:
+    return _chunks_at_docs(doc_lens, n, 2 * n, starts)
 
 
-def _chunks_at_docs(doc_lens: list[int], n: int, parts: int) -> ArrayPlacement:
+def _chunks_at_docs(doc_lens: list[int], n: int, parts: int, starts=None) -> ArrayPlacement:
     """The whole sequence cut into ``parts`` chunks (``chunk_bounds``), every chunk cut at the document starts
     inside it; chunk ``c`` goes to rank ``c`` (``parts == n``: contiguous) or, head-tail (``parts == 2n``), to
     ``c`` and ``2n - 1 - c``.  On arrays: the pieces are the gaps between consecutive cut points (the chunk
-    bounds and the document starts), in order; each rank's pieces in token order."""
-    starts = np.asarray(doc_starts_of(doc_lens), dtype=np.int64)
-    total = int(sum(doc_lens))
+    bounds and the document starts), in order; each rank's pieces in token order (a stable sort by rank).
+    ``starts``: the documents' starts as an int64 array, where the caller has them."""
+    if starts is None:
+        starts = np.asarray(doc_starts_of(doc_lens), dtype=np.int64)
+    total = int(starts[-1]) + doc_lens[-1]
     bounds = total * np.arange(parts + 1, dtype=np.int64) // parts
     cuts = _sorted_union(starts, bounds)
     a, b = cuts[:-1], cuts[1:]
     chunk = np.searchsorted(bounds, a, side="right") - 1
-    rank = chunk if parts == n else np.where(chunk < n, chunk, 2 * n - 1 - chunk)
-    return ArrayPlacement.sorted_from(n, [(rank, a, b)])
+    if parts == n:  # (in rank order already)
+        return ArrayPlacement(n, chunk, a, b)
+    rank = np.where(chunk < n, chunk, 2 * n - 1 - chunk)
+    order = np.argsort(rank.astype(np.int16) if n <= 1 << 15 else rank, kind="stable")  # (small keys: radix)
+    return ArrayPlacement(n, rank[order], a[order], b[order])
 
 
 def per_doc(doc_lens: list[int], n: int) -> Placement:
