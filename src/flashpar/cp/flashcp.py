@@ -739,7 +739,8 @@ class _Greedy:
             ls, ts = lt[:, :m].ravel(), tt[:, :m].ravel()
             ok = np.flatnonzero((ts <= cap - length) & (ls <= limit - w))
             lv = ls[ok]
-            take = ok[np.lexsort((ok // m, lv, np.maximum(lv / limit, ts[ok] / cap)))[:k]]
+            # (by key, then load, then rank: ``ok`` runs by rank, and lexsort is stable)
+            take = ok[np.lexsort((lv, np.maximum(lv / limit, ts[ok] / cap)))[:k]]
             counts = np.bincount(take // m, minlength=n)
             if m >= k or not (counts == m).any():
                 break
@@ -750,10 +751,11 @@ class _Greedy:
         idx = self.order_np[lo:lo + len(take)]
         doc_rank[idx] = ranks
         doc_seq[idx] = np.arange(seq, seq + len(take))
-        changed = np.flatnonzero(counts).tolist()
-        for r, c in zip(changed, counts[changed].tolist(), strict=True):
-            load[r] = float(lt[r, c])
-            toks[r] = int(tt[r, c])
+        changed = np.flatnonzero(counts)
+        got = counts[changed]
+        changed = changed.tolist()
+        for r, x, t in zip(changed, lt[changed, got].tolist(), tt[changed, got].tolist(), strict=True):
+            load[r], toks[r] = x, t
         return ranks, changed
 
     def _refine(self, doc_rank, doc_seq, load, toks, seq: int) -> None:
@@ -859,42 +861,35 @@ class _Greedy:
         if not bool((ow[1:] >= ow[:-1]).all()):
             return _UNSURE
         cap = self.cap
-        top = len(ol)
         jlo = np.searchsorted(ol, la + tok_lo - cap, side="left")  # the window [jlo, jhi) within the token cap
         jhi = np.searchsorted(ol, cap - tok_hi + la, side="right")
         x1, x2 = h - wa, low + wa
-        c = np.clip(np.searchsorted(ow, (x2 - x1) / 2, side="left"), jlo, jhi)
-
-        def above(j):  # f1 >= f2 at option j (j within 0..top-1)
-            return x1 + ow[j] >= x2 - ow[j]
-
-        def peak_at(j):
-            return np.maximum(x1 + ow[j], x2 - ow[j])
-
-        ok = ((c == jlo) | ~above(np.maximum(c - 1, 0))) & ((c == jhi) | above(np.minimum(c, top - 1)))
-        rows = jlo < jhi
-        left, right = rows & (c - 1 >= jlo), rows & (c < jhi)
-        j1, j2 = np.maximum(c - 1, 0), np.minimum(c, top - 1)
-        p1, p2 = peak_at(j1), peak_at(j2)
-        # no equal neighbour beyond either: the row's least peaks are among j1, j2
-        ok &= ~(left & (j1 - 1 >= jlo)) | (peak_at(np.maximum(j1 - 1, 0)) > p1)
-        ok &= ~(right & (j2 + 1 < jhi)) | (peak_at(np.minimum(j2 + 1, top - 1)) > p2)
-        if not bool(ok[rows].all()):
+        c = np.minimum(np.maximum(np.searchsorted(ow, (x2 - x1) / 2, side="left"), jlo), jhi)  # (np.clip: slower)
+        # columns: options c - 2, c - 1 (j1), c (j2), c + 1 of each row
+        at = c[:, None] + _WINDOW
+        inside = (at >= jlo[:, None]) & (at < jhi[:, None])
+        w_b = ow[np.minimum(np.maximum(at, 0), len(ol) - 1)]
+        f1, f2 = x1[:, None] + w_b, x2[:, None] - w_b
+        above = f1 >= f2
+        peak = np.maximum(f1, f2)
+        ok = (~inside[:, 1] | ~above[:, 1]) & (~inside[:, 2] | above[:, 2])  # c: the first option above
+        ok &= ~(inside[:, 0] & inside[:, 1]) | (peak[:, 0] > peak[:, 1])  # no equal peak beyond j1 or j2
+        ok &= ~(inside[:, 3] & inside[:, 2]) | (peak[:, 3] > peak[:, 2])
+        if not bool(ok[jlo < jhi].all()):
             return _UNSURE
-        bound = h - 1e-12 * abs(h)
-        p1 = np.where(left & (p1 < bound), p1, np.inf)
-        p2 = np.where(right & (p2 < bound), p2, np.inf)
-        best = min(p1.min(), p2.min())
+        cand = np.where(inside[:, 1:3] & (peak[:, 1:3] < h - 1e-12 * abs(h)), peak[:, 1:3], np.inf)
+        best = cand.min()
         if best == np.inf:
             return None
-        ii = np.concatenate((np.flatnonzero(p1 == best), np.flatnonzero(p2 == best)))
-        jj = np.concatenate((j1[p1 == best], j2[p2 == best]))
+        ii, col = np.nonzero(cand == best)
+        jj = at[ii, col + 1]
         k = np.lexsort((oj[jj], sa[ii]))[0]
         return int(la[ii[k]]), (None if jj[k] == 0 else int(ol[jj[k]]))
 
 
 _UNSURE = object()
 """``_Greedy._best_move_rows`` could not be sure of its answer."""
+_WINDOW = np.arange(-2, 2)
 
 
 def whole_doc(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) -> ArrayPlacement:
