@@ -144,7 +144,7 @@ class _RankDocs:
         ends = [*heads[1:], len(docs)] if heads else []
         self.span = dict(zip(lens, zip(heads, ends, strict=True), strict=True))  # length -> (lo, hi) in docs,
         self.queues: dict[int, collections.deque] = {}  # until its queue is made
-        self._arrays = None
+        self._arrays = self._other = None
 
     @classmethod
     def of(cls, mine, lens_np, doc_seq, whole: dict[int, float]) -> _RankDocs:
@@ -187,13 +187,16 @@ class _RankDocs:
         return self.lens, self.work, self.first
 
     def arrays(self):
-        """:meth:`options` as arrays, and as the least busy rank's options (nothing first: length 0, compute 0,
-        place -1), made once per change."""
+        """:meth:`options` as arrays (made once per change)."""
         if self._arrays is None:
-            lens, work, first = np.asarray(self.lens), np.asarray(self.work), np.asarray(self.first)
-            self._arrays = (lens, work, first), (np.concatenate(([0], lens)), np.concatenate(([0.0], work)),
-                                                 np.concatenate(([-1], first)))
+            self._arrays = np.asarray(self.lens), np.asarray(self.work), np.asarray(self.first)
         return self._arrays
+
+    def other_arrays(self):
+        """:meth:`options` as the least busy rank's, arrays with nothing first (length 0, compute 0, place -1)."""
+        if self._other is None:
+            self._other = (np.asarray([0, *self.lens]), np.asarray([0.0, *self.work]), np.asarray([-1, *self.first]))
+        return self._other
 
     def _queue(self, length: int) -> collections.deque:
         if length not in self.queues:
@@ -206,7 +209,7 @@ class _RankDocs:
         """The first document of ``length`` (it leaves)."""
         q = self._queue(length)
         doc = q.popleft()
-        self._arrays = None
+        self._arrays = self._other = None
         i = bisect.bisect_left(self.lens, length)
         if q:
             self.first[i] = int(doc_seq[q[0]])
@@ -216,7 +219,7 @@ class _RankDocs:
 
     def append(self, length: int, doc: int, at: int) -> None:
         """``doc`` of ``length`` arrives, received at ``at`` (after all this rank holds)."""
-        self._arrays = None
+        self._arrays = self._other = None
         i = bisect.bisect_left(self.lens, length)
         if i < len(self.lens) and self.lens[i] == length:
             self._queue(length).append(doc)
@@ -741,21 +744,29 @@ class _Greedy:
             lv = ls[ok]
             # (by key, then load, then rank: ``ok`` runs by rank, and lexsort is stable)
             take = ok[np.lexsort((lv, np.maximum(lv / limit, ts[ok] / cap)))[:k]]
-            counts = np.bincount(take // m, minlength=n)
-            if m >= k or not (counts == m).any():
+            ranks = take // m
+            counts = np.bincount(ranks, minlength=n)
+            if m >= k or counts.max() < m:  # (no rank took all its slots)
                 break
             m = min(k, 2 * m)
         if not len(take):
             return None
-        ranks = take // m
         idx = self.order_np[lo:lo + len(take)]
         doc_rank[idx] = ranks
         doc_seq[idx] = np.arange(seq, seq + len(take))
-        changed = np.flatnonzero(counts)
-        got = counts[changed]
-        changed = changed.tolist()
-        for r, x, t in zip(changed, lt[changed, got].tolist(), tt[changed, got].tolist(), strict=True):
-            load[r], toks[r] = x, t
+        if n > 64:
+            changed = np.flatnonzero(counts)
+            got = counts[changed]
+            changed = changed.tolist()
+            for r, x, t in zip(changed, lt[changed, got].tolist(), tt[changed, got].tolist(), strict=True):
+                load[r], toks[r] = x, t
+        else:  # (few ranks: every rank's row read at once, the changed ones written)
+            every = np.arange(n)
+            got = counts.tolist()
+            changed = [r for r in range(n) if got[r]]
+            new_load, new_toks = lt[every, counts].tolist(), tt[every, counts].tolist()
+            for r in changed:
+                load[r], toks[r] = new_load[r], new_toks[r]
         return ranks, changed
 
     def _refine(self, doc_rank, doc_seq, load, toks, seq: int) -> None:
@@ -832,8 +843,8 @@ class _Greedy:
                         if key < best_key:
                             best, best_key = (x, y or None), key
             return best
-        la, wa, sa = hi_docs.arrays()[0]
-        ol, ow, oj = lo_docs.arrays()[1]  # nothing first on ties
+        la, wa, sa = hi_docs.arrays()
+        ol, ow, oj = lo_docs.other_arrays()  # nothing first on ties
         if len(la) * len(ol) > 2048:
             found = self._best_move_rows(la, wa, sa, ol, ow, oj, h, low, tok_hi, tok_lo)
             if found is not _UNSURE:
