@@ -246,11 +246,11 @@ def _sums_in_order(values, counts):
     if width == 0:
         return out
     if n * width <= 4 * m + 4096:
-        bounds = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        col = np.arange(m) - np.repeat(bounds, counts)
-        table = np.zeros((n, width))
-        table[np.repeat(np.arange(n), counts), col] = values
-        return np.cumsum(table, axis=1)[:, -1]
+        # value i of rank r (its runs start at bounds[r]) at table[r, i - bounds[r]], flat: i + r width - bounds[r]
+        shift = width * np.arange(n) - (np.cumsum(counts) - counts)
+        table = np.zeros(n * width)
+        table[np.arange(m) + np.repeat(shift, counts)] = values
+        return np.cumsum(table.reshape(n, width), axis=1)[:, -1]
     lo = 0
     for r, c in enumerate(counts.tolist()):
         if c:

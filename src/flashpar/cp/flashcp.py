@@ -193,9 +193,12 @@ class _RankDocs:
         return self._arrays
 
     def other_arrays(self):
-        """:meth:`options` as the least busy rank's, arrays with nothing first (length 0, compute 0, place -1)."""
+        """:meth:`options` as the least busy rank's, arrays with nothing first (length 0, compute 0, place -1), and
+        whether the compute rises along them."""
         if self._other is None:
-            self._other = (np.asarray([0, *self.lens]), np.asarray([0.0, *self.work]), np.asarray([-1, *self.first]))
+            work = np.asarray([0.0, *self.work])
+            self._other = (np.asarray([0, *self.lens]), work, np.asarray([-1, *self.first]),
+                           bool((work[1:] >= work[:-1]).all()))
         return self._other
 
     def _queue(self, length: int) -> collections.deque:
@@ -844,9 +847,9 @@ class _Greedy:
                             best, best_key = (x, y or None), key
             return best
         la, wa, sa = hi_docs.arrays()
-        ol, ow, oj = lo_docs.other_arrays()  # nothing first on ties
+        ol, ow, oj, rising = lo_docs.other_arrays()  # nothing first on ties
         if len(la) * len(ol) > 2048:
-            found = self._best_move_rows(la, wa, sa, ol, ow, oj, h, low, tok_hi, tok_lo)
+            found = self._best_move_rows(la, wa, sa, ol, ow, oj, rising, h, low, tok_hi, tok_lo) if rising else _UNSURE
             if found is not _UNSURE:
                 return found
         cap = self.cap
@@ -860,16 +863,17 @@ class _Greedy:
         k = np.lexsort((oj[jj], sa[ii]))[0]
         return int(la[ii[k]]), (None if jj[k] == 0 else int(ol[jj[k]]))
 
-    def _best_move_rows(self, la, wa, sa, ol, ow, oj, h: float, low: float, tok_hi: int, tok_lo: int):
+    def _best_move_rows(self, la, wa, sa, ol, ow, oj, rising: bool, h: float, low: float, tok_hi: int, tok_lo: int):
         """:meth:`_best_move` (on its arrays: the options ``ol``, ``ow``, ``oj`` of the least busy rank, nothing
-        first, lengths ascending) with at most two options per document of the busiest rank: the same answer, or
-        ``_UNSURE``.  With ``ow`` ascending, a row's ``f1 = (h - w_a) + w_b`` rises and ``f2 = (low + w_a) - w_b``
-        falls along its options (float sums are monotone), so its peak ``max(f1, f2)`` falls until ``c``, the
-        first option with ``f1 >= f2``, and rises from there: the row's least is at ``c - 1`` or ``c`` (within its
-        token window, a range of options; ``c`` found by ``w_b >= (f2 - f1) / 2``, then checked).  Any equal peak
-        elsewhere in the row would need an equal neighbour: where one is found (or ``c`` is not where the estimate
-        put it: rounding), ``_UNSURE`` (the caller takes all pairs)."""
-        if not bool((ow[1:] >= ow[:-1]).all()):
+        first, lengths ascending; ``rising``: ``ow`` ascending) with at most two options per document of the
+        busiest rank: the same answer, or ``_UNSURE``.  With ``ow`` ascending, a row's ``f1 = (h - w_a) + w_b``
+        rises and ``f2 = (low + w_a) - w_b`` falls along its options (float sums are monotone), so its peak
+        ``max(f1, f2)`` falls until ``c``, the first option with ``f1 >= f2``, and rises from there: the row's
+        least is at ``c - 1`` or ``c`` (within its token window, a range of options; ``c`` found by
+        ``w_b >= (f2 - f1) / 2``, then checked).  Any equal peak elsewhere in the row would need an equal
+        neighbour: where one is found (or ``c`` is not where the estimate put it: rounding), ``_UNSURE`` (the
+        caller takes all pairs)."""
+        if not rising:
             return _UNSURE
         cap = self.cap
         jlo = np.searchsorted(ol, la + tok_lo - cap, side="left")  # the window [jlo, jhi) within the token cap
