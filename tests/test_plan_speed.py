@@ -116,3 +116,75 @@ def test_planning_time_grows_no_worse_than_n_log_n_in_documents():
     for strategy in ("flashcp", "whole_doc", "megatron_dynamic", "per_doc"):
         ratio = cpu(large, strategy) / cpu(small, strategy)
         assert ratio < 10, f"{strategy}: 4x the documents took {ratio:.1f}x the planning time"
+
+
+def test_refine_move_search_on_few_options_per_row_equals_all_pairs():
+    """``_Greedy._best_move`` on a large table takes at most two options per row (``_best_move_rows``): the same move
+    as scoring all pairs, on random tables; with coarse compute values (many equal peaks) it must say it is unsure
+    rather than answer differently, and some tables must take that path.  All pairs: the peak of every feasible
+    pair, the least below ``h (1 - 1e-12)``, ties by (the busiest rank's place, then nothing, then the other's)."""
+    import random
+
+    from flashpar.cp.flashcp import _UNSURE, _Greedy, _RankDocs
+
+    rng = random.Random(0)
+    greedy = _Greedy(list(range(1, 400)), 8, CostModel(), 20000)
+
+    def all_pairs(la, wa, sa, lb, wb, sb, h, low, tok_hi, tok_lo):
+        best, best_key = None, None
+        for x, w, i in zip(la, wa, sa, strict=True):
+            for y, v, j in [(0, 0.0, -1), *zip(lb, wb, sb, strict=True)]:
+                if x + tok_lo - greedy.cap <= y <= greedy.cap - tok_hi + x:
+                    peak = max(h - w + v, low + w - v)
+                    if peak < h - 1e-12 * abs(h) and (best_key is None or (peak, i, j) < best_key):
+                        best, best_key = (x, y or None), (peak, i, j)
+        return best
+
+    unsure = 0
+    for t in range(150):
+        la = sorted(rng.sample(range(1, 400), rng.randint(30, 80)))
+        lb = sorted(rng.sample(range(1, 400), rng.randint(30, 80)))
+        digits = rng.choice([None, 5, 6])  # (rounded compute: equal values, so equal peaks)
+        work = {x: greedy.whole(x) if digits is None else round(greedy.whole(x), digits) for x in range(1, 400)}
+        sa, sb = rng.sample(range(10**5), len(la)), rng.sample(range(10**5), len(lb))
+        low = rng.random() * 1e-2
+        h = low + rng.choice([1e-3, 1e-4, 1e-5]) * rng.random()
+        tok_hi, tok_lo = rng.randint(12000, 20000), rng.randint(12000, 20000)
+        want = all_pairs(la, [work[x] for x in la], sa, lb, [work[x] for x in lb], sb, h, low, tok_hi, tok_lo)
+        hi = _RankDocs([], la, sa, list(range(len(la))), work)
+        lo = _RankDocs([], lb, sb, list(range(len(lb))), work)
+        assert greedy._best_move(hi, lo, h, low, tok_hi, tok_lo) == want, t
+        rows = greedy._best_move_rows(*hi.arrays(), *lo.other_arrays(), h, low, tok_hi, tok_lo)
+        if rows is _UNSURE:
+            unsure += 1
+        else:
+            assert rows == want, t
+        assert digits is not None or rows is not _UNSURE, t  # distinct values: always sure
+    assert 0 < unsure < 150
+
+
+def test_figures_from_whole_document_times_equal_the_formulas():
+    """A placement's figures taking whole documents' times from ``whole_doc_times`` (and, where every piece is a
+    whole document, from them alone) equal those of the formulas on every piece: the same floats, for candidates
+    with and without split documents and the ring baselines, both K/V modes, with and without linear work."""
+    import dataclasses
+
+    from flashpar.cp import flashcp as fc
+    from flashpar.cp.cp_plan import figures_of_arrays, whole_doc_times
+    from flashpar.cp.strategies import contiguous, headtail
+
+    kinds = set()  # (both kinds met: placements of whole documents alone, and with cut ones)
+    for doc_lens, n in ((short_docs(131072, 2000), 8), (resolve_lengths("wlbllm").packs(131072, 1)[0], 8),
+                        (resolve_lengths("prolong").packs(65536, 1)[0], 3)):
+        for cost in (CostModel(), CostModel(linear=False)):
+            greedy = fc._Greedy(doc_lens, n, cost, fc.token_cap(doc_lens, n, 0.05))
+            times = (greedy.lens_np, whole_doc_times(greedy.lens_np, cost))
+            placements = [greedy.run(0.0, 0), greedy.run(float("inf"), 0, subgroups=False), greedy.run(0.05, 1, 0.45),
+                          headtail(doc_lens, n), contiguous(doc_lens, n)]
+            kinds.update(p.docs is None for p in placements)
+            for p in placements:
+                for comm in ("aware", "all"):
+                    want = figures_of_arrays(p.rank, p.a, p.b, n, sum(doc_lens), greedy.starts_np, cost, comm)
+                    got = p.figures(doc_lens, greedy.starts_np, cost, comm, whole=times)
+                    assert dataclasses.asdict(got) == dataclasses.asdict(want), (n, comm)
+    assert kinds == {True, False}

@@ -70,15 +70,73 @@ def rank_figures(segments, doc_lens, doc_starts, cost: CostModel, comm: str) -> 
     return figures_of_arrays(rank, flat[:, 0], flat[:, 1], n, sum(doc_lens), doc_starts, cost, comm)
 
 
-def figures_of_arrays(rank, a, b, n: int, total: int, doc_starts, cost: CostModel, comm: str) -> RankFigures:
-    """:func:`rank_figures` of the pieces ``[a_i, b_i)`` held by ``rank_i`` (arrays, in any order)."""
-    order = np.lexsort((a, rank))  # per rank, by start: sorted(segs)
-    a, b, rank = a[order], b[order], rank[order]
+def by_rank_start(rank, a):
+    """The order that sorts pieces by (rank, start), the one ``np.lexsort((a, rank))`` gives (stable); None where
+    they already are so (checked for 1,000 pieces or more).  Pieces of a placement never share a start, so their
+    (rank, start) keys are distinct and one sort of ``rank * span + a`` (any sort: distinct keys have one order)
+    gives that order; with ties, lexsort."""
     m = len(a)
+    if m < 2:
+        return None
+    if m < 1000:  # (few pieces: one lexsort costs less than the checks)
+        return np.lexsort((a, rank))
+    span = int(a.max()) + 1
+    if a.min() < 0 or rank.min() < 0 or (int(rank.max()) + 1) * span >= 1 << 62:  # (no such placements)
+        return np.lexsort((a, rank))
+    key = rank * span + a
+    if (key[1:] > key[:-1]).all():
+        return None
+    order = np.argsort(key)
+    k = key[order]
+    return order if (k[1:] > k[:-1]).all() else np.lexsort((a, rank))
+
+
+def figures_of_arrays(rank, a, b, n: int, total: int, doc_starts, cost: CostModel, comm: str,
+                      whole=None) -> RankFigures:
+    """:func:`rank_figures` of the pieces ``[a_i, b_i)`` held by ``rank_i`` (arrays, in any order).  ``whole``:
+    (lengths, :func:`whole_doc_times`) of the documents, where known: a piece that is a whole document then takes its
+    time from there (the same float) and the formulas below run on the other pieces alone (a whole document is a
+    group of its own, receives nothing and has no remote work, and adding 0.0 changes no sum)."""
+    order = by_rank_start(rank, a)  # per rank, by start: sorted(segs)
+    if order is not None:
+        a, b, rank = a[order], b[order], rank[order]
     starts = doc_starts if isinstance(doc_starts, np.ndarray) else np.asarray(doc_starts, dtype=np.int64)
     doc = np.searchsorted(starts, a, side="right") - 1
     s = starts[doc]
     length = b - a
+    pairs = length * (a + b - 2 * s + 1) // 2
+    counts = np.bincount(rank, minlength=n)
+    tokens_r, pairs_r = _int_sums(rank, length, n, total), _int_sums(rank, pairs, n, total)
+    part = None  # the pieces that are not whole documents (None: all)
+    if whole is not None:
+        lens, times = whole
+        part = np.flatnonzero((a != s) | (length != lens[doc]))
+        if len(part) * 2 > len(a):  # (mostly cut: the formulas on all of them)
+            part = None
+    if part is None:
+        local_t, remote_t, recv_r, part_counts = _cut_figures(rank, a, b, doc, s, length, pairs, n, total, cost)
+    else:
+        local_t = times[doc]
+        if len(part):
+            lt_p, remote_t, recv_r, part_counts = _cut_figures(rank[part], a[part], b[part], doc[part], s[part],
+                                                               length[part], pairs[part], n, total, cost)
+            local_t[part] = lt_p
+        else:
+            remote_t, recv_r, part_counts = np.zeros(0), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    lt, rt = _sums_in_order(local_t, counts), _sums_in_order(remote_t, part_counts)
+    hw = cost.hardware
+    recv = (total - tokens_r) if comm == "all" else recv_r
+    compute = tokens_r * cost.flops_per_token / hw.gemm_flops + lt + rt  # linear_time(tokens) + lt + rt
+    comm_t = (recv * cost.kv_bytes_per_token) / hw.link_bytes_per_s
+    time = np.maximum(compute, comm_t + rt)
+    return RankFigures(tokens_r.tolist(), pairs_r.tolist(), recv.tolist(), compute.tolist(), rt.tolist(),
+                       comm_t.tolist(), time.tolist())
+
+
+def _cut_figures(rank, a, b, doc, s, length, pairs, n: int, total: int, cost: CostModel):
+    """Per piece (sorted by rank and start; ``doc`` and its start ``s``), its local and remote attention time; per
+    rank, the tokens it receives (sharding-aware) and its count of pieces."""
+    m = len(a)
     # groups: consecutive pieces of one document on one rank
     new = np.ones(m, dtype=bool)
     new[1:] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1])
@@ -87,7 +145,6 @@ def figures_of_arrays(rank, a, b, n: int, total: int, doc_starts, cost: CostMode
     group_first = np.flatnonzero(new)
     before_group = (csum - length)[group_first]  # tokens of the rank's earlier groups (running over all)
     held_before = csum - length - before_group[gid]
-    pairs = length * (a + b - 2 * s + 1) // 2
     local_p = length * held_before + length * (length + 1) // 2
     hw = cost.hardware
     work = pairs.astype(np.float64) * cost.flops_per_pair
@@ -103,12 +160,37 @@ def figures_of_arrays(rank, a, b, n: int, total: int, doc_starts, cost: CostMode
     group_last = np.append(group_first[1:], m) - 1
     held = csum[group_last] - before_group
     recv_g = (b[group_last] - s[group_first]) - held
-    recv_r, tokens_r, pairs_r = (_int_sums(rank[group_first], recv_g, n, total), _int_sums(rank, length, n, total),
-                                 _int_sums(rank, pairs, n, total))
+    return local_t, remote_t, _int_sums(rank[group_first], recv_g, n, total), np.bincount(rank, minlength=n)
+
+
+def whole_doc_times(lens, cost: CostModel):
+    """Attention time of each document (lengths ``lens``, an int64 array) held whole on one rank: all of it on local
+    keys, rounded as :func:`figures_of_arrays` rounds a piece that is a whole document (``t p / p``)."""
+    pairs = lens * (lens + 1) // 2
+    hw = cost.hardware
+    work = pairs.astype(np.float64) * cost.flops_per_pair
+    q = lens.astype(np.float64)
+    h = hw.attn_half
+    eff = hw.attn_peak * (q / (q + h)) * (q / (q + h))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(work > 0, work / (hw.flops * eff), 0.0)
+        return t * pairs.astype(np.float64) / pairs
+
+
+def figures_of_whole(rank, docs, n: int, lens, times, cost: CostModel) -> RankFigures:
+    """:func:`figures_of_arrays` (sharding-aware) of a placement of whole documents: document ``docs[i]`` on rank
+    ``rank[i]``, sorted by (rank, start); ``lens`` and ``times`` (:func:`whole_doc_times`) per document.  The same
+    floats: nothing is received and no attention is remote, so a rank's compute is its linear time plus its
+    documents' attention times, added in token order."""
+    length = lens[docs]
+    total = int(lens.sum())
+    tokens_r = _int_sums(rank, length, n, total)
+    pairs_r = _int_sums(rank, length * (length + 1) // 2, n, total)
     counts = np.bincount(rank, minlength=n)
-    lt, rt = _sums_in_order(local_t, counts), _sums_in_order(remote_t, counts)
-    recv = (total - tokens_r) if comm == "all" else recv_r
-    compute = tokens_r * cost.flops_per_token / hw.gemm_flops + lt + rt  # linear_time(tokens) + lt + rt
+    lt, rt = _sums_in_order(times[docs], counts), np.zeros(n)
+    hw = cost.hardware
+    recv = np.zeros(n, dtype=np.int64)
+    compute = tokens_r * cost.flops_per_token / hw.gemm_flops + lt + rt
     comm_t = (recv * cost.kv_bytes_per_token) / hw.link_bytes_per_s
     time = np.maximum(compute, comm_t + rt)
     return RankFigures(tokens_r.tolist(), pairs_r.tolist(), recv.tolist(), compute.tolist(), rt.tolist(),
@@ -129,8 +211,10 @@ def aware_send_tokens(segments, doc_starts, total: int) -> list[int]:
     flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(segments)), dtype=np.int64,
                        count=2 * m).reshape(m, 2)
     rank = np.repeat(np.arange(n, dtype=np.int64), counts)
-    order = np.lexsort((flat[:, 0], rank))
-    a, b, rank = flat[order, 0], flat[order, 1], rank[order]
+    a, b = flat[:, 0], flat[:, 1]
+    order = by_rank_start(rank, a)
+    if order is not None:
+        a, b, rank = a[order], b[order], rank[order]
     starts = np.asarray(doc_starts, dtype=np.int64)
     doc = np.searchsorted(starts, a, side="right") - 1
     last = np.ones(m, dtype=bool)  # the last piece of each (rank, document) group
@@ -162,11 +246,11 @@ def _sums_in_order(values, counts):
     if width == 0:
         return out
     if n * width <= 4 * m + 4096:
-        bounds = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        col = np.arange(m) - np.repeat(bounds, counts)
-        table = np.zeros((n, width))
-        table[np.repeat(np.arange(n), counts), col] = values
-        return np.cumsum(table, axis=1)[:, -1]
+        # value i of rank r (its runs start at bounds[r]) at table[r, i - bounds[r]], flat: i + r width - bounds[r]
+        shift = width * np.arange(n) - (np.cumsum(counts) - counts)
+        table = np.zeros(n * width)
+        table[np.arange(m) + np.repeat(shift, counts)] = values
+        return np.cumsum(table.reshape(n, width), axis=1)[:, -1]
     lo = 0
     for r, c in enumerate(counts.tolist()):
         if c:

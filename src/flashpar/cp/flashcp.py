@@ -50,7 +50,7 @@ import math
 import numpy as np
 
 from flashpar.cp.cost import CostModel
-from flashpar.cp.cp_plan import causal_pairs, doc_starts_of
+from flashpar.cp.cp_plan import causal_pairs, whole_doc_times
 from flashpar.cp.strategies import (
     ArrayPlacement,
     Placement,
@@ -131,34 +131,158 @@ class _Split:
         self.equal = False
 
 
+class _RankDocs:
+    """The Whole-Doc documents of one rank for ``_Greedy._refine``: per length it holds, its documents of that length
+    in the order it received them (``doc_seq``), and as lists (lengths ascending; compute; place in the rank's order
+    of the first document of each length), which :meth:`_Greedy._best_move` reads.  ``docs``: the rank's documents
+    by (length, place); ``heads``: where each length's begin there.  The queue of a length is made when a move first
+    touches it (moves are few, lengths many)."""
+
+    def __init__(self, docs, lens: list[int], first: list[int], heads: list[int], whole: dict[int, float]) -> None:
+        self.docs, self.lens, self.first, self.whole = docs, lens, first, whole
+        self.work = [whole[x] for x in lens]
+        ends = [*heads[1:], len(docs)] if heads else []
+        self.span = dict(zip(lens, zip(heads, ends, strict=True), strict=True))  # length -> (lo, hi) in docs,
+        self.queues: dict[int, collections.deque] = {}  # until its queue is made
+        self._arrays = self._other = None
+
+    @classmethod
+    def of(cls, mine, lens_np, doc_seq, whole: dict[int, float]) -> _RankDocs:
+        """Of the documents ``mine`` (few: in Python)."""
+        items = sorted(zip(lens_np[mine].tolist(), doc_seq[mine].tolist(), mine.tolist(), strict=True))
+        heads = [i for i in range(len(items)) if i == 0 or items[i][0] != items[i - 1][0]]
+        return cls([d for _, _, d in items], [items[i][0] for i in heads], [items[i][1] for i in heads], heads, whole)
+
+    @staticmethod
+    def all_ranks(whole, n: int, doc_rank, lens_np, doc_seq, seq_end: int, work: dict[int, float]):
+        """``r -> _RankDocs`` of every rank ``r`` (made when first called) of the documents ``whole``, in one sort
+        of all of them by (rank, length, place): the places are distinct and below ``seq_end``, so documents by
+        place come from one scatter, then two stable sorts (of small integers: radix sorts) by length, then rank."""
+        by_seq = np.full(seq_end, -1, dtype=np.int64)
+        by_seq[doc_seq[whole]] = whole
+        docs = by_seq[by_seq >= 0]
+        if len(docs) != len(whole):  # (places not distinct: no pass gives such)
+            docs = whole[np.lexsort((doc_seq[whole], lens_np[whole], doc_rank[whole]))]
+        else:
+            for key in (lens_np, doc_rank):
+                k = key[docs]
+                docs = docs[np.argsort(k.astype(np.int16) if int(k.max()) < 1 << 15 else k, kind="stable")]
+        rk, ln = doc_rank[docs], lens_np[docs]
+        heads = np.flatnonzero(np.concatenate(([True], (rk[1:] != rk[:-1]) | (ln[1:] != ln[:-1]))))
+        doc_off = np.searchsorted(rk, np.arange(n + 1)).tolist()
+        head_off = np.searchsorted(heads, doc_off).tolist()
+        made: dict[int, _RankDocs] = {}
+
+        def of_rank(r: int) -> _RankDocs:
+            if r not in made:
+                lo, h0, h1 = doc_off[r], head_off[r], head_off[r + 1]
+                hs = heads[h0:h1]
+                made[r] = _RankDocs(docs[lo:doc_off[r + 1]], ln[hs].tolist(), doc_seq[docs[hs]].tolist(),
+                                    (hs - lo).tolist(), work)
+            return made[r]
+
+        return of_rank
+
+    def options(self):
+        return self.lens, self.work, self.first
+
+    def arrays(self):
+        """:meth:`options` as arrays (made once per change)."""
+        if self._arrays is None:
+            self._arrays = np.asarray(self.lens), np.asarray(self.work), np.asarray(self.first)
+        return self._arrays
+
+    def other_arrays(self):
+        """:meth:`options` as the least busy rank's, arrays with nothing first (length 0, compute 0, place -1), and
+        whether the compute rises along them."""
+        if self._other is None:
+            work = np.asarray([0.0, *self.work])
+            self._other = (np.asarray([0, *self.lens]), work, np.asarray([-1, *self.first]),
+                           bool((work[1:] >= work[:-1]).all()))
+        return self._other
+
+    def _queue(self, length: int) -> collections.deque:
+        if length not in self.queues:
+            lo, hi = self.span.pop(length)
+            q = self.docs[lo:hi]
+            self.queues[length] = collections.deque(q if isinstance(q, list) else q.tolist())
+        return self.queues[length]
+
+    def pop_first(self, length: int, doc_seq) -> int:
+        """The first document of ``length`` (it leaves)."""
+        q = self._queue(length)
+        doc = q.popleft()
+        self._arrays = self._other = None
+        i = bisect.bisect_left(self.lens, length)
+        if q:
+            self.first[i] = int(doc_seq[q[0]])
+        else:
+            del self.queues[length], self.lens[i], self.work[i], self.first[i]
+        return doc
+
+    def append(self, length: int, doc: int, at: int) -> None:
+        """``doc`` of ``length`` arrives, received at ``at`` (after all this rank holds)."""
+        self._arrays = self._other = None
+        i = bisect.bisect_left(self.lens, length)
+        if i < len(self.lens) and self.lens[i] == length:
+            self._queue(length).append(doc)
+            return
+        self.lens.insert(i, length)
+        self.work.insert(i, self.whole[length])
+        self.first.insert(i, at)
+        self.queues[length] = collections.deque([doc])
+
+
 class _Greedy:
     """The greedy pass (see the module docstring), with per-(length, group) shares cached."""
 
     def __init__(self, doc_lens: list[int], n: int, cost: CostModel, cap: int) -> None:
         self.lens, self.n, self.cost, self.cap = doc_lens, n, cost, cap
-        self.starts = doc_starts_of(doc_lens)
-        self.lens_np = np.asarray(doc_lens, dtype=np.int64)
-        self.starts_np = np.asarray(self.starts, dtype=np.int64)
-        order = np.lexsort((np.arange(len(doc_lens)), -self.lens_np))  # by (-length, index)
-        self.order = order.tolist()
+        self.lens_np = lens = np.fromiter(doc_lens, dtype=np.int64, count=len(doc_lens))
+        self.starts_np = np.cumsum(lens) - lens
+        self.starts = self.starts_np.tolist()
+        # by (-length, index): a stable sort (of 16-bit keys, a radix sort, where the lengths allow)
+        neg = -lens if int(lens.max()) >= 1 << 15 else (-lens).astype(np.int16)
+        order = np.argsort(neg, kind="stable")
+        self.order_np, self.order = order, order.tolist()
         # run_end[k]: where the run of documents of order[k]'s length ends (in pass order)
-        sl = self.lens_np[order]
+        sl = lens[order]
         ends = np.append(np.flatnonzero(sl[1:] != sl[:-1]) + 1, len(sl))
         self.run_end = np.repeat(ends, np.diff(np.concatenate(([0], ends)))).tolist()
+        distinct = sl[np.concatenate(([0], ends[:-1]))]
         self._shares: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
         self._whole: dict[int, float] = {}
         self._top: dict[tuple[int, int], tuple] = {}  # per (length, g): max of the shares, shares as arrays
         self._big: dict[int, dict] = {}  # per length: _big_shares
         self._big_index = None
+        self._whole_times = None
         # group sizes tried: every size up to 8, then about 1.25x apart (and N itself)
         sizes, g = [], 2
         while g < n:
             sizes.append(g)
             g = g + 1 if g < 8 else math.ceil(g * 1.25)
         self.sizes = [*sizes, n] if n >= 2 else []
-        for length in set(doc_lens):
-            self.whole(length)
+        self._whole = dict(zip(distinct.tolist(), self._whole_arrays(distinct).tolist(), strict=True))
         self.mean = sum(map(self._whole.__getitem__, doc_lens)) / n  # (added in document order, as always)
+
+    def whole_times(self) -> tuple[np.ndarray, np.ndarray]:
+        """(lengths, ``whole_doc_times``) of the documents under this pass's cost model (placements of whole
+        documents are scored from them)."""
+        if self._whole_times is None:
+            self._whole_times = (self.lens_np, whole_doc_times(self.lens_np, self.cost))
+        return self._whole_times
+
+    def _whole_arrays(self, lens):
+        """:meth:`whole` of each of ``lens`` (an int64 array), on arrays: the same floats (the linear time, then the
+        attention time as ``CostModel.attn_time`` rounds it, added)."""
+        cost, hw = self.cost, self.cost.hardware
+        q = lens.astype(np.float64)
+        h = hw.attn_half
+        work = (lens * (lens + 1) // 2).astype(np.float64) * cost.flops_per_pair
+        eff = hw.attn_peak * (q / (q + h)) * (q / (q + h))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            attn = np.where(work > 0, work / (hw.flops * eff), 0.0)
+        return q * cost.flops_per_token / hw.gemm_flops + attn
 
     def whole(self, length: int) -> float:
         if length not in self._whole:
@@ -339,7 +463,7 @@ class _Greedy:
         """Re-base the mean compute on a first placement (cutting documents costs kernel efficiency).  Where
         the mean stays, that placement is the pass ``run(0.0, 0)``'s: returned, with its ``peak_share``."""
         p = self.run(0.0, 0)
-        fig = p.figures(self.lens, self.starts_np, self.cost)
+        fig = p.figures(self.lens, self.starts_np, self.cost, whole=self.whole_times())
         self.first_figures = fig
         if sum(fig.compute) / self.n <= self.mean * (1 + 1e-9):  # (sums of the same work in another order)
             return p, self.peak_share
@@ -397,8 +521,7 @@ class _Greedy:
                 w = self.whole(length)
                 tok_room, work_room = cap - length, limit - w
                 if run_end[k] - k >= BATCH:  # a run of equal lengths: place as many whole as the greedy would
-                    placed = self._batch_whole(order[k:run_end[k]], length, w, load, toks, limit, doc_rank, doc_seq,
-                                               seq)
+                    placed = self._batch_whole(k, run_end[k], length, w, load, toks, limit, doc_rank, doc_seq, seq)
                     if placed:
                         seq += len(placed[0])
                         k += len(placed[0])
@@ -465,6 +588,8 @@ class _Greedy:
             else:  # the largest parts outermost
                 members = sorted(sp.parts, key=lambda r: -sp.parts[r])
                 p.headtail_sized(members, [sp.parts[r] for r in members], sp.start, sp.length)
+        if not splits and not any(p.segments) and doc_rank.min() >= 0:  # every document whole
+            return ArrayPlacement.of_whole(n, doc_rank, self.starts_np, self.lens_np)
         whole = np.flatnonzero(doc_rank >= 0)
         ws = self.starts_np[whole]
         return ArrayPlacement.sorted_from(n, [(doc_rank[whole], ws, ws + self.lens_np[whole]), p.arrays()])
@@ -596,8 +721,9 @@ class _Greedy:
                     vload[rows_of[v]] = load[v]
                     pos = i + 1
 
-    def _batch_whole(self, docs, length: int, w: float, load, toks, limit: float, doc_rank, doc_seq, seq: int):
-        """Documents ``docs`` (all of ``length`` tokens and compute ``w``, in pass order) placed whole as the
+    def _batch_whole(self, lo: int, hi: int, length: int, w: float, load, toks, limit: float, doc_rank, doc_seq,
+                     seq: int):
+        """Documents ``order[lo:hi]`` (all of ``length`` tokens and compute ``w``, in pass order) placed whole as the
         one-by-one step places them, as far as they fit: returns (the ranks of those placed, in order; the ranks
         changed), or None where the first fits nowhere.
 
@@ -605,10 +731,10 @@ class _Greedy:
         and ``t_r + j L`` tokens; its ``j``-th slot fits while both stay within ``limit - w`` and ``cap - L``,
         and the step takes each document onto the fitting rank of least key ``(max(load / limit, tokens / cap),
         load, rank)``.  A rank's keys rise with ``j`` and its fitting slots are a prefix, so the documents go to
-        the ``len(docs)`` least keys of all fitting slots, in key order: one sort.  Slots per rank are tried up
+        the ``hi - lo`` least keys of all fitting slots, in key order: one sort.  Slots per rank are tried up
         to ``m`` (doubled while some rank took all of its ``m`` and more might follow)."""
-        n, cap, k = self.n, self.cap, len(docs)
-        l0, t0 = np.asarray(load), np.asarray(toks, dtype=np.int64)
+        n, cap, k = self.n, self.cap, hi - lo
+        l0, t0 = np.array(load), np.array(toks, dtype=np.int64)
         m = min(k, 2 * -(-k // n) + 2)
         while True:
             lt = np.empty((n, m + 1))
@@ -616,26 +742,34 @@ class _Greedy:
             lt[:, 1:] = w
             np.cumsum(lt, axis=1, out=lt)  # sequential: lt[r, j] = load after j more documents
             tt = t0[:, None] + length * np.arange(m + 1, dtype=np.int64)
-            ls, ts = lt[:, :m], tt[:, :m]
-            ok = np.flatnonzero(((ts <= cap - length) & (ls <= limit - w)).ravel())
-            rank_of = ok // m
-            lv = ls.ravel()[ok]
-            key0 = np.maximum(lv / limit, ts.ravel()[ok] / cap)
-            take = ok[np.lexsort((rank_of, lv, key0))[:k]]
-            counts = np.bincount(take // m, minlength=n)
-            if m >= k or not (counts == m).any():
+            ls, ts = lt[:, :m].ravel(), tt[:, :m].ravel()
+            ok = np.flatnonzero((ts <= cap - length) & (ls <= limit - w))
+            lv = ls[ok]
+            # (by key, then load, then rank: ``ok`` runs by rank, and lexsort is stable)
+            take = ok[np.lexsort((lv, np.maximum(lv / limit, ts[ok] / cap)))[:k]]
+            ranks = take // m
+            counts = np.bincount(ranks, minlength=n)
+            if m >= k or counts.max() < m:  # (no rank took all its slots)
                 break
             m = min(k, 2 * m)
         if not len(take):
             return None
-        ranks = take // m
-        idx = np.asarray(docs[: len(take)])
+        idx = self.order_np[lo:lo + len(take)]
         doc_rank[idx] = ranks
         doc_seq[idx] = np.arange(seq, seq + len(take))
-        changed = np.flatnonzero(counts).tolist()
-        for r in changed:
-            load[r] = float(lt[r, counts[r]])
-            toks[r] = int(tt[r, counts[r]])
+        if n > 64:
+            changed = np.flatnonzero(counts)
+            got = counts[changed]
+            changed = changed.tolist()
+            for r, x, t in zip(changed, lt[changed, got].tolist(), tt[changed, got].tolist(), strict=True):
+                load[r], toks[r] = x, t
+        else:  # (few ranks: every rank's row read at once, the changed ones written)
+            every = np.arange(n)
+            got = counts.tolist()
+            changed = [r for r in range(n) if got[r]]
+            new_load, new_toks = lt[every, counts].tolist(), tt[every, counts].tolist()
+            for r in changed:
+                load[r], toks[r] = new_load[r], new_toks[r]
         return ranks, changed
 
     def _refine(self, doc_rank, doc_seq, load, toks, seq: int) -> None:
@@ -647,35 +781,25 @@ class _Greedy:
         ``max(H - w_a + w_b, L + w_a - w_b)``, the first in (``a``, then nothing, then ``b``) order on ties
         (see :meth:`_best_move`).  A rank's documents are kept in the order it received them (``doc_seq``);
         per length only the first can be chosen (``w`` is a function of the length), so each rank holds, per
-        length, its documents of that length in that order (built when the rank is first met)."""
+        length, its documents of that length in that order (:class:`_RankDocs`, built when the rank is first
+        met)."""
         whole = np.flatnonzero(doc_rank >= 0)
         if not len(whole):
             return
-        by_rank: dict[int, dict[int, collections.deque]] = {}
+        if len(whole) >= 512:  # many: one sort of them all
+            docs_of = _RankDocs.all_ranks(whole, self.n, doc_rank, self.lens_np, doc_seq, seq, self._whole)
+        else:
+            by_rank: dict[int, _RankDocs] = {}
 
-        def groups(r: int) -> dict[int, collections.deque]:
-            if r not in by_rank:
-                mine = whole[doc_rank[whole] == r]
-                mine = mine[np.lexsort((doc_seq[mine], self.lens_np[mine]))]
-                lens = self.lens_np[mine]
-                cuts = np.flatnonzero(lens[1:] != lens[:-1]) + 1
-                by_rank[r] = {} if not len(mine) else {int(lens[lo]): collections.deque(mine[lo:hi].tolist())
-                              for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(mine)], strict=True)}
-            return by_rank[r]
-
-        def options(r: int):
-            g = groups(r)
-            lens = sorted(g)
-            firsts = doc_seq[[g[x][0] for x in lens]].tolist() if lens else []
-            return lens, [self._whole[x] for x in lens], firsts
+            def docs_of(r: int) -> _RankDocs:
+                if r not in by_rank:
+                    by_rank[r] = _RankDocs.of(whole[doc_rank[whole] == r], self.lens_np, doc_seq, self._whole)
+                return by_rank[r]
 
         def move(src: int, dst: int, length: int, at: int) -> int:
             """The first document of ``length`` on ``src`` goes to ``dst``, received at ``at``; the next seq."""
-            g_src = groups(src)
-            doc = g_src[length].popleft()
-            if not g_src[length]:
-                del g_src[length]
-            groups(dst).setdefault(length, collections.deque()).append(doc)
+            doc = docs_of(src).pop_first(length, doc_seq)
+            docs_of(dst).append(length, doc, at)
             doc_rank[doc], doc_seq[doc] = dst, at
             return at + 1
 
@@ -684,7 +808,7 @@ class _Greedy:
             lo = load.index(min(load))
             if hi == lo:
                 return
-            best = self._best_move(options(hi), options(lo), load[hi], load[lo], toks[hi], toks[lo])
+            best = self._best_move(docs_of(hi), docs_of(lo), load[hi], load[lo], toks[hi], toks[lo])
             if best is None:
                 return
             la, lb = best
@@ -698,16 +822,16 @@ class _Greedy:
             toks[hi] += (lb or 0) - la
             toks[lo] += la - (lb or 0)
 
-    def _best_move(self, hi_opts, lo_opts, h: float, low: float, tok_hi: int, tok_lo: int):
+    def _best_move(self, hi_docs: _RankDocs, lo_docs: _RankDocs, h: float, low: float, tok_hi: int, tok_lo: int):
         """``(la, lb)``: move the first document of length ``la`` of the busiest rank (load ``h``) to the least
         busy (load ``low``) and its first of length ``lb`` back (``None``: nothing back), the pair of lowest
         peak ``p = max(h - w_a + w_b, low + w_a - w_b)`` below ``h (1 - 1e-12)`` with both ranks within the
         token cap, the first on equal peaks in (the busiest rank's order of its documents, then nothing, then
-        the least busy rank's order); ``None`` if no pair lowers the peak.  ``*_opts``: per length a rank
-        holds, (lengths, compute, place in its order of the first document of that length).  All pairs at once
-        (lengths x lengths, in numpy), each peak rounded as the step writes it."""
-        la, wa, sa = hi_opts
-        lb, wb, sb = lo_opts
+        the least busy rank's order); ``None`` if no pair lowers the peak.  ``*_docs``: per length a rank
+        holds, (lengths, compute, place in its order of the first document of that length) (``_RankDocs.options``).
+        All pairs at once (lengths x lengths, in numpy), each peak rounded as the step writes it."""
+        la, wa, sa = hi_docs.options()
+        lb, wb, sb = lo_docs.options()
         if not len(la):
             return None
         if len(la) * (len(lb) + 1) <= 256:  # few pairs: in Python (the same peaks, the same order on ties)
@@ -722,11 +846,12 @@ class _Greedy:
                         if key < best_key:
                             best, best_key = (x, y or None), key
             return best
-        la, wa, sa = (np.asarray(x) for x in hi_opts)
-        lb, wb, sb = (np.asarray(x) for x in lo_opts)
-        ol = np.concatenate(([0], lb))
-        ow = np.concatenate(([0.0], wb))
-        oj = np.concatenate(([-1], sb))  # nothing first on ties
+        la, wa, sa = hi_docs.arrays()
+        ol, ow, oj, rising = lo_docs.other_arrays()  # nothing first on ties
+        if len(la) * len(ol) > 2048:
+            found = self._best_move_rows(la, wa, sa, ol, ow, oj, rising, h, low, tok_hi, tok_lo) if rising else _UNSURE
+            if found is not _UNSURE:
+                return found
         cap = self.cap
         feasible = (ol[None, :] >= (la + tok_lo - cap)[:, None]) & (ol[None, :] <= (cap - tok_hi + la)[:, None])
         peak = np.maximum((h - wa)[:, None] + ow[None, :], (low + wa)[:, None] - ow[None, :])
@@ -737,6 +862,49 @@ class _Greedy:
         ii, jj = np.nonzero(peak == best)
         k = np.lexsort((oj[jj], sa[ii]))[0]
         return int(la[ii[k]]), (None if jj[k] == 0 else int(ol[jj[k]]))
+
+    def _best_move_rows(self, la, wa, sa, ol, ow, oj, rising: bool, h: float, low: float, tok_hi: int, tok_lo: int):
+        """:meth:`_best_move` (on its arrays: the options ``ol``, ``ow``, ``oj`` of the least busy rank, nothing
+        first, lengths ascending; ``rising``: ``ow`` ascending) with at most two options per document of the
+        busiest rank: the same answer, or ``_UNSURE``.  With ``ow`` ascending, a row's ``f1 = (h - w_a) + w_b``
+        rises and ``f2 = (low + w_a) - w_b`` falls along its options (float sums are monotone), so its peak
+        ``max(f1, f2)`` falls until ``c``, the first option with ``f1 >= f2``, and rises from there: the row's
+        least is at ``c - 1`` or ``c`` (within its token window, a range of options; ``c`` found by
+        ``w_b >= (f2 - f1) / 2``, then checked).  Any equal peak elsewhere in the row would need an equal
+        neighbour: where one is found (or ``c`` is not where the estimate put it: rounding), ``_UNSURE`` (the
+        caller takes all pairs)."""
+        if not rising:
+            return _UNSURE
+        cap = self.cap
+        jlo = np.searchsorted(ol, la + tok_lo - cap, side="left")  # the window [jlo, jhi) within the token cap
+        jhi = np.searchsorted(ol, cap - tok_hi + la, side="right")
+        x1, x2 = h - wa, low + wa
+        c = np.minimum(np.maximum(np.searchsorted(ow, (x2 - x1) / 2, side="left"), jlo), jhi)  # (np.clip: slower)
+        # columns: options c - 2, c - 1 (j1), c (j2), c + 1 of each row
+        at = c[:, None] + _WINDOW
+        inside = (at >= jlo[:, None]) & (at < jhi[:, None])
+        w_b = ow[np.minimum(np.maximum(at, 0), len(ol) - 1)]
+        f1, f2 = x1[:, None] + w_b, x2[:, None] - w_b
+        above = f1 >= f2
+        peak = np.maximum(f1, f2)
+        ok = (~inside[:, 1] | ~above[:, 1]) & (~inside[:, 2] | above[:, 2])  # c: the first option above
+        ok &= ~(inside[:, 0] & inside[:, 1]) | (peak[:, 0] > peak[:, 1])  # no equal peak beyond j1 or j2
+        ok &= ~(inside[:, 3] & inside[:, 2]) | (peak[:, 3] > peak[:, 2])
+        if not bool(ok[jlo < jhi].all()):
+            return _UNSURE
+        cand = np.where(inside[:, 1:3] & (peak[:, 1:3] < h - 1e-12 * abs(h)), peak[:, 1:3], np.inf)
+        best = cand.min()
+        if best == np.inf:
+            return None
+        ii, col = np.nonzero(cand == best)
+        jj = at[ii, col + 1]
+        k = np.lexsort((oj[jj], sa[ii]))[0]
+        return int(la[ii[k]]), (None if jj[k] == 0 else int(ol[jj[k]]))
+
+
+_UNSURE = object()
+"""``_Greedy._best_move_rows`` could not be sure of its answer."""
+_WINDOW = np.arange(-2, 2)
 
 
 def whole_doc(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) -> ArrayPlacement:
@@ -752,18 +920,19 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
     lower = greedy.mean  # no plan's step time is below the mean compute of every document whole (cuts only add)
     first = greedy.calibrate()  # the pass (tol 0, force 0, share 1), where the mean did not move
     whole = greedy.run(float("inf"), 0, subgroups=False)
-    ring = [ArrayPlacement.of(f(doc_lens, n)) for f in (headtail, contiguous)]
+    ring = [f(doc_lens, n, starts) for f in (headtail, contiguous)]
     # per_doc, torch_per_doc (beyond 16 ranks not: cutting every document into 2N pieces twice over is the
     # costliest candidate at large N); in the order the baselines have always been compared in
     cut_all = lambda: ([ArrayPlacement.of(per_doc(doc_lens, n))],  # noqa: E731
                        [ArrayPlacement.of(torch_per_doc(doc_lens, n, False))] if n <= 16 else [])
     fig_of: dict[bytes, object] = {}
+    times = greedy.whole_times() if greedy.cost is cost else (greedy.lens_np, whole_doc_times(greedy.lens_np, cost))
 
     def scored(candidates: list[ArrayPlacement]):
         """The pick among ``candidates`` and the baselines (see _pick), and its figures."""
         for p in _unique(candidates + [whole, *ring]):
             if p.key() not in fig_of:
-                fig_of[p.key()] = p.figures(doc_lens, starts, cost)
+                fig_of[p.key()] = p.figures(doc_lens, starts, cost, whole=times)
         # per_doc and torch_per_doc cut every document into 2N pieces (O(D N) of them): skipped where even
         # their lower bound (see _cut_all_bound) is slower than the fastest candidate within the cap by more
         # than a tie, which leaves the choice as it was (such a candidate can be neither the fastest nor tied,
@@ -774,7 +943,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
             pd, tpd = cut_all()
             for p in pd + tpd:
                 if p.key() not in fig_of:
-                    fig_of[p.key()] = p.figures(doc_lens, starts, cost)
+                    fig_of[p.key()] = p.figures(doc_lens, starts, cost, whole=times)
         baselines = [whole, *pd, *ring, *tpd]
         unique = _unique(candidates + baselines)
         keys = {p.key() for p in baselines}
@@ -805,7 +974,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
     if not cost.linear:  # attention alone: balance first (see _balanced), then the least time, then K/V
         pd, tpd = cut_all()
         unique = _unique(candidates + [whole, *pd, *ring, *tpd])
-        figs = {i: unique[i].figures(doc_lens, starts, cost)
+        figs = {i: unique[i].figures(doc_lens, starts, cost, whole=times)
                 for i in _balanced([p.segments for p in unique], greedy.starts, cap)}
         return unique[min(figs, key=lambda i: (max(figs[i].time), sum(figs[i].recv_tokens), i))]
     return scored(candidates)[0]

@@ -20,7 +20,7 @@ import bisect
 
 import numpy as np
 
-from flashpar.cp.cp_plan import doc_starts_of
+from flashpar.cp.cp_plan import by_rank_start, doc_starts_of
 
 
 def chunk_bounds(start: int, length: int, parts: int) -> list[int]:
@@ -93,18 +93,29 @@ class ArrayPlacement:
     """A placement as arrays: piece ``i`` is ``[a[i], b[i])`` on rank ``rank[i]``, each rank's pieces in its local
     order (:meth:`frozen` gives the per-rank tuples a :class:`~flashpar.cp.cp_plan.CPPlan` holds)."""
 
-    def __init__(self, n: int, rank, a, b) -> None:
+    def __init__(self, n: int, rank, a, b, docs=None) -> None:
         self.n, self.rank, self.a, self.b = n, rank, a, b
-        self._frozen = None
+        self.docs = docs  # where every piece is a whole document, sorted by (rank, start): each piece's document
+        self._frozen = self._key = None
+
+    @classmethod
+    def of_whole(cls, n: int, doc_rank, starts, lens) -> ArrayPlacement:
+        """Every document ``d`` whole on rank ``doc_rank[d]`` (``starts``, ``lens``: int64 arrays), each rank's in
+        token order (a stable sort by rank: documents are in token order)."""
+        small = doc_rank.astype(np.int16) if n <= 1 << 15 else doc_rank  # (small integers: a radix sort)
+        docs = np.argsort(small, kind="stable")
+        a = starts[docs]
+        return cls(n, doc_rank[docs], a, a + lens[docs], docs)
 
     @classmethod
     def sorted_from(cls, n: int, parts) -> ArrayPlacement:
         """The pieces of ``parts`` ((rank, a, b) arrays), each rank's sorted by start, empty ones dropped."""
         rank, a, b = (np.concatenate([np.asarray(x[i], dtype=np.int64) for x in parts]) for i in range(3))
         keep = b > a
-        rank, a, b = rank[keep], a[keep], b[keep]
-        order = np.lexsort((a, rank))
-        return cls(n, rank[order], a[order], b[order])
+        if not keep.all():
+            rank, a, b = rank[keep], a[keep], b[keep]
+        order = by_rank_start(rank, a)
+        return cls(n, rank, a, b) if order is None else cls(n, rank[order], a[order], b[order])
 
     @classmethod
     def of(cls, placement) -> ArrayPlacement:
@@ -128,12 +139,19 @@ class ArrayPlacement:
 
     def key(self) -> bytes:
         """Equal for equal placements (the same pieces, each rank's in the same order)."""
-        return self.rank.tobytes() + self.a.tobytes() + self.b.tobytes()
+        if self._key is None:  # (the arrays are never changed once made)
+            self._key = self.rank.tobytes() + self.a.tobytes() + self.b.tobytes()
+        return self._key
 
-    def figures(self, doc_lens, doc_starts, cost, comm: str = "aware"):
-        from flashpar.cp.cp_plan import figures_of_arrays
+    def figures(self, doc_lens, doc_starts, cost, comm: str = "aware", whole=None):
+        """:func:`~flashpar.cp.cp_plan.figures_of_arrays`; ``whole``: (lengths, :func:`whole_doc_times`) of the
+        documents, which a placement of whole documents (``docs``) is scored from, and its whole documents where
+        some are cut."""
+        from flashpar.cp.cp_plan import figures_of_arrays, figures_of_whole
 
-        return figures_of_arrays(self.rank, self.a, self.b, self.n, sum(doc_lens), doc_starts, cost, comm)
+        if whole is not None and self.docs is not None and comm == "aware":
+            return figures_of_whole(self.rank, self.docs, self.n, whole[0], whole[1], cost)
+        return figures_of_arrays(self.rank, self.a, self.b, self.n, sum(doc_lens), doc_starts, cost, comm, whole)
 
 
 def sized_pieces(sizes: list[int], start: int, length: int) -> list[tuple[tuple[int, int], ...]]:
@@ -150,27 +168,32 @@ def sized_pieces(sizes: list[int], start: int, length: int) -> list[tuple[tuple[
     return out
 
 
-def contiguous(doc_lens: list[int], n: int) -> ArrayPlacement:
-    return _chunks_at_docs(doc_lens, n, n)
+def contiguous(doc_lens: list[int], n: int, starts=None) -> ArrayPlacement:
+    return _chunks_at_docs(doc_lens, n, n, starts)
 
 
-def headtail(doc_lens: list[int], n: int) -> ArrayPlacement:
-    return _chunks_at_docs(doc_lens, n, 2 * n)
+def headtail(doc_lens: list[int], n: int, starts=None) -> ArrayPlacement:
+    return _chunks_at_docs(doc_lens, n, 2 * n, starts)
 
 
-def _chunks_at_docs(doc_lens: list[int], n: int, parts: int) -> ArrayPlacement:
+def _chunks_at_docs(doc_lens: list[int], n: int, parts: int, starts=None) -> ArrayPlacement:
     """The whole sequence cut into ``parts`` chunks (``chunk_bounds``), every chunk cut at the document starts
     inside it; chunk ``c`` goes to rank ``c`` (``parts == n``: contiguous) or, head-tail (``parts == 2n``), to
     ``c`` and ``2n - 1 - c``.  On arrays: the pieces are the gaps between consecutive cut points (the chunk
-    bounds and the document starts), in order; each rank's pieces in token order."""
-    starts = np.asarray(doc_starts_of(doc_lens), dtype=np.int64)
-    total = int(sum(doc_lens))
+    bounds and the document starts), in order; each rank's pieces in token order (a stable sort by rank).
+    ``starts``: the documents' starts as an int64 array, where the caller has them."""
+    if starts is None:
+        starts = np.asarray(doc_starts_of(doc_lens), dtype=np.int64)
+    total = int(starts[-1]) + doc_lens[-1]
     bounds = total * np.arange(parts + 1, dtype=np.int64) // parts
     cuts = _sorted_union(starts, bounds)
     a, b = cuts[:-1], cuts[1:]
     chunk = np.searchsorted(bounds, a, side="right") - 1
-    rank = chunk if parts == n else np.where(chunk < n, chunk, 2 * n - 1 - chunk)
-    return ArrayPlacement.sorted_from(n, [(rank, a, b)])
+    if parts == n:  # (in rank order already)
+        return ArrayPlacement(n, chunk, a, b)
+    rank = np.where(chunk < n, chunk, 2 * n - 1 - chunk)
+    order = np.argsort(rank.astype(np.int16) if n <= 1 << 15 else rank, kind="stable")  # (small keys: radix)
+    return ArrayPlacement(n, rank[order], a[order], b[order])
 
 
 def per_doc(doc_lens: list[int], n: int) -> Placement:
