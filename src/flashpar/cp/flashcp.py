@@ -45,6 +45,7 @@ import bisect
 import collections
 import dataclasses
 import heapq
+import itertools
 import math
 
 import numpy as np
@@ -108,6 +109,37 @@ class _Mins:
         return h[0][0]
 
 
+class _Ranked:
+    """The ranks in ``(load, tokens, rank)`` order (the order the sub-group step takes its least-loaded ranks in),
+    kept sorted as loads change: per change O(log N) comparisons and one O(N) memory move, where sorting all ranks
+    at every use costs O(N log N).  ``keys``: those tuples in order; ``toks``: the ranks' tokens in that order, as an
+    array (for prefix maxima)."""
+
+    def __init__(self, n: int) -> None:
+        self.keys = [(0.0, 0, q) for q in range(n)]
+        self.cur = list(self.keys)
+        self.toks = np.zeros(n, dtype=np.int64)
+
+    def update(self, q: int, load: float, toks: int) -> None:
+        old, new = self.cur[q], (load, toks, q)
+        if old == new:
+            return
+        keys, arr = self.keys, self.toks
+        i = bisect.bisect_left(keys, old)
+        del keys[i]
+        j = bisect.bisect_left(keys, new)
+        keys.insert(j, new)
+        if j > i:  # (overlapping slices: numpy copies as if through a buffer)
+            arr[i:j] = arr[i + 1:j + 1]
+        elif j < i:
+            arr[j + 1:i + 1] = arr[j:i]
+        arr[j] = toks
+        self.cur[q] = new
+
+    def ranks(self) -> list[int]:
+        return [key[2] for key in self.keys]
+
+
 def token_cap(doc_lens: list[int], n: int, token_slack: float) -> int:
     total = sum(doc_lens)
     return max(-(-total // n), int((1 + token_slack) * total / n))
@@ -131,6 +163,20 @@ class _Split:
         self.equal = False
 
 
+def _headtail_arrays(splits: list[_Split]):
+    """(rank, start, end) of the pieces of equal head-tail splits (``Placement.headtail``: member ``i`` of ``g``
+    takes chunks ``i`` and ``2g - 1 - i`` of ``2g``), on arrays; empty pieces are left to the caller to drop."""
+    g = np.fromiter((len(sp.parts) for sp in splits), dtype=np.int64, count=len(splits))
+    rank = np.fromiter(itertools.chain.from_iterable(sp.parts for sp in splits), dtype=np.int64, count=int(g.sum()))
+    i = np.arange(len(rank), dtype=np.int64) - np.repeat(np.cumsum(g) - g, g)  # place in its group
+    two = np.repeat(2 * g, g)
+    start = np.repeat(np.fromiter((sp.start for sp in splits), dtype=np.int64, count=len(splits)), g)
+    length = np.repeat(np.fromiter((sp.length for sp in splits), dtype=np.int64, count=len(splits)), g)
+    a = np.concatenate((start + length * i // two, start + length * (two - 1 - i) // two))
+    b = np.concatenate((start + length * (i + 1) // two, start + length * (two - i) // two))
+    return np.concatenate((rank, rank)), a, b
+
+
 class _Greedy:
     """The greedy pass (see the module docstring), with per-(length, group) shares cached."""
 
@@ -147,7 +193,7 @@ class _Greedy:
         self.run_end = np.repeat(ends, np.diff(np.concatenate(([0], ends)))).tolist()
         self._shares: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
         self._whole: dict[int, float] = {}
-        self._top: dict[tuple[int, int], tuple] = {}  # per (length, g): max of the shares, shares as arrays
+        self._top: dict[tuple[int, int], float] = {}  # per (length, g): the largest of the shares
         self._big: dict[int, dict] = {}  # per length: _big_shares
         self._big_index = None
         # group sizes tried: every size up to 8, then about 1.25x apart (and N itself)
@@ -237,36 +283,38 @@ class _Greedy:
         work = (head + tail) + n_tok.astype(np.float64) * cost.flops_per_token / hw.gemm_flops
         return work.tolist(), n_tok.tolist()
 
-    def _group(self, length: int, by_load: list[int], load, toks, limit: float, share: float,
-               sorted_rooms=None) -> list[int] | None:
-        """The smallest head-tail group (of ``self.sizes`` least-loaded ranks) whose members all stay under
-        ``limit`` and the token cap, each taking at most ``share`` of a rank's mean compute.  ``sorted_rooms``:
-        (loads, tokens) as arrays in ``by_load`` order, where given."""
+    def _group(self, length: int, ranked: _Ranked, limit: float, share: float) -> list[int] | None:
+        """The smallest head-tail group (of ``self.sizes`` least-loaded ranks, ``ranked`` order) whose members all stay
+        under ``limit`` and the token cap, each taking at most ``share`` of a rank's mean compute.
+
+        Only sizes up to the number of ranks under ``limit`` can fit (the ranks are by load).  A size is passed over
+        at once where the fullest member (by tokens, a prefix maximum) has no room for the fewest tokens any member
+        takes (``2 floor(L / 2g)``: each chunk holds at least ``floor(L / 2g)``), before its shares are looked up."""
         # a member's share is about whole / g (a little more: cut pieces run less efficiently)
         first = max(2, min(self.n, math.ceil(self.whole(length) / (share * self.mean)))) if share < math.inf else 2
-        for g in self.sizes:
-            if g < first:
+        keys, sizes, cap = ranked.keys, self.sizes, self.cap
+        lo = bisect.bisect_left(sizes, first)
+        hi = bisect.bisect_right(sizes, bisect.bisect_left(keys, (limit,)))  # (limit,): below every key at limit
+        if lo >= hi:
+            return None
+        fullest = np.maximum.accumulate(ranked.toks[:sizes[hi - 1]])
+        bound = share * self.mean
+        for g in sizes[lo:hi]:
+            if int(fullest[g - 1]) + 2 * (length // (2 * g)) > cap:
                 continue
-            if load[by_load[g - 1]] >= limit:  # this member, and every larger group's, is already full
-                return None
             work, tok = self.shares(length, g)
             top = self._top.get((length, g))
             if top is None:
-                big = self._big_shares(length).get(g) if g > 32 else None
-                arrays = big if big is not None else ((np.asarray(work), np.asarray(tok)) if g > 32 else (None, None))
-                top = self._top[(length, g)] = (max(work), *arrays)
-            if top[0] > share * self.mean and g < self.n:
+                top = self._top[(length, g)] = max(work)
+            if top > bound and g < self.n:
                 continue
-            members = by_load[:g]  # member i takes chunks i and 2g - 1 - i
-            if g > 32 and sorted_rooms is not None:  # (on arrays: the same sums and comparisons)
-                ls, ts = sorted_rooms
-                fits = bool(np.all((ls[:g] + top[1] <= limit) & (ts[:g] + top[2] <= self.cap)))
+            for (ld, t, _), w, x in zip(keys, work, tok, strict=False):  # the first g ranks; i: chunks i, 2g-1-i
+                if ld + w > limit or t + x > cap:
+                    break
             else:
-                fits = all(load[r] + work[i] <= limit and toks[r] + tok[i] <= self.cap for i, r in enumerate(members))
-            if fits:
                 if share < math.inf:
-                    self.peak_share = max(self.peak_share, max(work) / self.mean)
-                return members
+                    self.peak_share = max(self.peak_share, top / self.mean)
+                return [key[2] for key in keys[:g]]
         return None
 
     def _fill(self, length: int, start: int, load, toks, limit: float, share: float):
@@ -309,7 +357,10 @@ class _Greedy:
     def _level(self, length: int, load, toks, rates, top: float) -> list[int]:
         """Integer parts ``s_i = clip((lam - load_i) / rate_i, 0, c_i)``, ``c_i = min(cap - toks_i, top)``,
         adding up to ``length``.  Their sum is piecewise linear in ``lam``, its slope rising by ``1 / rate_i``
-        at ``load_i`` and falling back at ``load_i + rate_i c_i``: walk those points in order."""
+        at ``load_i`` and falling back at ``load_i + rate_i c_i``: walk those points in order (beyond 32 members on
+        arrays: the same running sums, ``np.cumsum`` adding in order as the walk does)."""
+        if len(load) > 32:
+            return self._level_arrays(length, load, toks, rates, top)
         caps = [max(0.0, min(self.cap - t, top)) for t in toks]
         events = sorted([(ld, 1 / w) for ld, w in zip(load, rates, strict=True)]
                         + [(ld + w * c, -1 / w) for ld, w, c in zip(load, rates, caps, strict=True)])
@@ -327,8 +378,48 @@ class _Greedy:
             rest -= add
         return sizes
 
+    def _level_arrays(self, length: int, load, toks, rates, top: float) -> list[int]:
+        """:meth:`_level` on arrays (the same floats and integers)."""
+        ld, w = np.asarray(load, dtype=np.float64), np.asarray(rates, dtype=np.float64)
+        t = np.asarray(toks, dtype=np.int64)
+        caps = np.maximum(0.0, np.minimum((self.cap - t).astype(np.float64), top))
+        xs = np.concatenate((ld, ld + w * caps))
+        steps = np.concatenate((1 / w, -1 / w))
+        o = np.lexsort((steps, xs))
+        xs, steps = xs[o], steps[o]
+        slope = np.concatenate(([0.0], np.cumsum(steps)[:-1]))  # before each point
+        prev = np.concatenate((xs[:1], xs[:-1]))  # lam before each point
+        total = np.cumsum(slope * (xs - prev))  # total after each point
+        hit = np.flatnonzero(total >= length - 1e-6)
+        if len(hit):
+            k = int(hit[0])
+            before, sl = (float(total[k - 1]) if k else 0.0), float(slope[k])
+            lam = float(prev[k]) + (max(0.0, length - before) / sl if sl > 0 else 0.0)
+        else:
+            lam = float(xs[-1])
+        sizes = np.maximum(0.0, np.minimum((lam - ld) / w, caps)).astype(np.int64)
+        rest = length - int(sizes.sum())
+        if rest > 0:  # rounding: fewer than one token per member, where the cap allows (in member order)
+            took = np.minimum(np.cumsum(np.maximum(0, self.cap - t - sizes)), rest)
+            sizes += np.diff(took, prepend=0)
+        return sizes.tolist()
+
     def sized_work(self, start: int, length: int, sizes: list[int]) -> list[float]:
-        """Compute of each member of an unequal head-tail split (cost model, pieces as placed)."""
+        """Compute of each member of an unequal head-tail split (cost model, pieces as placed; beyond 8 members on
+        arrays, the same floats: see :meth:`_piece_time`)."""
+        if len(sizes) > 8:
+            if sum(sizes) != length:
+                raise ValueError(f"sizes {sizes} do not add up to the document's {length} tokens")
+            s = np.asarray(sizes, dtype=np.int64)
+            h = s // 2
+            h[-1] = s[-1]  # the last member: one piece, the middle
+            head0 = np.concatenate(([0], np.cumsum(h)[:-1]))  # (from the document's start)
+            tail1 = length - np.concatenate(([0], np.cumsum(s - h)[:-1]))
+            tail0 = tail1 - (s - h)
+            tail0[-1] = tail1[-1]
+            work = (self._piece_time(head0, head0 + h) + self._piece_time(tail0, tail1)) + s.astype(np.float64) * (
+                self.cost.flops_per_token) / self.cost.hardware.gemm_flops
+            return work.tolist()
         out = []
         for pieces in sized_pieces(sizes, start, length):
             t = sum(self.cost.attn_time(causal_pairs(a, b, start), b - a, b - start) for a, b in pieces if b > a)
@@ -380,11 +471,22 @@ class _Greedy:
         arrays = (np.zeros(n), np.zeros(n, dtype=np.int64))
         dirty: list[int] = []
 
+        ranked = _Ranked(n)
+
         def touched(ranks) -> None:  # new current entries for ranks whose load changed
+            nonlocal mins
             for q in ranks:
-                heapq.heappush(heap, (max(load[q] / limit, toks[q] / cap), load[q], q, toks[q]))
+                ranked.update(q, load[q], toks[q])
                 if n > 32:
                     arrays[0][q], arrays[1][q] = load[q], toks[q]
+            if len(ranks) > n // 4:  # (many: the heaps anew, one current entry per rank, the same minima)
+                heap[:] = [(max(load[q] / limit, toks[q] / cap), load[q], q, toks[q]) for q in range(n)]
+                heapq.heapify(heap)
+                if mins is not None:
+                    mins = _Mins(load, toks)
+                return
+            for q in ranks:
+                heapq.heappush(heap, (max(load[q] / limit, toks[q] / cap), load[q], q, toks[q]))
             if mins is not None:
                 mins.push(ranks)
 
@@ -423,13 +525,18 @@ class _Greedy:
                         break
                     skipped.append(heapq.heappop(heap))
                     if len(skipped) >= SKIP_MAX:  # many full ranks first: the least key that fits, on arrays
-                        r, at_top = self._fitting(load, toks, limit, tok_room, work_room), False
+                        if n > 32:
+                            for q in dirty:
+                                arrays[0][q], arrays[1][q] = load[q], toks[q]
+                            dirty.clear()
+                        r, at_top = self._fitting(arrays if n > 32 else (load, toks), limit, tok_room, work_room), False
                         break
                 if r >= 0:
                     doc_rank[d], doc_seq[d] = r, seq
                     seq += 1
                     load[r] += w
                     toks[r] += length
+                    ranked.update(r, load[r], toks[r])
                     if n > 32:
                         dirty.append(r)
                     entry = (max(load[r] / limit, toks[r] / cap), load[r], r, toks[r])
@@ -444,11 +551,8 @@ class _Greedy:
                 if r >= 0:
                     k += 1
                     continue
-            for q in dirty:
-                arrays[0][q], arrays[1][q] = load[q], toks[q]
-            dirty.clear()
             changed = self._place_other(k, d, length, start, force, load, toks, limit, share, subgroups, p, splits,
-                                        arrays)
+                                        ranked)
             if changed is None:  # whole on one rank, over the work bound
                 r = self._last_whole
                 doc_rank[d], doc_seq[d] = r, seq
@@ -460,39 +564,31 @@ class _Greedy:
             self._exchange(splits, load, toks)
         self._refine(doc_rank, doc_seq, load, toks, seq)
         for sp in splits:
-            if sp.equal:  # member i takes chunks i and 2g - 1 - i
-                p.headtail(list(sp.parts), sp.start, sp.length)
-            else:  # the largest parts outermost
+            if not sp.equal:  # the largest parts outermost
                 members = sorted(sp.parts, key=lambda r: -sp.parts[r])
                 p.headtail_sized(members, [sp.parts[r] for r in members], sp.start, sp.length)
         whole = np.flatnonzero(doc_rank >= 0)
         ws = self.starts_np[whole]
-        return ArrayPlacement.sorted_from(n, [(doc_rank[whole], ws, ws + self.lens_np[whole]), p.arrays()])
+        return ArrayPlacement.sorted_from(n, [(doc_rank[whole], ws, ws + self.lens_np[whole]), p.arrays(),
+                                              _headtail_arrays([sp for sp in splits if sp.equal])])
 
-    def _fitting(self, load, toks, limit: float, tok_room: int, work_room: float) -> int:
+    def _fitting(self, rooms, limit: float, tok_room: int, work_room: float) -> int:
         """The rank of least key ``(max(load / limit, tokens / cap), load, rank)`` among those with
-        ``tokens <= tok_room`` and ``load <= work_room``; -1 if none."""
-        lv, tv = np.asarray(load), np.asarray(toks, dtype=np.int64)
+        ``tokens <= tok_room`` and ``load <= work_room``; -1 if none.  ``rooms``: (loads, tokens) of every rank."""
+        lv, tv = np.asarray(rooms[0]), np.asarray(rooms[1], dtype=np.int64)
         ok = np.flatnonzero((tv <= tok_room) & (lv <= work_room))
         if not len(ok):
             return -1
         key0 = np.maximum(lv[ok] / limit, tv[ok] / self.cap)
         return int(ok[np.lexsort((ok, lv[ok], key0))[0]])
 
-    def _place_other(self, k, d, length, start, force, load, toks, limit, share, subgroups, p, splits, arrays):
+    def _place_other(self, k, d, length, start, force, load, toks, limit, share, subgroups, p, splits, ranked):
         """A document the Whole-Doc step did not place (see the module docstring); returns the ranks it changed, or
-        None where it went whole onto one rank (``self._last_whole``)."""
+        None where it went whole onto one rank (``self._last_whole``).  ``ranked``: the ranks by (load, tokens)."""
         cap = self.cap
-        if self.n > 32:
-            lv, tv = arrays  # (load and toks as arrays)
-            by_np = np.lexsort((tv, lv))  # by (load, tokens, rank)
-            by_load = by_np.tolist()
-            rooms = (lv[by_np], tv[by_np])
-        else:  # (few ranks: in Python, the same order)
-            by_load, rooms = sorted(range(self.n), key=lambda r: (load[r], toks[r])), None
-        group = self._group(length, by_load, load, toks, limit, share, rooms) if subgroups else None
+        group = self._group(length, ranked, limit, share) if subgroups else None
         # unequal parts only where the document fits whole on no rank (else: whole, over the bound, below)
-        cut = group is None and subgroups and length > cap - min(toks)
+        cut = group is None and subgroups and length > cap - int(ranked.toks.min())
         fill = self._fill(length, start, load, toks, limit, share) if cut else None
         if fill is not None and len(fill[0]) > 1:  # unequal parts by each rank's room
             members, sizes = fill
@@ -504,16 +600,14 @@ class _Greedy:
         if fill is not None:
             group = fill[0]
         if group is None and k >= force:  # over the work bound: whole on the least-loaded rank with room
-            if rooms is not None:
-                room = np.flatnonzero(rooms[1] + length <= cap)[:1]
-                group = [by_load[int(room[0])]] if len(room) else None
-            else:
-                group = [r for r in by_load if toks[r] + length <= cap][:1] or None
+            room = ranked.toks <= cap - length
+            at = int(room.argmax())
+            group = [ranked.keys[at][2]] if room[at] else None
         if group is None and subgroups:  # tokens alone
-            group = self._group(length, by_load, load, toks, float("inf"), float("inf"), rooms)
+            group = self._group(length, ranked, float("inf"), float("inf"))
         if group is None and subgroups:  # no group has token room: cut it by the room each rank has left
-            return self._cut_by_room(p, by_load, load, toks, start, length)
-        group = group or by_load  # Per-Doc over every rank (the whole_doc baseline)
+            return self._cut_by_room(p, ranked.ranks(), load, toks, start, length)
+        group = group or ranked.ranks()  # Per-Doc over every rank (the whole_doc baseline)
         work, tok = self.shares(length, len(group))
         for i, r in enumerate(group):
             load[r] += work[i]
