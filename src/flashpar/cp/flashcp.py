@@ -86,8 +86,8 @@ class _Mins:
 
     def __init__(self, load, toks) -> None:
         self.load_v, self.toks_v = load, toks
-        self.loads = [(v, r) for r, v in enumerate(load)]
-        self.tokss = [(v, r) for r, v in enumerate(toks)]
+        self.loads = list(zip(load, range(len(load)), strict=True))
+        self.tokss = list(zip(toks, range(len(toks)), strict=True))
         heapq.heapify(self.loads)
         heapq.heapify(self.tokss)
 
@@ -112,29 +112,46 @@ class _Mins:
 class _Ranked:
     """The ranks in ``(load, tokens, rank)`` order (the order the sub-group step takes its least-loaded ranks in),
     kept sorted as loads change: per change O(log N) comparisons and one O(N) memory move, where sorting all ranks
-    at every use costs O(N log N).  ``keys``: those tuples in order; ``toks``: the ranks' tokens in that order, as an
-    array (for prefix maxima)."""
+    at every use costs O(N log N); many changes at once are merged in (one sort of two sorted runs).  ``keys``:
+    those tuples in order; ``toks`` and ``loads``: the ranks' tokens and loads in that order, as arrays."""
 
     def __init__(self, n: int) -> None:
         self.keys = [(0.0, 0, q) for q in range(n)]
         self.cur = list(self.keys)
-        self.toks = np.zeros(n, dtype=np.int64)
+        self.toks, self.loads = np.zeros(n, dtype=np.int64), np.zeros(n)
+        self.toks_of, self.load_of = np.zeros(n, dtype=np.int64), np.zeros(n)  # (by rank)
 
     def update(self, q: int, load: float, toks: int) -> None:
         old, new = self.cur[q], (load, toks, q)
         if old == new:
             return
-        keys, arr = self.keys, self.toks
+        keys = self.keys
         i = bisect.bisect_left(keys, old)
         del keys[i]
         j = bisect.bisect_left(keys, new)
         keys.insert(j, new)
-        if j > i:  # (overlapping slices: numpy copies as if through a buffer)
-            arr[i:j] = arr[i + 1:j + 1]
-        elif j < i:
-            arr[j + 1:i + 1] = arr[j:i]
-        arr[j] = toks
+        for arr, v in ((self.toks, toks), (self.loads, load)):
+            if j > i:  # (overlapping slices: numpy copies as if through a buffer)
+                arr[i:j] = arr[i + 1:j + 1]
+            elif j < i:
+                arr[j + 1:i + 1] = arr[j:i]
+            arr[j] = v
         self.cur[q] = new
+        self.toks_of[q], self.load_of[q] = toks, load
+
+    def update_many(self, ranks, load, toks) -> None:
+        if len(ranks) <= 64:
+            for q in ranks:
+                self.update(q, load[q], toks[q])
+            return
+        changed = set(ranks)
+        keep = [key for key in self.keys if key[2] not in changed]
+        for q in changed:
+            self.cur[q] = (load[q], toks[q], q)
+            self.toks_of[q], self.load_of[q] = toks[q], load[q]
+        self.keys = sorted(keep + sorted(self.cur[q] for q in changed))
+        at = np.fromiter((key[2] for key in self.keys), dtype=np.int64, count=len(self.keys))
+        self.toks, self.loads = self.toks_of[at], self.load_of[at]
 
     def ranks(self) -> list[int]:
         return [key[2] for key in self.keys]
@@ -177,6 +194,26 @@ def _headtail_arrays(splits: list[_Split]):
     return np.concatenate((rank, rank)), a, b
 
 
+def _fits(keys, work, tok, limit: float, cap: int) -> bool:
+    """Whether the first ``len(work)`` ranks of ``keys`` ((load, tokens, rank), member ``i`` taking ``work[i]`` and
+    ``tok[i]``) all stay within ``limit`` and ``cap``."""
+    for (ld, t, _), w, x in zip(keys, work, tok, strict=False):  # noqa: SIM110 (faster than all() of a generator)
+        if ld + w > limit or t + x > cap:
+            return False
+    return True
+
+
+def _tokens_fit(keys, length: int, g: int, cap: int) -> bool:
+    """Whether the first ``g`` ranks of ``keys`` have room for the tokens of a head-tail group of ``g`` over
+    ``length`` (member ``i``: chunks ``i`` and ``2g - 1 - i`` of ``2g``, as :meth:`_Greedy.shares` counts them)."""
+    two = 2 * g
+    for i in range(g):
+        x = length * (i + 1) // two - length * i // two + length * (two - i) // two - length * (two - 1 - i) // two
+        if keys[i][1] + x > cap:
+            return False
+    return True
+
+
 class _Greedy:
     """The greedy pass (see the module docstring), with per-(length, group) shares cached."""
 
@@ -194,14 +231,15 @@ class _Greedy:
         self._shares: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
         self._whole: dict[int, float] = {}
         self._top: dict[tuple[int, int], float] = {}  # per (length, g): the largest of the shares
-        self._big: dict[int, dict] = {}  # per length: _big_shares
-        self._big_index = None
+        self._big: dict[tuple[int, int], tuple] = {}  # per (length, g): _share_arrays
+        self._tok_arrays: dict[tuple[int, int], np.ndarray] = {}  # per (length, g): _share_tokens
         # group sizes tried: every size up to 8, then about 1.25x apart (and N itself)
         sizes, g = [], 2
         while g < n:
             sizes.append(g)
             g = g + 1 if g < 8 else math.ceil(g * 1.25)
         self.sizes = [*sizes, n] if n >= 2 else []
+        self.sizes_np = np.asarray(self.sizes, dtype=np.int64)
         for length in set(doc_lens):
             self.whole(length)
         self.mean = sum(map(self._whole.__getitem__, doc_lens)) / n  # (added in document order, as always)
@@ -218,9 +256,8 @@ class _Greedy:
         if g == 1:
             return [self.whole(length)], [length]
         if key not in self._shares and g >= 16:
-            big = self._big_shares(length).get(g)
-            self._shares[key] = ((big[0].tolist(), big[1].tolist()) if big is not None
-                                 else self._shares_arrays(length, g))
+            work, tok = self._share_arrays(length, g)
+            self._shares[key] = (work.tolist(), tok.tolist())
         if key not in self._shares:
             b = chunk_bounds(0, length, 2 * g)
             work, toks = [], []
@@ -233,26 +270,31 @@ class _Greedy:
             self._shares[key] = (work, toks)
         return self._shares[key]
 
-    def _big_shares(self, length: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """:meth:`_shares_arrays` of every group size of at least 16 tried (``self.sizes``) at once, as arrays."""
-        if length not in self._big:
-            gs = [g for g in self.sizes if g >= 16]
-            if not gs:
-                self._big[length] = {}
-                return self._big[length]
-            if self._big_index is None:
-                G = np.repeat(np.asarray(gs, dtype=np.int64), gs)
-                idx = np.concatenate([np.arange(g, dtype=np.int64) for g in gs])
-                self._big_index = (G, idx, np.cumsum([0, *gs]).tolist())
-            G, i, offsets = self._big_index
-            two = 2 * G
-            h0, h1 = length * i // two, length * (i + 1) // two
-            t0, t1 = length * (two - 1 - i) // two, length * (two - i) // two
-            n_tok = (h1 - h0) + (t1 - t0)
-            work = (self._piece_time(h0, h1) + self._piece_time(t0, t1)) + n_tok.astype(np.float64) * (
+    def _share_arrays(self, length: int, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`shares` on arrays (the same floats: each piece's time as ``CostModel.attn_time`` rounds it, the
+        head's and the tail's added, then the linear time)."""
+        key = (length, g)
+        if key not in self._big:
+            i = np.arange(g, dtype=np.int64)
+            two = 2 * g
+            x = length * np.concatenate((i, two - 1 - i)) // two  # heads, then tails
+            y = length * np.concatenate((i + 1, two - i)) // two
+            n_tok = (y[:g] - x[:g]) + (y[g:] - x[g:])
+            t = self._piece_time(x, y)
+            work = (t[:g] + t[g:]) + n_tok.astype(np.float64) * (
                 self.cost.flops_per_token) / self.cost.hardware.gemm_flops
-            self._big[length] = {g: (work[o:o + g], n_tok[o:o + g]) for g, o in zip(gs, offsets, strict=False)}
-        return self._big[length]
+            self._big[key] = (work, n_tok)
+        return self._big[key]
+
+    def _share_tokens(self, length: int, g: int) -> np.ndarray:
+        """The tokens of :meth:`_share_arrays` alone (chunks ``i`` and ``2g - 1 - i`` of ``2g``)."""
+        key = (length, g)
+        if key not in self._tok_arrays:
+            i = np.arange(g, dtype=np.int64)
+            two = 2 * g
+            self._tok_arrays[key] = (length * (i + 1) // two - length * i // two) + (
+                length * (two - i) // two - length * (two - 1 - i) // two)
+        return self._tok_arrays[key]
 
     def _piece_time(self, x, y):
         """``CostModel.attn_time`` of the pieces ``[x, y)`` of a document from 0, on arrays (the same floats)."""
@@ -263,33 +305,17 @@ class _Greedy:
             eff = hw.attn_peak * (q / (q + hw.attn_half)) * (k / (k + hw.attn_half))
             return np.where((y > x) & (work > 0), work / (hw.flops * eff), 0.0)
 
-    def _shares_arrays(self, length: int, g: int) -> tuple[list[float], list[int]]:
-        """:meth:`shares` on arrays (the same floats: each piece's time as ``CostModel.attn_time`` rounds it, the
-        head's and the tail's added, then the linear time)."""
-        b = length * np.arange(2 * g + 1, dtype=np.int64) // (2 * g)
-        i = np.arange(g)
-        hw, cost = self.cost.hardware, self.cost
-
-        def piece_time(x, y):
-            q, k = (y - x).astype(np.float64), y.astype(np.float64)
-            work = (((y - x) * (x + y + 1)) // 2).astype(np.float64) * cost.flops_per_pair
-            with np.errstate(divide="ignore", invalid="ignore"):  # (empty pieces: masked)
-                eff = hw.attn_peak * (q / (q + hw.attn_half)) * (k / (k + hw.attn_half))
-                return np.where((y > x) & (work > 0), work / (hw.flops * eff), 0.0)
-
-        head = piece_time(b[i], b[i + 1])
-        tail = piece_time(b[2 * g - 1 - i], b[2 * g - i])
-        n_tok = (b[i + 1] - b[i]) + (b[2 * g - i] - b[2 * g - 1 - i])
-        work = (head + tail) + n_tok.astype(np.float64) * cost.flops_per_token / hw.gemm_flops
-        return work.tolist(), n_tok.tolist()
-
     def _group(self, length: int, ranked: _Ranked, limit: float, share: float) -> list[int] | None:
         """The smallest head-tail group (of ``self.sizes`` least-loaded ranks, ``ranked`` order) whose members all stay
         under ``limit`` and the token cap, each taking at most ``share`` of a rank's mean compute.
 
         Only sizes up to the number of ranks under ``limit`` can fit (the ranks are by load).  A size is passed over
-        at once where the fullest member (by tokens, a prefix maximum) has no room for the fewest tokens any member
-        takes (``2 floor(L / 2g)``: each chunk holds at least ``floor(L / 2g)``), before its shares are looked up."""
+        at once, before its shares are looked up, where the fullest member (by tokens, a prefix maximum) has no room
+        for the fewest tokens any member takes (``2 floor(L / 2g)``: each chunk holds at least ``floor(L / 2g)``), or
+        where the members' room under ``limit`` (``g limit - sum of their loads``, a prefix sum) is less than the
+        document's compute whole: the members' shares add up to at least that (the same causal pairs, in pieces no
+        longer than the document, which run no more efficiently; a millionth, and a billionth of ``g limit``, spare
+        for rounding)."""
         # a member's share is about whole / g (a little more: cut pieces run less efficiently)
         first = max(2, min(self.n, math.ceil(self.whole(length) / (share * self.mean)))) if share < math.inf else 2
         keys, sizes, cap = ranked.keys, self.sizes, self.cap
@@ -298,23 +324,34 @@ class _Greedy:
         if lo >= hi:
             return None
         fullest = np.maximum.accumulate(ranked.toks[:sizes[hi - 1]])
+        gs = self.sizes_np[lo:hi]
+        ok = fullest[gs - 1] + 2 * (length // (2 * gs)) <= cap
+        if limit < math.inf:  # the members' room under the limit, all together, must hold the document's work
+            room = gs * limit - np.cumsum(ranked.loads[:sizes[hi - 1]])[gs - 1]
+            ok &= room >= self.whole(length) * (1 - 1e-6) - 1e-9 * gs * limit
         bound = share * self.mean
-        for g in sizes[lo:hi]:
-            if int(fullest[g - 1]) + 2 * (length // (2 * g)) > cap:
-                continue
-            work, tok = self.shares(length, g)
-            top = self._top.get((length, g))
-            if top is None:
-                top = self._top[(length, g)] = max(work)
-            if top > bound and g < self.n:
-                continue
-            for (ld, t, _), w, x in zip(keys, work, tok, strict=False):  # the first g ranks; i: chunks i, 2g-1-i
-                if ld + w > limit or t + x > cap:
-                    break
+        for g in gs[ok].tolist():
+            if g > 32:  # (on arrays: the same sums and comparisons; tokens first, their shares cost less)
+                if (ranked.toks[:g] + self._share_tokens(length, g) > cap).any():
+                    continue
+                work = self._share_arrays(length, g)[0]
+                top = self._top.get((length, g))
+                if top is None:
+                    top = self._top[(length, g)] = float(work.max())
+                if (top > bound and g < self.n) or (ranked.loads[:g] + work > limit).any():
+                    continue
             else:
-                if share < math.inf:
-                    self.peak_share = max(self.peak_share, top / self.mean)
-                return [key[2] for key in keys[:g]]
+                if (length, g) not in self._shares and not _tokens_fit(keys, length, g, cap):
+                    continue  # (tokens first: their shares cost more)
+                work, tok = self.shares(length, g)
+                top = self._top.get((length, g))
+                if top is None:
+                    top = self._top[(length, g)] = max(work)
+                if (top > bound and g < self.n) or not _fits(keys, work, tok, limit, cap):
+                    continue
+            if share < math.inf:
+                self.peak_share = max(self.peak_share, top / self.mean)
+            return [key[2] for key in keys[:g]]
         return None
 
     def _fill(self, length: int, start: int, load, toks, limit: float, share: float):
@@ -475,12 +512,14 @@ class _Greedy:
 
         def touched(ranks) -> None:  # new current entries for ranks whose load changed
             nonlocal mins
+            ranked.update_many(ranks, load, toks)
             for q in ranks:
-                ranked.update(q, load[q], toks[q])
                 if n > 32:
                     arrays[0][q], arrays[1][q] = load[q], toks[q]
             if len(ranks) > n // 4:  # (many: the heaps anew, one current entry per rank, the same minima)
-                heap[:] = [(max(load[q] / limit, toks[q] / cap), load[q], q, toks[q]) for q in range(n)]
+                lv, tv = ranked.load_of, ranked.toks_of  # (the same divisions and maxima on arrays)
+                key0 = np.maximum(lv / limit, tv / cap).tolist()
+                heap[:] = zip(key0, lv.tolist(), range(n), tv.tolist(), strict=True)
                 heapq.heapify(heap)
                 if mins is not None:
                     mins = _Mins(load, toks)
