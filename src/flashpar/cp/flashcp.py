@@ -214,6 +214,33 @@ def _tokens_fit(keys, length: int, g: int, cap: int) -> bool:
     return True
 
 
+def _sized_arrays(splits: list[_Split]):
+    """(rank, start, end) of the pieces of unequal head-tail splits (``Placement.headtail_sized``, the largest parts
+    outermost: member ``i`` takes the next ``s_i // 2`` tokens from the front and the next ``s_i - s_i // 2`` from
+    the back, the last member the middle), on arrays; empty pieces are left to the caller to drop."""
+    ranks, sizes, g = [], [], []
+    for sp in splits:
+        members = sorted(sp.parts, key=lambda r: -sp.parts[r])
+        ranks += members
+        sizes += [sp.parts[r] for r in members]
+        g.append(len(members))
+    g_np = np.asarray(g, dtype=np.int64)
+    s = np.asarray(sizes, dtype=np.int64)
+    last = np.cumsum(g_np) - 1
+    h = s // 2
+    h[last] = s[last]  # the last member: one piece, the middle
+    first = np.repeat(last - g_np + 1, g_np)
+    head = np.cumsum(h) - h  # tokens taken from the front before each member (within its split)
+    back = np.cumsum(s - h) - (s - h)
+    head, back = head - head[first], back - back[first]
+    start = np.repeat(np.asarray([sp.start for sp in splits], dtype=np.int64), g_np)
+    end = start + np.repeat(np.asarray([sp.length for sp in splits], dtype=np.int64), g_np)
+    rank = np.asarray(ranks, dtype=np.int64)
+    a = np.concatenate((start + head, end - back - (s - h)))
+    b = np.concatenate((start + head + h, end - back))
+    return np.concatenate((rank, rank)), a, b
+
+
 class _Greedy:
     """The greedy pass (see the module docstring), with per-(length, group) shares cached."""
 
@@ -367,15 +394,19 @@ class _Greedy:
         own rate from the cost model (short pieces, and pieces near the document's start, run slower)."""
         per_tok = self.whole(length) / length
         top = min(self.cap, share * self.mean / per_tok)
-        room = sorted(((min((limit - load[r]) / per_tok, self.cap - toks[r], top), r) for r in range(self.n)),
-                      reverse=True)
-        need, acc, k = (1 + FILL_MARGIN) * length, 0.0, 0
-        while k < len(room) and acc < need and room[k][0] >= 1:
-            acc += room[k][0]
-            k += 1
+        need = (1 + FILL_MARGIN) * length
+        if self.n > 32:  # (on arrays: the same rooms, order and running sum)
+            acc, k, members, first = self._fill_rooms(load, toks, limit, per_tok, top, need)
+        else:
+            room = sorted(((min((limit - load[r]) / per_tok, self.cap - toks[r], top), r) for r in range(self.n)),
+                          reverse=True)
+            acc, k = 0.0, 0
+            while k < len(room) and acc < need and room[k][0] >= 1:
+                acc += room[k][0]
+                k += 1
+            members, first = [r for _, r in room[:k]], room[0][0]
         if acc >= need:
-            members = [r for _, r in room[:k]]
-            self.peak_share = max(self.peak_share, room[0][0] * per_tok / self.mean)
+            self.peak_share = max(self.peak_share, first * per_tok / self.mean)
         else:  # too little work room: lift the bound for all alike (the token cap stays)
             members, top = [r for r in range(self.n) if toks[r] < self.cap], self.cap
             if sum(self.cap - toks[r] for r in members) < length:
@@ -390,6 +421,21 @@ class _Greedy:
             rates[i] = w / sizes[i]
         sizes = self._level(length, [load[r] for r in members], [toks[r] for r in members], rates, top)
         return [r for r, s in zip(members, sizes, strict=True) if s > 0], [s for s in sizes if s > 0]
+
+    def _fill_rooms(self, load, toks, limit: float, per_tok: float, top: float, need: float):
+        """:meth:`_fill`'s ranks by room, on arrays: (the room of the first ``k`` added up, ``k``, those ranks, the
+        largest room), the ranks joining by room (largest first, the higher rank on ties) while the sum is under
+        ``need`` and the room at least one token."""
+        n = self.n
+        room = np.minimum(np.minimum((limit - np.asarray(load)) / per_tok,
+                                     (self.cap - np.asarray(toks, dtype=np.int64)).astype(np.float64)), top)
+        order = np.lexsort((-np.arange(n), -room))
+        room = room[order]
+        usable = int(np.count_nonzero(room >= 1))  # (a prefix: the rooms are in descending order)
+        sums = np.cumsum(room[:usable])  # (in order, as the running sum adds)
+        full = np.flatnonzero(sums >= need)
+        k = int(full[0]) + 1 if len(full) else usable
+        return (float(sums[k - 1]) if k else 0.0), k, order[:k].tolist(), float(room[0])
 
     def _level(self, length: int, load, toks, rates, top: float) -> list[int]:
         """Integer parts ``s_i = clip((lam - load_i) / rate_i, 0, c_i)``, ``c_i = min(cap - toks_i, top)``,
@@ -504,18 +550,11 @@ class _Greedy:
         mins = _Mins(load, toks) if n > 64 else None  # min(toks), min(load) in O(log N) where N is large
         seq = 0
 
-        # load and toks as arrays too (the Whole-Doc step's rank only where they are next needed: ``dirty``)
-        arrays = (np.zeros(n), np.zeros(n, dtype=np.int64))
-        dirty: list[int] = []
-
-        ranked = _Ranked(n)
+        ranked = _Ranked(n)  # (also load and toks as arrays, by rank: ranked.load_of, ranked.toks_of)
 
         def touched(ranks) -> None:  # new current entries for ranks whose load changed
             nonlocal mins
             ranked.update_many(ranks, load, toks)
-            for q in ranks:
-                if n > 32:
-                    arrays[0][q], arrays[1][q] = load[q], toks[q]
             if len(ranks) > n // 4:  # (many: the heaps anew, one current entry per rank, the same minima)
                 lv, tv = ranked.load_of, ranked.toks_of  # (the same divisions and maxima on arrays)
                 key0 = np.maximum(lv / limit, tv / cap).tolist()
@@ -564,11 +603,8 @@ class _Greedy:
                         break
                     skipped.append(heapq.heappop(heap))
                     if len(skipped) >= SKIP_MAX:  # many full ranks first: the least key that fits, on arrays
-                        if n > 32:
-                            for q in dirty:
-                                arrays[0][q], arrays[1][q] = load[q], toks[q]
-                            dirty.clear()
-                        r, at_top = self._fitting(arrays if n > 32 else (load, toks), limit, tok_room, work_room), False
+                        rooms = (ranked.load_of, ranked.toks_of)
+                        r, at_top = self._fitting(rooms, limit, tok_room, work_room), False
                         break
                 if r >= 0:
                     doc_rank[d], doc_seq[d] = r, seq
@@ -576,8 +612,6 @@ class _Greedy:
                     load[r] += w
                     toks[r] += length
                     ranked.update(r, load[r], toks[r])
-                    if n > 32:
-                        dirty.append(r)
                     entry = (max(load[r] / limit, toks[r] / cap), load[r], r, toks[r])
                     if at_top:
                         heapq.heapreplace(heap, entry)
@@ -602,14 +636,11 @@ class _Greedy:
         if subgroups:
             self._exchange(splits, load, toks)
         self._refine(doc_rank, doc_seq, load, toks, seq)
-        for sp in splits:
-            if not sp.equal:  # the largest parts outermost
-                members = sorted(sp.parts, key=lambda r: -sp.parts[r])
-                p.headtail_sized(members, [sp.parts[r] for r in members], sp.start, sp.length)
         whole = np.flatnonzero(doc_rank >= 0)
         ws = self.starts_np[whole]
         return ArrayPlacement.sorted_from(n, [(doc_rank[whole], ws, ws + self.lens_np[whole]), p.arrays(),
-                                              _headtail_arrays([sp for sp in splits if sp.equal])])
+                                              _headtail_arrays([sp for sp in splits if sp.equal]),
+                                              _sized_arrays([sp for sp in splits if not sp.equal])])
 
     def _fitting(self, rooms, limit: float, tok_room: int, work_room: float) -> int:
         """The rank of least key ``(max(load / limit, tokens / cap), load, rank)`` among those with
@@ -923,8 +954,11 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
     forced, tolerances = (FORCED, TOLERANCES) if n <= 16 else (FORCED[:1], TOLERANCES[:2])
     if max(doc_lens) > cap:  # the longest document fits whole nowhere: forcing it to split changes nothing
         forced = FORCED[:1]
+    # from 256 ranks on, the smallest share only spreads long documents over more ranks than the fastest plan does:
+    # its passes (the slowest of the grid there) won none of the four lists' packs at 2M / 256, 4M / 512 and 8M / 1024
+    shares = SHARES if n < 256 else SHARES[:-1]
     candidates, peak = [], {}
-    for share in SHARES:  # a pass whose splits all stayed under a smaller share equals that share's pass
+    for share in shares:  # a pass whose splits all stayed under a smaller share equals that share's pass
         for force in forced:
             for tol in tolerances:
                 if peak.get((force, tol), math.inf) <= share:
