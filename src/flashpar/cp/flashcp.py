@@ -80,35 +80,6 @@ SKIP_MAX = 24
 rather than one by one (the same placement; only faster)."""
 
 
-class _Mins:
-    """``min(toks)`` and ``min(load)`` of the greedy pass, kept in two heaps whose stale entries (no longer a
-    rank's value) are dropped when met: O(log N) where ``min()`` is O(N)."""
-
-    def __init__(self, load, toks) -> None:
-        self.load_v, self.toks_v = load, toks
-        self.loads = list(zip(load, range(len(load)), strict=True))
-        self.tokss = list(zip(toks, range(len(toks)), strict=True))
-        heapq.heapify(self.loads)
-        heapq.heapify(self.tokss)
-
-    def push(self, ranks) -> None:
-        for r in ranks:
-            heapq.heappush(self.loads, (self.load_v[r], r))
-            heapq.heappush(self.tokss, (self.toks_v[r], r))
-
-    def load(self) -> float:
-        h, cur = self.loads, self.load_v
-        while h[0][0] != cur[h[0][1]]:
-            heapq.heappop(h)
-        return h[0][0]
-
-    def tok(self) -> int:
-        h, cur = self.tokss, self.toks_v
-        while h[0][0] != cur[h[0][1]]:
-            heapq.heappop(h)
-        return h[0][0]
-
-
 class _Ranked:
     """The ranks in ``(load, tokens, rank)`` order (the order the sub-group step takes its least-loaded ranks in),
     kept sorted as loads change: per change O(log N) comparisons and one O(N) memory move, where sorting all ranks
@@ -547,26 +518,19 @@ class _Greedy:
         # the ranks by fullness, key (max(load / limit, tokens / cap), load, rank): a heap with a current entry
         # (key, load, rank, tokens) per rank; an entry whose load and tokens are no longer the rank's is stale
         heap = [(0.0, 0.0, q, 0) for q in range(n)]
-        mins = _Mins(load, toks) if n > 64 else None  # min(toks), min(load) in O(log N) where N is large
         seq = 0
-
+        # the ranks by (load, tokens) too, and min(load), min(toks) from them where N is large (O(1), O(N) in C)
         ranked = _Ranked(n)  # (also load and toks as arrays, by rank: ranked.load_of, ranked.toks_of)
+        heap_anew = False  # after many changes at once: the heap is built anew where it is next needed
 
         def touched(ranks) -> None:  # new current entries for ranks whose load changed
-            nonlocal mins
+            nonlocal heap_anew
             ranked.update_many(ranks, load, toks)
-            if len(ranks) > n // 4:  # (many: the heaps anew, one current entry per rank, the same minima)
-                lv, tv = ranked.load_of, ranked.toks_of  # (the same divisions and maxima on arrays)
-                key0 = np.maximum(lv / limit, tv / cap).tolist()
-                heap[:] = zip(key0, lv.tolist(), range(n), tv.tolist(), strict=True)
-                heapq.heapify(heap)
-                if mins is not None:
-                    mins = _Mins(load, toks)
+            if heap_anew or len(ranks) > n // 4:
+                heap_anew = True
                 return
             for q in ranks:
                 heapq.heappush(heap, (max(load[q] / limit, toks[q] / cap), load[q], q, toks[q]))
-            if mins is not None:
-                mins.push(ranks)
 
         order, run_end = self.order, self.run_end
         k, count = 0, len(order)
@@ -587,10 +551,18 @@ class _Greedy:
                 # the rank with the most room left in both work and tokens, among those it fits: the first in
                 # key order that fits (the least key, the lowest rank on ties)
                 r, skipped = -1, []
-                if mins is not None:
-                    fits = mins.tok() <= tok_room and mins.load() <= work_room
+                if tok_room < 0:  # (longer than the cap)
+                    fits = False
+                elif n > 64:
+                    fits = int(ranked.toks.min()) <= tok_room and ranked.keys[0][0] <= work_room
                 else:
                     fits = min(toks) <= tok_room and min(load) <= work_room  # (else no rank fits)
+                if fits and heap_anew:  # one current entry per rank (the same order of entries as ever)
+                    lv, tv = ranked.load_of, ranked.toks_of  # (the same divisions and maxima on arrays)
+                    key0 = np.maximum(lv / limit, tv / cap).tolist()
+                    heap[:] = zip(key0, lv.tolist(), range(n), tv.tolist(), strict=True)
+                    heapq.heapify(heap)
+                    heap_anew = False
                 at_top = True
                 while fits and heap:
                     e = heap[0]
@@ -617,8 +589,6 @@ class _Greedy:
                         heapq.heapreplace(heap, entry)
                     else:
                         heapq.heappush(heap, entry)
-                    if mins is not None:
-                        mins.push((r,))
                 for e in skipped:
                     heapq.heappush(heap, e)
                 if r >= 0:
@@ -728,17 +698,19 @@ class _Greedy:
         rates_sorted = sorted(set(prate.tolist()))
         for u in under:
             for b in sorted(held[u], key=rate.__getitem__):
-                pos = 0
+                pos, heavier = 0, None
                 while load[u] < mean and b in held[u] and splits[b].parts[u] >= EXCHANGE_MIN:
                     # (a quick bound first: the lightest X heavier than B must gain little enough for u's room)
                     j = bisect.bisect_right(rates_sorted, rate[b])
                     if j == len(rates_sorted) or (rates_sorted[j] - rate[b]) * EXCHANGE_MIN > (mean - load[u]) * (
                             1 + 1e-9):
                         break
-                    gain = prate[pos:] - rate[b]
-                    with np.errstate(divide="ignore", invalid="ignore"):
-                        ok = ((gain > 0) & (ppart[pos:] >= EXCHANGE_MIN) & ((vload[pos:] - mean) / gain >= EXCHANGE_MIN)
-                              & ((mean - load[u]) / gain >= EXCHANGE_MIN))
+                    if heavier is None:  # (X heavier than B; its gain, 1 where none: nothing divides by 0)
+                        heavier = prate > rate[b]
+                        gain_of = np.where(heavier, prate - rate[b], 1.0)
+                    gain = gain_of[pos:]
+                    ok = (heavier[pos:] & (ppart[pos:] >= EXCHANGE_MIN) & ((vload[pos:] - mean) / gain >= EXCHANGE_MIN)
+                          & ((mean - load[u]) / gain >= EXCHANGE_MIN))
                     hit = np.flatnonzero(ok)
                     if not len(hit):
                         break
