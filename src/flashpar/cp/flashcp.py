@@ -519,7 +519,7 @@ class _Greedy:
         # (key, load, rank, tokens) per rank; an entry whose load and tokens are no longer the rank's is stale
         heap = [(0.0, 0.0, q, 0) for q in range(n)]
         seq = 0
-        # the ranks by (load, tokens) too, and min(load), min(toks) from them where N is large (O(1), O(N) in C)
+        # the ranks by (load, tokens) too: where N is large, whether any rank fits a document whole comes from them
         ranked = _Ranked(n)  # (also load and toks as arrays, by rank: ranked.load_of, ranked.toks_of)
         heap_anew = False  # after many changes at once: the heap is built anew where it is next needed
 
@@ -553,8 +553,9 @@ class _Greedy:
                 r, skipped = -1, []
                 if tok_room < 0:  # (longer than the cap)
                     fits = False
-                elif n > 64:
-                    fits = int(ranked.toks.min()) <= tok_room and ranked.keys[0][0] <= work_room
+                elif n > 64:  # some rank within both (those within the work room: a prefix of the ranked order)
+                    c = bisect.bisect_right(ranked.keys, (work_room, math.inf))
+                    fits = c > 0 and int(ranked.toks[:c].min()) <= tok_room
                 else:
                     fits = min(toks) <= tok_room and min(load) <= work_room  # (else no rank fits)
                 if fits and heap_anew:  # one current entry per rank (the same order of entries as ever)
