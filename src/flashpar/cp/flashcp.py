@@ -321,11 +321,15 @@ class _Greedy:
         hi = bisect.bisect_right(sizes, bisect.bisect_left(keys, (limit,)))  # (limit,): below every key at limit
         if lo >= hi:
             return None
-        fullest = np.maximum.accumulate(ranked.toks[:sizes[hi - 1]])
+        most = sizes[hi - 1]  # (the members' room grows with g: every rank up to here is under the limit)
+        if limit < math.inf and most * limit - float(ranked.loads[:most].sum()) < (
+                self.whole(length) * (1 - 1e-6) - 1e-9 * most * limit):
+            return None
+        fullest = np.maximum.accumulate(ranked.toks[:most])
         gs = self.sizes_np[lo:hi]
         ok = fullest[gs - 1] + 2 * (length // (2 * gs)) <= cap
         if limit < math.inf:  # the members' room under the limit, all together, must hold the document's work
-            room = gs * limit - np.cumsum(ranked.loads[:sizes[hi - 1]])[gs - 1]
+            room = gs * limit - np.cumsum(ranked.loads[:most])[gs - 1]
             ok &= room >= self.whole(length) * (1 - 1e-6) - 1e-9 * gs * limit
         bound = share * self.mean
         for g in gs[ok].tolist():
