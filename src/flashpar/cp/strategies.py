@@ -96,6 +96,7 @@ class ArrayPlacement:
     def __init__(self, n: int, rank, a, b) -> None:
         self.n, self.rank, self.a, self.b = n, rank, a, b
         self._frozen = None
+        self._key = None
 
     @classmethod
     def sorted_from(cls, n: int, parts) -> ArrayPlacement:
@@ -127,8 +128,11 @@ class ArrayPlacement:
         return self.frozen()
 
     def key(self) -> bytes:
-        """Equal for equal placements (the same pieces, each rank's in the same order)."""
-        return self.rank.tobytes() + self.a.tobytes() + self.b.tobytes()
+        """Equal for equal placements (the same pieces, each rank's in the same order); built once (the arrays are
+        not changed after construction)."""
+        if self._key is None:
+            self._key = self.rank.tobytes() + self.a.tobytes() + self.b.tobytes()
+        return self._key
 
     def figures(self, doc_lens, doc_starts, cost, comm: str = "aware"):
         from flashpar.cp.cp_plan import figures_of_arrays
