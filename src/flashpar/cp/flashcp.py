@@ -84,29 +84,33 @@ class _Ranked:
     """The ranks in ``(load, tokens, rank)`` order (the order the sub-group step takes its least-loaded ranks in),
     kept sorted as loads change: per change O(log N) comparisons and one O(N) memory move, where sorting all ranks
     at every use costs O(N log N); many changes at once are merged in (one sort of two sorted runs).  ``keys``:
-    those tuples in order; ``toks`` and ``loads``: the ranks' tokens and loads in that order, as arrays."""
+    those tuples in order; ``loads`` and ``toks``: the ranks' loads and tokens in that order, the two rows of one
+    float array (tokens are integers far below 2^53: exact as floats)."""
 
     def __init__(self, n: int) -> None:
         self.keys = [(0.0, 0, q) for q in range(n)]
         self.cur = list(self.keys)
-        self.toks, self.loads = np.zeros(n, dtype=np.int64), np.zeros(n)
+        self._rows(np.zeros((2, n)))
         self.toks_of, self.load_of = np.zeros(n, dtype=np.int64), np.zeros(n)  # (by rank)
+
+    def _rows(self, rows: np.ndarray) -> None:
+        self.rows = rows
+        self.loads, self.toks = rows[0], rows[1]
 
     def update(self, q: int, load: float, toks: int) -> None:
         old, new = self.cur[q], (load, toks, q)
         if old == new:
             return
-        keys = self.keys
+        keys, rows = self.keys, self.rows
         i = bisect.bisect_left(keys, old)
         del keys[i]
         j = bisect.bisect_left(keys, new)
         keys.insert(j, new)
-        for arr, v in ((self.toks, toks), (self.loads, load)):
-            if j > i:  # (overlapping slices: numpy copies as if through a buffer)
-                arr[i:j] = arr[i + 1:j + 1]
-            elif j < i:
-                arr[j + 1:i + 1] = arr[j:i]
-            arr[j] = v
+        if j > i:  # (overlapping slices: numpy copies as if through a buffer)
+            rows[:, i:j] = rows[:, i + 1:j + 1]
+        elif j < i:
+            rows[:, j + 1:i + 1] = rows[:, j:i]
+        rows[0, j], rows[1, j] = load, toks
         self.cur[q] = new
         self.toks_of[q], self.load_of[q] = toks, load
 
@@ -122,7 +126,7 @@ class _Ranked:
             self.toks_of[q], self.load_of[q] = toks[q], load[q]
         self.keys = sorted(keep + sorted(self.cur[q] for q in changed))
         at = np.fromiter((key[2] for key in self.keys), dtype=np.int64, count=len(self.keys))
-        self.toks, self.loads = self.toks_of[at], self.load_of[at]
+        self._rows(np.stack((self.load_of[at], self.toks_of[at].astype(np.float64))))
 
     def ranks(self) -> list[int]:
         return [key[2] for key in self.keys]
