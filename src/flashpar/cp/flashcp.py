@@ -83,7 +83,7 @@ rather than one by one (the same placement; only faster)."""
 class _Ranked:
     """The ranks in ``(load, tokens, rank)`` order (the order the sub-group step takes its least-loaded ranks in),
     kept sorted as loads change: per change O(log N) comparisons and one O(N) memory move, where sorting all ranks
-    at every use costs O(N log N); many changes at once are merged in (one sort of two sorted runs).  ``keys``:
+    at every use costs O(N log N); after many changes at once, sorted anew (on arrays).  ``keys``:
     those tuples in order; ``loads`` and ``toks``: the ranks' loads and tokens in that order, the two rows of one
     float array (tokens are integers far below 2^53: exact as floats)."""
 
@@ -119,14 +119,16 @@ class _Ranked:
             for q in ranks:
                 self.update(q, load[q], toks[q])
             return
-        changed = set(ranks)
-        keep = [key for key in self.keys if key[2] not in changed]
-        for q in changed:
+        for q in ranks:
             self.cur[q] = (load[q], toks[q], q)
             self.toks_of[q], self.load_of[q] = toks[q], load[q]
-        self.keys = sorted(keep + sorted(self.cur[q] for q in changed))
-        at = np.fromiter((key[2] for key in self.keys), dtype=np.int64, count=len(self.keys))
-        self._rows(np.stack((self.load_of[at], self.toks_of[at].astype(np.float64))))
+        lv = self.load_of
+        at = np.argsort(lv, kind="stable")  # (equal loads: by rank; by tokens first where any are equal)
+        if (lv[at[1:]] == lv[at[:-1]]).any():
+            at = np.lexsort((self.toks_of, lv))
+        cur = self.cur
+        self.keys = [cur[q] for q in at.tolist()]
+        self._rows(np.stack((lv[at], self.toks_of[at].astype(np.float64))))
 
     def ranks(self) -> list[int]:
         return [key[2] for key in self.keys]
@@ -717,13 +719,9 @@ class _Greedy:
                     if heavier is None:  # (X heavier than B; its gain, 1 where none: nothing divides by 0)
                         heavier = prate > rate[b]
                         gain_of = np.where(heavier, prate - rate[b], 1.0)
-                    gain = gain_of[pos:]
-                    ok = (heavier[pos:] & (ppart[pos:] >= EXCHANGE_MIN) & ((vload[pos:] - mean) / gain >= EXCHANGE_MIN)
-                          & ((mean - load[u]) / gain >= EXCHANGE_MIN))
-                    hit = np.flatnonzero(ok)
-                    if not len(hit):
+                    i = self._next_trade(pos, heavier, gain_of, ppart, vload, mean, mean - load[u])
+                    if i < 0:
                         break
-                    i = pos + int(hit[0])
                     v, x = pv[i], px[i]
                     gain = rate[x] - rate[b]
                     move = int(min((load[v] - mean) / gain, (mean - load[u]) / gain, splits[x].parts[v],
@@ -740,6 +738,21 @@ class _Greedy:
                             ppart[pair_at[(v, t)]] = splits[t].parts.get(v, 0)
                     vload[rows_of[v]] = load[v]
                     pos = i + 1
+
+    @staticmethod
+    def _next_trade(pos: int, heavier, gain, ppart, vload, mean: float, room: float) -> int:
+        """The first pair ``i >= pos`` of :meth:`_exchange`'s scan that trades (its X heavier, at least
+        ``EXCHANGE_MIN`` of it on v, and a move of at least that within v's excess over ``mean`` and u's ``room``),
+        or -1; long scans look at the next 512 pairs first (the same first pair)."""
+        end = len(gain)
+        for lo, hi in (((pos, pos + 512), (pos + 512, end)) if end - pos > 1024 else ((pos, end),)):
+            g = gain[lo:hi]
+            ok = (heavier[lo:hi] & (ppart[lo:hi] >= EXCHANGE_MIN) & ((vload[lo:hi] - mean) / g >= EXCHANGE_MIN)
+                  & (room / g >= EXCHANGE_MIN))
+            hit = np.flatnonzero(ok)
+            if len(hit):
+                return lo + int(hit[0])
+        return -1
 
     def _batch_whole(self, docs, length: int, w: float, load, toks, limit: float, doc_rank, doc_seq, seq: int):
         """Documents ``docs`` (all of ``length`` tokens and compute ``w``, in pass order) placed whole as the
