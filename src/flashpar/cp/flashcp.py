@@ -244,6 +244,7 @@ class _Greedy:
             g = g + 1 if g < 8 else math.ceil(g * 1.25)
         self.sizes = [*sizes, n] if n >= 2 else []
         self.sizes_np = np.asarray(self.sizes, dtype=np.int64)
+        self._fewest: dict[int, np.ndarray] = {}  # per length: _group's fewest tokens per member, per size
         for length in set(doc_lens):
             self.whole(length)
         self.mean = sum(map(self._whole.__getitem__, doc_lens)) / n  # (added in document order, as always)
@@ -318,8 +319,8 @@ class _Greedy:
         for the fewest tokens any member takes (``2 floor(L / 2g)``: each chunk holds at least ``floor(L / 2g)``), or
         where the members' room under ``limit`` (``g limit - sum of their loads``, a prefix sum) is less than the
         document's compute whole: the members' shares add up to at least that (the same causal pairs, in pieces no
-        longer than the document, which run no more efficiently; a millionth, and a billionth of ``g limit``, spare
-        for rounding)."""
+        longer than the document, which run no more efficiently; a millionth of it, and a billionth of ``g limit``,
+        spare for rounding)."""
         # a member's share is about whole / g (a little more: cut pieces run less efficiently)
         first = max(2, min(self.n, math.ceil(self.whole(length) / (share * self.mean)))) if share < math.inf else 2
         keys, sizes, cap = ranked.keys, self.sizes, self.cap
@@ -331,12 +332,15 @@ class _Greedy:
         if limit < math.inf and most * limit - float(ranked.loads[:most].sum()) < (
                 self.whole(length) * (1 - 1e-6) - 1e-9 * most * limit):
             return None
-        fullest = np.maximum.accumulate(ranked.toks[:most])
         gs = self.sizes_np[lo:hi]
-        ok = fullest[gs - 1] + 2 * (length // (2 * gs)) <= cap
+        at = gs - 1  # (the last member of each size)
+        fewest = self._fewest.get(length)  # the fewest tokens a member takes, per size
+        if fewest is None:
+            fewest = self._fewest[length] = 2 * (length // (2 * self.sizes_np))
+        ok = np.maximum.accumulate(ranked.toks[:most])[at] + fewest[lo:hi] <= cap
         if limit < math.inf:  # the members' room under the limit, all together, must hold the document's work
-            room = gs * limit - np.cumsum(ranked.loads[:most])[gs - 1]
-            ok &= room >= self.whole(length) * (1 - 1e-6) - 1e-9 * gs * limit
+            room = gs * (limit * (1 + 1e-9)) - np.cumsum(ranked.loads[:most])[at]
+            ok &= room >= self.whole(length) * (1 - 1e-6)
         bound = share * self.mean
         for g in gs[ok].tolist():
             if g > 32:  # (on arrays: the same sums and comparisons; tokens first, their shares cost less)
