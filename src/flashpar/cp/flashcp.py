@@ -80,6 +80,35 @@ SKIP_MAX = 24
 rather than one by one (the same placement; only faster)."""
 
 
+class _Mins:
+    """``min(toks)`` and ``min(load)`` of the greedy pass, kept in two heaps whose stale entries (no longer a
+    rank's value) are dropped when met: O(log N) where ``min()`` is O(N)."""
+
+    def __init__(self, load, toks) -> None:
+        self.load_v, self.toks_v = load, toks
+        self.loads = list(zip(load, range(len(load)), strict=True))
+        self.tokss = list(zip(toks, range(len(toks)), strict=True))
+        heapq.heapify(self.loads)
+        heapq.heapify(self.tokss)
+
+    def push(self, ranks) -> None:
+        for r in ranks:
+            heapq.heappush(self.loads, (self.load_v[r], r))
+            heapq.heappush(self.tokss, (self.toks_v[r], r))
+
+    def load(self) -> float:
+        h, cur = self.loads, self.load_v
+        while h[0][0] != cur[h[0][1]]:
+            heapq.heappop(h)
+        return h[0][0]
+
+    def tok(self) -> int:
+        h, cur = self.tokss, self.toks_v
+        while h[0][0] != cur[h[0][1]]:
+            heapq.heappop(h)
+        return h[0][0]
+
+
 class _Ranked:
     """The ranks in ``(load, tokens, rank)`` order (the order the sub-group step takes its least-loaded ranks in),
     kept sorted as loads change: per change O(log N) comparisons and one O(N) memory move, where sorting all ranks
@@ -87,9 +116,10 @@ class _Ranked:
     those tuples in order; ``loads`` and ``toks``: the ranks' loads and tokens in that order, the two rows of one
     float array (tokens are integers far below 2^53: exact as floats)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, arrays: bool = True) -> None:
         self.keys = [(0.0, 0, q) for q in range(n)]
         self.cur = list(self.keys)
+        self.arrays = arrays  # (without: the keys alone, for few ranks, where lists beat arrays)
         self._rows(np.zeros((2, n)))
         self.toks_of, self.load_of = np.zeros(n, dtype=np.int64), np.zeros(n)  # (by rank)
 
@@ -106,16 +136,18 @@ class _Ranked:
         del keys[i]
         j = bisect.bisect_left(keys, new)
         keys.insert(j, new)
+        self.cur[q] = new
+        if not self.arrays:
+            return
         if j > i:  # (overlapping slices: numpy copies as if through a buffer)
             rows[:, i:j] = rows[:, i + 1:j + 1]
         elif j < i:
             rows[:, j + 1:i + 1] = rows[:, j:i]
         rows[0, j], rows[1, j] = load, toks
-        self.cur[q] = new
         self.toks_of[q], self.load_of[q] = toks, load
 
     def update_many(self, ranks, load, toks) -> None:
-        if len(ranks) <= 64:
+        if len(ranks) <= 64 or not self.arrays:
             for q in ranks:
                 self.update(q, load[q], toks[q])
             return
@@ -132,6 +164,17 @@ class _Ranked:
 
     def ranks(self) -> list[int]:
         return [key[2] for key in self.keys]
+
+    def min_toks(self) -> int:
+        return int(self.toks.min()) if self.arrays else min(key[1] for key in self.keys)
+
+    def first_with_room(self, most: int) -> int:
+        """The first rank in order with at most ``most`` tokens, or -1."""
+        if self.arrays:
+            room = self.toks <= most
+            at = int(room.argmax())
+            return self.keys[at][2] if room[at] else -1
+        return next((key[2] for key in self.keys if key[1] <= most), -1)
 
 
 def token_cap(doc_lens: list[int], n: int, token_slack: float) -> int:
@@ -327,6 +370,21 @@ class _Greedy:
         lo = bisect.bisect_left(sizes, first)
         hi = bisect.bisect_right(sizes, bisect.bisect_left(keys, (limit,)))  # (limit,): below every key at limit
         if lo >= hi:
+            return None
+        if not ranked.arrays:  # few ranks: in Python (tokens first: their shares cost more)
+            bound = share * self.mean
+            for g in sizes[lo:hi]:
+                if (length, g) not in self._shares and not _tokens_fit(keys, length, g, cap):
+                    continue
+                work, tok = self.shares(length, g)
+                top = self._top.get((length, g))
+                if top is None:
+                    top = self._top[(length, g)] = max(work)
+                if (top > bound and g < self.n) or not _fits(keys, work, tok, limit, cap):
+                    continue
+                if share < math.inf:
+                    self.peak_share = max(self.peak_share, top / self.mean)
+                return [key[2] for key in keys[:g]]
             return None
         most = sizes[hi - 1]  # (the members' room grows with g: every rank up to here is under the limit)
         if limit < math.inf and most * limit - float(ranked.loads[:most].sum()) < (
@@ -533,18 +591,26 @@ class _Greedy:
         # (key, load, rank, tokens) per rank; an entry whose load and tokens are no longer the rank's is stale
         heap = [(0.0, 0.0, q, 0) for q in range(n)]
         seq = 0
-        # the ranks by (load, tokens) too: where N is large, whether any rank fits a document whole comes from them
-        ranked = _Ranked(n)  # (also load and toks as arrays, by rank: ranked.load_of, ranked.toks_of)
-        heap_anew = False  # after many changes at once: the heap is built anew where it is next needed
+        # the ranks by (load, tokens) too (also load and toks as arrays, by rank: ranked.load_of, ranked.toks_of,
+        # always current); from 256 ranks on kept in step with every document, as whether any rank fits a document
+        # whole comes from them there, else brought up to date where next needed (``pending``: the ranks since)
+        ranked, eager, pending = _Ranked(n, arrays=n > 64), n >= 256, []
+        mins = _Mins(load, toks) if 64 < n < 256 else None  # min(toks), min(load) in O(log N) in between
+        heap_anew = False  # after many changes at once: the heaps are built anew where next needed
 
         def touched(ranks) -> None:  # new current entries for ranks whose load changed
             nonlocal heap_anew
+            if pending:
+                ranks = list(dict.fromkeys([*pending, *ranks]))
+                pending.clear()
             ranked.update_many(ranks, load, toks)
-            if heap_anew or len(ranks) > n // 4:
+            if heap_anew or len(ranks) > max(n // 4, 64):
                 heap_anew = True
                 return
             for q in ranks:
                 heapq.heappush(heap, (max(load[q] / limit, toks[q] / cap), load[q], q, toks[q]))
+            if mins is not None:
+                mins.push(ranks)
 
         order, run_end = self.order, self.run_end
         k, count = 0, len(order)
@@ -567,12 +633,16 @@ class _Greedy:
                 r, skipped = -1, []
                 if tok_room < 0:  # (longer than the cap)
                     fits = False
-                elif n > 64:  # some rank within both (those within the work room: a prefix of the ranked order)
+                elif eager:  # some rank within both (those within the work room: a prefix of the ranked order)
                     c = bisect.bisect_right(ranked.keys, (work_room, math.inf))
                     fits = c > 0 and int(ranked.toks[:c].min()) <= tok_room
+                elif mins is not None:
+                    if heap_anew:
+                        mins = _Mins(load, toks)
+                    fits = mins.tok() <= tok_room and mins.load() <= work_room
                 else:
                     fits = min(toks) <= tok_room and min(load) <= work_room  # (else no rank fits)
-                if fits and heap_anew:  # one current entry per rank (the same order of entries as ever)
+                if heap_anew and (fits or mins is not None):  # one current entry per rank (the same entries)
                     lv, tv = ranked.load_of, ranked.toks_of  # (the same divisions and maxima on arrays)
                     key0 = np.maximum(lv / limit, tv / cap).tolist()
                     heap[:] = zip(key0, lv.tolist(), range(n), tv.tolist(), strict=True)
@@ -590,7 +660,7 @@ class _Greedy:
                         break
                     skipped.append(heapq.heappop(heap))
                     if len(skipped) >= SKIP_MAX:  # many full ranks first: the least key that fits, on arrays
-                        rooms = (ranked.load_of, ranked.toks_of)
+                        rooms = (ranked.load_of, ranked.toks_of) if n > 64 else (load, toks)
                         r, at_top = self._fitting(rooms, limit, tok_room, work_room), False
                         break
                 if r >= 0:
@@ -598,7 +668,14 @@ class _Greedy:
                     seq += 1
                     load[r] += w
                     toks[r] += length
-                    ranked.update(r, load[r], toks[r])
+                    if eager:
+                        ranked.update(r, load[r], toks[r])
+                    else:
+                        pending.append(r)
+                        if n > 64:
+                            ranked.load_of[r], ranked.toks_of[r] = load[r], toks[r]
+                        if mins is not None:
+                            mins.push((r,))
                     entry = (max(load[r] / limit, toks[r] / cap), load[r], r, toks[r])
                     if at_top:
                         heapq.heapreplace(heap, entry)
@@ -609,6 +686,9 @@ class _Greedy:
                 if r >= 0:
                     k += 1
                     continue
+            if pending:
+                ranked.update_many(list(dict.fromkeys(pending)), load, toks)
+                pending.clear()
             changed = self._place_other(k, d, length, start, force, load, toks, limit, share, subgroups, p, splits,
                                         ranked)
             if changed is None:  # whole on one rank, over the work bound
@@ -621,11 +701,20 @@ class _Greedy:
         if subgroups:
             self._exchange(splits, load, toks)
         self._refine(doc_rank, doc_seq, load, toks, seq)
+        parts = []
+        if n > 64:  # (many members: on arrays)
+            parts = [_headtail_arrays([sp for sp in splits if sp.equal]),
+                     _sized_arrays([sp for sp in splits if not sp.equal])]
+        else:
+            for sp in splits:
+                if sp.equal:  # member i takes chunks i and 2g - 1 - i
+                    p.headtail(list(sp.parts), sp.start, sp.length)
+                else:  # the largest parts outermost
+                    members = sorted(sp.parts, key=lambda r: -sp.parts[r])
+                    p.headtail_sized(members, [sp.parts[r] for r in members], sp.start, sp.length)
         whole = np.flatnonzero(doc_rank >= 0)
         ws = self.starts_np[whole]
-        return ArrayPlacement.sorted_from(n, [(doc_rank[whole], ws, ws + self.lens_np[whole]), p.arrays(),
-                                              _headtail_arrays([sp for sp in splits if sp.equal]),
-                                              _sized_arrays([sp for sp in splits if not sp.equal])])
+        return ArrayPlacement.sorted_from(n, [(doc_rank[whole], ws, ws + self.lens_np[whole]), p.arrays(), *parts])
 
     def _fitting(self, rooms, limit: float, tok_room: int, work_room: float) -> int:
         """The rank of least key ``(max(load / limit, tokens / cap), load, rank)`` among those with
@@ -643,7 +732,7 @@ class _Greedy:
         cap = self.cap
         group = self._group(length, ranked, limit, share) if subgroups else None
         # unequal parts only where the document fits whole on no rank (else: whole, over the bound, below)
-        cut = group is None and subgroups and length > cap - int(ranked.toks.min())
+        cut = group is None and subgroups and length > cap - ranked.min_toks()
         fill = self._fill(length, start, load, toks, limit, share) if cut else None
         if fill is not None and len(fill[0]) > 1:  # unequal parts by each rank's room
             members, sizes = fill
@@ -655,9 +744,8 @@ class _Greedy:
         if fill is not None:
             group = fill[0]
         if group is None and k >= force:  # over the work bound: whole on the least-loaded rank with room
-            room = ranked.toks <= cap - length
-            at = int(room.argmax())
-            group = [ranked.keys[at][2]] if room[at] else None
+            r = ranked.first_with_room(cap - length)
+            group = [r] if r >= 0 else None
         if group is None and subgroups:  # tokens alone
             group = self._group(length, ranked, float("inf"), float("inf"))
         if group is None and subgroups:  # no group has token room: cut it by the room each rank has left
