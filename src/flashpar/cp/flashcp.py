@@ -600,10 +600,13 @@ class _Greedy:
 
         def touched(ranks) -> None:  # new current entries for ranks whose load changed
             nonlocal heap_anew
-            if pending:
-                ranks = list(dict.fromkeys([*pending, *ranks]))
-                pending.clear()
-            ranked.update_many(ranks, load, toks)
+            if eager:
+                ranked.update_many(ranks, load, toks)
+            else:
+                pending.extend(ranks)
+                if n > 64:
+                    for q in ranks:
+                        ranked.load_of[q], ranked.toks_of[q] = load[q], toks[q]
             if heap_anew or len(ranks) > max(n // 4, 64):
                 heap_anew = True
                 return
