@@ -804,17 +804,14 @@ class _Greedy:
         rates_sorted = sorted(set(prate.tolist()))
         for u in under:
             for b in sorted(held[u], key=rate.__getitem__):
-                pos, heavier = 0, None
+                pos = 0
                 while load[u] < mean and b in held[u] and splits[b].parts[u] >= EXCHANGE_MIN:
                     # (a quick bound first: the lightest X heavier than B must gain little enough for u's room)
                     j = bisect.bisect_right(rates_sorted, rate[b])
                     if j == len(rates_sorted) or (rates_sorted[j] - rate[b]) * EXCHANGE_MIN > (mean - load[u]) * (
                             1 + 1e-9):
                         break
-                    if heavier is None:  # (X heavier than B; its gain, 1 where none: nothing divides by 0)
-                        heavier = prate > rate[b]
-                        gain_of = np.where(heavier, prate - rate[b], 1.0)
-                    i = self._next_trade(pos, heavier, gain_of, ppart, vload, mean, mean - load[u])
+                    i = self._next_trade(pos, prate, rate[b], ppart, vload, mean, mean - load[u])
                     if i < 0:
                         break
                     v, x = pv[i], px[i]
@@ -835,15 +832,17 @@ class _Greedy:
                     pos = i + 1
 
     @staticmethod
-    def _next_trade(pos: int, heavier, gain, ppart, vload, mean: float, room: float) -> int:
-        """The first pair ``i >= pos`` of :meth:`_exchange`'s scan that trades (its X heavier, at least
-        ``EXCHANGE_MIN`` of it on v, and a move of at least that within v's excess over ``mean`` and u's ``room``),
-        or -1; long scans look at the next 512 pairs first (the same first pair)."""
-        end = len(gain)
+    def _next_trade(pos: int, prate, rate_b: float, ppart, vload, mean: float, room: float) -> int:
+        """The first pair ``i >= pos`` of :meth:`_exchange`'s scan that trades (its X heavier than B, of rate
+        ``rate_b``; at least ``EXCHANGE_MIN`` of it on v; a move of at least that within v's excess over ``mean``
+        and u's ``room``), or -1; long scans look at the next 512 pairs first (the same first pair)."""
+        end = len(prate)
         for lo, hi in (((pos, pos + 512), (pos + 512, end)) if end - pos > 1024 else ((pos, end),)):
-            g = gain[lo:hi]
-            ok = (heavier[lo:hi] & (ppart[lo:hi] >= EXCHANGE_MIN) & ((vload[lo:hi] - mean) / g >= EXCHANGE_MIN)
-                  & (room / g >= EXCHANGE_MIN))
+            gain = prate[lo:hi] - rate_b
+            heavier = gain > 0
+            gain[~heavier] = 1.0  # (no trade there: nothing divides by 0)
+            ok = (heavier & (ppart[lo:hi] >= EXCHANGE_MIN) & ((vload[lo:hi] - mean) / gain >= EXCHANGE_MIN)
+                  & (room / gain >= EXCHANGE_MIN))
             hit = np.flatnonzero(ok)
             if len(hit):
                 return lo + int(hit[0])
