@@ -591,10 +591,10 @@ class _Greedy:
         # (key, load, rank, tokens) per rank; an entry whose load and tokens are no longer the rank's is stale
         heap = [(0.0, 0.0, q, 0) for q in range(n)]
         seq = 0
-        # the ranks by (load, tokens) too (also load and toks as arrays, by rank: ranked.load_of, ranked.toks_of,
-        # always current); from 256 ranks on kept in step with every document, as whether any rank fits a document
-        # whole comes from them there, else brought up to date where next needed (``pending``: the ranks since)
-        ranked, eager, pending = _Ranked(n, arrays=n > 64), n >= 256, []
+        # the ranks by (load, tokens) too (beyond 128 ranks also load and toks as arrays, by rank: ranked.load_of,
+        # ranked.toks_of, always current); from 256 ranks on kept in step with every document, as whether any rank
+        # fits a document whole comes from them there, else brought up to date where next needed (``pending``)
+        ranked, eager, pending = _Ranked(n, arrays=n > 128), n >= 256, []
         mins = _Mins(load, toks) if 64 < n < 256 else None  # min(toks), min(load) in O(log N) in between
         heap_anew = False  # after many changes at once: the heaps are built anew where next needed
 
@@ -604,7 +604,7 @@ class _Greedy:
                 ranked.update_many(ranks, load, toks)
             else:
                 pending.extend(ranks)
-                if n > 64:
+                if ranked.arrays:
                     for q in ranks:
                         ranked.load_of[q], ranked.toks_of[q] = load[q], toks[q]
             if heap_anew or len(ranks) > max(n // 4, 64):
@@ -646,9 +646,12 @@ class _Greedy:
                 else:
                     fits = min(toks) <= tok_room and min(load) <= work_room  # (else no rank fits)
                 if heap_anew and (fits or mins is not None):  # one current entry per rank (the same entries)
-                    lv, tv = ranked.load_of, ranked.toks_of  # (the same divisions and maxima on arrays)
-                    key0 = np.maximum(lv / limit, tv / cap).tolist()
-                    heap[:] = zip(key0, lv.tolist(), range(n), tv.tolist(), strict=True)
+                    if ranked.arrays:  # (the same divisions and maxima on arrays)
+                        lv, tv = ranked.load_of, ranked.toks_of
+                        key0 = np.maximum(lv / limit, tv / cap).tolist()
+                        heap[:] = zip(key0, lv.tolist(), range(n), tv.tolist(), strict=True)
+                    else:
+                        heap[:] = [(max(load[q] / limit, toks[q] / cap), load[q], q, toks[q]) for q in range(n)]
                     heapq.heapify(heap)
                     heap_anew = False
                 at_top = True
@@ -663,7 +666,7 @@ class _Greedy:
                         break
                     skipped.append(heapq.heappop(heap))
                     if len(skipped) >= SKIP_MAX:  # many full ranks first: the least key that fits, on arrays
-                        rooms = (ranked.load_of, ranked.toks_of) if n > 64 else (load, toks)
+                        rooms = (ranked.load_of, ranked.toks_of) if ranked.arrays else (load, toks)
                         r, at_top = self._fitting(rooms, limit, tok_room, work_room), False
                         break
                 if r >= 0:
@@ -675,7 +678,7 @@ class _Greedy:
                         ranked.update(r, load[r], toks[r])
                     else:
                         pending.append(r)
-                        if n > 64:
+                        if ranked.arrays:
                             ranked.load_of[r], ranked.toks_of[r] = load[r], toks[r]
                         if mins is not None:
                             mins.push((r,))
