@@ -45,6 +45,7 @@ import bisect
 import collections
 import dataclasses
 import heapq
+import itertools
 import math
 
 import numpy as np
@@ -85,8 +86,8 @@ class _Mins:
 
     def __init__(self, load, toks) -> None:
         self.load_v, self.toks_v = load, toks
-        self.loads = [(v, r) for r, v in enumerate(load)]
-        self.tokss = [(v, r) for r, v in enumerate(toks)]
+        self.loads = list(zip(load, range(len(load)), strict=True))
+        self.tokss = list(zip(toks, range(len(toks)), strict=True))
         heapq.heapify(self.loads)
         heapq.heapify(self.tokss)
 
@@ -106,6 +107,74 @@ class _Mins:
         while h[0][0] != cur[h[0][1]]:
             heapq.heappop(h)
         return h[0][0]
+
+
+class _Ranked:
+    """The ranks in ``(load, tokens, rank)`` order (the order the sub-group step takes its least-loaded ranks in),
+    kept sorted as loads change: per change O(log N) comparisons and one O(N) memory move, where sorting all ranks
+    at every use costs O(N log N); after many changes at once, sorted anew (on arrays).  ``keys``:
+    those tuples in order; ``loads`` and ``toks``: the ranks' loads and tokens in that order, the two rows of one
+    float array (tokens are integers far below 2^53: exact as floats)."""
+
+    def __init__(self, n: int, arrays: bool = True) -> None:
+        self.keys = [(0.0, 0, q) for q in range(n)]
+        self.cur = list(self.keys)
+        self.arrays = arrays  # (without: the keys alone, for few ranks, where lists beat arrays)
+        self._rows(np.zeros((2, n)))
+        self.toks_of, self.load_of = np.zeros(n, dtype=np.int64), np.zeros(n)  # (by rank)
+
+    def _rows(self, rows: np.ndarray) -> None:
+        self.rows = rows
+        self.loads, self.toks = rows[0], rows[1]
+
+    def update(self, q: int, load: float, toks: int) -> None:
+        old, new = self.cur[q], (load, toks, q)
+        if old == new:
+            return
+        keys, rows = self.keys, self.rows
+        i = bisect.bisect_left(keys, old)
+        del keys[i]
+        j = bisect.bisect_left(keys, new)
+        keys.insert(j, new)
+        self.cur[q] = new
+        if not self.arrays:
+            return
+        if j > i:  # (overlapping slices: numpy copies as if through a buffer)
+            rows[:, i:j] = rows[:, i + 1:j + 1]
+        elif j < i:
+            rows[:, j + 1:i + 1] = rows[:, j:i]
+        rows[0, j], rows[1, j] = load, toks
+        self.toks_of[q], self.load_of[q] = toks, load
+
+    def update_many(self, ranks, load, toks) -> None:
+        if len(ranks) <= 64 or not self.arrays:
+            for q in ranks:
+                self.update(q, load[q], toks[q])
+            return
+        for q in ranks:
+            self.cur[q] = (load[q], toks[q], q)
+            self.toks_of[q], self.load_of[q] = toks[q], load[q]
+        lv = self.load_of
+        at = np.argsort(lv, kind="stable")  # (equal loads: by rank; by tokens first where any are equal)
+        if (lv[at[1:]] == lv[at[:-1]]).any():
+            at = np.lexsort((self.toks_of, lv))
+        cur = self.cur
+        self.keys = [cur[q] for q in at.tolist()]
+        self._rows(np.stack((lv[at], self.toks_of[at].astype(np.float64))))
+
+    def ranks(self) -> list[int]:
+        return [key[2] for key in self.keys]
+
+    def min_toks(self) -> int:
+        return int(self.toks.min()) if self.arrays else min(key[1] for key in self.keys)
+
+    def first_with_room(self, most: int) -> int:
+        """The first rank in order with at most ``most`` tokens, or -1."""
+        if self.arrays:
+            room = self.toks <= most
+            at = int(room.argmax())
+            return self.keys[at][2] if room[at] else -1
+        return next((key[2] for key in self.keys if key[1] <= most), -1)
 
 
 def token_cap(doc_lens: list[int], n: int, token_slack: float) -> int:
@@ -233,6 +302,67 @@ class _RankDocs:
         self.queues[length] = collections.deque([doc])
 
 
+def _headtail_arrays(splits: list[_Split]):
+    """(rank, start, end) of the pieces of equal head-tail splits (``Placement.headtail``: member ``i`` of ``g``
+    takes chunks ``i`` and ``2g - 1 - i`` of ``2g``), on arrays; empty pieces are left to the caller to drop."""
+    g = np.fromiter((len(sp.parts) for sp in splits), dtype=np.int64, count=len(splits))
+    rank = np.fromiter(itertools.chain.from_iterable(sp.parts for sp in splits), dtype=np.int64, count=int(g.sum()))
+    i = np.arange(len(rank), dtype=np.int64) - np.repeat(np.cumsum(g) - g, g)  # place in its group
+    two = np.repeat(2 * g, g)
+    start = np.repeat(np.fromiter((sp.start for sp in splits), dtype=np.int64, count=len(splits)), g)
+    length = np.repeat(np.fromiter((sp.length for sp in splits), dtype=np.int64, count=len(splits)), g)
+    a = np.concatenate((start + length * i // two, start + length * (two - 1 - i) // two))
+    b = np.concatenate((start + length * (i + 1) // two, start + length * (two - i) // two))
+    return np.concatenate((rank, rank)), a, b
+
+
+def _fits(keys, work, tok, limit: float, cap: int) -> bool:
+    """Whether the first ``len(work)`` ranks of ``keys`` ((load, tokens, rank), member ``i`` taking ``work[i]`` and
+    ``tok[i]``) all stay within ``limit`` and ``cap``."""
+    for (ld, t, _), w, x in zip(keys, work, tok, strict=False):  # noqa: SIM110 (faster than all() of a generator)
+        if ld + w > limit or t + x > cap:
+            return False
+    return True
+
+
+def _tokens_fit(keys, length: int, g: int, cap: int) -> bool:
+    """Whether the first ``g`` ranks of ``keys`` have room for the tokens of a head-tail group of ``g`` over
+    ``length`` (member ``i``: chunks ``i`` and ``2g - 1 - i`` of ``2g``, as :meth:`_Greedy.shares` counts them)."""
+    two = 2 * g
+    for i in range(g):
+        x = length * (i + 1) // two - length * i // two + length * (two - i) // two - length * (two - 1 - i) // two
+        if keys[i][1] + x > cap:
+            return False
+    return True
+
+
+def _sized_arrays(splits: list[_Split]):
+    """(rank, start, end) of the pieces of unequal head-tail splits (``Placement.headtail_sized``, the largest parts
+    outermost: member ``i`` takes the next ``s_i // 2`` tokens from the front and the next ``s_i - s_i // 2`` from
+    the back, the last member the middle), on arrays; empty pieces are left to the caller to drop."""
+    ranks, sizes, g = [], [], []
+    for sp in splits:
+        members = sorted(sp.parts, key=lambda r: -sp.parts[r])
+        ranks += members
+        sizes += [sp.parts[r] for r in members]
+        g.append(len(members))
+    g_np = np.asarray(g, dtype=np.int64)
+    s = np.asarray(sizes, dtype=np.int64)
+    last = np.cumsum(g_np) - 1
+    h = s // 2
+    h[last] = s[last]  # the last member: one piece, the middle
+    first = np.repeat(last - g_np + 1, g_np)
+    head = np.cumsum(h) - h  # tokens taken from the front before each member (within its split)
+    back = np.cumsum(s - h) - (s - h)
+    head, back = head - head[first], back - back[first]
+    start = np.repeat(np.asarray([sp.start for sp in splits], dtype=np.int64), g_np)
+    end = start + np.repeat(np.asarray([sp.length for sp in splits], dtype=np.int64), g_np)
+    rank = np.asarray(ranks, dtype=np.int64)
+    a = np.concatenate((start + head, end - back - (s - h)))
+    b = np.concatenate((start + head + h, end - back))
+    return np.concatenate((rank, rank)), a, b
+
+
 class _Greedy:
     """The greedy pass (see the module docstring), with per-(length, group) shares cached."""
 
@@ -252,9 +382,9 @@ class _Greedy:
         distinct = sl[np.concatenate(([0], ends[:-1]))]
         self._shares: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
         self._whole: dict[int, float] = {}
-        self._top: dict[tuple[int, int], tuple] = {}  # per (length, g): max of the shares, shares as arrays
-        self._big: dict[int, dict] = {}  # per length: _big_shares
-        self._big_index = None
+        self._top: dict[tuple[int, int], float] = {}  # per (length, g): the largest of the shares
+        self._big: dict[tuple[int, int], tuple] = {}  # per (length, g): _share_arrays
+        self._tok_arrays: dict[tuple[int, int], np.ndarray] = {}  # per (length, g): _share_tokens
         self._whole_times = None
         # group sizes tried: every size up to 8, then about 1.25x apart (and N itself)
         sizes, g = [], 2
@@ -262,6 +392,8 @@ class _Greedy:
             sizes.append(g)
             g = g + 1 if g < 8 else math.ceil(g * 1.25)
         self.sizes = [*sizes, n] if n >= 2 else []
+        self.sizes_np = np.asarray(self.sizes, dtype=np.int64)
+        self._fewest: dict[int, np.ndarray] = {}  # per length: _group's fewest tokens per member, per size
         self._whole = dict(zip(distinct.tolist(), self._whole_arrays(distinct).tolist(), strict=True))
         self.mean = sum(map(self._whole.__getitem__, doc_lens)) / n  # (added in document order, as always)
 
@@ -296,9 +428,8 @@ class _Greedy:
         if g == 1:
             return [self.whole(length)], [length]
         if key not in self._shares and g >= 16:
-            big = self._big_shares(length).get(g)
-            self._shares[key] = ((big[0].tolist(), big[1].tolist()) if big is not None
-                                 else self._shares_arrays(length, g))
+            work, tok = self._share_arrays(length, g)
+            self._shares[key] = (work.tolist(), tok.tolist())
         if key not in self._shares:
             b = chunk_bounds(0, length, 2 * g)
             work, toks = [], []
@@ -311,26 +442,31 @@ class _Greedy:
             self._shares[key] = (work, toks)
         return self._shares[key]
 
-    def _big_shares(self, length: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """:meth:`_shares_arrays` of every group size of at least 16 tried (``self.sizes``) at once, as arrays."""
-        if length not in self._big:
-            gs = [g for g in self.sizes if g >= 16]
-            if not gs:
-                self._big[length] = {}
-                return self._big[length]
-            if self._big_index is None:
-                G = np.repeat(np.asarray(gs, dtype=np.int64), gs)
-                idx = np.concatenate([np.arange(g, dtype=np.int64) for g in gs])
-                self._big_index = (G, idx, np.cumsum([0, *gs]).tolist())
-            G, i, offsets = self._big_index
-            two = 2 * G
-            h0, h1 = length * i // two, length * (i + 1) // two
-            t0, t1 = length * (two - 1 - i) // two, length * (two - i) // two
-            n_tok = (h1 - h0) + (t1 - t0)
-            work = (self._piece_time(h0, h1) + self._piece_time(t0, t1)) + n_tok.astype(np.float64) * (
+    def _share_arrays(self, length: int, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`shares` on arrays (the same floats: each piece's time as ``CostModel.attn_time`` rounds it, the
+        head's and the tail's added, then the linear time)."""
+        key = (length, g)
+        if key not in self._big:
+            i = np.arange(g, dtype=np.int64)
+            two = 2 * g
+            x = length * np.concatenate((i, two - 1 - i)) // two  # heads, then tails
+            y = length * np.concatenate((i + 1, two - i)) // two
+            n_tok = (y[:g] - x[:g]) + (y[g:] - x[g:])
+            t = self._piece_time(x, y)
+            work = (t[:g] + t[g:]) + n_tok.astype(np.float64) * (
                 self.cost.flops_per_token) / self.cost.hardware.gemm_flops
-            self._big[length] = {g: (work[o:o + g], n_tok[o:o + g]) for g, o in zip(gs, offsets, strict=False)}
-        return self._big[length]
+            self._big[key] = (work, n_tok)
+        return self._big[key]
+
+    def _share_tokens(self, length: int, g: int) -> np.ndarray:
+        """The tokens of :meth:`_share_arrays` alone (chunks ``i`` and ``2g - 1 - i`` of ``2g``)."""
+        key = (length, g)
+        if key not in self._tok_arrays:
+            i = np.arange(g, dtype=np.int64)
+            two = 2 * g
+            self._tok_arrays[key] = (length * (i + 1) // two - length * i // two) + (
+                length * (two - i) // two - length * (two - 1 - i) // two)
+        return self._tok_arrays[key]
 
     def _piece_time(self, x, y):
         """``CostModel.attn_time`` of the pieces ``[x, y)`` of a document from 0, on arrays (the same floats)."""
@@ -341,56 +477,75 @@ class _Greedy:
             eff = hw.attn_peak * (q / (q + hw.attn_half)) * (k / (k + hw.attn_half))
             return np.where((y > x) & (work > 0), work / (hw.flops * eff), 0.0)
 
-    def _shares_arrays(self, length: int, g: int) -> tuple[list[float], list[int]]:
-        """:meth:`shares` on arrays (the same floats: each piece's time as ``CostModel.attn_time`` rounds it, the
-        head's and the tail's added, then the linear time)."""
-        b = length * np.arange(2 * g + 1, dtype=np.int64) // (2 * g)
-        i = np.arange(g)
-        hw, cost = self.cost.hardware, self.cost
+    def _group(self, length: int, ranked: _Ranked, limit: float, share: float) -> list[int] | None:
+        """The smallest head-tail group (of ``self.sizes`` least-loaded ranks, ``ranked`` order) whose members all stay
+        under ``limit`` and the token cap, each taking at most ``share`` of a rank's mean compute.
 
-        def piece_time(x, y):
-            q, k = (y - x).astype(np.float64), y.astype(np.float64)
-            work = (((y - x) * (x + y + 1)) // 2).astype(np.float64) * cost.flops_per_pair
-            with np.errstate(divide="ignore", invalid="ignore"):  # (empty pieces: masked)
-                eff = hw.attn_peak * (q / (q + hw.attn_half)) * (k / (k + hw.attn_half))
-                return np.where((y > x) & (work > 0), work / (hw.flops * eff), 0.0)
-
-        head = piece_time(b[i], b[i + 1])
-        tail = piece_time(b[2 * g - 1 - i], b[2 * g - i])
-        n_tok = (b[i + 1] - b[i]) + (b[2 * g - i] - b[2 * g - 1 - i])
-        work = (head + tail) + n_tok.astype(np.float64) * cost.flops_per_token / hw.gemm_flops
-        return work.tolist(), n_tok.tolist()
-
-    def _group(self, length: int, by_load: list[int], load, toks, limit: float, share: float,
-               sorted_rooms=None) -> list[int] | None:
-        """The smallest head-tail group (of ``self.sizes`` least-loaded ranks) whose members all stay under
-        ``limit`` and the token cap, each taking at most ``share`` of a rank's mean compute.  ``sorted_rooms``:
-        (loads, tokens) as arrays in ``by_load`` order, where given."""
+        Only sizes up to the number of ranks under ``limit`` can fit (the ranks are by load).  A size is passed over
+        at once, before its shares are looked up, where the fullest member (by tokens, a prefix maximum) has no room
+        for the fewest tokens any member takes (``2 floor(L / 2g)``: each chunk holds at least ``floor(L / 2g)``), or
+        where the members' room under ``limit`` (``g limit - sum of their loads``, a prefix sum) is less than the
+        document's compute whole: the members' shares add up to at least that (the same causal pairs, in pieces no
+        longer than the document, which run no more efficiently; a millionth of it, and a billionth of ``g limit``,
+        spare for rounding)."""
         # a member's share is about whole / g (a little more: cut pieces run less efficiently)
         first = max(2, min(self.n, math.ceil(self.whole(length) / (share * self.mean)))) if share < math.inf else 2
-        for g in self.sizes:
-            if g < first:
-                continue
-            if load[by_load[g - 1]] >= limit:  # this member, and every larger group's, is already full
-                return None
-            work, tok = self.shares(length, g)
-            top = self._top.get((length, g))
-            if top is None:
-                big = self._big_shares(length).get(g) if g > 32 else None
-                arrays = big if big is not None else ((np.asarray(work), np.asarray(tok)) if g > 32 else (None, None))
-                top = self._top[(length, g)] = (max(work), *arrays)
-            if top[0] > share * self.mean and g < self.n:
-                continue
-            members = by_load[:g]  # member i takes chunks i and 2g - 1 - i
-            if g > 32 and sorted_rooms is not None:  # (on arrays: the same sums and comparisons)
-                ls, ts = sorted_rooms
-                fits = bool(np.all((ls[:g] + top[1] <= limit) & (ts[:g] + top[2] <= self.cap)))
-            else:
-                fits = all(load[r] + work[i] <= limit and toks[r] + tok[i] <= self.cap for i, r in enumerate(members))
-            if fits:
+        keys, sizes, cap = ranked.keys, self.sizes, self.cap
+        lo = bisect.bisect_left(sizes, first)
+        hi = bisect.bisect_right(sizes, bisect.bisect_left(keys, (limit,)))  # (limit,): below every key at limit
+        if lo >= hi:
+            return None
+        if not ranked.arrays:  # few ranks: in Python (tokens first: their shares cost more)
+            bound = share * self.mean
+            for g in sizes[lo:hi]:
+                if (length, g) not in self._shares and not _tokens_fit(keys, length, g, cap):
+                    continue
+                work, tok = self.shares(length, g)
+                top = self._top.get((length, g))
+                if top is None:
+                    top = self._top[(length, g)] = max(work)
+                if (top > bound and g < self.n) or not _fits(keys, work, tok, limit, cap):
+                    continue
                 if share < math.inf:
-                    self.peak_share = max(self.peak_share, max(work) / self.mean)
-                return members
+                    self.peak_share = max(self.peak_share, top / self.mean)
+                return [key[2] for key in keys[:g]]
+            return None
+        most = sizes[hi - 1]  # (the members' room grows with g: every rank up to here is under the limit)
+        if limit < math.inf and most * limit - float(ranked.loads[:most].sum()) < (
+                self.whole(length) * (1 - 1e-6) - 1e-9 * most * limit):
+            return None
+        gs = self.sizes_np[lo:hi]
+        at = gs - 1  # (the last member of each size)
+        fewest = self._fewest.get(length)  # the fewest tokens a member takes, per size
+        if fewest is None:
+            fewest = self._fewest[length] = 2 * (length // (2 * self.sizes_np))
+        ok = np.maximum.accumulate(ranked.toks[:most])[at] + fewest[lo:hi] <= cap
+        if limit < math.inf:  # the members' room under the limit, all together, must hold the document's work
+            room = gs * (limit * (1 + 1e-9)) - np.cumsum(ranked.loads[:most])[at]
+            ok &= room >= self.whole(length) * (1 - 1e-6)
+        bound = share * self.mean
+        for g in gs[ok].tolist():
+            if g > 32:  # (on arrays: the same sums and comparisons; tokens first, their shares cost less)
+                if (ranked.toks[:g] + self._share_tokens(length, g) > cap).any():
+                    continue
+                work = self._share_arrays(length, g)[0]
+                top = self._top.get((length, g))
+                if top is None:
+                    top = self._top[(length, g)] = float(work.max())
+                if (top > bound and g < self.n) or (ranked.loads[:g] + work > limit).any():
+                    continue
+            else:
+                if (length, g) not in self._shares and not _tokens_fit(keys, length, g, cap):
+                    continue  # (tokens first: their shares cost more)
+                work, tok = self.shares(length, g)
+                top = self._top.get((length, g))
+                if top is None:
+                    top = self._top[(length, g)] = max(work)
+                if (top > bound and g < self.n) or not _fits(keys, work, tok, limit, cap):
+                    continue
+            if share < math.inf:
+                self.peak_share = max(self.peak_share, top / self.mean)
+            return [key[2] for key in keys[:g]]
         return None
 
     def _fill(self, length: int, start: int, load, toks, limit: float, share: float):
@@ -406,15 +561,19 @@ class _Greedy:
         own rate from the cost model (short pieces, and pieces near the document's start, run slower)."""
         per_tok = self.whole(length) / length
         top = min(self.cap, share * self.mean / per_tok)
-        room = sorted(((min((limit - load[r]) / per_tok, self.cap - toks[r], top), r) for r in range(self.n)),
-                      reverse=True)
-        need, acc, k = (1 + FILL_MARGIN) * length, 0.0, 0
-        while k < len(room) and acc < need and room[k][0] >= 1:
-            acc += room[k][0]
-            k += 1
+        need = (1 + FILL_MARGIN) * length
+        if self.n > 32:  # (on arrays: the same rooms, order and running sum)
+            acc, k, members, first = self._fill_rooms(load, toks, limit, per_tok, top, need)
+        else:
+            room = sorted(((min((limit - load[r]) / per_tok, self.cap - toks[r], top), r) for r in range(self.n)),
+                          reverse=True)
+            acc, k = 0.0, 0
+            while k < len(room) and acc < need and room[k][0] >= 1:
+                acc += room[k][0]
+                k += 1
+            members, first = [r for _, r in room[:k]], room[0][0]
         if acc >= need:
-            members = [r for _, r in room[:k]]
-            self.peak_share = max(self.peak_share, room[0][0] * per_tok / self.mean)
+            self.peak_share = max(self.peak_share, first * per_tok / self.mean)
         else:  # too little work room: lift the bound for all alike (the token cap stays)
             members, top = [r for r in range(self.n) if toks[r] < self.cap], self.cap
             if sum(self.cap - toks[r] for r in members) < length:
@@ -430,10 +589,28 @@ class _Greedy:
         sizes = self._level(length, [load[r] for r in members], [toks[r] for r in members], rates, top)
         return [r for r, s in zip(members, sizes, strict=True) if s > 0], [s for s in sizes if s > 0]
 
+    def _fill_rooms(self, load, toks, limit: float, per_tok: float, top: float, need: float):
+        """:meth:`_fill`'s ranks by room, on arrays: (the room of the first ``k`` added up, ``k``, those ranks, the
+        largest room), the ranks joining by room (largest first, the higher rank on ties) while the sum is under
+        ``need`` and the room at least one token."""
+        n = self.n
+        room = np.minimum(np.minimum((limit - np.asarray(load)) / per_tok,
+                                     (self.cap - np.asarray(toks, dtype=np.int64)).astype(np.float64)), top)
+        order = np.lexsort((-np.arange(n), -room))
+        room = room[order]
+        usable = int(np.count_nonzero(room >= 1))  # (a prefix: the rooms are in descending order)
+        sums = np.cumsum(room[:usable])  # (in order, as the running sum adds)
+        full = np.flatnonzero(sums >= need)
+        k = int(full[0]) + 1 if len(full) else usable
+        return (float(sums[k - 1]) if k else 0.0), k, order[:k].tolist(), float(room[0])
+
     def _level(self, length: int, load, toks, rates, top: float) -> list[int]:
         """Integer parts ``s_i = clip((lam - load_i) / rate_i, 0, c_i)``, ``c_i = min(cap - toks_i, top)``,
         adding up to ``length``.  Their sum is piecewise linear in ``lam``, its slope rising by ``1 / rate_i``
-        at ``load_i`` and falling back at ``load_i + rate_i c_i``: walk those points in order."""
+        at ``load_i`` and falling back at ``load_i + rate_i c_i``: walk those points in order (beyond 32 members on
+        arrays: the same running sums, ``np.cumsum`` adding in order as the walk does)."""
+        if len(load) > 32:
+            return self._level_arrays(length, load, toks, rates, top)
         caps = [max(0.0, min(self.cap - t, top)) for t in toks]
         events = sorted([(ld, 1 / w) for ld, w in zip(load, rates, strict=True)]
                         + [(ld + w * c, -1 / w) for ld, w, c in zip(load, rates, caps, strict=True)])
@@ -451,8 +628,48 @@ class _Greedy:
             rest -= add
         return sizes
 
+    def _level_arrays(self, length: int, load, toks, rates, top: float) -> list[int]:
+        """:meth:`_level` on arrays (the same floats and integers)."""
+        ld, w = np.asarray(load, dtype=np.float64), np.asarray(rates, dtype=np.float64)
+        t = np.asarray(toks, dtype=np.int64)
+        caps = np.maximum(0.0, np.minimum((self.cap - t).astype(np.float64), top))
+        xs = np.concatenate((ld, ld + w * caps))
+        steps = np.concatenate((1 / w, -1 / w))
+        o = np.lexsort((steps, xs))
+        xs, steps = xs[o], steps[o]
+        slope = np.concatenate(([0.0], np.cumsum(steps)[:-1]))  # before each point
+        prev = np.concatenate((xs[:1], xs[:-1]))  # lam before each point
+        total = np.cumsum(slope * (xs - prev))  # total after each point
+        hit = np.flatnonzero(total >= length - 1e-6)
+        if len(hit):
+            k = int(hit[0])
+            before, sl = (float(total[k - 1]) if k else 0.0), float(slope[k])
+            lam = float(prev[k]) + (max(0.0, length - before) / sl if sl > 0 else 0.0)
+        else:
+            lam = float(xs[-1])
+        sizes = np.maximum(0.0, np.minimum((lam - ld) / w, caps)).astype(np.int64)
+        rest = length - int(sizes.sum())
+        if rest > 0:  # rounding: fewer than one token per member, where the cap allows (in member order)
+            took = np.minimum(np.cumsum(np.maximum(0, self.cap - t - sizes)), rest)
+            sizes += np.diff(took, prepend=0)
+        return sizes.tolist()
+
     def sized_work(self, start: int, length: int, sizes: list[int]) -> list[float]:
-        """Compute of each member of an unequal head-tail split (cost model, pieces as placed)."""
+        """Compute of each member of an unequal head-tail split (cost model, pieces as placed; beyond 8 members on
+        arrays, the same floats: see :meth:`_piece_time`)."""
+        if len(sizes) > 8:
+            if sum(sizes) != length:
+                raise ValueError(f"sizes {sizes} do not add up to the document's {length} tokens")
+            s = np.asarray(sizes, dtype=np.int64)
+            h = s // 2
+            h[-1] = s[-1]  # the last member: one piece, the middle
+            head0 = np.concatenate(([0], np.cumsum(h)[:-1]))  # (from the document's start)
+            tail1 = length - np.concatenate(([0], np.cumsum(s - h)[:-1]))
+            tail0 = tail1 - (s - h)
+            tail0[-1] = tail1[-1]
+            work = (self._piece_time(head0, head0 + h) + self._piece_time(tail0, tail1)) + s.astype(np.float64) * (
+                self.cost.flops_per_token) / self.cost.hardware.gemm_flops
+            return work.tolist()
         out = []
         for pieces in sized_pieces(sizes, start, length):
             t = sum(self.cost.attn_time(causal_pairs(a, b, start), b - a, b - start) for a, b in pieces if b > a)
@@ -497,18 +714,28 @@ class _Greedy:
         # the ranks by fullness, key (max(load / limit, tokens / cap), load, rank): a heap with a current entry
         # (key, load, rank, tokens) per rank; an entry whose load and tokens are no longer the rank's is stale
         heap = [(0.0, 0.0, q, 0) for q in range(n)]
-        mins = _Mins(load, toks) if n > 64 else None  # min(toks), min(load) in O(log N) where N is large
         seq = 0
-
-        # load and toks as arrays too (the Whole-Doc step's rank only where they are next needed: ``dirty``)
-        arrays = (np.zeros(n), np.zeros(n, dtype=np.int64))
-        dirty: list[int] = []
+        # the ranks by (load, tokens) too (beyond 128 ranks also load and toks as arrays, by rank: ranked.load_of,
+        # ranked.toks_of, always current); from 256 ranks on kept in step with every document, as whether any rank
+        # fits a document whole comes from them there, else brought up to date where next needed (``pending``)
+        ranked, eager, pending = _Ranked(n, arrays=n > 128), n >= 256, []
+        mins = _Mins(load, toks) if 64 < n < 256 else None  # min(toks), min(load) in O(log N) in between
+        heap_anew = False  # after many changes at once: the heaps are built anew where next needed
 
         def touched(ranks) -> None:  # new current entries for ranks whose load changed
+            nonlocal heap_anew
+            if eager:
+                ranked.update_many(ranks, load, toks)
+            else:
+                pending.extend(ranks)
+                if ranked.arrays:
+                    for q in ranks:
+                        ranked.load_of[q], ranked.toks_of[q] = load[q], toks[q]
+            if heap_anew or len(ranks) > max(n // 4, 64):
+                heap_anew = True
+                return
             for q in ranks:
                 heapq.heappush(heap, (max(load[q] / limit, toks[q] / cap), load[q], q, toks[q]))
-                if n > 32:
-                    arrays[0][q], arrays[1][q] = load[q], toks[q]
             if mins is not None:
                 mins.push(ranks)
 
@@ -530,10 +757,26 @@ class _Greedy:
                 # the rank with the most room left in both work and tokens, among those it fits: the first in
                 # key order that fits (the least key, the lowest rank on ties)
                 r, skipped = -1, []
-                if mins is not None:
+                if tok_room < 0:  # (longer than the cap)
+                    fits = False
+                elif eager:  # some rank within both (those within the work room: a prefix of the ranked order)
+                    c = bisect.bisect_right(ranked.keys, (work_room, math.inf))
+                    fits = c > 0 and int(ranked.toks[:c].min()) <= tok_room
+                elif mins is not None:
+                    if heap_anew:
+                        mins = _Mins(load, toks)
                     fits = mins.tok() <= tok_room and mins.load() <= work_room
                 else:
                     fits = min(toks) <= tok_room and min(load) <= work_room  # (else no rank fits)
+                if heap_anew and (fits or mins is not None):  # one current entry per rank (the same entries)
+                    if ranked.arrays:  # (the same divisions and maxima on arrays)
+                        lv, tv = ranked.load_of, ranked.toks_of
+                        key0 = np.maximum(lv / limit, tv / cap).tolist()
+                        heap[:] = zip(key0, lv.tolist(), range(n), tv.tolist(), strict=True)
+                    else:
+                        heap[:] = [(max(load[q] / limit, toks[q] / cap), load[q], q, toks[q]) for q in range(n)]
+                    heapq.heapify(heap)
+                    heap_anew = False
                 at_top = True
                 while fits and heap:
                     e = heap[0]
@@ -546,32 +789,37 @@ class _Greedy:
                         break
                     skipped.append(heapq.heappop(heap))
                     if len(skipped) >= SKIP_MAX:  # many full ranks first: the least key that fits, on arrays
-                        r, at_top = self._fitting(load, toks, limit, tok_room, work_room), False
+                        rooms = (ranked.load_of, ranked.toks_of) if ranked.arrays else (load, toks)
+                        r, at_top = self._fitting(rooms, limit, tok_room, work_room), False
                         break
                 if r >= 0:
                     doc_rank[d], doc_seq[d] = r, seq
                     seq += 1
                     load[r] += w
                     toks[r] += length
-                    if n > 32:
-                        dirty.append(r)
+                    if eager:
+                        ranked.update(r, load[r], toks[r])
+                    else:
+                        pending.append(r)
+                        if ranked.arrays:
+                            ranked.load_of[r], ranked.toks_of[r] = load[r], toks[r]
+                        if mins is not None:
+                            mins.push((r,))
                     entry = (max(load[r] / limit, toks[r] / cap), load[r], r, toks[r])
                     if at_top:
                         heapq.heapreplace(heap, entry)
                     else:
                         heapq.heappush(heap, entry)
-                    if mins is not None:
-                        mins.push((r,))
                 for e in skipped:
                     heapq.heappush(heap, e)
                 if r >= 0:
                     k += 1
                     continue
-            for q in dirty:
-                arrays[0][q], arrays[1][q] = load[q], toks[q]
-            dirty.clear()
+            if pending:
+                ranked.update_many(list(dict.fromkeys(pending)), load, toks)
+                pending.clear()
             changed = self._place_other(k, d, length, start, force, load, toks, limit, share, subgroups, p, splits,
-                                        arrays)
+                                        ranked)
             if changed is None:  # whole on one rank, over the work bound
                 r = self._last_whole
                 doc_rank[d], doc_seq[d] = r, seq
@@ -582,42 +830,40 @@ class _Greedy:
         if subgroups:
             self._exchange(splits, load, toks)
         self._refine(doc_rank, doc_seq, load, toks, seq)
-        for sp in splits:
-            if sp.equal:  # member i takes chunks i and 2g - 1 - i
-                p.headtail(list(sp.parts), sp.start, sp.length)
-            else:  # the largest parts outermost
-                members = sorted(sp.parts, key=lambda r: -sp.parts[r])
-                p.headtail_sized(members, [sp.parts[r] for r in members], sp.start, sp.length)
         if not splits and not any(p.segments) and doc_rank.min() >= 0:  # every document whole
             return ArrayPlacement.of_whole(n, doc_rank, self.starts_np, self.lens_np)
+        parts = []
+        if n > 64:  # (many members: on arrays)
+            parts = [_headtail_arrays([sp for sp in splits if sp.equal]),
+                     _sized_arrays([sp for sp in splits if not sp.equal])]
+        else:
+            for sp in splits:
+                if sp.equal:  # member i takes chunks i and 2g - 1 - i
+                    p.headtail(list(sp.parts), sp.start, sp.length)
+                else:  # the largest parts outermost
+                    members = sorted(sp.parts, key=lambda r: -sp.parts[r])
+                    p.headtail_sized(members, [sp.parts[r] for r in members], sp.start, sp.length)
         whole = np.flatnonzero(doc_rank >= 0)
         ws = self.starts_np[whole]
-        return ArrayPlacement.sorted_from(n, [(doc_rank[whole], ws, ws + self.lens_np[whole]), p.arrays()])
+        return ArrayPlacement.sorted_from(n, [(doc_rank[whole], ws, ws + self.lens_np[whole]), p.arrays(), *parts])
 
-    def _fitting(self, load, toks, limit: float, tok_room: int, work_room: float) -> int:
+    def _fitting(self, rooms, limit: float, tok_room: int, work_room: float) -> int:
         """The rank of least key ``(max(load / limit, tokens / cap), load, rank)`` among those with
-        ``tokens <= tok_room`` and ``load <= work_room``; -1 if none."""
-        lv, tv = np.asarray(load), np.asarray(toks, dtype=np.int64)
+        ``tokens <= tok_room`` and ``load <= work_room``; -1 if none.  ``rooms``: (loads, tokens) of every rank."""
+        lv, tv = np.asarray(rooms[0]), np.asarray(rooms[1], dtype=np.int64)
         ok = np.flatnonzero((tv <= tok_room) & (lv <= work_room))
         if not len(ok):
             return -1
         key0 = np.maximum(lv[ok] / limit, tv[ok] / self.cap)
         return int(ok[np.lexsort((ok, lv[ok], key0))[0]])
 
-    def _place_other(self, k, d, length, start, force, load, toks, limit, share, subgroups, p, splits, arrays):
+    def _place_other(self, k, d, length, start, force, load, toks, limit, share, subgroups, p, splits, ranked):
         """A document the Whole-Doc step did not place (see the module docstring); returns the ranks it changed, or
-        None where it went whole onto one rank (``self._last_whole``)."""
+        None where it went whole onto one rank (``self._last_whole``).  ``ranked``: the ranks by (load, tokens)."""
         cap = self.cap
-        if self.n > 32:
-            lv, tv = arrays  # (load and toks as arrays)
-            by_np = np.lexsort((tv, lv))  # by (load, tokens, rank)
-            by_load = by_np.tolist()
-            rooms = (lv[by_np], tv[by_np])
-        else:  # (few ranks: in Python, the same order)
-            by_load, rooms = sorted(range(self.n), key=lambda r: (load[r], toks[r])), None
-        group = self._group(length, by_load, load, toks, limit, share, rooms) if subgroups else None
+        group = self._group(length, ranked, limit, share) if subgroups else None
         # unequal parts only where the document fits whole on no rank (else: whole, over the bound, below)
-        cut = group is None and subgroups and length > cap - min(toks)
+        cut = group is None and subgroups and length > cap - ranked.min_toks()
         fill = self._fill(length, start, load, toks, limit, share) if cut else None
         if fill is not None and len(fill[0]) > 1:  # unequal parts by each rank's room
             members, sizes = fill
@@ -629,16 +875,13 @@ class _Greedy:
         if fill is not None:
             group = fill[0]
         if group is None and k >= force:  # over the work bound: whole on the least-loaded rank with room
-            if rooms is not None:
-                room = np.flatnonzero(rooms[1] + length <= cap)[:1]
-                group = [by_load[int(room[0])]] if len(room) else None
-            else:
-                group = [r for r in by_load if toks[r] + length <= cap][:1] or None
+            r = ranked.first_with_room(cap - length)
+            group = [r] if r >= 0 else None
         if group is None and subgroups:  # tokens alone
-            group = self._group(length, by_load, load, toks, float("inf"), float("inf"), rooms)
+            group = self._group(length, ranked, float("inf"), float("inf"))
         if group is None and subgroups:  # no group has token room: cut it by the room each rank has left
-            return self._cut_by_room(p, by_load, load, toks, start, length)
-        group = group or by_load  # Per-Doc over every rank (the whole_doc baseline)
+            return self._cut_by_room(p, ranked.ranks(), load, toks, start, length)
+        group = group or ranked.ranks()  # Per-Doc over every rank (the whole_doc baseline)
         work, tok = self.shares(length, len(group))
         for i, r in enumerate(group):
             load[r] += work[i]
@@ -696,14 +939,9 @@ class _Greedy:
                     if j == len(rates_sorted) or (rates_sorted[j] - rate[b]) * EXCHANGE_MIN > (mean - load[u]) * (
                             1 + 1e-9):
                         break
-                    gain = prate[pos:] - rate[b]
-                    with np.errstate(divide="ignore", invalid="ignore"):
-                        ok = ((gain > 0) & (ppart[pos:] >= EXCHANGE_MIN) & ((vload[pos:] - mean) / gain >= EXCHANGE_MIN)
-                              & ((mean - load[u]) / gain >= EXCHANGE_MIN))
-                    hit = np.flatnonzero(ok)
-                    if not len(hit):
+                    i = self._next_trade(pos, prate, rate[b], ppart, vload, mean, mean - load[u])
+                    if i < 0:
                         break
-                    i = pos + int(hit[0])
                     v, x = pv[i], px[i]
                     gain = rate[x] - rate[b]
                     move = int(min((load[v] - mean) / gain, (mean - load[u]) / gain, splits[x].parts[v],
@@ -720,6 +958,23 @@ class _Greedy:
                             ppart[pair_at[(v, t)]] = splits[t].parts.get(v, 0)
                     vload[rows_of[v]] = load[v]
                     pos = i + 1
+
+    @staticmethod
+    def _next_trade(pos: int, prate, rate_b: float, ppart, vload, mean: float, room: float) -> int:
+        """The first pair ``i >= pos`` of :meth:`_exchange`'s scan that trades (its X heavier than B, of rate
+        ``rate_b``; at least ``EXCHANGE_MIN`` of it on v; a move of at least that within v's excess over ``mean``
+        and u's ``room``), or -1; long scans look at the next 512 pairs first (the same first pair)."""
+        end = len(prate)
+        for lo, hi in (((pos, pos + 512), (pos + 512, end)) if end - pos > 1024 else ((pos, end),)):
+            gain = prate[lo:hi] - rate_b
+            heavier = gain > 0
+            gain[~heavier] = 1.0  # (no trade there: nothing divides by 0)
+            ok = (heavier & (ppart[lo:hi] >= EXCHANGE_MIN) & ((vload[lo:hi] - mean) / gain >= EXCHANGE_MIN)
+                  & (room / gain >= EXCHANGE_MIN))
+            hit = np.flatnonzero(ok)
+            if len(hit):
+                return lo + int(hit[0])
+        return -1
 
     def _batch_whole(self, lo: int, hi: int, length: int, w: float, load, toks, limit: float, doc_rank, doc_seq,
                      seq: int):
@@ -959,8 +1214,11 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
     forced, tolerances = (FORCED, TOLERANCES) if n <= 16 else (FORCED[:1], TOLERANCES[:2])
     if max(doc_lens) > cap:  # the longest document fits whole nowhere: forcing it to split changes nothing
         forced = FORCED[:1]
+    # from 256 ranks on, the smallest share only spreads long documents over more ranks than the fastest plan does:
+    # its passes (the slowest of the grid there) won none of the four lists' packs at 2M / 256, 4M / 512 and 8M / 1024
+    shares = SHARES if n < 256 else SHARES[:-1]
     candidates, peak = [], {}
-    for share in SHARES:  # a pass whose splits all stayed under a smaller share equals that share's pass
+    for share in shares:  # a pass whose splits all stayed under a smaller share equals that share's pass
         for force in forced:
             for tol in tolerances:
                 if peak.get((force, tol), math.inf) <= share:

@@ -29,11 +29,11 @@ estimated no slower than megatron_dynamic on every pack, and by how much it is f
 memory: where megatron_dynamic's busiest rank holds more tokens than flashcp's cap allows, flashcp is
 planned again under the cap megatron_dynamic reached (:func:`versus_row`).
 
-Cost of the big cases today (CPU time on the 2-core box, 2026-12-01, the planner as of issue 14's start):
-at 8M tokens and N = 1,024 flashcp takes 20-60 s per pack of the shipped lists (6.7 s on the long-context
-mix), ``torch_per_doc`` 10-15 s, ``per_doc`` 2-3 s; so they are opt-in (``--grid 1024:8M``).  At 2M / 128
-flashcp takes 0.3-1.2 s per pack.  The default grid (N = 8, 32; 128K, 512K; six sources; two packs) is the
-everyday run.
+Cost of the big cases today (CPU time on the 2-core box, 2026-12-01, after the planner's third round of
+speed-ups): at 8M tokens and N = 1,024 flashcp takes 1-2.2 s per pack of the shipped lists and the
+long-context mix (20-60 s before them), ``torch_per_doc`` 10-15 s, ``per_doc`` 2-3 s; so they are opt-in
+(``--grid 1024:8M``).  At 2M / 128 flashcp takes 0.1-0.4 s per pack.  The default grid (N = 8, 32; 128K,
+512K; six sources; two packs) is the everyday run.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", default="8,32", help="CP sizes N, comma-separated (default 8,32; up to 1024 and more)")
     p.add_argument("--tokens", default="128K,512K",
                    help="tokens per packed sequence, comma-separated, K/M suffixes (default 128K,512K; 8M at N=1024 "
-                        "costs 13-63 s of flashcp planning per pack today)")
+                        "costs 1-2.2 s of flashcp planning per pack today)")
     p.add_argument("--grid", default=None,
                    help="(ranks, tokens) pairs instead of --ranks x --tokens, e.g. 8:128K,32:512K,128:2M,1024:8M")
     p.add_argument("--lengths", default=DEFAULT_LENGTHS,

@@ -1,0 +1,129 @@
+"""The greedy pass's array forms (beyond a few ranks or members) give what its Python forms give, bit for bit: the
+level of an unequal split, the compute of its members, the head-tail layouts, the ranked order kept as loads change,
+and the group search with its filters (against the search over every size, member by member)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+
+from flashpar.cp import CostModel
+from flashpar.cp.cp_plan import causal_pairs
+from flashpar.cp.flashcp import _fits, _Greedy, _headtail_arrays, _Ranked, _sized_arrays, _Split
+from flashpar.cp.strategies import Placement, sized_pieces
+
+
+def greedy(n: int, seed: int = 0) -> _Greedy:
+    rng = random.Random(seed)
+    lens = [rng.randint(1, 40000) for _ in range(3 * n)]
+    return _Greedy(lens, n, CostModel(), int(1.05 * sum(lens) / n))
+
+
+def test_level_and_sized_work_on_arrays_equal_python():
+    g, rng = greedy(256), random.Random(1)
+    for _ in range(20):
+        m = rng.randint(33, 200)
+        length = rng.randint(m, 200000)
+        load = [rng.uniform(0, g.mean) for _ in range(m)]
+        toks = [rng.randint(0, g.cap) for _ in range(m)]
+        rates = [g.whole(length) / length * rng.uniform(0.9, 1.3) for _ in range(m)]
+        top = rng.choice([g.cap, rng.uniform(1, g.cap)])
+        want = _Greedy._level(g, length, load[:32], toks[:32], rates[:32], top)  # (Python below 33 members)
+        assert g._level_arrays(length, load[:32], toks[:32], rates[:32], top) == want
+        got, want = g._level_arrays(length, load, toks, rates, top), python_level(g, length, load, toks, rates, top)
+        assert got == want
+        sizes = [rng.randint(0, 3000) for _ in range(m - 1)]
+        sizes.append(length - sum(sizes)) if sum(sizes) < length else sizes.append(0)
+        start, total = rng.randint(0, 10**6), sum(sizes)
+        ref = [sum(g.cost.attn_time(causal_pairs(a, b, start), b - a, b - start) for a, b in ps if b > a)
+               + g.cost.linear_time(sum(b - a for a, b in ps)) for ps in sized_pieces(sizes, start, total)]
+        assert g.sized_work(start, total, sizes) == ref
+
+
+def python_level(g, length, load, toks, rates, top):
+    """_level's walk as written for few members (the reference)."""
+    caps = [max(0.0, min(g.cap - t, top)) for t in toks]
+    events = sorted([(ld, 1 / w) for ld, w in zip(load, rates, strict=True)]
+                    + [(ld + w * c, -1 / w) for ld, w, c in zip(load, rates, caps, strict=True)])
+    total, slope, lam = 0.0, 0.0, events[0][0]
+    for x, step in events:
+        if total + slope * (x - lam) >= length - 1e-6:
+            lam += max(0.0, length - total) / slope if slope > 0 else 0.0
+            break
+        total, lam, slope = total + slope * (x - lam), x, slope + step
+    sizes = [int(max(0.0, min((lam - ld) / w, c))) for ld, w, c in zip(load, rates, caps, strict=True)]
+    rest = length - sum(sizes)
+    for i, t in enumerate(toks):
+        add = max(0, min(rest, g.cap - t - sizes[i]))
+        sizes[i] += add
+        rest -= add
+    return sizes
+
+
+def test_layouts_on_arrays_equal_placement():
+    rng = random.Random(2)
+    splits = []
+    for _ in range(30):
+        start, length, g = rng.randint(0, 10**6), rng.randint(2, 50000), rng.randint(2, 70)
+        ranks = rng.sample(range(300), g)
+        equal = rng.random() < 0.5
+        parts = ([length * (i + 1) // (2 * g) - length * i // (2 * g) + length * (2 * g - i) // (2 * g)
+                  - length * (2 * g - 1 - i) // (2 * g) for i in range(g)] if equal else
+                 np.diff(np.sort(rng.sample(range(1, length), min(g - 1, length - 1))), prepend=0,
+                         append=length).tolist())
+        splits.append(_Split(start, length, dict(zip(ranks, parts, strict=False)), equal))
+    p = Placement(300)
+    for sp in splits:
+        if sp.equal:
+            p.headtail(list(sp.parts), sp.start, sp.length)
+        else:
+            members = sorted(sp.parts, key=lambda r: -sp.parts[r])
+            p.headtail_sized(members, [sp.parts[r] for r in members], sp.start, sp.length)
+    want = sorted((r, a, b) for r, segs in enumerate(p.segments) for a, b in segs)
+    got = []
+    for arrays in (_headtail_arrays([sp for sp in splits if sp.equal]),
+                   _sized_arrays([sp for sp in splits if not sp.equal])):
+        got += [(r, a, b) for r, a, b in zip(*(x.tolist() for x in arrays), strict=True) if b > a]
+    assert sorted(got) == want
+
+
+def test_ranked_order_and_group_search_equal_a_sort_and_every_size():
+    """Random loads (ties included) on 256 ranks: the ranked order equals a sort after single and wide changes, and
+    _group's answer equals the search over every size member by member (its filters pass no fitting size over)."""
+    g, rng = greedy(256, 3), random.Random(4)
+    g.peak_share = 0.0  # (what a pass starts from)
+    n, ranked = g.n, _Ranked(g.n)
+    load, toks = [0.0] * n, [0] * n
+    found = 0
+    for step in range(300):
+        changed = rng.sample(range(n), rng.choice([1, 3, 100]))
+        for q in changed:
+            load[q] = rng.choice([load[q] + rng.uniform(0, 0.2 * g.mean), round(load[q], 1)])
+            toks[q] = min(g.cap, toks[q] + rng.randint(0, g.cap // 8))
+        ranked.update_many(changed, load, toks)
+        want = sorted(zip(load, toks, range(n), strict=True))
+        assert ranked.keys == want and ranked.toks.tolist() == [float(t) for _, t, _ in want]
+        assert ranked.loads.tolist() == [ld for ld, _, _ in want]
+        length = rng.choice([rng.randint(1, 3000), rng.randint(3000, 300000)])
+        for limit, share in ((g.mean * rng.uniform(1.0, 1.5), rng.choice([1.0, 0.45])), (math.inf, math.inf)):
+            got = g._group(length, ranked, limit, share)
+            assert got == every_size(g, length, want, limit, share), (step, length, limit, share)
+            found += got is not None
+    assert found > 20  # (the search finds groups, not only None)
+
+
+def every_size(g, length, keys, limit, share):
+    first = max(2, min(g.n, math.ceil(g.whole(length) / (share * g.mean)))) if share < math.inf else 2
+    for size in g.sizes:
+        if size < first:
+            continue
+        if keys[size - 1][0] >= limit:
+            return None
+        work, tok = g.shares(length, size)
+        if max(work) > share * g.mean and size < g.n:
+            continue
+        if _fits(keys, work, tok, limit, g.cap):
+            return [key[2] for key in keys[:size]]
+    return None
