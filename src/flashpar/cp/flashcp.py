@@ -498,13 +498,8 @@ class _Greedy:
         if not ranked.arrays:  # few ranks: in Python (tokens first: their shares cost more)
             bound = share * self.mean
             for g in sizes[lo:hi]:
-                if (length, g) not in self._shares and not _tokens_fit(keys, length, g, cap):
-                    continue
-                work, tok = self.shares(length, g)
-                top = self._top.get((length, g))
+                top = self._size_fits(keys, length, g, bound, limit, cap)
                 if top is None:
-                    top = self._top[(length, g)] = max(work)
-                if (top > bound and g < self.n) or not _fits(keys, work, tok, limit, cap):
                     continue
                 if share < math.inf:
                     self.peak_share = max(self.peak_share, top / self.mean)
@@ -535,18 +530,27 @@ class _Greedy:
                 if (top > bound and g < self.n) or (ranked.loads[:g] + work > limit).any():
                     continue
             else:
-                if (length, g) not in self._shares and not _tokens_fit(keys, length, g, cap):
-                    continue  # (tokens first: their shares cost more)
-                work, tok = self.shares(length, g)
-                top = self._top.get((length, g))
+                top = self._size_fits(keys, length, g, bound, limit, cap)
                 if top is None:
-                    top = self._top[(length, g)] = max(work)
-                if (top > bound and g < self.n) or not _fits(keys, work, tok, limit, cap):
                     continue
             if share < math.inf:
                 self.peak_share = max(self.peak_share, top / self.mean)
             return [key[2] for key in keys[:g]]
         return None
+
+    def _size_fits(self, keys, length: int, g: int, bound: float, limit: float, cap: int) -> float | None:
+        """In Python, for ``_group``: the largest share of head-tail over the ``g`` first ranks of ``keys`` where
+        every member keeps under ``limit`` and ``cap`` and that share under ``bound`` (any share at ``g = N``),
+        else None.  Tokens are checked first: their shares cost more."""
+        if (length, g) not in self._shares and not _tokens_fit(keys, length, g, cap):
+            return None
+        work, tok = self.shares(length, g)
+        top = self._top.get((length, g))
+        if top is None:
+            top = self._top[(length, g)] = max(work)
+        if (top > bound and g < self.n) or not _fits(keys, work, tok, limit, cap):
+            return None
+        return top
 
     def _fill(self, length: int, start: int, load, toks, limit: float, share: float):
         """Unequal head-tail (``Placement.headtail_sized``) over the fewest ranks whose room holds the document,
