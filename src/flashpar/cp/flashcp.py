@@ -1178,7 +1178,13 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
     starts = greedy.starts_np
     lower = greedy.mean  # no plan's step time is below the mean compute of every document whole (cuts only add)
     first = greedy.calibrate()  # the pass (tol 0, force 0, share 1), where the mean did not move
-    whole = greedy.run(float("inf"), 0, subgroups=False)
+    whole_pass: list[ArrayPlacement] = []  # the whole_doc baseline, planned where it can matter (see scored)
+
+    def whole() -> list[ArrayPlacement]:
+        if not whole_pass:
+            whole_pass.append(greedy.run(float("inf"), 0, subgroups=False))
+        return whole_pass
+
     ring = [f(doc_lens, n, starts) for f in (headtail, contiguous)]
     # per_doc, torch_per_doc (beyond 16 ranks not: cutting every document into 2N pieces twice over is the
     # costliest candidate at large N); in the order the baselines have always been compared in
@@ -1189,21 +1195,29 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
 
     def scored(candidates: list[ArrayPlacement]):
         """The pick among ``candidates`` and the baselines (see _pick), and its figures."""
-        for p in _unique(candidates + [whole, *ring]):
+        for p in _unique(candidates + ring):
             if p.key() not in fig_of:
                 fig_of[p.key()] = p.figures(doc_lens, starts, cost, whole=times)
+        # the whole_doc baseline (a greedy pass of its own): skipped where its lower bound (_whole_doc_bound)
+        # is slower than the fastest of the rest within the cap by more than a tie, as per_doc below
+        rest = [max(fig_of[p.key()].time) for p in candidates + ring if max(fig_of[p.key()].tokens) <= cap]
+        wd = []
+        if not rest or _whole_doc_bound(greedy.lens_np, n, cost, cap, times[1]) <= min(rest) * (1 + TIME_TIE):
+            wd = whole()
+            if wd[0].key() not in fig_of:
+                fig_of[wd[0].key()] = wd[0].figures(doc_lens, starts, cost, whole=times)
         # per_doc and torch_per_doc cut every document into 2N pieces (O(D N) of them): skipped where even
         # their lower bound (see _cut_all_bound) is slower than the fastest candidate within the cap by more
         # than a tie, which leaves the choice as it was (such a candidate can be neither the fastest nor tied,
         # and its time cannot lower the bound the baselines set)
-        pool = [max(fig_of[p.key()].time) for p in candidates + [whole, *ring] if max(fig_of[p.key()].tokens) <= cap]
+        pool = [max(fig_of[p.key()].time) for p in candidates + [*wd, *ring] if max(fig_of[p.key()].tokens) <= cap]
         pd, tpd = [], []
         if not pool or _cut_all_bound(greedy.lens_np, n, cost) <= min(pool) * (1 + TIME_TIE):
             pd, tpd = cut_all()
             for p in pd + tpd:
                 if p.key() not in fig_of:
                     fig_of[p.key()] = p.figures(doc_lens, starts, cost, whole=times)
-        baselines = [whole, *pd, *ring, *tpd]
+        baselines = [*wd, *pd, *ring, *tpd]
         unique = _unique(candidates + baselines)
         keys = {p.key() for p in baselines}
         best = unique[_pick([fig_of[p.key()] for p in unique], cap, [p.key() in keys for p in unique])]
@@ -1235,7 +1249,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
                 peak[(force, tol)] = greedy.peak_share
     if not cost.linear:  # attention alone: balance first (see _balanced), then the least time, then K/V
         pd, tpd = cut_all()
-        unique = _unique(candidates + [whole, *pd, *ring, *tpd])
+        unique = _unique(candidates + [*whole(), *pd, *ring, *tpd])
         figs = {i: unique[i].figures(doc_lens, starts, cost, whole=times)
                 for i in _balanced([p.segments for p in unique], greedy.starts, cap)}
         return unique[min(figs, key=lambda i: (max(figs[i].time), sum(figs[i].recv_tokens), i))]
@@ -1254,18 +1268,33 @@ def _unique(placements: list[ArrayPlacement]) -> list[ArrayPlacement]:
     return [first[k] for k in sorted(last, key=last.__getitem__)]
 
 
-def _cut_all_bound(lens, n: int, cost: CostModel) -> float:
-    """A lower bound on the estimated step time of ``per_doc`` and ``torch_per_doc`` (every document cut into 2N
-    chunks, torch's further cut at shard boundaries): the mean compute per rank, each document's causal pairs
-    at the efficiency of its longest possible piece (``ceil(L / 2N)`` queries over ``L`` keys; efficiency
-    rises with both, and a piece cut further only loses), plus the linear work.  Less a millionth for rounding."""
+def _whole_doc_bound(lens, n: int, cost: CostModel, cap: int, whole_times) -> float:
+    """A lower bound on the estimated step time of the ``whole_doc`` baseline: the mean compute per rank, with
+    every document longer than the token cap (it fits whole on no rank) Per-Doc over all ``N`` ranks (what
+    ``whole_doc`` does with it: ``2N`` chunks, bounded as in :func:`_cut_all_bound`) and every other one at its
+    attention time whole (``whole_times``, :func:`~flashpar.cp.cp_plan.whole_doc_times`; one that ends up cut only
+    costs more), plus the linear work.  Less a millionth for rounding."""
+    long = lens > cap
+    attn = float(_cut_attn(lens[long], n, cost).sum()) + float(whole_times[~long].sum())
+    return (attn + cost.linear_time(int(lens.sum()))) / n * (1 - 1e-6)
+
+
+def _cut_attn(lens, n: int, cost: CostModel):
+    """Per document cut into ``2N`` chunks: a lower bound on its attention time (see :func:`_cut_all_bound`)."""
     hw = cost.hardware
     L = lens.astype(np.float64)
     q = np.ceil(L / (2 * n)) if n > 1 else L
     h = hw.attn_half
     eff = hw.attn_peak * (q / (q + h)) * (L / (L + h))
-    attn = (lens * (lens + 1) // 2).astype(np.float64) * cost.flops_per_pair / (hw.flops * eff)
-    return (float(attn.sum()) + cost.linear_time(int(lens.sum()))) / n * (1 - 1e-6)
+    return (lens * (lens + 1) // 2).astype(np.float64) * cost.flops_per_pair / (hw.flops * eff)
+
+
+def _cut_all_bound(lens, n: int, cost: CostModel) -> float:
+    """A lower bound on the estimated step time of ``per_doc`` and ``torch_per_doc`` (every document cut into 2N
+    chunks, torch's further cut at shard boundaries): the mean compute per rank, each document's causal pairs
+    at the efficiency of its longest possible piece (``ceil(L / 2N)`` queries over ``L`` keys; efficiency
+    rises with both, and a piece cut further only loses), plus the linear work.  Less a millionth for rounding."""
+    return (float(_cut_attn(lens, n, cost).sum()) + cost.linear_time(int(lens.sum()))) / n * (1 - 1e-6)
 
 
 BALANCE = 0.03
