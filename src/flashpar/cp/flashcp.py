@@ -495,32 +495,26 @@ class _Greedy:
         hi = bisect.bisect_right(sizes, bisect.bisect_left(keys, (limit,)))  # (limit,): below every key at limit
         if lo >= hi:
             return None
-        if not ranked.arrays:  # few ranks: in Python (tokens first: their shares cost more)
-            bound = share * self.mean
-            for g in sizes[lo:hi]:
-                top = self._size_fits(keys, length, g, bound, limit, cap)
-                if top is None:
-                    continue
-                if share < math.inf:
-                    self.peak_share = max(self.peak_share, top / self.mean)
-                return [key[2] for key in keys[:g]]
-            return None
-        most = sizes[hi - 1]  # (the members' room grows with g: every rank up to here is under the limit)
-        if limit < math.inf and most * limit - float(ranked.loads[:most].sum()) < (
-                self.whole(length) * (1 - 1e-6) - 1e-9 * most * limit):
-            return None
-        gs = self.sizes_np[lo:hi]
-        at = gs - 1  # (the last member of each size)
-        fewest = self._fewest.get(length)  # the fewest tokens a member takes, per size
-        if fewest is None:
-            fewest = self._fewest[length] = 2 * (length // (2 * self.sizes_np))
-        ok = np.maximum.accumulate(ranked.toks[:most])[at] + fewest[lo:hi] <= cap
-        if limit < math.inf:  # the members' room under the limit, all together, must hold the document's work
-            room = gs * (limit * (1 + 1e-9)) - np.cumsum(ranked.loads[:most])[at]
-            ok &= room >= self.whole(length) * (1 - 1e-6)
+        if not ranked.arrays:  # few ranks: every size in Python (tokens first: their shares cost more)
+            candidates = sizes[lo:hi]
+        else:
+            most = sizes[hi - 1]  # (the members' room grows with g: every rank up to here is under the limit)
+            if limit < math.inf and most * limit - float(ranked.loads[:most].sum()) < (
+                    self.whole(length) * (1 - 1e-6) - 1e-9 * most * limit):
+                return None
+            gs = self.sizes_np[lo:hi]
+            at = gs - 1  # (the last member of each size)
+            fewest = self._fewest.get(length)  # the fewest tokens a member takes, per size
+            if fewest is None:
+                fewest = self._fewest[length] = 2 * (length // (2 * self.sizes_np))
+            ok = np.maximum.accumulate(ranked.toks[:most])[at] + fewest[lo:hi] <= cap
+            if limit < math.inf:  # the members' room under the limit, all together, must hold the document's work
+                room = gs * (limit * (1 + 1e-9)) - np.cumsum(ranked.loads[:most])[at]
+                ok &= room >= self.whole(length) * (1 - 1e-6)
+            candidates = gs[ok].tolist()
         bound = share * self.mean
-        for g in gs[ok].tolist():
-            if g > 32:  # (on arrays: the same sums and comparisons; tokens first, their shares cost less)
+        for g in candidates:
+            if ranked.arrays and g > 32:  # (on arrays: the same sums and comparisons; tokens first, cheaper)
                 if (ranked.toks[:g] + self._share_tokens(length, g) > cap).any():
                     continue
                 work = self._share_arrays(length, g)[0]
