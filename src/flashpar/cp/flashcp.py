@@ -74,10 +74,10 @@ the mean compute."""
 EXCHANGE_MIN = 64
 """Fewest tokens a trade moves (smaller ones add members for little balance)."""
 BATCH = 16
-SKIP_MAX = 24
-"""Full ranks met at the top of the Whole-Doc heap after which the step searches all ranks at once (the same rank)."""
 """Documents of one length in a row from which the Whole-Doc step places them in one sort (``_batch_whole``)
 rather than one by one (the same placement; only faster)."""
+SKIP_MAX = 24
+"""Full ranks met at the top of the Whole-Doc heap after which the step searches all ranks at once (the same rank)."""
 
 
 class _Mins:
