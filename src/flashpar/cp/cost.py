@@ -86,6 +86,14 @@ class CostModel:
             return 0.0
         return self.hardware.attn_time(pairs * self.flops_per_pair, q_len, k_len)
 
+    def attn_times(self, pairs, q_len, k_len):
+        """:meth:`attn_time` on arrays (numpy, elementwise; the same floats): 0 where there are no pairs."""
+        import numpy as np
+
+        work = np.asarray(pairs, dtype=np.float64) * self.flops_per_pair
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(work > 0, work / (self.hardware.flops * self.hardware.attn_efficiency(q_len, k_len)), 0.0)
+
     def linear_time(self, tokens: int) -> float:
         return tokens * self.flops_per_token / self.hardware.gemm_flops
 

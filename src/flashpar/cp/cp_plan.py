@@ -146,14 +146,8 @@ def _cut_figures(rank, a, b, doc, s, length, pairs, n: int, total: int, cost: Co
     before_group = (csum - length)[group_first]  # tokens of the rank's earlier groups (running over all)
     held_before = csum - length - before_group[gid]
     local_p = length * held_before + length * (length + 1) // 2
-    hw = cost.hardware
-    work = pairs.astype(np.float64) * cost.flops_per_pair
-    q = length.astype(np.float64)
-    k = (b - s).astype(np.float64)
-    h = hw.attn_half
-    eff = hw.attn_peak * (q / (q + h)) * (k / (k + h))
+    t = cost.attn_times(pairs, length.astype(np.float64), (b - s).astype(np.float64))
     with np.errstate(divide="ignore", invalid="ignore"):
-        t = np.where(work > 0, work / (hw.flops * eff), 0.0)
         local_t = t * local_p.astype(np.float64) / pairs
         remote_t = t * (pairs - local_p).astype(np.float64) / pairs
     # receive: per group, (last end - doc start) - held tokens
@@ -167,13 +161,9 @@ def whole_doc_times(lens, cost: CostModel):
     """Attention time of each document (lengths ``lens``, an int64 array) held whole on one rank: all of it on local
     keys, rounded as :func:`figures_of_arrays` rounds a piece that is a whole document (``t p / p``)."""
     pairs = lens * (lens + 1) // 2
-    hw = cost.hardware
-    work = pairs.astype(np.float64) * cost.flops_per_pair
     q = lens.astype(np.float64)
-    h = hw.attn_half
-    eff = hw.attn_peak * (q / (q + h)) * (q / (q + h))
+    t = cost.attn_times(pairs, q, q)
     with np.errstate(divide="ignore", invalid="ignore"):
-        t = np.where(work > 0, work / (hw.flops * eff), 0.0)
         return t * pairs.astype(np.float64) / pairs
 
 

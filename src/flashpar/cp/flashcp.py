@@ -407,14 +407,9 @@ class _Greedy:
     def _whole_arrays(self, lens):
         """:meth:`whole` of each of ``lens`` (an int64 array), on arrays: the same floats (the linear time, then the
         attention time as ``CostModel.attn_time`` rounds it, added)."""
-        cost, hw = self.cost, self.cost.hardware
+        cost = self.cost
         q = lens.astype(np.float64)
-        h = hw.attn_half
-        work = (lens * (lens + 1) // 2).astype(np.float64) * cost.flops_per_pair
-        eff = hw.attn_peak * (q / (q + h)) * (q / (q + h))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            attn = np.where(work > 0, work / (hw.flops * eff), 0.0)
-        return q * cost.flops_per_token / hw.gemm_flops + attn
+        return q * cost.flops_per_token / cost.hardware.gemm_flops + cost.attn_times(lens * (lens + 1) // 2, q, q)
 
     def whole(self, length: int) -> float:
         if length not in self._whole:
@@ -470,12 +465,8 @@ class _Greedy:
 
     def _piece_time(self, x, y):
         """``CostModel.attn_time`` of the pieces ``[x, y)`` of a document from 0, on arrays (the same floats)."""
-        hw, cost = self.cost.hardware, self.cost
-        q, k = (y - x).astype(np.float64), y.astype(np.float64)
-        work = (((y - x) * (x + y + 1)) // 2).astype(np.float64) * cost.flops_per_pair
-        with np.errstate(divide="ignore", invalid="ignore"):  # (empty pieces: masked)
-            eff = hw.attn_peak * (q / (q + hw.attn_half)) * (k / (k + hw.attn_half))
-            return np.where((y > x) & (work > 0), work / (hw.flops * eff), 0.0)
+        # (an empty piece has no pairs: 0)
+        return self.cost.attn_times(((y - x) * (x + y + 1)) // 2, (y - x).astype(np.float64), y.astype(np.float64))
 
     def _group(self, length: int, ranked: _Ranked, limit: float, share: float) -> list[int] | None:
         """The smallest head-tail group (of ``self.sizes`` least-loaded ranks, ``ranked`` order) whose members all stay
@@ -1275,12 +1266,8 @@ def _whole_doc_bound(lens, n: int, cost: CostModel, cap: int, whole_times) -> fl
 
 def _cut_attn(lens, n: int, cost: CostModel):
     """Per document cut into ``2N`` chunks: a lower bound on its attention time (see :func:`_cut_all_bound`)."""
-    hw = cost.hardware
     L = lens.astype(np.float64)
-    q = np.ceil(L / (2 * n)) if n > 1 else L
-    h = hw.attn_half
-    eff = hw.attn_peak * (q / (q + h)) * (L / (L + h))
-    return (lens * (lens + 1) // 2).astype(np.float64) * cost.flops_per_pair / (hw.flops * eff)
+    return cost.attn_times(lens * (lens + 1) // 2, np.ceil(L / (2 * n)) if n > 1 else L, L)
 
 
 def _cut_all_bound(lens, n: int, cost: CostModel) -> float:
