@@ -44,6 +44,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -1163,12 +1164,9 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
     starts = greedy.starts_np
     lower = greedy.mean  # no plan's step time is below the mean compute of every document whole (cuts only add)
     first = greedy.calibrate()  # the pass (tol 0, force 0, share 1), where the mean did not move
-    whole_pass: list[ArrayPlacement] = []  # the whole_doc baseline, planned where it can matter (see scored)
-
-    def whole() -> list[ArrayPlacement]:
-        if not whole_pass:
-            whole_pass.append(greedy.run(float("inf"), 0, subgroups=False))
-        return whole_pass
+    @functools.cache
+    def whole() -> ArrayPlacement:  # the whole_doc baseline: planned once, where it can matter (see scored)
+        return greedy.run(float("inf"), 0, subgroups=False)
 
     ring = [f(doc_lens, n, starts) for f in (headtail, contiguous)]
     # per_doc, torch_per_doc (beyond 16 ranks not: cutting every document into 2N pieces twice over is the
@@ -1188,7 +1186,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
         rest = [max(fig_of[p.key()].time) for p in candidates + ring if max(fig_of[p.key()].tokens) <= cap]
         wd = []
         if not rest or _whole_doc_bound(greedy.lens_np, n, cost, cap, times[1]) <= min(rest) * (1 + TIME_TIE):
-            wd = whole()
+            wd = [whole()]
             if wd[0].key() not in fig_of:
                 fig_of[wd[0].key()] = wd[0].figures(doc_lens, starts, cost, whole=times)
         # per_doc and torch_per_doc cut every document into 2N pieces (O(D N) of them): skipped where even
@@ -1234,7 +1232,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
                 peak[(force, tol)] = greedy.peak_share
     if not cost.linear:  # attention alone: balance first (see _balanced), then the least time, then K/V
         pd, tpd = cut_all()
-        unique = _unique(candidates + [*whole(), *pd, *ring, *tpd])
+        unique = _unique(candidates + [whole(), *pd, *ring, *tpd])
         figs = {i: unique[i].figures(doc_lens, starts, cost, whole=times)
                 for i in _balanced([p.segments for p in unique], greedy.starts, cap)}
         return unique[min(figs, key=lambda i: (max(figs[i].time), sum(figs[i].recv_tokens), i))]
