@@ -14,14 +14,16 @@ from flashpar.models.layout import layout_of, mesh_name
 from flashpar.models.parallel import ulysses_qkv_rows
 from train_workers import check_meshes, checkpoint_across_meshes, decay_step, optim_meshes, vocab_loss_cases
 
-# (dp, cp, ulysses, tp), dp mode, model (train_workers.MODELS) -> world size
+# (dp, cp, ulysses, tp), dp mode, model (train_workers.MODELS)[, strategy, mode, save_gathered] -> world size
 MESH_CASES = {
     4: [((1, 2, 1, 2), "zero3", "base"), ((2, 2, 1, 1), "zero3", "base"), ((2, 1, 1, 2), "zero3", "base"),
         ((4, 1, 1, 1), "zero3", "base"), ((1, 4, 1, 1), "zero3", "base"), ((2, 2, 1, 1), "replicate", "base"),
         ((2, 1, 1, 2), "replicate", "untied"), ((1, 2, 1, 2), "zero3", "untied"),
         # Ulysses inside cp; with ZeRO-3 over dp (MLP rows, attention whole); 2 kv heads replicated on 4 ranks
         ((1, 2, 2, 1), "zero3", "base"), ((2, 1, 2, 1), "zero3", "base"), ((2, 1, 2, 1), "replicate", "untied"),
-        ((1, 1, 4, 1), "zero3", "base"), ((1, 1, 4, 1), "zero3", "untied")],
+        ((1, 1, 4, 1), "zero3", "base"), ((1, 1, 4, 1), "zero3", "untied"),
+        # --regather: the column-parallel linears and the head gather their input again in backward
+        ((1, 2, 1, 2), "replicate", "untied", "flashcp", "flash", False)],
     3: [((1, 1, 3, 1), "zero3", "heads6"), ((1, 1, 3, 1), "zero3", "heads6-mqa")],
     2: [((1, 1, 2, 1), "zero3", "base"), ((1, 1, 2, 1), "replicate", "untied")],
 }

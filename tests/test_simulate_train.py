@@ -54,14 +54,23 @@ def test_memory_per_gpu_by_hand_on_a_small_model():
     assert memory.local_params(w, PEERS["flashpar"]) == p
     assert memory.local_params(w, PEERS["torch"]) == TINY.params / 2 / 2  # FSDP2 over dp x cp, then tp
     # activations (bf16): per token of the cp rank (64) and block, 4 h / tp (32) rows, q k v (2 + 2 x 1) x 4
-    # (16), the attention output 2 x 4 (8), 4 ffn / tp (64): 120 elements; the logits 64 x 32 x (2 + 8) bytes
-    acts = 2 * 64 * 120 * 2 + 64 * 32 * 10
+    # (16), the attention output 2 x 4 (8), 4 ffn / tp (64): 120 elements (ZeRO-3's linears gather their input
+    # again); the head's gathered input 64 x 16 (never ZeRO-split: kept); the logits 64 x 32 x (2 + 8) bytes
+    acts = 2 * 64 * 120 * 2 + 64 * 16 * 2 + 64 * 32 * 10
     assert memory.activations(w, PEERS["flashpar"], 0.0) == acts
     mem = memory.memory(w, PEERS["flashpar"], 0.0)
     buffers = (16 * 64) / 2 * (2 + 4)  # the largest tp shard (gate / up: 16 x 64 / tp), bf16 + its fp32 gradient
     assert mem["total"] == pytest.approx((16 * p + acts + buffers) / 1e9)
     ckpt = dataclasses.replace(w, checkpoint=True)  # block inputs (h / tp per token) + one block
-    assert memory.activations(ckpt, PEERS["flashpar"], 0.0) == 2 * 64 * 8 * 2 + 64 * 120 * 2 + 64 * 32 * 10
+    assert memory.activations(ckpt, PEERS["flashpar"], 0.0) == 2 * 64 * 8 * 2 + 64 * 120 * 2 + 64 * 16 * 2 + \
+        64 * 32 * 10
+    # dp 1: the q/k/v and gate/up linears keep their gathered input, 2 h (tp - 1) / tp = 16 more per token and
+    # block, and the head 64 x 16 / 2 more than its own rows; --regather keeps neither
+    kept = Workload(TINY, Layout(1, 1, 1, 2), H100, ((64,),), elem_bytes=2)
+    again = dataclasses.replace(kept, regather=True)
+    more = memory.activations(kept, PEERS["flashpar"], 0.0) - memory.activations(again, PEERS["flashpar"], 0.0)
+    assert more == (2 * 64 * 16 + 64 * 16 / 2) * 2
+    assert memory.activations(again, PEERS["torch"], 0.0) == memory.activations(kept, PEERS["torch"], 0.0)
 
 
 def test_one_gpu_exposes_no_communication_and_every_configuration_takes_the_same_step():
@@ -80,6 +89,20 @@ def test_flashpar_hides_tensor_parallel_communication_that_the_baseline_exposes(
     flash, none = (step.simulate(w, PEERS[n]) for n in ("flashpar", "baseline"))
     assert flash["exposed"]["tp"] < 0.5 * none["exposed"]["tp"]
     assert flash["exposed"]["cp"] <= none["exposed"]["cp"]  # flashcp sends only the K/V the mask needs
+
+
+def test_regather_adds_an_all_gather_per_column_linear_to_the_backward():
+    """``--regather`` (``Workload.regather``): baseline's backward gathers the inputs of q/k/v, gate/up and the
+    head again.  In mode none the gather is posted before the grad_x GEMM and waited for before the grad_w
+    GEMMs, so it costs only what that GEMM does not cover: more exposed tp time, less than a blocking
+    all-gather of ``T_u x h`` per such linear.  torch's DTensor linear keeps its input either way."""
+    cfg = load_model("llama3-8b")
+    w = Workload(cfg, Layout(1, 2, 1, 8), H100, ((8192, 8192, 16384),))
+    again = dataclasses.replace(w, regather=True)
+    kept_s, again_s = (step.simulate(x, PEERS["baseline"])["exposed"]["tp"] for x in (w, again))
+    gather = 7 * H100.device.transfer_time(16384 / 8 * cfg.hidden * 2)  # 7 peers' rows of T_u = 16384, bf16
+    assert 0 < again_s - kept_s < (2 * cfg.layers + 1) * gather
+    assert step.simulate(w, PEERS["torch"])["step_s"] == step.simulate(again, PEERS["torch"])["step_s"]
 
 
 def test_ulysses_all_to_alls_are_hidden_by_flashpar_and_the_torch_peer_runs_them_as_cp():

@@ -39,11 +39,14 @@ def sequences(dp: int, seed: int = 0):
     return out
 
 
-def check_mesh(rank, world, shape, dp_mode="zero3", model="base", strategy="flashcp", mode="flash"):
-    """``one_step``'s errors over ``TOL`` and their count on the (dp, cp, ulysses, tp) mesh ``shape``."""
+def check_mesh(rank, world, shape, dp_mode="zero3", model="base", strategy="flashcp", mode="flash",
+               save_gathered=True):
+    """``one_step``'s errors over ``TOL`` and their count on the (dp, cp, ulysses, tp) mesh ``shape``
+    (``save_gathered=False``: ``--regather``)."""
     dp = shape[0]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS)
-    errors = one_step(MODELS[model], mesh, sequences(dp), strategy=strategy, mode=mode, dp_mode=dp_mode)
+    errors = one_step(MODELS[model], mesh, sequences(dp), strategy=strategy, mode=mode, dp_mode=dp_mode,
+                      save_gathered=save_gathered)
     return {k: v for k, v in errors.items() if not v <= TOL}, len(errors)
 
 

@@ -325,7 +325,7 @@ def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank
     setup.update(world_size=n, documents=[len(lens) for _, _, lens in seqs], flops_per_step=flops,
                  peak_flops_per_rank=peak_per_rank, params=model_config(config).params,
                  loss_rel_diff=worst, losses_agree=worst <= LOSS_RTOL, torch_cp=torch_cp(config),
-                 cores=os.cpu_count(), **(hardware or {}),
+                 cores=os.cpu_count(), regather=train_config(config, "flashpar").regather, **(hardware or {}),
                  peak_mem="CPU: rise of the rank's peak resident set (VmHWM, reset via /proc/self/clear_refs) over "
                           "its resident set before building, 2 steps of a fresh build; largest rank")
     return {"setup": setup, "configs": rows}

@@ -125,7 +125,7 @@ class WholeProjection(nn.Module):
 
 class ParallelBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig, tp_group, cp_group, mode: str, timeout_s: float, dp_group=None,
-                 ulysses_group=None) -> None:
+                 ulysses_group=None, save_gathered: bool = True) -> None:
         super().__init__()
         tp = dist.get_world_size(tp_group) if tp_group is not None else 1
         u = dist.get_world_size(ulysses_group) if ulysses_group is not None else 1
@@ -142,15 +142,17 @@ class ParallelBlock(nn.Module):
         zero3 = dp_group is not None  # ZeRO-3: each dp rank keeps rows of the tp shards
         if zero3:
             kw["dp_group"] = dp_group
+        # a column-parallel linear keeps its gathered input for backward (ZeRO-3's gathers it again, as before)
+        gather_kw = {} if zero3 else {"save_gathered": save_gathered}
         qkv_rows = (cfg.heads + 2 * cfg.kv_heads) * d
         if self.ulysses_group is None:
-            self.qkv = LAYOUT["qkv"].linear(zero3)(h, qkv_rows, **kw)
+            self.qkv = LAYOUT["qkv"].linear(zero3)(h, qkv_rows, **kw, **gather_kw)
             self.o_proj = LAYOUT["o_proj"].linear(zero3)(cfg.heads * d, h, **kw)
         else:  # whole on every rank (LAYOUT's ulysses_whole); q/k/v rows regrouped by head group per forward
             self.qkv, self.o_proj = WholeProjection(h, qkv_rows), WholeProjection(cfg.heads * d, h)
             self.register_buffer("qkv_rows", torch.tensor(ulysses_qkv_rows(cfg, u)), persistent=False)
         self.mlp_norm = RMSNorm(h, cfg.norm_eps)
-        self.gate_up = LAYOUT["gate_up"].linear(zero3)(h, 2 * cfg.ffn, **kw)
+        self.gate_up = LAYOUT["gate_up"].linear(zero3)(h, 2 * cfg.ffn, **kw, **gather_kw)
         self.down = LAYOUT["down"].linear(zero3)(cfg.ffn, h, **kw)
         self.kv_counter: cp.CommCounter | None = None  # set by ParallelLlama: K/V bytes of cp.attention
 
@@ -189,12 +191,17 @@ class ParallelLlama(nn.Module):
 
     ``dtype``: the compute dtype (``torch.float32`` or ``torch.bfloat16``; the parameters stay fp32, see
     ``flashpar.models.precision``).  ``checkpoint_activations``: recompute each block's activations in
-    backward (``flashpar.models.recompute``)."""
+    backward (``flashpar.models.recompute``).  ``save_gathered``: each tensor-parallel all-gather + GEMM (q/k/v,
+    gate/up, the head) keeps the gathered ``x [T, in]`` for its weight gradient, as torch's DTensor linear does,
+    instead of gathering ``x_shard [T/tp, in]`` again in backward (Megatron's choice): one all-gather fewer per
+    column-parallel linear and step, for ``(tp - 1) / tp x T x in`` more activation memory each.  ZeRO-3's
+    linears gather again either way (``flashpar.overlap.sharded``)."""
 
     def __init__(self, cfg: LlamaConfig, mesh, *, mode: str = "flash", timeout_s: float = DEFAULT_TIMEOUT_S,
                  dp_mode: str = "zero3", dtype: torch.dtype = torch.float32,
-                 checkpoint_activations: bool = False) -> None:
+                 checkpoint_activations: bool = False, save_gathered: bool = True) -> None:
         super().__init__()
+        self.save_gathered = bool(save_gathered)
         self.compute_dtype = compute_dtype(dtype)  # ValueError (one line) on another dtype
         self.checkpoint_activations = bool(checkpoint_activations)
         if dp_mode not in ("zero3", "replicate"):
@@ -226,14 +233,14 @@ class ParallelLlama(nn.Module):
         self.mode, self.vocab_lo = mode, self.tp_rank * cfg.vocab_size // self.tp
         self.embed = nn.Embedding(cfg.vocab_size // self.tp, cfg.hidden)  # this tp rank's vocabulary rows
         self.blocks = nn.ModuleList(ParallelBlock(cfg, self.tp_group, self.cp_group, mode, timeout_s, dp_group,
-                                                  ulysses_group) for _ in range(cfg.layers))
+                                                  ulysses_group, self.save_gathered) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab_size // self.tp, bias=False)
         self._sum_groups = _sum_groups(mesh, self.zero)
         self.grad_sync = GradSync([(p, self._sum_groups[layout_of(name)[0].grad_sum(self.zero, self.ulysses > 1)])
                                    for name, p in reversed(list(self.named_parameters()))], timeout_s=timeout_s)
         signature = (cfg, mode, dp_mode, tuple(mesh.mesh.shape), mesh.mesh_dim_names, self.compute_dtype,
-                     self.checkpoint_activations)
+                     self.checkpoint_activations, self.save_gathered)
         self.step_check = StepCheck(mesh, signature, timeout_s=timeout_s)  # the cross-rank check of each step's inputs
         self.kv_counter = cp.CommCounter()  # bytes this rank's attention sent and received, all layers
         self.kv_recompute = cp.CommCounter()  # the same, of the recomputed forwards (checkpoint_activations)
@@ -346,7 +353,7 @@ class ParallelLlama(nn.Module):
                 x = block(x, positions, plan, split, blocks)
         head = self.embed.weight if self.head is None else self.head.weight
         logits = all_gather_matmul(self.norm(x).to(dtype), head.to(dtype), None, group=self.tp_group, mode=self.mode,
-                                   split_sizes=split, check=False)
+                                   split_sizes=split, save_gathered=self.save_gathered, check=False)
         return vocab_parallel_loss(logits, labels_u, self.vocab_lo, self.tp_group, rows, count)
 
 

@@ -185,15 +185,19 @@ and a wrong switch to a decomposed schedule at small M is the costly mistake."""
 
 
 def predict(op: str, mode: str, chunks: int, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int,
-            hw: Hardware, *, grad_bias: bool = False) -> dict[str, Timing]:
+            hw: Hardware, *, grad_bias: bool = False, regather: bool = True) -> dict[str, Timing]:
     """Predicted forward and backward timings of ``op`` in ``mode`` (rank 0's schedule; equal blocks).
 
     ``grad_bias``: the op has a bias, whose gradient ``matmul_rs_bwd`` all-reduces first (item ``gb``); the
     runtime builds that item only for a bias (``flashpar.overlap.ops``), and neither ``flashpar bench
-    overlap`` nor the Llama layers have one."""
+    overlap`` nor the Llama layers have one.  ``regather``: ``ag_matmul_bwd`` gathers ``x`` again (as
+    ``flashpar bench overlap`` runs it) or reads the copy the forward kept (``save_gathered``, the trainer's
+    default)."""
     out = {}
     for name, shape in op_shapes(op, n, rows, n_in, n_out, elem_bytes).items():
         extra = {"grad_bias": True} if name == "matmul_rs_bwd" and grad_bias else {}
+        if name == "ag_matmul_bwd" and not regather:
+            extra = {"regather": False}
         out[name] = simulate(build_schedule(name, mode, n, 0, chunks=chunks, **extra), shape, hw)
     return out
 

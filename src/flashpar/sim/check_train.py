@@ -49,8 +49,11 @@ def workload(report: dict, name: str):
     layout = Layout(s["dp"], s["cp"], s["ulysses"], s["tp"])
     cluster = Cluster(hw, hw, gpus_per_node=layout.gpus, device_name="calibrated", inter_name="calibrated")
     packs = tuple(tuple(p) for p in packed_docs(s))
+    regather = s.get("regather", True)  # a report without it is from before stop 21: its trainer gathered again
+    if not isinstance(regather, bool):
+        raise ValueError(f"the report's setup.regather must be true or false, got {regather!r}")
     return Workload(cfg, layout, cluster, packs, elem_bytes=4, attn_bwd=bwd, zero_rs_elem_bytes=4,
-                    torch_attention="dense", fsdp_prefetch=False)
+                    torch_attention="dense", fsdp_prefetch=False, regather=regather)
 
 
 def predict(report: dict) -> dict[str, dict]:

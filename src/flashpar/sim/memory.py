@@ -17,15 +17,17 @@ Parameters a rank holds (``P_local``; flashpar's one parameter table, ``flashpar
 Activations saved for backward, per block, per token of the cp rank (``T_cp``), elements of the compute
 dtype (``r = tp x U`` ranks split a cp rank's rows between the blocks and its heads inside them)::
 
-    4 h / r                the block input, the two norm outputs, the mid residual (sequence-parallel rows;
-                           flashpar keeps only its shard of a gathered input and gathers it again in backward)
+    4 h / r                the block input, the two norm outputs, the mid residual (sequence-parallel rows)
+    + 2 h (tp - 1) / tp    the two norm outputs all-gathered for q/k/v and gate/up, kept for backward (tp > 1,
+                           unless the linear gathers again: ``--regather``, ZeRO-3; ``step.gathers_again``)
     (H_r + 2 H_kv,r) D     q, k, v after rope (every token of the cp rank, the rank's heads)
     H_r D                  the attention output
     4 F / r                gate, up, silu(gate), their product
     + the received K/V     2 H_kv,r D per key received from other cp ranks (the plan's, kept for backward)
 
-torch's TP saves the all-gathered norm outputs (``2 h`` instead of ``2 h / tp``) and its attention keeps the
-all-gathered K/V of the whole sequence.  With activation checkpointing a block keeps only its input
+torch's TP saves the all-gathered norm outputs too; its attention keeps the all-gathered K/V of the whole
+sequence.  The head's input adds ``T_u h`` once where it is kept gathered (``T_u h / tp``, its rows, where
+it is gathered again).  With activation checkpointing a block keeps only its input
 (``h / r`` per token) and one block's activations exist at a time (the one being recomputed).  The loss adds
 the rank's logits ``T_u x vocab / tp`` (compute dtype, and fp32 softmax and gradient).
 
@@ -36,6 +38,7 @@ allocator fragmentation).
 from __future__ import annotations
 
 from flashpar.sim.peers import Peer
+from flashpar.sim.step import gathers_again
 from flashpar.sim.workload import Workload
 
 GPU_MEMORY_GB = {"h100-nvlink": 80.0, "h100-ib": 80.0, "h200": 141.0, "a100": 80.0, "b200": 180.0}
@@ -62,12 +65,15 @@ def activations(w: Workload, peer: Peer, kv_recv_tokens: float) -> float:
     h, d, r, t = cfg.hidden, cfg.head_dim, s["split"], s["t_cp"]
     attn = (s["heads"] + 2 * s["kv_heads"]) * d + s["heads"] * d
     mlp = 4 * cfg.ffn / r
-    rows = 2 * h / s["tp"] + 2 * h if peer.data_parallel == "fsdp" and s["tp"] > 1 else 4 * h / r
+    kept = s["tp"] > 1 and not gathers_again(w, peer)  # the gathered inputs of q/k/v, gate/up (and the head)
+    rows = 4 * h / r + (2 * h * (s["tp"] - 1) / s["tp"] if kept else 0.0)
     kv = 2 * s["kv_heads"] * d * kv_recv_tokens
     one_block = (t * (rows + attn + mlp) + kv) * w.elem_bytes
     blocks = cfg.layers * t * h / r * w.elem_bytes + one_block if w.checkpoint else cfg.layers * one_block
+    head_kept = s["tp"] > 1 and not (w.regather and peer.data_parallel != "fsdp")
+    head_in = s["t_u"] * h / (1 if head_kept else s["tp"]) * w.elem_bytes  # gathered T_u x h, or the own rows
     logits = s["t_u"] * cfg.vocab_size / s["tp"] * (w.elem_bytes + 8)
-    return blocks + logits
+    return blocks + head_in + logits
 
 
 def buffers(w: Workload, peer: Peer) -> float:

@@ -14,6 +14,8 @@ Per block (forward; backward mirrored), on the cp rank whose layer takes longest
                rank_figures (local-first overlap: max(compute, K/V comm + remote compute)); torch: the
                K/V all-gather (ring, blocking) + the kernel (document blocks, or dense S_loc x S)
     a rank with more tokens runs its linears longer in proportion (tokens_r / T_cp)
+    an ag_matmul's backward reads the x its forward gathered (the trainer's default; torch's DTensor linear),
+    or gathers it again (``--regather``, and every ZeRO-3 linear): ``gathers_again``
 
 Once per step: the vocabulary-parallel embedding (reduce-scatter over tp, exposed) and head (ag_matmul over
 tp) with the loss; the gradient sums (flashpar, baseline: all-reduces posted during backward on one lane, the
@@ -46,20 +48,21 @@ forward and backward; each costs the device's ``gemm_overhead_s``."""
 
 
 def _op(op: str, mode: str, n: int, rows: float, n_in: int, n_out: int, elem: int, hw: Hardware,
-        key: str) -> tuple[Part, Part]:
-    """(forward, backward) of one linear: its schedule over ``n`` ranks (plain GEMMs when ``n == 1``)."""
+        key: str, regather: bool = True) -> tuple[Part, Part]:
+    """(forward, backward) of one linear: its schedule over ``n`` ranks (plain GEMMs when ``n == 1``);
+    ``regather``: an ``ag_matmul``'s backward gathers ``x`` again (else it reads the forward's copy)."""
     rows = max(int(round(rows)), 1)
     if n == 1:
         fwd = hw.gemm_time(rows, n_in, n_out)
         return Part.of(fwd), Part.of(2 * fwd)
-    return _predicted(op, mode, n, rows, n_in, n_out, elem, hw, key)
+    return _predicted(op, mode, n, rows, n_in, n_out, elem, hw, key, regather)
 
 
 @functools.lru_cache(maxsize=4096)
-def _predicted(op, mode, n, rows, n_in, n_out, elem, hw, key) -> tuple[Part, Part]:
+def _predicted(op, mode, n, rows, n_in, n_out, elem, hw, key, regather) -> tuple[Part, Part]:
     from flashpar.overlap.simulate import predict
 
-    t = predict(op, mode, 1, n, rows, n_in, n_out, elem, hw)
+    t = predict(op, mode, 1, n, rows, n_in, n_out, elem, hw, regather=regather)
     f, b = t[op], t[f"{op}_bwd"]
     return (Part.of(f.compute, **{key: f.total - f.compute}), Part.of(b.compute, **{key: b.total - b.compute}))
 
@@ -77,12 +80,22 @@ def _with_zero(inner: tuple[Part, Part], zero: tuple[Part, Part], plain: tuple[P
     return out[0], out[1]
 
 
+def gathers_again(w: Workload, peer: Peer) -> bool:
+    """Whether a column-parallel linear gathers its input again in backward: flashpar's and baseline's
+    ZeRO-3 linears do, and the others with ``--regather`` (``flashpar.models.parallel``); torch's DTensor
+    linear keeps the gathered input."""
+    if peer.data_parallel == "fsdp":
+        return False
+    return w.regather or (peer.data_parallel == "zero3" and w.layout.dp > 1)
+
+
 def linears(w: Workload, peer: Peer) -> tuple[Part, Part]:
     """(forward, backward) of one block's four linears at the mean rows ``T_u`` of a rank."""
     cfg, s, g = w.cfg, w.sizes(peer), w.groups(peer)
     h, d, f, tp, u = cfg.hidden, cfg.head_dim, cfg.ffn, s["tp"], s["u"]
     e, mode, rows = w.elem_bytes, peer.mode, s["t_u"]
     zero = peer.data_parallel == "zero3" and w.layout.dp > 1
+    regather = gathers_again(w, peer)
     dp_n, dp_hw = g["dp"][0], g["dp"][1]
     ops = []
     if u > 1:  # Ulysses: the projections whole, fused with the all-to-alls (never ZeRO-split)
@@ -92,11 +105,12 @@ def linears(w: Workload, peer: Peer) -> tuple[Part, Part]:
         zero_split = [False, False]
     else:
         tp_hw = g["tp"][1]
-        ops.append(_op("ag_matmul", mode, tp, rows, h, (cfg.heads + 2 * cfg.kv_heads) * d // tp, e, tp_hw, "tp"))
+        ops.append(_op("ag_matmul", mode, tp, rows, h, (cfg.heads + 2 * cfg.kv_heads) * d // tp, e, tp_hw, "tp",
+                       regather))
         ops.append(_op("matmul_rs", mode, tp, rows, cfg.heads * d // tp, h, e, tp_hw, "tp"))
         zero_split = [True, True]
     tp_hw = g["tp"][1]
-    ops.append(_op("ag_matmul", mode, tp, rows, h, 2 * f // tp, e, tp_hw, "tp"))
+    ops.append(_op("ag_matmul", mode, tp, rows, h, 2 * f // tp, e, tp_hw, "tp", regather))
     ops.append(_op("matmul_rs", mode, tp, rows, f // tp, h, e, tp_hw, "tp"))
     zero_split += [True, True]
     shapes = [(h, (cfg.heads + 2 * cfg.kv_heads) * d // tp), (cfg.heads * d // tp, h), (h, 2 * f // tp),
@@ -212,7 +226,8 @@ def ends(w: Workload, peer: Peer) -> tuple[Part, Part]:
     else:
         fwd.add(Part.of(lookup))
         bwd.add(Part.of(lookup))
-    hf, hb = _op("ag_matmul", peer.mode, tp, rows, cfg.hidden, vocab, e, tp_hw, "tp")
+    head_again = w.regather and peer.data_parallel != "fsdp"  # the head is never ZeRO-split
+    hf, hb = _op("ag_matmul", peer.mode, tp, rows, cfg.hidden, vocab, e, tp_hw, "tp", head_again)
     loss = tp_hw.memory_time(5 * rows * vocab * 4)  # fp32 logits: max, exp, sum, target, the gradient
     fwd.add(hf).add(Part.of(loss))
     bwd.add(hb).add(Part.of(loss))

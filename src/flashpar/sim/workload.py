@@ -38,6 +38,7 @@ class Workload:
     attn_bwd: tuple[float, float] | None = None  # (attn_peak, attn_half) of the backward kernel; None: BWD_ATTN_TIME
     zero_rs_elem_bytes: int = 4  # the ZeRO-3 / FSDP gradient reduce-scatter's element (fp32 sums)
     fsdp_prefetch: bool = True  # FSDP2 all-gathers the next block while this one computes
+    regather: bool = False  # flashpar / baseline (`--regather`): ag_matmul gathers x again in backward
 
     @property
     def seq(self) -> int:

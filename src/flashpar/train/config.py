@@ -111,6 +111,11 @@ class TrainConfig:
                                   "first one does)")
     master_addr: str = _opt("127.0.0.1", "the address the spawned ranks' rendezvous listens on (without torchrun); "
                                          "the loopback default is reachable from this machine only")
+    # tensor-parallel activations kept for backward (issue 12, stop 21: flashpar.models.parallel)
+    regather: bool = _opt(False, "gather each column-parallel linear's input (q/k/v, gate/up, head) again in backward, "
+                                 "as Megatron does, instead of keeping the gathered input as torch's DTensor linear "
+                                 "does: (tp - 1) / tp less activation memory per such linear, one more all-gather "
+                                 "each per step")
 
     def __post_init__(self) -> None:
         for name in ("strategy", "mode", "dp_mode", "device"):
@@ -173,6 +178,9 @@ class TrainConfig:
                 raise ValueError(f"{_flag(name)} must be an integer >= 0, got {value!r}")
         if not isinstance(self.master_addr, str) or not self.master_addr.strip():
             raise ValueError(f"master-addr must be a host address, got {self.master_addr!r}")
+        # tensor-parallel activations kept for backward (stop 21)
+        if not isinstance(self.regather, bool):
+            raise ValueError(f"regather must be True or False, got {self.regather!r}")
 
     @property
     def check_micro_batches(self) -> int:

@@ -65,7 +65,8 @@ def _check(config: TrainConfig):
     errors = one_step(config.model, mesh, seqs, strategy=config.strategy, mode=config.mode, seed=config.seed,
                       timeout_s=config.timeout, dp_mode=config.dp_mode, micro_batches=micro,
                       clip_ratio=CHECK_CLIP_RATIO, init_from=config.init_from, dtype=config.dtype,
-                      checkpoint_activations=config.checkpoint_activations, device=device)
+                      checkpoint_activations=config.checkpoint_activations, save_gathered=not config.regather,
+                      device=device)
     rows = by_group(errors, CHECK_TOL[config.dtype])
     worst = torch.tensor([max(e for _, e, _ in rows)], dtype=torch.float64, device=device)  # NCCL: a device tensor
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)

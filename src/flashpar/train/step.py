@@ -66,7 +66,8 @@ def build(config: TrainConfig, mesh, device) -> tuple:
         torch.manual_seed(config.seed)
         full = Llama(cfg)
     model = ParallelLlama(cfg, mesh, mode=config.mode, timeout_s=config.timeout, dp_mode=config.dp_mode,
-                          dtype=DTYPES[config.dtype], checkpoint_activations=config.checkpoint_activations)
+                          dtype=DTYPES[config.dtype], checkpoint_activations=config.checkpoint_activations,
+                          save_gathered=not config.regather)
     if full is not None:
         model.load_full(full)
     elif not config.resume:  # hf (issue 13)
