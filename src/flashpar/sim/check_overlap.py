@@ -5,7 +5,8 @@ measured (``hardware``: GEMM rate and small-M curve, per-piece and per-lane-item
 CPU a transfer takes from the compute beside it, ``comm_cpu_s_per_byte``, 0 in reports older than it, with
 its spread in ``comm_cpu``) and, per
 shape and mode, the medians of the slowest rank: ``compute`` (communication made free), ``comm``
-(computation made free) and ``overlapped``, forward and backward.  Each row is predicted from that
+(computation made free) and ``overlapped``, forward and backward, with each round's slowest-rank time of each
+(``samples``; reports older than them have none).  Each row is predicted from that
 calibration alone, on the schedule the run executed (``build_schedule`` of rank 0 on equal blocks, without
 a bias as the benchmark's ops have none, timed by :func:`flashpar.overlap.simulate.simulate`; ``auto`` with
 the pick the run recorded), and two ratios are compared per direction:
