@@ -20,7 +20,7 @@ a rate-limited link with ``--link-rate``, on loopback otherwise) running
    (``samples``: what ``flashpar simulate check`` reads the measurement's own spread from).
 
 Denormal floats are flushed to zero on every rank (:func:`_flush_denormals`): a compute-only run computes
-on receive buffers no transfer filled, whose leftover bytes read as a few to 10^5 denormal floats, and a
+on receive buffers no transfer filled, whose leftover bytes read as up to 10^5 denormal floats, and a
 GEMM pays about 5 us (activation operand) to 40 us (weight operand) per denormal element on this CPU.
 
 Columns: ``compute``, ``comm``, ``overlapped``, ``ideal = max(compute, comm)``,
@@ -147,12 +147,12 @@ def _flush_denormals() -> bool:
     started after it (gloo's, the overlap lane's: a new thread inherits the floating-point state).
 
     The compute-only variant skips the transfers, so its GEMMs and adds read receive buffers holding whatever
-    the allocator left there; some of those bytes are denormal floats (counted: 2 to 145,449 per compute-only
-    run of the hidden shapes at N=2, none in any overlapped run) and each costs a microcode assist per vector
-    instruction: 5 us per denormal in a [512, 1024] activation, 40-50 us in a [1024, 1024] weight, against a
-    13 ms GEMM.  The overlapped run computes on received values (no denormals), so without the flush the
-    compute-only time is inflated by a random amount and can exceed the overlapped run.  Returns whether the
-    CPU supports it (False: nothing changed)."""
+    the allocator left there; some of those bytes are denormal floats (counted: 0 to 145,449, median 12, per
+    compute-only run of the hidden shapes at N=2, none in any overlapped run) and each costs a microcode
+    assist per vector instruction: 5 us per denormal in a [512, 1024] activation, 40-50 us in a [1024, 1024]
+    weight, against a 13 ms GEMM.  The overlapped run computes on received values (no denormals), so without
+    the flush the compute-only time is inflated by a random amount and can exceed the overlapped run.  Returns
+    whether the CPU supports it (False: nothing changed)."""
     import torch
 
     return bool(torch.set_flush_denormal(True))
