@@ -187,3 +187,38 @@ def test_check_explains_a_miss_by_the_parts_or_by_the_runs_own_spread():
     r = rows[("N=2 ag-hidden auto>flash(k=1) fwd", "ovl/ideal")]
     assert r["within"] == "no" and r["why"] == "noise: auto re-ran flash(k=1) 40% apart"
     assert flash["overlapped"] > 0
+
+
+def test_a_miss_inside_its_own_rounds_spread_is_noise_and_one_whose_rounds_agree_is_not():
+    report = _synthetic_report()
+    for entry in report["shapes"]:  # 8 rounds each measuring exactly the medians
+        for m in entry["modes"]:
+            for d in ("forward", "backward"):
+                f = m[d]
+                f["samples"] = {k: [f[k]] * 8 for k in ("overlapped", "compute", "comm")}
+    slice4 = report["shapes"][0]["modes"][3]["forward"]
+    slice4["overlapped"] *= 1.3  # 30% slower than the model: a 23% miss of ovl/ideal and of vs none
+    slice4["ovl_ideal"] *= 1.3
+    keys = [("N=2 ag-hidden slice(k=4) fwd", "ovl/ideal"), ("N=2 ag-hidden slice(k=4) fwd", "vs none")]
+
+    def whys(factors):
+        slice4["samples"]["overlapped"] = [slice4["overlapped"] / 1.3 * f for f in factors]
+        rows = {(r["row"], r["figure"]): sim_check.finish(r) for r in check_overlap.check(report)}
+        assert all(rows[k]["within"] == "no" and rows[k]["error"] == pytest.approx(1 / 1.3 - 1) for k in keys)
+        return [rows[k]["why"] for k in keys]
+
+    # rounds that agree on 1.3x: interval [1.3, 1.3], and 0.85 x 1.3 > 1: the miss stays unexplained
+    assert whys([1.3] * 8) == ["", ""]
+    # rounds spread 0.9x-1.6x (quartiles 1.025 and 1.475): median 1.25 +- 1.57 x 0.45 / sqrt(8) = [1.0, 1.5]
+    assert all(w.startswith("noise: its 8 rounds put the ratio at") and "within 15% of the prediction" in w
+               for w in whys([0.9, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6]))
+    # as wide a spread around 2x: [1.75, 2.25] x 0.85 > 1, the prediction is not within 15% of it
+    slice4["overlapped"] *= 2 / 1.3
+    slice4["ovl_ideal"] *= 2 / 1.3
+    slice4["samples"]["overlapped"] = [slice4["overlapped"] / 2 * (f + 0.75) for f in
+                                       (0.9, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6)]
+    rows = {(r["row"], r["figure"]): r for r in check_overlap.check(report)}
+    assert [rows[k]["why"] for k in keys] == ["", ""]
+    slice4["samples"]["comm"] = slice4["samples"]["comm"][:7]  # a malformed file: one clear error
+    with pytest.raises(ValueError, match="per-round samples have different lengths"):
+        check_overlap.check(report)

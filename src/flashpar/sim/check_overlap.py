@@ -5,7 +5,8 @@ measured (``hardware``: GEMM rate and small-M curve, per-piece and per-lane-item
 CPU a transfer takes from the compute beside it, ``comm_cpu_s_per_byte``, 0 in reports older than it, with
 its spread in ``comm_cpu``) and, per
 shape and mode, the medians of the slowest rank: ``compute`` (communication made free), ``comm``
-(computation made free) and ``overlapped``, forward and backward.  Each row is predicted from that
+(computation made free) and ``overlapped``, forward and backward, with each round's slowest-rank time of each
+(``samples``; reports older than them have none).  Each row is predicted from that
 calibration alone, on the schedule the run executed (``build_schedule`` of rank 0 on equal blocks, without
 a bias as the benchmark's ops have none, timed by :func:`flashpar.overlap.simulate.simulate`; ``auto`` with
 the pick the run recorded), and two ratios are compared per direction:
@@ -21,6 +22,7 @@ a ``why`` only when the report itself shows the cause (see :func:`_why`); otherw
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
 
 from flashpar.cost import Hardware
@@ -66,13 +68,15 @@ def _check_one(report: dict) -> list[dict]:
             for m in modes:
                 meas, p, q = m[direction], pred[id(m)], parts[id(m)]
                 row = f"N={n} {shape.name} {_label(m)} {short}"
-                ev = {"meas": meas, "pred": p, "spread": spread, "none": None, "comm_cpu": None}
+                ev = {"meas": meas, "pred": p, "spread": spread, "none": None, "comm_cpu": None,
+                      "rounds": _round_interval(row, meas, None)}
                 if ends:
                     ev["comm_cpu"] = (bounds, [_ovl_ideal(e[id(m)]) for e in ends])
                 out.append(_row(row, "ovl/ideal", _ovl_ideal(p), meas["ovl_ideal"],
                                 q.total / max(meas["compute"], meas["comm"]), ev))
                 if none is not None and m is not none:
-                    ev = {**ev, "none": (none[direction], pred[id(none)])}
+                    ev = {**ev, "none": (none[direction], pred[id(none)]),
+                          "rounds": _round_interval(row, meas, none[direction])}
                     if ends:
                         ev["comm_cpu"] = (bounds, [e[id(m)].total / e[id(none)].total for e in ends])
                     out.append(_row(row, "vs none", p.total / pred[id(none)].total,
@@ -99,6 +103,32 @@ def _comm_cpu_bounds(figures: dict | None) -> tuple[float, float] | None:
     s_per_byte = max(0.0, float(figures["s_per_byte"]))
     half = NOTCH * (float(figures["q75"]) - float(figures["q25"])) / float(figures["pairs"]) ** 0.5
     return max(0.0, s_per_byte - half), s_per_byte + half
+
+
+def _round_interval(row: str, meas: dict, none: dict | None) -> tuple[float, float, int] | None:
+    """(low, high, rounds): the interval ``median +- 1.57 IQR / sqrt(rounds)`` (:data:`NOTCH`) of the row's
+    ratio computed round by round from the slowest rank's times the report keeps (``samples``, see
+    :mod:`flashpar.bench.overlap`): ``overlapped_i / max(compute_i, comm_i)`` for ``ovl/ideal`` (``none`` is
+    None), ``overlapped_i / overlapped of none_i`` for ``vs none`` (the two ran in the same round, a few
+    seconds apart).  None for a report without samples (older than them) or with fewer than 4 rounds."""
+    samples = meas.get("samples")
+    if not samples or (none is not None and not none.get("samples")):
+        return None
+    series = [samples["overlapped"], samples["compute"], samples["comm"]]
+    if none is not None:
+        series.append(none["samples"]["overlapped"])
+    if len({len(v) for v in series}) > 1:
+        raise ValueError(f"{row}: the report's per-round samples have different lengths "
+                         f"{[len(v) for v in series]}; expected one value per round in each")
+    if none is None:
+        ratios = [o / max(c, m) for o, c, m in zip(*series[:3], strict=True)]
+    else:
+        ratios = [o / b for o, b in zip(series[0], series[3], strict=True)]
+    if len(ratios) < 4:
+        return None
+    q25, _, q75 = statistics.quantiles(ratios, n=4)
+    median, half = statistics.median(ratios), NOTCH * (q75 - q25) / len(ratios) ** 0.5
+    return median - half, median + half, len(ratios)
 
 
 def _predict(op: str, m: dict, n: int, dims, elem: int, hw: Hardware):
@@ -168,7 +198,8 @@ def _label(m: dict) -> str:
 
 def _row(row: str, figure: str, predicted: float, measured: float, from_parts: float, ev: dict) -> dict:
     err = predicted / measured - 1.0 if measured else float("inf")
-    why = _why(err, from_parts / measured - 1.0, {**ev, "measured": measured}) if abs(err) > TOLERANCE else ""
+    why = _why(err, from_parts / measured - 1.0, {**ev, "measured": measured, "predicted": predicted,
+                                                 "from_parts": from_parts}) if abs(err) > TOLERANCE else ""
     return {"row": row, "figure": figure, "predicted": predicted, "measured": measured, "from_parts": from_parts,
             "why": why}
 
@@ -182,7 +213,11 @@ def _why(err: float, parts_err: float, ev: dict) -> str:
     * the measurement's own spread (:func:`_spread`): two figures of this shape that should be equal differ
       by at least the miss (of the calibrated prediction or of the one on the measured parts);
     * the contention figure's own uncertainty: the calibrated prediction comes within 15% of the measured
-      ratio for a ``comm_cpu_s_per_byte`` inside the interval of its median (:func:`_comm_cpu_bounds`).
+      ratio for a ``comm_cpu_s_per_byte`` inside the interval of its median (:func:`_comm_cpu_bounds`);
+    * the row's own rounds: the prediction (calibrated, else on the measured parts) is within 15% of a value
+      inside the interval of the median of the row's per-round ratio (:func:`_round_interval`), i.e.
+      ``0.85 low <= predicted <= 1.15 high``: this run cannot tell the measured ratio from one within 15% of
+      the prediction.  A row whose rounds agree (a narrow interval) keeps its miss.
     """
     if abs(parts_err) <= TOLERANCE:
         meas, pred = ev["meas"], ev["pred"]
@@ -201,4 +236,10 @@ def _why(err: float, parts_err: float, ev: dict) -> str:
         if lo <= measured * (1 + TOLERANCE) and hi >= measured * (1 - TOLERANCE):
             return (f"contention figure's own interval: {c_lo * 1e9:.2f}-{c_hi * 1e9:.2f} ns/byte (median "
                     f"+-{NOTCH} IQR/sqrt(pairs)) predicts {lo:.2f}-{hi:.2f}")
+    if ev["rounds"] is not None:
+        lo, hi, k = ev["rounds"]
+        for what, value in (("prediction", ev["predicted"]), ("prediction on the measured parts", ev["from_parts"])):
+            if lo * (1 - TOLERANCE) <= value <= hi * (1 + TOLERANCE):
+                return (f"noise: its {k} rounds put the ratio at {lo:.2f}-{hi:.2f} (median +-{NOTCH} "
+                        f"IQR/sqrt(rounds)), within 15% of the {what} {value:.2f}")
     return ""
