@@ -106,6 +106,10 @@ def test_ranked_order_and_group_search_equal_a_sort_and_every_size():
         want = sorted(zip(load, toks, range(n), strict=True))
         assert ranked.keys == want and ranked.toks.tolist() == [float(t) for _, t, _ in want]
         assert ranked.loads.tolist() == [ld for ld, _, _ in want]
+        most = rng.randint(1, n)  # the prefixes kept between changes equal ones made anew, float for float
+        top, sums = ranked.prefixes(most)
+        assert top[:most].tolist() == np.maximum.accumulate(ranked.toks[:most]).tolist()
+        assert sums[:most].tolist() == np.cumsum(ranked.loads[:most]).tolist()
         length = rng.choice([rng.randint(1, 3000), rng.randint(3000, 300000)])
         for limit, share in ((g.mean * rng.uniform(1.0, 1.5), rng.choice([1.0, 0.45])), (math.inf, math.inf)):
             got = g._group(length, ranked, limit, share)
