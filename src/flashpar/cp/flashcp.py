@@ -943,12 +943,19 @@ class _Greedy:
             return
         prate = np.asarray(rate)[px]
         ppart = np.asarray([splits[x].parts.get(v, 0) for v, x in zip(pv, px, strict=True)], dtype=np.float64)
-        vload = np.asarray([load[v] for v in pv])
+        excess = np.asarray([load[v] for v in pv]) - mean  # (v's load over the mean, per pair)
         pair_at = {vx: i for i, vx in enumerate(zip(pv, px, strict=True))}
         rows_of: dict[int, list[int]] = {}
         for i, v in enumerate(pv):
             rows_of.setdefault(v, []).append(i)
         rates_sorted = sorted(set(prate.tolist()))
+        with np.errstate(divide="ignore", invalid="ignore"):  # (see _next_trade)
+            self._trades(under, held, rate, rates_sorted, splits, load, pv, px, prate, ppart, excess, pair_at, rows_of)
+
+    def _trades(self, under, held, rate, rates_sorted, splits, load, pv, px, prate, ppart, excess, pair_at,
+                rows_of) -> None:
+        """The trades of :meth:`_exchange`'s scan (see there), in order."""
+        mean = self.mean
         for u in under:
             for b in sorted(held[u], key=rate.__getitem__):
                 pos = 0
@@ -958,7 +965,7 @@ class _Greedy:
                     if j == len(rates_sorted) or (rates_sorted[j] - rate[b]) * EXCHANGE_MIN > (mean - load[u]) * (
                             1 + 1e-9):
                         break
-                    i = self._next_trade(pos, prate, rate[b], ppart, vload, mean, mean - load[u])
+                    i = self._next_trade(pos, prate, rate[b], ppart, excess, mean - load[u])
                     if i < 0:
                         break
                     v, x = pv[i], px[i]
@@ -975,24 +982,24 @@ class _Greedy:
                     for t in (x, b):
                         if (v, t) in pair_at:
                             ppart[pair_at[(v, t)]] = splits[t].parts.get(v, 0)
-                    vload[rows_of[v]] = load[v]
+                    excess[rows_of[v]] = load[v] - mean
                     pos = i + 1
 
     @staticmethod
-    def _next_trade(pos: int, prate, rate_b: float, ppart, vload, mean: float, room: float) -> int:
+    def _next_trade(pos: int, prate, rate_b: float, ppart, excess, room: float) -> int:
         """The first pair ``i >= pos`` of :meth:`_exchange`'s scan that trades (its X heavier than B, of rate
-        ``rate_b``; at least ``EXCHANGE_MIN`` of it on v; a move of at least that within v's excess over ``mean``
-        and u's ``room``), or -1; long scans look at the next 512 pairs first (the same first pair)."""
+        ``rate_b``; at least ``EXCHANGE_MIN`` of it on v; a move of at least that within v's ``excess`` over the mean
+        and u's ``room``), or -1; long scans look at the next 512 pairs first (the same first pair).  Both moves at
+        once: ``min(e, room) / gain`` is the lesser of ``e / gain`` and ``room / gain`` (for ``gain > 0`` a rounded
+        division is monotone in its numerator); where ``gain <= 0`` the quotient is not used (no trade; the caller
+        silences the division's warnings)."""
         end = len(prate)
         for lo, hi in (((pos, pos + 512), (pos + 512, end)) if end - pos > 1024 else ((pos, end),)):
             gain = prate[lo:hi] - rate_b
-            heavier = gain > 0
-            gain[~heavier] = 1.0  # (no trade there: nothing divides by 0)
-            ok = (heavier & (ppart[lo:hi] >= EXCHANGE_MIN) & ((vload[lo:hi] - mean) / gain >= EXCHANGE_MIN)
-                  & (room / gain >= EXCHANGE_MIN))
-            hit = np.flatnonzero(ok)
-            if len(hit):
-                return lo + int(hit[0])
+            ok = (gain > 0) & (ppart[lo:hi] >= EXCHANGE_MIN) & (np.minimum(excess[lo:hi], room) / gain >= EXCHANGE_MIN)
+            at = int(ok.argmax()) if len(ok) else 0
+            if len(ok) and ok[at]:
+                return lo + at
         return -1
 
     def _batch_whole(self, lo: int, hi: int, length: int, w: float, load, toks, limit: float, doc_rank, doc_seq,
