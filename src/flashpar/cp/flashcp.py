@@ -956,6 +956,8 @@ class _Greedy:
                 rows_of) -> None:
         """The trades of :meth:`_exchange`'s scan (see there), in order."""
         mean = self.mean
+        by_rate = np.argsort(prate, kind="stable")  # (for long scans: see _next_trade)
+        by_rate = by_rate, prate[by_rate]
         for u in under:
             for b in sorted(held[u], key=rate.__getitem__):
                 pos = 0
@@ -965,7 +967,7 @@ class _Greedy:
                     if j == len(rates_sorted) or (rates_sorted[j] - rate[b]) * EXCHANGE_MIN > (mean - load[u]) * (
                             1 + 1e-9):
                         break
-                    i = self._next_trade(pos, prate, rate[b], ppart, excess, mean - load[u])
+                    i = self._next_trade(pos, prate, rate[b], ppart, excess, mean - load[u], by_rate)
                     if i < 0:
                         break
                     v, x = pv[i], px[i]
@@ -986,14 +988,31 @@ class _Greedy:
                     pos = i + 1
 
     @staticmethod
-    def _next_trade(pos: int, prate, rate_b: float, ppart, excess, room: float) -> int:
+    def _next_trade(pos: int, prate, rate_b: float, ppart, excess, room: float, by_rate=None) -> int:
         """The first pair ``i >= pos`` of :meth:`_exchange`'s scan that trades (its X heavier than B, of rate
         ``rate_b``; at least ``EXCHANGE_MIN`` of it on v; a move of at least that within v's ``excess`` over the mean
         and u's ``room``), or -1; long scans look at the next 512 pairs first (the same first pair).  Both moves at
         once: ``min(e, room) / gain`` is the lesser of ``e / gain`` and ``room / gain`` (for ``gain > 0`` a rounded
         division is monotone in its numerator); where ``gain <= 0`` the quotient is not used (no trade; the caller
-        silences the division's warnings)."""
+        silences the division's warnings).
+
+        ``by_rate``: the pairs by rate and those rates; a long scan looks only at the pairs whose rate is in
+        ``(rate_b, rate_b + room / EXCHANGE_MIN]`` (with a millionth, and a trillionth of ``rate_b``, to spare for
+        rounding) where they are fewer: a pair outside has ``gain <= 0``, or a quotient ``room / gain`` below
+        ``EXCHANGE_MIN``, so it cannot trade (the same first pair)."""
         end = len(prate)
+        if by_rate is not None and end - pos > 1024:
+            order, rates = by_rate
+            a = int(np.searchsorted(rates, rate_b, side="right"))
+            z = int(np.searchsorted(rates, rate_b + room / EXCHANGE_MIN * (1 + 1e-6) + abs(rate_b) * 1e-12,
+                                    side="right"))
+            if z - a < (end - pos) // 2:
+                at = order[a:z]
+                at = at[at >= pos]
+                gain = prate[at] - rate_b
+                hit = at[(gain > 0) & (ppart[at] >= EXCHANGE_MIN)
+                         & (np.minimum(excess[at], room) / gain >= EXCHANGE_MIN)]
+                return int(hit.min()) if len(hit) else -1
         for lo, hi in (((pos, pos + 512), (pos + 512, end)) if end - pos > 1024 else ((pos, end),)):
             gain = prate[lo:hi] - rate_b
             ok = (gain > 0) & (ppart[lo:hi] >= EXCHANGE_MIN) & (np.minimum(excess[lo:hi], room) / gain >= EXCHANGE_MIN)
