@@ -155,7 +155,8 @@ class _Ranked:
         keys, rows = self.keys, self.rows
         i = bisect.bisect_left(keys, old)
         del keys[i]
-        j = bisect.bisect_left(keys, new)
+        # (the keys before i are below old, those from i on above it: the search for new starts on its side of i)
+        j = bisect.bisect_left(keys, new, i) if new > old else bisect.bisect_left(keys, new, 0, i)
         keys.insert(j, new)
         self.cur[q] = new
         if not self.arrays:
