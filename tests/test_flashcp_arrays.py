@@ -106,6 +106,10 @@ def test_ranked_order_and_group_search_equal_a_sort_and_every_size():
         want = sorted(zip(load, toks, range(n), strict=True))
         assert ranked.keys == want and ranked.toks.tolist() == [float(t) for _, t, _ in want]
         assert ranked.loads.tolist() == [ld for ld, _, _ in want]
+        most = rng.randint(1, n)  # the prefixes kept between changes equal ones made anew, float for float
+        top, sums = ranked.prefixes(most)
+        assert top[:most].tolist() == np.maximum.accumulate(ranked.toks[:most]).tolist()
+        assert sums[:most].tolist() == np.cumsum(ranked.loads[:most]).tolist()
         length = rng.choice([rng.randint(1, 3000), rng.randint(3000, 300000)])
         for limit, share in ((g.mean * rng.uniform(1.0, 1.5), rng.choice([1.0, 0.45])), (math.inf, math.inf)):
             got = g._group(length, ranked, limit, share)
@@ -127,3 +131,37 @@ def every_size(g, length, keys, limit, share):
         if _fits(keys, work, tok, limit, g.cap):
             return [key[2] for key in keys[:size]]
     return None
+
+
+def test_next_trade_by_rate_equals_the_pair_by_pair_scan():
+    """_Greedy._next_trade: the first pair that trades, pair by pair (the scan's conditions written out), equals the
+    windowed scan and the look at the pairs by rate alone, rates tied, parts and excesses at the bounds, and pairs
+    whose quotient ``room / gain`` is exactly EXCHANGE_MIN."""
+    from flashpar.cp.flashcp import EXCHANGE_MIN
+
+    rng = np.random.default_rng(5)
+    hits = 0
+    for _ in range(150):
+        m = int(rng.integers(1100, 2600))
+        rates = rng.random(int(rng.integers(2, 60))) * 1e-9
+        prate = rng.choice(rates, m)
+        rate_b = float(rng.choice(rates))
+        room = float(rng.uniform(0.0, 300.0)) * 1e-9 / EXCHANGE_MIN
+        edge = rng.random(m) < 0.05  # (exactly at the room's bound)
+        prate[edge] = rate_b + room / EXCHANGE_MIN
+        ppart = rng.choice([0.0, EXCHANGE_MIN - 1, EXCHANGE_MIN, 500.0], m)
+        excess = rng.choice([-1.0, 0.0, 1.0, 100.0], m) * 1e-9
+        pos = int(rng.integers(0, m - 1025))
+        want = -1
+        for i in range(pos, m):
+            gain = float(prate[i]) - rate_b
+            if gain > 0 and ppart[i] >= EXCHANGE_MIN and float(excess[i]) / gain >= EXCHANGE_MIN and (
+                    room / gain >= EXCHANGE_MIN):
+                want = i
+                break
+        order = np.argsort(prate, kind="stable")
+        with np.errstate(divide="ignore", invalid="ignore"):
+            assert _Greedy._next_trade(pos, prate, rate_b, ppart, excess, room) == want
+            assert _Greedy._next_trade(pos, prate, rate_b, ppart, excess, room, (order, prate[order])) == want
+        hits += want >= 0
+    assert 20 < hits < 140  # (both answers met)

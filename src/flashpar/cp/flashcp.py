@@ -123,10 +123,30 @@ class _Ranked:
         self.arrays = arrays  # (without: the keys alone, for few ranks, where lists beat arrays)
         self._rows(np.zeros((2, n)))
         self.toks_of, self.load_of = np.zeros(n, dtype=np.int64), np.zeros(n)  # (by rank)
+        self._top_toks, self._load_sums = np.zeros(n), np.zeros(n)  # (see prefixes)
 
     def _rows(self, rows: np.ndarray) -> None:
         self.rows = rows
         self.loads, self.toks = rows[0], rows[1]
+        self._valid = 0
+
+    def prefixes(self, most: int) -> tuple[np.ndarray, np.ndarray]:
+        """The prefix maximum of ``toks`` and the prefix sum of ``loads`` (``np.maximum.accumulate`` and
+        ``np.cumsum``: the same floats), valid over the first ``most`` places.  Kept between calls: a change
+        moves ranks only between its old and its new place, so the prefixes before both stay, and only the rest
+        is added anew, in order (a running sum continued from its last valid value is the same sum)."""
+        v, top, sums = self._valid, self._top_toks, self._load_sums
+        if v < most:
+            if v == 0:
+                np.maximum.accumulate(self.toks[:most], out=top[:most])
+                np.cumsum(self.loads[:most], out=sums[:most])
+            else:
+                np.maximum(np.maximum.accumulate(self.toks[v:most]), top[v - 1], out=top[v:most])
+                part = self.loads[v - 1:most].copy()
+                part[0] = sums[v - 1]
+                np.cumsum(part, out=sums[v - 1:most])
+            self._valid = most
+        return top, sums
 
     def update(self, q: int, load: float, toks: int) -> None:
         old, new = self.cur[q], (load, toks, q)
@@ -135,11 +155,14 @@ class _Ranked:
         keys, rows = self.keys, self.rows
         i = bisect.bisect_left(keys, old)
         del keys[i]
-        j = bisect.bisect_left(keys, new)
+        # (the keys before i are below old, those from i on above it: the search for new starts on its side of i)
+        j = bisect.bisect_left(keys, new, i) if new > old else bisect.bisect_left(keys, new, 0, i)
         keys.insert(j, new)
         self.cur[q] = new
         if not self.arrays:
             return
+        if min(i, j) < self._valid:
+            self._valid = min(i, j)
         if j > i:  # (overlapping slices: numpy copies as if through a buffer)
             rows[:, i:j] = rows[:, i + 1:j + 1]
         elif j < i:
@@ -165,9 +188,6 @@ class _Ranked:
 
     def ranks(self) -> list[int]:
         return [key[2] for key in self.keys]
-
-    def min_toks(self) -> int:
-        return int(self.toks.min()) if self.arrays else min(key[1] for key in self.keys)
 
     def first_with_room(self, most: int) -> int:
         """The first rank in order with at most ``most`` tokens, or -1."""
@@ -499,24 +519,29 @@ class _Greedy:
             fewest = self._fewest.get(length)  # the fewest tokens a member takes, per size
             if fewest is None:
                 fewest = self._fewest[length] = 2 * (length // (2 * self.sizes_np))
-            ok = np.maximum.accumulate(ranked.toks[:most])[at] + fewest[lo:hi] <= cap
+            top_toks, load_sums = ranked.prefixes(most)
+            ok = top_toks[at] + fewest[lo:hi] <= cap
             if limit < math.inf:  # the members' room under the limit, all together, must hold the document's work
-                room = gs * (limit * (1 + 1e-9)) - np.cumsum(ranked.loads[:most])[at]
+                room = gs * (limit * (1 + 1e-9)) - load_sums[at]
                 ok &= room >= self.whole(length) * (1 - 1e-6)
             candidates = gs[ok].tolist()
         bound = share * self.mean
         for g in candidates:
+            # (on arrays, at once: every member within the cap where the fullest of them, the prefix maximum, has room
+            # for two of the longest chunks, ceil(L / 2g) tokens each; within the limit where the most loaded, the
+            # last, has room for the largest share: then no member's sum can be over, as float sums are monotone)
+            roomy = ranked.arrays and top_toks[g - 1] + 2 * -(-length // (2 * g)) <= cap
             if ranked.arrays and g > 32:  # (on arrays: the same sums and comparisons; tokens first, cheaper)
-                if (ranked.toks[:g] + self._share_tokens(length, g) > cap).any():
+                if not roomy and (ranked.toks[:g] + self._share_tokens(length, g) > cap).any():
                     continue
-                work = self._share_arrays(length, g)[0]
                 top = self._top.get((length, g))
                 if top is None:
-                    top = self._top[(length, g)] = float(work.max())
-                if (top > bound and g < self.n) or (ranked.loads[:g] + work > limit).any():
+                    top = self._top[(length, g)] = float(self._share_arrays(length, g)[0].max())
+                if (top > bound and g < self.n) or (ranked.loads[g - 1] + top > limit and (
+                        ranked.loads[:g] + self._share_arrays(length, g)[0] > limit).any()):
                     continue
             else:
-                top = self._size_fits(keys, length, g, bound, limit, cap)
+                top = self._size_fits(keys, length, g, bound, limit, cap, roomy)
                 if top is None:
                     continue
             if share < math.inf:
@@ -524,17 +549,20 @@ class _Greedy:
             return [key[2] for key in keys[:g]]
         return None
 
-    def _size_fits(self, keys, length: int, g: int, bound: float, limit: float, cap: int) -> float | None:
+    def _size_fits(self, keys, length: int, g: int, bound: float, limit: float, cap: int,
+                   roomy: bool = False) -> float | None:
         """In Python, for ``_group``: the largest share of head-tail over the ``g`` first ranks of ``keys`` where
         every member keeps under ``limit`` and ``cap`` and that share under ``bound`` (any share at ``g = N``),
-        else None.  Tokens are checked first: their shares cost more."""
-        if (length, g) not in self._shares and not _tokens_fit(keys, length, g, cap):
+        else None.  Tokens are checked first: their shares cost more.  ``roomy``: every member is known to have
+        token room (then the most loaded member, the last, with room for the largest share is enough)."""
+        if not roomy and (length, g) not in self._shares and not _tokens_fit(keys, length, g, cap):
             return None
         work, tok = self.shares(length, g)
         top = self._top.get((length, g))
         if top is None:
             top = self._top[(length, g)] = max(work)
-        if (top > bound and g < self.n) or not _fits(keys, work, tok, limit, cap):
+        if (top > bound and g < self.n) or not (roomy and keys[g - 1][0] + top <= limit
+                                                  or _fits(keys, work, tok, limit, cap)):
             return None
         return top
 
@@ -852,8 +880,11 @@ class _Greedy:
         None where it went whole onto one rank (``self._last_whole``).  ``ranked``: the ranks by (load, tokens)."""
         cap = self.cap
         group = self._group(length, ranked, limit, share) if subgroups else None
-        # unequal parts only where the document fits whole on no rank (else: whole, over the bound, below)
-        cut = group is None and subgroups and length > cap - ranked.min_toks()
+        # unequal parts only where the document fits whole on no rank (else: whole, over the bound, below); the first
+        # rank with token room for it whole (-1: none, where it is longer than the cap less the fewest tokens of any
+        # rank), looked up once (nothing changes in between)
+        room = ranked.first_with_room(cap - length) if group is None else -1
+        cut = group is None and subgroups and room < 0
         fill = self._fill(length, start, load, toks, limit, share) if cut else None
         if fill is not None and len(fill[0]) > 1:  # unequal parts by each rank's room
             members, sizes = fill
@@ -865,8 +896,7 @@ class _Greedy:
         if fill is not None:
             group = fill[0]
         if group is None and k >= force:  # over the work bound: whole on the least-loaded rank with room
-            r = ranked.first_with_room(cap - length)
-            group = [r] if r >= 0 else None
+            group = [room] if room >= 0 else None
         if group is None and subgroups:  # tokens alone
             group = self._group(length, ranked, float("inf"), float("inf"))
         if group is None and subgroups:  # no group has token room: cut it by the room each rank has left
@@ -914,12 +944,21 @@ class _Greedy:
             return
         prate = np.asarray(rate)[px]
         ppart = np.asarray([splits[x].parts.get(v, 0) for v, x in zip(pv, px, strict=True)], dtype=np.float64)
-        vload = np.asarray([load[v] for v in pv])
+        excess = np.asarray([load[v] for v in pv]) - mean  # (v's load over the mean, per pair)
         pair_at = {vx: i for i, vx in enumerate(zip(pv, px, strict=True))}
         rows_of: dict[int, list[int]] = {}
         for i, v in enumerate(pv):
             rows_of.setdefault(v, []).append(i)
         rates_sorted = sorted(set(prate.tolist()))
+        with np.errstate(divide="ignore", invalid="ignore"):  # (see _next_trade)
+            self._trades(under, held, rate, rates_sorted, splits, load, pv, px, prate, ppart, excess, pair_at, rows_of)
+
+    def _trades(self, under, held, rate, rates_sorted, splits, load, pv, px, prate, ppart, excess, pair_at,
+                rows_of) -> None:
+        """The trades of :meth:`_exchange`'s scan (see there), in order."""
+        mean = self.mean
+        by_rate = np.argsort(prate, kind="stable")  # (for long scans: see _next_trade)
+        by_rate = by_rate, prate[by_rate]
         for u in under:
             for b in sorted(held[u], key=rate.__getitem__):
                 pos = 0
@@ -929,7 +968,7 @@ class _Greedy:
                     if j == len(rates_sorted) or (rates_sorted[j] - rate[b]) * EXCHANGE_MIN > (mean - load[u]) * (
                             1 + 1e-9):
                         break
-                    i = self._next_trade(pos, prate, rate[b], ppart, vload, mean, mean - load[u])
+                    i = self._next_trade(pos, prate, rate[b], ppart, excess, mean - load[u], by_rate)
                     if i < 0:
                         break
                     v, x = pv[i], px[i]
@@ -946,24 +985,41 @@ class _Greedy:
                     for t in (x, b):
                         if (v, t) in pair_at:
                             ppart[pair_at[(v, t)]] = splits[t].parts.get(v, 0)
-                    vload[rows_of[v]] = load[v]
+                    excess[rows_of[v]] = load[v] - mean
                     pos = i + 1
 
     @staticmethod
-    def _next_trade(pos: int, prate, rate_b: float, ppart, vload, mean: float, room: float) -> int:
+    def _next_trade(pos: int, prate, rate_b: float, ppart, excess, room: float, by_rate=None) -> int:
         """The first pair ``i >= pos`` of :meth:`_exchange`'s scan that trades (its X heavier than B, of rate
-        ``rate_b``; at least ``EXCHANGE_MIN`` of it on v; a move of at least that within v's excess over ``mean``
-        and u's ``room``), or -1; long scans look at the next 512 pairs first (the same first pair)."""
+        ``rate_b``; at least ``EXCHANGE_MIN`` of it on v; a move of at least that within v's ``excess`` over the mean
+        and u's ``room``), or -1; long scans look at the next 512 pairs first (the same first pair).  Both moves at
+        once: ``min(e, room) / gain`` is the lesser of ``e / gain`` and ``room / gain`` (for ``gain > 0`` a rounded
+        division is monotone in its numerator); where ``gain <= 0`` the quotient is not used (no trade; the caller
+        silences the division's warnings).
+
+        ``by_rate``: the pairs by rate and those rates; a long scan looks only at the pairs whose rate is in
+        ``(rate_b, rate_b + room / EXCHANGE_MIN]`` (with a millionth, and a trillionth of ``rate_b``, to spare for
+        rounding) where they are fewer: a pair outside has ``gain <= 0``, or a quotient ``room / gain`` below
+        ``EXCHANGE_MIN``, so it cannot trade (the same first pair)."""
         end = len(prate)
+        if by_rate is not None and end - pos > 1024:
+            order, rates = by_rate
+            a = int(np.searchsorted(rates, rate_b, side="right"))
+            z = int(np.searchsorted(rates, rate_b + room / EXCHANGE_MIN * (1 + 1e-6) + abs(rate_b) * 1e-12,
+                                    side="right"))
+            if z - a < (end - pos) // 2:
+                at = order[a:z]
+                at = at[at >= pos]
+                gain = prate[at] - rate_b
+                hit = at[(gain > 0) & (ppart[at] >= EXCHANGE_MIN)
+                         & (np.minimum(excess[at], room) / gain >= EXCHANGE_MIN)]
+                return int(hit.min()) if len(hit) else -1
         for lo, hi in (((pos, pos + 512), (pos + 512, end)) if end - pos > 1024 else ((pos, end),)):
             gain = prate[lo:hi] - rate_b
-            heavier = gain > 0
-            gain[~heavier] = 1.0  # (no trade there: nothing divides by 0)
-            ok = (heavier & (ppart[lo:hi] >= EXCHANGE_MIN) & ((vload[lo:hi] - mean) / gain >= EXCHANGE_MIN)
-                  & (room / gain >= EXCHANGE_MIN))
-            hit = np.flatnonzero(ok)
-            if len(hit):
-                return lo + int(hit[0])
+            ok = (gain > 0) & (ppart[lo:hi] >= EXCHANGE_MIN) & (np.minimum(excess[lo:hi], room) / gain >= EXCHANGE_MIN)
+            at = int(ok.argmax()) if len(ok) else 0
+            if len(ok) and ok[at]:
+                return lo + at
         return -1
 
     def _batch_whole(self, lo: int, hi: int, length: int, w: float, load, toks, limit: float, doc_rank, doc_seq,
