@@ -1168,17 +1168,32 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
     def whole() -> ArrayPlacement:  # the whole_doc baseline: planned once, where it can matter (see scored)
         return greedy.run(float("inf"), 0, subgroups=False)
 
-    ring = [f(doc_lens, n, starts) for f in (headtail, contiguous)]
+    ring_of = functools.cache(lambda: [f(doc_lens, n, starts) for f in (headtail, contiguous)])
     # per_doc, torch_per_doc (beyond 16 ranks not: cutting every document into 2N pieces twice over is the
     # costliest candidate at large N); in the order the baselines have always been compared in
     cut_all = lambda: ([ArrayPlacement.of(per_doc(doc_lens, n))],  # noqa: E731
                        [ArrayPlacement.of(torch_per_doc(doc_lens, n, False))] if n <= 16 else [])
     fig_of: dict[bytes, object] = {}
     times = greedy.whole_times() if greedy.cost is cost else (greedy.lens_np, whole_doc_times(greedy.lens_np, cost))
+    ring_low = functools.cache(lambda: _ring_bound(greedy.lens_np, starts, n, cost, times[1]))
 
     def scored(candidates: list[ArrayPlacement]):
         """The pick among ``candidates`` and the baselines (see _pick), and its figures."""
-        for p in _unique(candidates + ring):
+        for p in _unique(candidates):
+            if p.key() not in fig_of:
+                fig_of[p.key()] = p.figures(doc_lens, starts, cost, whole=times)
+        # headtail and contiguous: neither planned nor scored where their lower bound (_ring_bound) is slower than
+        # the fastest candidate within the cap by more than a tie (as per_doc below: neither could be the fastest,
+        # tie, nor lower the baselines' bound, nor change the skips below, which compare with that fastest), unless
+        # one might equal another placement (as many pieces as one): then in their places, as always
+        inside = [max(fig_of[p.key()].time) for p in candidates if max(fig_of[p.key()].tokens) <= cap]
+        ring, pieces = None, ()
+        if inside:
+            low, pieces = ring_low()
+            if low > min(inside) * (1 + TIME_TIE):
+                ring = []
+        ring = ring_of() if ring is None else ring
+        for p in ring:
             if p.key() not in fig_of:
                 fig_of[p.key()] = p.figures(doc_lens, starts, cost, whole=times)
         # the whole_doc baseline (a greedy pass of its own): skipped where its lower bound (_whole_doc_bound)
@@ -1198,6 +1213,11 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
         if not pool or _cut_all_bound(greedy.lens_np, n, cost) <= min(pool) * (1 + TIME_TIE):
             pd, tpd = cut_all()
             for p in pd + tpd:
+                if p.key() not in fig_of:
+                    fig_of[p.key()] = p.figures(doc_lens, starts, cost, whole=times)
+        if not ring and any(len(p.a) in pieces for p in candidates + wd + pd + tpd):
+            ring = ring_of()
+            for p in ring:
                 if p.key() not in fig_of:
                     fig_of[p.key()] = p.figures(doc_lens, starts, cost, whole=times)
         baselines = [*wd, *pd, *ring, *tpd]
@@ -1232,7 +1252,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
                 peak[(force, tol)] = greedy.peak_share
     if not cost.linear:  # attention alone: balance first (see _balanced), then the least time, then K/V
         pd, tpd = cut_all()
-        unique = _unique(candidates + [whole(), *pd, *ring, *tpd])
+        unique = _unique(candidates + [whole(), *pd, *ring_of(), *tpd])
         figs = {i: unique[i].figures(doc_lens, starts, cost, whole=times)
                 for i in _balanced([p.segments for p in unique], greedy.starts, cap)}
         return unique[min(figs, key=lambda i: (max(figs[i].time), sum(figs[i].recv_tokens), i))]
@@ -1260,6 +1280,32 @@ def _whole_doc_bound(lens, n: int, cost: CostModel, cap: int, whole_times) -> fl
     long = lens > cap
     attn = float(_cut_attn(lens[long], n, cost).sum()) + float(whole_times[~long].sum())
     return (attn + cost.linear_time(int(lens.sum()))) / n * (1 - 1e-6)
+
+
+def _ring_bound(lens, starts, n: int, cost: CostModel, whole_times) -> tuple[float, tuple[int, int]]:
+    """A lower bound on the estimated step time of both ``headtail`` and ``contiguous`` (the sequence cut into
+    ``2N`` chunks, rank ``r`` taking chunks ``r`` and ``2N - 1 - r``, or into ``N``, rank ``r`` taking chunk ``r``;
+    chunk ``c`` is ``[B_c, B_c+1)``, ``B_c = c T // parts``), and how many pieces each has.  A rank's step is at least
+    its compute: its linear time plus the attention time of every document inside one of its chunks, at its time
+    whole (``whole_times``: a whole piece takes that time, and the pieces of cut documents only add), summed from
+    prefix sums in document order; less a millionth for rounding.  Pieces: the documents plus each distinct
+    chunk bound strictly inside a document (the pieces are the gaps between the document starts and the bounds)."""
+    total = int(starts[-1] + lens[-1])
+    ends = starts + lens
+    sums = np.concatenate(([0.0], np.cumsum(whole_times)))
+    low, pieces = math.inf, []
+    for parts in (2 * n, n):
+        b = total * np.arange(parts + 1, dtype=np.int64) // parts
+        i0, i1 = np.searchsorted(starts, b[:-1], side="left"), np.searchsorted(ends, b[1:], side="right")
+        attn, toks = np.where(i1 > i0, sums[i1] - sums[np.minimum(i0, i1)], 0.0), np.diff(b)
+        if parts == 2 * n:  # (rank r: chunks r and 2N - 1 - r)
+            attn, toks = attn[:n] + attn[::-1][:n], toks[:n] + toks[::-1][:n]
+        compute = toks * cost.flops_per_token / cost.hardware.gemm_flops + attn
+        low = min(low, float(compute.max()))  # (the bound of both: the lesser)
+        inner = np.unique(b[(b > 0) & (b < total)])
+        at = np.minimum(np.searchsorted(starts, inner), len(starts) - 1)
+        pieces.append(len(lens) + int(np.count_nonzero(starts[at] != inner)))
+    return low * (1 - 1e-6), (pieces[0], pieces[1])
 
 
 def _cut_attn(lens, n: int, cost: CostModel):
