@@ -371,7 +371,6 @@ class _Greedy:
         self.lens, self.n, self.cost, self.cap = doc_lens, n, cost, cap
         self.lens_np = lens = np.fromiter(doc_lens, dtype=np.int64, count=len(doc_lens))
         self.starts_np = np.cumsum(lens) - lens
-        self.starts = self.starts_np.tolist()
         # by (-length, index): a stable sort (of 16-bit keys, a radix sort, where the lengths allow)
         neg = -lens if int(lens.max()) >= 1 << 15 else (-lens).astype(np.int16)
         order = np.argsort(neg, kind="stable")
@@ -379,7 +378,11 @@ class _Greedy:
         # run_end[k]: where the run of documents of order[k]'s length ends (in pass order)
         sl = lens[order]
         ends = np.append(np.flatnonzero(sl[1:] != sl[:-1]) + 1, len(sl))
-        self.run_end = np.repeat(ends, np.diff(np.concatenate(([0], ends)))).tolist()
+        run_end, lo = [], 0
+        for e in ends.tolist():  # (a list of few runs, each repeated: cheaper than an array's tolist)
+            run_end += [e] * (e - lo)
+            lo = e
+        self.run_end = run_end
         distinct = sl[np.concatenate(([0], ends[:-1]))]
         self._shares: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
         self._whole: dict[int, float] = {}
@@ -395,8 +398,16 @@ class _Greedy:
         self.sizes = [*sizes, n] if n >= 2 else []
         self.sizes_np = np.asarray(self.sizes, dtype=np.int64)
         self._fewest: dict[int, np.ndarray] = {}  # per length: _group's fewest tokens per member, per size
+        self._row_of = np.arange(n, dtype=np.int64)  # (each rank's row, for _batch_whole)
         self._whole = dict(zip(distinct.tolist(), self._whole_arrays(distinct).tolist(), strict=True))
-        self.mean = sum(map(self._whole.__getitem__, doc_lens)) / n  # (added in document order, as always)
+        # (added in document order, as always: cumsum adds in order, as sum() of floats does; the same floats per
+        # document, the formula being elementwise)
+        self.mean = float(np.cumsum(self._whole_arrays(lens))[-1]) / n
+
+    @functools.cached_property
+    def starts(self) -> list[int]:
+        """The documents' starts (a list: where a pass needs one at a time)."""
+        return self.starts_np.tolist()
 
     def whole_times(self) -> tuple[np.ndarray, np.ndarray]:
         """(lengths, ``whole_doc_times``) of the documents under this pass's cost model (placements of whole
@@ -731,9 +742,28 @@ class _Greedy:
 
         order, run_end = self.order, self.run_end
         k, count = 0, len(order)
+        few, whole_of, lens = not eager and mins is None, self._whole, self.lens  # (few: up to 64 ranks)
         while k < count:
             d = order[k]
-            length, start = self.lens[d], self.starts[d]
+            if few and k >= force and run_end[k] - k < BATCH:  # the Whole-Doc step below, in short for few ranks:
+                # the top of the heap (stale entries dropped) has the least key, and where it fits, it is the rank
+                length = lens[d]
+                w = whole_of[length]
+                e = heap[0]
+                while e[1] != load[e[2]] or e[3] != toks[e[2]]:
+                    heapq.heappop(heap)
+                    e = heap[0]
+                r = e[2]
+                if toks[r] <= cap - length and load[r] <= limit - w:
+                    doc_rank[d], doc_seq[d] = r, seq
+                    seq += 1
+                    load[r] += w
+                    toks[r] += length
+                    pending.append(r)
+                    heapq.heapreplace(heap, (max(load[r] / limit, toks[r] / cap), load[r], r, toks[r]))
+                    k += 1
+                    continue
+            length = self.lens[d]
             if k >= force:
                 w = self.whole(length)
                 tok_room, work_room = cap - length, limit - w
@@ -808,6 +838,7 @@ class _Greedy:
             if pending:
                 ranked.update_many(list(dict.fromkeys(pending)), load, toks)
                 pending.clear()
+            start = self.starts[d]
             changed = self._place_other(k, d, length, start, force, load, toks, limit, share, subgroups, p, splits,
                                         ranked)
             if changed is None:  # whole on one rank, over the work bound
@@ -982,19 +1013,26 @@ class _Greedy:
         l0, t0 = np.array(load), np.array(toks, dtype=np.int64)
         m = min(k, 2 * -(-k // n) + 2)
         while True:
-            lt = np.empty((n, m + 1))
+            # slots 0..m of each rank, slot m too (the rows then ravel as views): it follows slot m - 1 in key and in
+            # place, so it is among the least keys only where its rank took all its first m, where m doubles anyway
+            width = m + 1
+            lt = np.full((n, width), w)
             lt[:, 0] = l0
-            lt[:, 1:] = w
             np.cumsum(lt, axis=1, out=lt)  # sequential: lt[r, j] = load after j more documents
-            tt = t0[:, None] + length * np.arange(m + 1, dtype=np.int64)
-            ls, ts = lt[:, :m].ravel(), tt[:, :m].ravel()
-            ok = np.flatnonzero((ts <= cap - length) & (ls <= limit - w))
-            lv = ls[ok]
+            ls, ts = lt.ravel(), (t0[:, None] + length * np.arange(width, dtype=np.int64)).ravel()
+            if limit < math.inf:
+                ok = ((ts <= cap - length) & (ls <= limit - w)).nonzero()[0]
+                lv = ls[ok]
+                key0 = np.maximum(lv / limit, ts[ok] / cap)
+            else:  # (no work bound: every load fits, and every load / limit is 0)
+                ok = (ts <= cap - length).nonzero()[0]
+                lv = ls[ok]
+                key0 = ts[ok] / cap
             # (by key, then load, then rank: ``ok`` runs by rank, and lexsort is stable)
-            take = ok[np.lexsort((lv, np.maximum(lv / limit, ts[ok] / cap)))[:k]]
-            ranks = take // m
+            take = ok[np.lexsort((lv, key0))[:k]]
+            ranks = take // width
             counts = np.bincount(ranks, minlength=n)
-            if m >= k or counts.max() < m:  # (no rank took all its slots)
+            if m >= k or counts.max() < m:  # (no rank took all its first m slots)
                 break
             m = min(k, 2 * m)
         if not len(take):
@@ -1004,15 +1042,15 @@ class _Greedy:
         doc_seq[idx] = np.arange(seq, seq + len(take))
         if n > 64:
             changed = np.flatnonzero(counts)
-            got = counts[changed]
+            at = changed * width + counts[changed]
             changed = changed.tolist()
-            for r, x, t in zip(changed, lt[changed, got].tolist(), tt[changed, got].tolist(), strict=True):
+            for r, x, t in zip(changed, ls[at].tolist(), ts[at].tolist(), strict=True):
                 load[r], toks[r] = x, t
         else:  # (few ranks: every rank's row read at once, the changed ones written)
-            every = np.arange(n)
             got = counts.tolist()
             changed = [r for r in range(n) if got[r]]
-            new_load, new_toks = lt[every, counts].tolist(), tt[every, counts].tolist()
+            at = self._row_of * width + counts
+            new_load, new_toks = ls[at].tolist(), ts[at].tolist()
             for r in changed:
                 load[r], toks[r] = new_load[r], new_toks[r]
         return ranks, changed
