@@ -282,21 +282,25 @@ class _RankDocs:
         """The first document of ``length`` (it leaves)."""
         q = self._queue(length)
         doc = q.popleft()
-        self._arrays = self._other = None
         i = bisect.bisect_left(self.lens, length)
-        if q:
-            self.first[i] = int(doc_seq[q[0]])
+        if q:  # (the lengths stay: only the place of the length's first document changes, in the arrays too)
+            self.first[i] = at = int(doc_seq[q[0]])
+            if self._arrays is not None:
+                self._arrays[2][i] = at
+            if self._other is not None:
+                self._other[2][i + 1] = at
         else:
             del self.queues[length], self.lens[i], self.work[i], self.first[i]
+            self._arrays = self._other = None
         return doc
 
     def append(self, length: int, doc: int, at: int) -> None:
         """``doc`` of ``length`` arrives, received at ``at`` (after all this rank holds)."""
-        self._arrays = self._other = None
         i = bisect.bisect_left(self.lens, length)
-        if i < len(self.lens) and self.lens[i] == length:
+        if i < len(self.lens) and self.lens[i] == length:  # (last of its length: the options stay)
             self._queue(length).append(doc)
             return
+        self._arrays = self._other = None
         self.lens.insert(i, length)
         self.work.insert(i, self.whole[length])
         self.first.insert(i, at)
