@@ -227,16 +227,23 @@ class _RankDocs:
     def all_ranks(whole, n: int, doc_rank, lens_np, doc_seq, seq_end: int, work: dict[int, float]):
         """``r -> _RankDocs`` of every rank ``r`` (made when first called) of the documents ``whole``, in one sort
         of all of them by (rank, length, place): the places are distinct and below ``seq_end``, so documents by
-        place come from one scatter, then two stable sorts (of small integers: radix sorts) by length, then rank."""
+        place come from one scatter, then two stable sorts (of small integers: radix sorts) by length, then rank (one,
+        by ``rank (longest + 1) + length``, where that fits in 16 bits)."""
         by_seq = np.full(seq_end, -1, dtype=np.int64)
         by_seq[doc_seq[whole]] = whole
         docs = by_seq[by_seq >= 0]
         if len(docs) != len(whole):  # (places not distinct: no pass gives such)
             docs = whole[np.lexsort((doc_seq[whole], lens_np[whole], doc_rank[whole]))]
         else:
-            for key in (lens_np, doc_rank):
-                k = key[docs]
-                docs = docs[np.argsort(k.astype(np.int16) if int(k.max()) < 1 << 15 else k, kind="stable")]
+            ln = lens_np[docs]
+            span = int(ln.max()) + 1
+            if span * n <= 1 << 15:  # (both in 16 bits: one radix sort by rank span + length)
+                key = (doc_rank[docs] * span + ln).astype(np.int16)
+                docs = docs[np.argsort(key, kind="stable")]
+            else:
+                for key in (lens_np, doc_rank):
+                    k = key[docs]
+                    docs = docs[np.argsort(k.astype(np.int16) if int(k.max()) < 1 << 15 else k, kind="stable")]
         rk, ln = doc_rank[docs], lens_np[docs]
         heads = np.flatnonzero(np.concatenate(([True], (rk[1:] != rk[:-1]) | (ln[1:] != ln[:-1]))))
         doc_off = np.searchsorted(rk, np.arange(n + 1)).tolist()
@@ -1020,9 +1027,10 @@ class _Greedy:
             # slots 0..m of each rank, slot m too (the rows then ravel as views): it follows slot m - 1 in key and in
             # place, so it is among the least keys only where its rank took all its first m, where m doubles anyway
             width = m + 1
-            lt = np.full((n, width), w)
+            lt = np.empty((n, width))
+            lt[:, 1:] = w
             lt[:, 0] = l0
-            np.cumsum(lt, axis=1, out=lt)  # sequential: lt[r, j] = load after j more documents
+            np.add.accumulate(lt, axis=1, out=lt)  # sequential (cumsum): lt[r, j] = load after j more documents
             ls, ts = lt.ravel(), (t0[:, None] + length * np.arange(width, dtype=np.int64)).ravel()
             if limit < math.inf:
                 ok = ((ts <= cap - length) & (ls <= limit - w)).nonzero()[0]
@@ -1036,7 +1044,7 @@ class _Greedy:
             take = ok[np.lexsort((lv, key0))[:k]]
             ranks = take // width
             counts = np.bincount(ranks, minlength=n)
-            if m >= k or counts.max() < m:  # (no rank took all its first m slots)
+            if m >= k or np.maximum.reduce(counts) < m:  # (no rank took all its first m slots)
                 break
             m = min(k, 2 * m)
         if not len(take):
@@ -1163,10 +1171,11 @@ class _Greedy:
         if not rising:
             return _UNSURE
         cap = self.cap
-        jlo = np.searchsorted(ol, la + tok_lo - cap, side="left")  # the window [jlo, jhi) within the token cap
-        jhi = np.searchsorted(ol, cap - tok_hi + la, side="right")
+        # (array methods and ufuncs rather than numpy's functions: the same results, without their Python layer)
+        jlo = ol.searchsorted(la + (tok_lo - cap), side="left")  # the window [jlo, jhi) within the token cap
+        jhi = ol.searchsorted(la + (cap - tok_hi), side="right")
         x1, x2 = h - wa, low + wa
-        c = np.minimum(np.maximum(np.searchsorted(ow, (x2 - x1) / 2, side="left"), jlo), jhi)  # (np.clip: slower)
+        c = np.minimum(np.maximum(ow.searchsorted((x2 - x1) / 2, side="left"), jlo), jhi)  # (np.clip: slower)
         # columns: options c - 2, c - 1 (j1), c (j2), c + 1 of each row
         at = c[:, None] + _WINDOW
         inside = (at >= jlo[:, None]) & (at < jhi[:, None])
@@ -1177,13 +1186,13 @@ class _Greedy:
         ok = (~inside[:, 1] | ~above[:, 1]) & (~inside[:, 2] | above[:, 2])  # c: the first option above
         ok &= ~(inside[:, 0] & inside[:, 1]) | (peak[:, 0] > peak[:, 1])  # no equal peak beyond j1 or j2
         ok &= ~(inside[:, 3] & inside[:, 2]) | (peak[:, 3] > peak[:, 2])
-        if not bool(ok[jlo < jhi].all()):
+        if not np.logical_and.reduce(ok[jlo < jhi]):
             return _UNSURE
         cand = np.where(inside[:, 1:3] & (peak[:, 1:3] < h - 1e-12 * abs(h)), peak[:, 1:3], np.inf)
-        best = cand.min()
+        best = np.minimum.reduce(cand, axis=None)
         if best == np.inf:
             return None
-        ii, col = np.nonzero(cand == best)
+        ii, col = (cand == best).nonzero()
         jj = at[ii, col + 1]
         k = np.lexsort((oj[jj], sa[ii]))[0]
         return int(la[ii[k]]), (None if jj[k] == 0 else int(ol[jj[k]]))
