@@ -731,6 +731,7 @@ class _Greedy:
         # ranked.toks_of, always current); from 256 ranks on kept in step with every document, as whether any rank
         # fits a document whole comes from them there, else brought up to date where next needed (``pending``)
         ranked, eager, pending = _Ranked(n, arrays=n > 128), n >= 256, []
+        runs = []  # (where in pass order, ranks, first place) of each run _batch_whole placed
         mins = _Mins(load, toks) if 64 < n < 256 else None  # min(toks), min(load) in O(log N) in between
         heap_anew = False  # after many changes at once: the heaps are built anew where next needed
 
@@ -754,6 +755,7 @@ class _Greedy:
         order, run_end = self.order, self.run_end
         k, count = 0, len(order)
         few, whole_of, lens = not eager and mins is None, self._whole, self.lens  # (few: up to 64 ranks)
+        heappop, heapreplace = heapq.heappop, heapq.heapreplace
         while k < count:
             d = order[k]
             if few and k >= force and run_end[k] - k < BATCH:  # the Whole-Doc step below, in short for few ranks:
@@ -762,7 +764,7 @@ class _Greedy:
                 w = whole_of[length]
                 e = heap[0]
                 while e[1] != load[e[2]] or e[3] != toks[e[2]]:
-                    heapq.heappop(heap)
+                    heappop(heap)
                     e = heap[0]
                 r = e[2]
                 if toks[r] <= cap - length and load[r] <= limit - w:
@@ -771,7 +773,8 @@ class _Greedy:
                     load[r] += w
                     toks[r] += length
                     pending.append(r)
-                    heapq.heapreplace(heap, (max(load[r] / limit, toks[r] / cap), load[r], r, toks[r]))
+                    x, y = load[r] / limit, toks[r] / cap
+                    heapreplace(heap, (y if y > x else x, load[r], r, toks[r]))  # (max(x, y), as max() picks)
                     k += 1
                     continue
             length = self.lens[d]
@@ -779,8 +782,9 @@ class _Greedy:
                 w = self.whole(length)
                 tok_room, work_room = cap - length, limit - w
                 if run_end[k] - k >= BATCH:  # a run of equal lengths: place as many whole as the greedy would
-                    placed = self._batch_whole(k, run_end[k], length, w, load, toks, limit, doc_rank, doc_seq, seq)
+                    placed = self._batch_whole(k, run_end[k], length, w, load, toks, limit)
                     if placed:
+                        runs.append((k, placed[0], seq))  # (their ranks and places: written after the loop)
                         seq += len(placed[0])
                         k += len(placed[0])
                         touched(placed[1])
@@ -859,6 +863,13 @@ class _Greedy:
                 changed = [r]
             touched(changed)
             k += 1
+        if runs:  # the documents of runs placed in one sort: ranks and places written at once
+            run_ranks = [x for _, x, _ in runs]
+            sizes = np.fromiter(map(len, run_ranks), dtype=np.int64, count=len(runs))
+            at = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # in its run
+            idx = self.order_np[np.repeat(np.asarray([x for x, _, _ in runs], dtype=np.int64), sizes) + at]
+            doc_rank[idx] = np.concatenate(run_ranks)
+            doc_seq[idx] = np.repeat(np.asarray([x for _, _, x in runs], dtype=np.int64), sizes) + at
         if subgroups:
             self._exchange(splits, load, toks)
         self._refine(doc_rank, doc_seq, load, toks, seq)
@@ -1008,11 +1019,11 @@ class _Greedy:
                 return lo + int(hit[0])
         return -1
 
-    def _batch_whole(self, lo: int, hi: int, length: int, w: float, load, toks, limit: float, doc_rank, doc_seq,
-                     seq: int):
+    def _batch_whole(self, lo: int, hi: int, length: int, w: float, load, toks, limit: float):
         """Documents ``order[lo:hi]`` (all of ``length`` tokens and compute ``w``, in pass order) placed whole as the
         one-by-one step places them, as far as they fit: returns (the ranks of those placed, in order; the ranks
-        changed), or None where the first fits nowhere.
+        changed), or None where the first fits nowhere (``load`` and ``toks`` updated; the caller records the
+        documents' ranks and places).
 
         Rank ``r`` after taking ``j`` of them has load ``l_r + w + ... + w`` (added one by one, as the step adds)
         and ``t_r + j L`` tokens; its ``j``-th slot fits while both stay within ``limit - w`` and ``cap - L``,
@@ -1049,9 +1060,6 @@ class _Greedy:
             m = min(k, 2 * m)
         if not len(take):
             return None
-        idx = self.order_np[lo:lo + len(take)]
-        doc_rank[idx] = ranks
-        doc_seq[idx] = np.arange(seq, seq + len(take))
         if n > 64:
             changed = np.flatnonzero(counts)
             at = changed * width + counts[changed]
