@@ -224,14 +224,20 @@ class _RankDocs:
         return cls([d for _, _, d in items], [items[i][0] for i in heads], [items[i][1] for i in heads], heads, whole)
 
     @staticmethod
-    def all_ranks(whole, n: int, doc_rank, lens_np, doc_seq, seq_end: int, work: dict[int, float]):
+    def all_ranks(whole, n: int, doc_rank, lens_np, doc_seq, seq_end: int, work: dict[int, float],
+                  in_order: bool = False):
         """``r -> _RankDocs`` of every rank ``r`` (made when first called) of the documents ``whole``, in one sort
         of all of them by (rank, length, place): the places are distinct and below ``seq_end``, so documents by
         place come from one scatter, then two stable sorts (of small integers: radix sorts) by length, then rank (one,
-        by ``rank (longest + 1) + length``, where that fits in 16 bits)."""
-        by_seq = np.full(seq_end, -1, dtype=np.int64)
-        by_seq[doc_seq[whole]] = whole
-        docs = by_seq[by_seq >= 0]
+        by ``rank (longest + 1) + length``, where that fits in 16 bits).  ``in_order``: among documents of one length
+        the places rise with the index (a pass places them so: longest first, then by index), so ``whole`` (by
+        index) needs no scatter."""
+        if in_order:
+            docs = whole
+        else:
+            by_seq = np.full(seq_end, -1, dtype=np.int64)
+            by_seq[doc_seq[whole]] = whole
+            docs = by_seq[by_seq >= 0]
         if len(docs) != len(whole):  # (places not distinct: no pass gives such)
             docs = whole[np.lexsort((doc_seq[whole], lens_np[whole], doc_rank[whole]))]
         else:
@@ -246,16 +252,19 @@ class _RankDocs:
                     docs = docs[np.argsort(k.astype(np.int16) if int(k.max()) < 1 << 15 else k, kind="stable")]
         rk, ln = doc_rank[docs], lens_np[docs]
         heads = np.flatnonzero(np.concatenate(([True], (rk[1:] != rk[:-1]) | (ln[1:] != ln[:-1]))))
-        doc_off = np.searchsorted(rk, np.arange(n + 1)).tolist()
-        head_off = np.searchsorted(heads, doc_off).tolist()
+        offsets = np.searchsorted(rk, np.arange(n + 1))
+        doc_off = offsets.tolist()
+        head_off = np.searchsorted(heads, offsets).tolist()
+        # per length each rank holds (all ranks at once): the length, its first place, where it begins in the rank's
+        head_len, head_first = ln[heads].tolist(), doc_seq[docs[heads]].tolist()
+        head_at = (heads - offsets[rk[heads]]).tolist()  # documents
         made: dict[int, _RankDocs] = {}
 
         def of_rank(r: int) -> _RankDocs:
             if r not in made:
-                lo, h0, h1 = doc_off[r], head_off[r], head_off[r + 1]
-                hs = heads[h0:h1]
-                made[r] = _RankDocs(docs[lo:doc_off[r + 1]], ln[hs].tolist(), doc_seq[docs[hs]].tolist(),
-                                    (hs - lo).tolist(), work)
+                h0, h1 = head_off[r], head_off[r + 1]
+                made[r] = _RankDocs(docs[doc_off[r]:doc_off[r + 1]], head_len[h0:h1], head_first[h0:h1],
+                                    head_at[h0:h1], work)
             return made[r]
 
         return of_rank
@@ -1090,7 +1099,7 @@ class _Greedy:
         if not len(whole):
             return
         if len(whole) >= 512:  # many: one sort of them all
-            docs_of = _RankDocs.all_ranks(whole, self.n, doc_rank, self.lens_np, doc_seq, seq, self._whole)
+            docs_of = _RankDocs.all_ranks(whole, self.n, doc_rank, self.lens_np, doc_seq, seq, self._whole, True)
         else:
             by_rank: dict[int, _RankDocs] = {}
 
