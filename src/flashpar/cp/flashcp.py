@@ -1052,16 +1052,23 @@ class _Greedy:
             lt[:, 0] = l0
             np.add.accumulate(lt, axis=1, out=lt)  # sequential (cumsum): lt[r, j] = load after j more documents
             ls, ts = lt.ravel(), (t0[:, None] + length * np.arange(width, dtype=np.int64)).ravel()
-            if limit < math.inf:
-                ok = ((ts <= cap - length) & (ls <= limit - w)).nonzero()[0]
-                lv = ls[ok]
-                key0 = np.maximum(lv / limit, ts[ok] / cap)
-            else:  # (no work bound: every load fits, and every load / limit is 0)
-                ok = (ts <= cap - length).nonzero()[0]
-                lv = ls[ok]
-                key0 = ts[ok] / cap
-            # (by key, then load, then rank: ``ok`` runs by rank, and lexsort is stable)
-            take = ok[np.lexsort((lv, key0))[:k]]
+            # every slot fits where each rank's last does (loads and tokens rise along a row): then no selection
+            every = max(toks) + m * length <= cap - length and (
+                limit == math.inf or np.maximum.reduce(lt[:, m]) <= limit - w)
+            if every:
+                key0 = np.maximum(ls / limit, ts / cap) if limit < math.inf else ts / cap
+                # (by key, then load, then rank: the slots run by rank, and lexsort is stable)
+                take = np.lexsort((ls, key0))[:k]
+            else:
+                if limit < math.inf:
+                    ok = ((ts <= cap - length) & (ls <= limit - w)).nonzero()[0]
+                    lv = ls[ok]
+                    key0 = np.maximum(lv / limit, ts[ok] / cap)
+                else:  # (no work bound: every load fits, and every load / limit is 0)
+                    ok = (ts <= cap - length).nonzero()[0]
+                    lv = ls[ok]
+                    key0 = ts[ok] / cap
+                take = ok[np.lexsort((lv, key0))[:k]]  # (as above: ``ok`` runs by rank)
             ranks = take // width
             counts = np.bincount(ranks, minlength=n)
             if m >= k or np.maximum.reduce(counts) < m:  # (no rank took all its first m slots)
