@@ -165,3 +165,32 @@ def test_next_trade_by_rate_equals_the_pair_by_pair_scan():
             assert _Greedy._next_trade(pos, prate, rate_b, ppart, excess, room, (order, prate[order])) == want
         hits += want >= 0
     assert 20 < hits < 140  # (both answers met)
+
+
+def test_whole_doc_step_in_runs_and_in_short_equals_the_plain_greedy(monkeypatch):
+    """The Whole-Doc step, as the pass takes it (runs of one length in one sort, ``_batch_whole``; one by one in short
+    for up to 64 ranks; heaps and the ranked order beyond), places every document where the plain rule does: longest
+    first, on the rank of least ``(max(load / limit, tokens / cap), load, rank)`` among those it fits (loads added one
+    by one).  Packs of long runs of a few lengths (equal loads and tokens: ties) between single documents, all
+    fitting, where loads decide (a loose cap) and where tokens do (no work bound); the refinement off."""
+    monkeypatch.setattr(_Greedy, "_refine", lambda self, *args: None)
+    rng = random.Random(5)
+    for n, docs in ((3, 300), (8, 600), (64, 700), (100, 500)):
+        lens = [rng.choice((3, 40, 300)) if rng.random() < 0.6 else rng.randint(1, 400) for _ in range(docs)]
+        for cap_over, tol in ((2.0, 0.15), (1.1, math.inf)):
+            g = _Greedy(lens, n, CostModel(), int(cap_over * sum(lens) / n) + 400)
+            limit = (1 + tol) * g.mean
+            load, toks, want = [0.0] * n, [0] * n, [0] * len(lens)
+            for d in sorted(range(len(lens)), key=lambda i: -lens[i]):
+                w = g.whole(lens[d])
+                r = min((q for q in range(n) if toks[q] + lens[d] <= g.cap and load[q] + w <= limit),
+                        key=lambda q: (max(load[q] / limit, toks[q] / g.cap), load[q], q))
+                load[r] += w
+                toks[r] += lens[d]
+                want[d] = r
+            p = g.run(tol, 0, subgroups=tol < math.inf)
+            assert p.docs is not None, (n, tol)  # (every document whole)
+            got = [0] * len(lens)
+            for d, r in zip(p.docs.tolist(), p.rank.tolist(), strict=True):
+                got[d] = r
+            assert got == want, (n, tol)

@@ -244,31 +244,47 @@ class _RankDocs:
         return cls([d for _, _, d in items], [items[i][0] for i in heads], [items[i][1] for i in heads], heads, whole)
 
     @staticmethod
-    def all_ranks(whole, n: int, doc_rank, lens_np, doc_seq, seq_end: int, work: dict[int, float]):
+    def all_ranks(whole, n: int, doc_rank, lens_np, doc_seq, seq_end: int, work: dict[int, float],
+                  in_order: bool = False):
         """``r -> _RankDocs`` of every rank ``r`` (made when first called) of the documents ``whole``, in one sort
         of all of them by (rank, length, place): the places are distinct and below ``seq_end``, so documents by
-        place come from one scatter, then two stable sorts (of small integers: radix sorts) by length, then rank."""
-        by_seq = np.full(seq_end, -1, dtype=np.int64)
-        by_seq[doc_seq[whole]] = whole
-        docs = by_seq[by_seq >= 0]
+        place come from one scatter, then two stable sorts (of small integers: radix sorts) by length, then rank (one,
+        by ``rank (longest + 1) + length``, where that fits in 16 bits).  ``in_order``: among documents of one length
+        the places rise with the index (a pass places them so: longest first, then by index), so ``whole`` (by
+        index) needs no scatter."""
+        if in_order:
+            docs = whole
+        else:
+            by_seq = np.full(seq_end, -1, dtype=np.int64)
+            by_seq[doc_seq[whole]] = whole
+            docs = by_seq[by_seq >= 0]
         if len(docs) != len(whole):  # (places not distinct: no pass gives such)
             docs = whole[np.lexsort((doc_seq[whole], lens_np[whole], doc_rank[whole]))]
         else:
-            for key in (lens_np, doc_rank):
-                k = key[docs]
-                docs = docs[np.argsort(k.astype(np.int16) if int(k.max()) < 1 << 15 else k, kind="stable")]
+            ln = lens_np[docs]
+            span = int(ln.max()) + 1
+            if span * n <= 1 << 15:  # (both in 16 bits: one radix sort by rank span + length)
+                key = (doc_rank[docs] * span + ln).astype(np.int16)
+                docs = docs[np.argsort(key, kind="stable")]
+            else:
+                for key in (lens_np, doc_rank):
+                    k = key[docs]
+                    docs = docs[np.argsort(k.astype(np.int16) if int(k.max()) < 1 << 15 else k, kind="stable")]
         rk, ln = doc_rank[docs], lens_np[docs]
         heads = np.flatnonzero(np.concatenate(([True], (rk[1:] != rk[:-1]) | (ln[1:] != ln[:-1]))))
-        doc_off = np.searchsorted(rk, np.arange(n + 1)).tolist()
-        head_off = np.searchsorted(heads, doc_off).tolist()
+        offsets = np.searchsorted(rk, np.arange(n + 1))
+        doc_off = offsets.tolist()
+        head_off = np.searchsorted(heads, offsets).tolist()
+        # per length each rank holds (all ranks at once): the length, its first place, where it begins in the rank's
+        head_len, head_first = ln[heads].tolist(), doc_seq[docs[heads]].tolist()
+        head_at = (heads - offsets[rk[heads]]).tolist()  # documents
         made: dict[int, _RankDocs] = {}
 
         def of_rank(r: int) -> _RankDocs:
             if r not in made:
-                lo, h0, h1 = doc_off[r], head_off[r], head_off[r + 1]
-                hs = heads[h0:h1]
-                made[r] = _RankDocs(docs[lo:doc_off[r + 1]], ln[hs].tolist(), doc_seq[docs[hs]].tolist(),
-                                    (hs - lo).tolist(), work)
+                h0, h1 = head_off[r], head_off[r + 1]
+                made[r] = _RankDocs(docs[doc_off[r]:doc_off[r + 1]], head_len[h0:h1], head_first[h0:h1],
+                                    head_at[h0:h1], work)
             return made[r]
 
         return of_rank
@@ -302,21 +318,25 @@ class _RankDocs:
         """The first document of ``length`` (it leaves)."""
         q = self._queue(length)
         doc = q.popleft()
-        self._arrays = self._other = None
         i = bisect.bisect_left(self.lens, length)
-        if q:
-            self.first[i] = int(doc_seq[q[0]])
+        if q:  # (the lengths stay: only the place of the length's first document changes, in the arrays too)
+            self.first[i] = at = int(doc_seq[q[0]])
+            if self._arrays is not None:
+                self._arrays[2][i] = at
+            if self._other is not None:
+                self._other[2][i + 1] = at
         else:
             del self.queues[length], self.lens[i], self.work[i], self.first[i]
+            self._arrays = self._other = None
         return doc
 
     def append(self, length: int, doc: int, at: int) -> None:
         """``doc`` of ``length`` arrives, received at ``at`` (after all this rank holds)."""
-        self._arrays = self._other = None
         i = bisect.bisect_left(self.lens, length)
-        if i < len(self.lens) and self.lens[i] == length:
+        if i < len(self.lens) and self.lens[i] == length:  # (last of its length: the options stay)
             self._queue(length).append(doc)
             return
+        self._arrays = self._other = None
         self.lens.insert(i, length)
         self.work.insert(i, self.whole[length])
         self.first.insert(i, at)
@@ -391,7 +411,6 @@ class _Greedy:
         self.lens, self.n, self.cost, self.cap = doc_lens, n, cost, cap
         self.lens_np = lens = np.fromiter(doc_lens, dtype=np.int64, count=len(doc_lens))
         self.starts_np = np.cumsum(lens) - lens
-        self.starts = self.starts_np.tolist()
         # by (-length, index): a stable sort (of 16-bit keys, a radix sort, where the lengths allow)
         neg = -lens if int(lens.max()) >= 1 << 15 else (-lens).astype(np.int16)
         order = np.argsort(neg, kind="stable")
@@ -399,7 +418,11 @@ class _Greedy:
         # run_end[k]: where the run of documents of order[k]'s length ends (in pass order)
         sl = lens[order]
         ends = np.append(np.flatnonzero(sl[1:] != sl[:-1]) + 1, len(sl))
-        self.run_end = np.repeat(ends, np.diff(np.concatenate(([0], ends)))).tolist()
+        run_end, lo = [], 0
+        for e in ends.tolist():  # (a list of few runs, each repeated: cheaper than an array's tolist)
+            run_end += [e] * (e - lo)
+            lo = e
+        self.run_end = run_end
         distinct = sl[np.concatenate(([0], ends[:-1]))]
         self._shares: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
         self._whole: dict[int, float] = {}
@@ -415,8 +438,16 @@ class _Greedy:
         self.sizes = [*sizes, n] if n >= 2 else []
         self.sizes_np = np.asarray(self.sizes, dtype=np.int64)
         self._fewest: dict[int, np.ndarray] = {}  # per length: _group's fewest tokens per member, per size
+        self._row_of = np.arange(n, dtype=np.int64)  # (each rank's row, for _batch_whole)
         self._whole = dict(zip(distinct.tolist(), self._whole_arrays(distinct).tolist(), strict=True))
-        self.mean = sum(map(self._whole.__getitem__, doc_lens)) / n  # (added in document order, as always)
+        # (added in document order, as always: cumsum adds in order, as sum() of floats does; the same floats per
+        # document, the formula being elementwise)
+        self.mean = float(np.cumsum(self._whole_arrays(lens))[-1]) / n
+
+    @functools.cached_property
+    def starts(self) -> list[int]:
+        """The documents' starts (a list: where a pass needs one at a time)."""
+        return self.starts_np.tolist()
 
     def whole_times(self) -> tuple[np.ndarray, np.ndarray]:
         """(lengths, ``whole_doc_times``) of the documents under this pass's cost model (placements of whole
@@ -737,6 +768,7 @@ class _Greedy:
         # ranked.toks_of, always current); from 256 ranks on kept in step with every document, as whether any rank
         # fits a document whole comes from them there, else brought up to date where next needed (``pending``)
         ranked, eager, pending = _Ranked(n, arrays=n > 128), n >= 256, []
+        runs = []  # (where in pass order, ranks, first place) of each run _batch_whole placed
         mins = _Mins(load, toks) if 64 < n < 256 else None  # min(toks), min(load) in O(log N) in between
         heap_anew = False  # after many changes at once: the heaps are built anew where next needed
 
@@ -759,15 +791,37 @@ class _Greedy:
 
         order, run_end = self.order, self.run_end
         k, count = 0, len(order)
+        few, whole_of, lens = not eager and mins is None, self._whole, self.lens  # (few: up to 64 ranks)
+        heappop, heapreplace = heapq.heappop, heapq.heapreplace
         while k < count:
             d = order[k]
-            length, start = self.lens[d], self.starts[d]
+            if few and k >= force and run_end[k] - k < BATCH:  # the Whole-Doc step below, in short for few ranks:
+                # the top of the heap (stale entries dropped) has the least key, and where it fits, it is the rank
+                length = lens[d]
+                w = whole_of[length]
+                e = heap[0]
+                while e[1] != load[e[2]] or e[3] != toks[e[2]]:
+                    heappop(heap)
+                    e = heap[0]
+                r = e[2]
+                if toks[r] <= cap - length and load[r] <= limit - w:
+                    doc_rank[d], doc_seq[d] = r, seq
+                    seq += 1
+                    load[r] += w
+                    toks[r] += length
+                    pending.append(r)
+                    x, y = load[r] / limit, toks[r] / cap
+                    heapreplace(heap, (y if y > x else x, load[r], r, toks[r]))  # (max(x, y), as max() picks)
+                    k += 1
+                    continue
+            length = self.lens[d]
             if k >= force:
                 w = self.whole(length)
                 tok_room, work_room = cap - length, limit - w
                 if run_end[k] - k >= BATCH:  # a run of equal lengths: place as many whole as the greedy would
-                    placed = self._batch_whole(k, run_end[k], length, w, load, toks, limit, doc_rank, doc_seq, seq)
+                    placed = self._batch_whole(k, run_end[k], length, w, load, toks, limit)
                     if placed:
+                        runs.append((k, placed[0], seq))  # (their ranks and places: written after the loop)
                         seq += len(placed[0])
                         k += len(placed[0])
                         touched(placed[1])
@@ -836,6 +890,7 @@ class _Greedy:
             if pending:
                 ranked.update_many(list(dict.fromkeys(pending)), load, toks)
                 pending.clear()
+            start = self.starts[d]
             changed = self._place_other(k, d, length, start, force, load, toks, limit, share, subgroups, p, splits,
                                         ranked)
             if changed is None:  # whole on one rank, over the work bound
@@ -845,6 +900,13 @@ class _Greedy:
                 changed = [r]
             touched(changed)
             k += 1
+        if runs:  # the documents of runs placed in one sort: ranks and places written at once
+            run_ranks = [x for _, x, _ in runs]
+            sizes = np.fromiter(map(len, run_ranks), dtype=np.int64, count=len(runs))
+            at = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # in its run
+            idx = self.order_np[np.repeat(np.asarray([x for x, _, _ in runs], dtype=np.int64), sizes) + at]
+            doc_rank[idx] = np.concatenate(run_ranks)
+            doc_seq[idx] = np.repeat(np.asarray([x for _, _, x in runs], dtype=np.int64), sizes) + at
         if subgroups:
             self._exchange(splits, load, toks)
         self._refine(doc_rank, doc_seq, load, toks, seq)
@@ -1022,11 +1084,11 @@ class _Greedy:
                 return lo + at
         return -1
 
-    def _batch_whole(self, lo: int, hi: int, length: int, w: float, load, toks, limit: float, doc_rank, doc_seq,
-                     seq: int):
+    def _batch_whole(self, lo: int, hi: int, length: int, w: float, load, toks, limit: float):
         """Documents ``order[lo:hi]`` (all of ``length`` tokens and compute ``w``, in pass order) placed whole as the
         one-by-one step places them, as far as they fit: returns (the ranks of those placed, in order; the ranks
-        changed), or None where the first fits nowhere.
+        changed), or None where the first fits nowhere (``load`` and ``toks`` updated; the caller records the
+        documents' ranks and places).
 
         Rank ``r`` after taking ``j`` of them has load ``l_r + w + ... + w`` (added one by one, as the step adds)
         and ``t_r + j L`` tokens; its ``j``-th slot fits while both stay within ``limit - w`` and ``cap - L``,
@@ -1038,37 +1100,49 @@ class _Greedy:
         l0, t0 = np.array(load), np.array(toks, dtype=np.int64)
         m = min(k, 2 * -(-k // n) + 2)
         while True:
-            lt = np.empty((n, m + 1))
-            lt[:, 0] = l0
+            # slots 0..m of each rank, slot m too (the rows then ravel as views): it follows slot m - 1 in key and in
+            # place, so it is among the least keys only where its rank took all its first m, where m doubles anyway
+            width = m + 1
+            lt = np.empty((n, width))
             lt[:, 1:] = w
-            np.cumsum(lt, axis=1, out=lt)  # sequential: lt[r, j] = load after j more documents
-            tt = t0[:, None] + length * np.arange(m + 1, dtype=np.int64)
-            ls, ts = lt[:, :m].ravel(), tt[:, :m].ravel()
-            ok = np.flatnonzero((ts <= cap - length) & (ls <= limit - w))
-            lv = ls[ok]
-            # (by key, then load, then rank: ``ok`` runs by rank, and lexsort is stable)
-            take = ok[np.lexsort((lv, np.maximum(lv / limit, ts[ok] / cap)))[:k]]
-            ranks = take // m
+            lt[:, 0] = l0
+            np.add.accumulate(lt, axis=1, out=lt)  # sequential (cumsum): lt[r, j] = load after j more documents
+            ls, ts = lt.ravel(), (t0[:, None] + length * np.arange(width, dtype=np.int64)).ravel()
+            # every slot fits where each rank's last does (loads and tokens rise along a row): then no selection
+            every = max(toks) + m * length <= cap - length and (
+                limit == math.inf or np.maximum.reduce(lt[:, m]) <= limit - w)
+            if every:
+                key0 = np.maximum(ls / limit, ts / cap) if limit < math.inf else ts / cap
+                # (by key, then load, then rank: the slots run by rank, and lexsort is stable)
+                take = np.lexsort((ls, key0))[:k]
+            else:
+                if limit < math.inf:
+                    ok = ((ts <= cap - length) & (ls <= limit - w)).nonzero()[0]
+                    lv = ls[ok]
+                    key0 = np.maximum(lv / limit, ts[ok] / cap)
+                else:  # (no work bound: every load fits, and every load / limit is 0)
+                    ok = (ts <= cap - length).nonzero()[0]
+                    lv = ls[ok]
+                    key0 = ts[ok] / cap
+                take = ok[np.lexsort((lv, key0))[:k]]  # (as above: ``ok`` runs by rank)
+            ranks = take // width
             counts = np.bincount(ranks, minlength=n)
-            if m >= k or counts.max() < m:  # (no rank took all its slots)
+            if m >= k or np.maximum.reduce(counts) < m:  # (no rank took all its first m slots)
                 break
             m = min(k, 2 * m)
         if not len(take):
             return None
-        idx = self.order_np[lo:lo + len(take)]
-        doc_rank[idx] = ranks
-        doc_seq[idx] = np.arange(seq, seq + len(take))
         if n > 64:
             changed = np.flatnonzero(counts)
-            got = counts[changed]
+            at = changed * width + counts[changed]
             changed = changed.tolist()
-            for r, x, t in zip(changed, lt[changed, got].tolist(), tt[changed, got].tolist(), strict=True):
+            for r, x, t in zip(changed, ls[at].tolist(), ts[at].tolist(), strict=True):
                 load[r], toks[r] = x, t
         else:  # (few ranks: every rank's row read at once, the changed ones written)
-            every = np.arange(n)
             got = counts.tolist()
             changed = [r for r in range(n) if got[r]]
-            new_load, new_toks = lt[every, counts].tolist(), tt[every, counts].tolist()
+            at = self._row_of * width + counts
+            new_load, new_toks = ls[at].tolist(), ts[at].tolist()
             for r in changed:
                 load[r], toks[r] = new_load[r], new_toks[r]
         return ranks, changed
@@ -1088,7 +1162,7 @@ class _Greedy:
         if not len(whole):
             return
         if len(whole) >= 512:  # many: one sort of them all
-            docs_of = _RankDocs.all_ranks(whole, self.n, doc_rank, self.lens_np, doc_seq, seq, self._whole)
+            docs_of = _RankDocs.all_ranks(whole, self.n, doc_rank, self.lens_np, doc_seq, seq, self._whole, True)
         else:
             by_rank: dict[int, _RankDocs] = {}
 
@@ -1177,10 +1251,11 @@ class _Greedy:
         if not rising:
             return _UNSURE
         cap = self.cap
-        jlo = np.searchsorted(ol, la + tok_lo - cap, side="left")  # the window [jlo, jhi) within the token cap
-        jhi = np.searchsorted(ol, cap - tok_hi + la, side="right")
+        # (array methods and ufuncs rather than numpy's functions: the same results, without their Python layer)
+        jlo = ol.searchsorted(la + (tok_lo - cap), side="left")  # the window [jlo, jhi) within the token cap
+        jhi = ol.searchsorted(la + (cap - tok_hi), side="right")
         x1, x2 = h - wa, low + wa
-        c = np.minimum(np.maximum(np.searchsorted(ow, (x2 - x1) / 2, side="left"), jlo), jhi)  # (np.clip: slower)
+        c = np.minimum(np.maximum(ow.searchsorted((x2 - x1) / 2, side="left"), jlo), jhi)  # (np.clip: slower)
         # columns: options c - 2, c - 1 (j1), c (j2), c + 1 of each row
         at = c[:, None] + _WINDOW
         inside = (at >= jlo[:, None]) & (at < jhi[:, None])
@@ -1191,13 +1266,13 @@ class _Greedy:
         ok = (~inside[:, 1] | ~above[:, 1]) & (~inside[:, 2] | above[:, 2])  # c: the first option above
         ok &= ~(inside[:, 0] & inside[:, 1]) | (peak[:, 0] > peak[:, 1])  # no equal peak beyond j1 or j2
         ok &= ~(inside[:, 3] & inside[:, 2]) | (peak[:, 3] > peak[:, 2])
-        if not bool(ok[jlo < jhi].all()):
+        if not np.logical_and.reduce(ok[jlo < jhi]):
             return _UNSURE
         cand = np.where(inside[:, 1:3] & (peak[:, 1:3] < h - 1e-12 * abs(h)), peak[:, 1:3], np.inf)
-        best = cand.min()
+        best = np.minimum.reduce(cand, axis=None)
         if best == np.inf:
             return None
-        ii, col = np.nonzero(cand == best)
+        ii, col = (cand == best).nonzero()
         jj = at[ii, col + 1]
         k = np.lexsort((oj[jj], sa[ii]))[0]
         return int(la[ii[k]]), (None if jj[k] == 0 else int(ol[jj[k]]))
@@ -1224,17 +1299,32 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
     def whole() -> ArrayPlacement:  # the whole_doc baseline: planned once, where it can matter (see scored)
         return greedy.run(float("inf"), 0, subgroups=False)
 
-    ring = [f(doc_lens, n, starts) for f in (headtail, contiguous)]
+    ring_of = functools.cache(lambda: [f(doc_lens, n, starts) for f in (headtail, contiguous)])
     # per_doc, torch_per_doc (beyond 16 ranks not: cutting every document into 2N pieces twice over is the
     # costliest candidate at large N); in the order the baselines have always been compared in
     cut_all = lambda: ([ArrayPlacement.of(per_doc(doc_lens, n))],  # noqa: E731
                        [ArrayPlacement.of(torch_per_doc(doc_lens, n, False))] if n <= 16 else [])
     fig_of: dict[bytes, object] = {}
     times = greedy.whole_times() if greedy.cost is cost else (greedy.lens_np, whole_doc_times(greedy.lens_np, cost))
+    ring_low = functools.cache(lambda: _ring_bound(greedy.lens_np, starts, n, cost, times[1]))
 
     def scored(candidates: list[ArrayPlacement]):
         """The pick among ``candidates`` and the baselines (see _pick), and its figures."""
-        for p in _unique(candidates + ring):
+        for p in _unique(candidates):
+            if p.key() not in fig_of:
+                fig_of[p.key()] = p.figures(doc_lens, starts, cost, whole=times)
+        # headtail and contiguous: neither planned nor scored where their lower bound (_ring_bound) is slower than
+        # the fastest candidate within the cap by more than a tie (as per_doc below: neither could be the fastest,
+        # tie, nor lower the baselines' bound, nor change the skips below, which compare with that fastest), unless
+        # one might equal another placement (as many pieces as one): then in their places, as always
+        inside = [max(fig_of[p.key()].time) for p in candidates if max(fig_of[p.key()].tokens) <= cap]
+        ring, pieces = None, ()
+        if inside:
+            low, pieces = ring_low()
+            if low > min(inside) * (1 + TIME_TIE):
+                ring = []
+        ring = ring_of() if ring is None else ring
+        for p in ring:
             if p.key() not in fig_of:
                 fig_of[p.key()] = p.figures(doc_lens, starts, cost, whole=times)
         # the whole_doc baseline (a greedy pass of its own): skipped where its lower bound (_whole_doc_bound)
@@ -1254,6 +1344,11 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
         if not pool or _cut_all_bound(greedy.lens_np, n, cost) <= min(pool) * (1 + TIME_TIE):
             pd, tpd = cut_all()
             for p in pd + tpd:
+                if p.key() not in fig_of:
+                    fig_of[p.key()] = p.figures(doc_lens, starts, cost, whole=times)
+        if not ring and any(len(p.a) in pieces for p in candidates + wd + pd + tpd):
+            ring = ring_of()
+            for p in ring:
                 if p.key() not in fig_of:
                     fig_of[p.key()] = p.figures(doc_lens, starts, cost, whole=times)
         baselines = [*wd, *pd, *ring, *tpd]
@@ -1288,7 +1383,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
                 peak[(force, tol)] = greedy.peak_share
     if not cost.linear:  # attention alone: balance first (see _balanced), then the least time, then K/V
         pd, tpd = cut_all()
-        unique = _unique(candidates + [whole(), *pd, *ring, *tpd])
+        unique = _unique(candidates + [whole(), *pd, *ring_of(), *tpd])
         figs = {i: unique[i].figures(doc_lens, starts, cost, whole=times)
                 for i in _balanced([p.segments for p in unique], greedy.starts, cap)}
         return unique[min(figs, key=lambda i: (max(figs[i].time), sum(figs[i].recv_tokens), i))]
@@ -1316,6 +1411,32 @@ def _whole_doc_bound(lens, n: int, cost: CostModel, cap: int, whole_times) -> fl
     long = lens > cap
     attn = float(_cut_attn(lens[long], n, cost).sum()) + float(whole_times[~long].sum())
     return (attn + cost.linear_time(int(lens.sum()))) / n * (1 - 1e-6)
+
+
+def _ring_bound(lens, starts, n: int, cost: CostModel, whole_times) -> tuple[float, tuple[int, int]]:
+    """A lower bound on the estimated step time of both ``headtail`` and ``contiguous`` (the sequence cut into
+    ``2N`` chunks, rank ``r`` taking chunks ``r`` and ``2N - 1 - r``, or into ``N``, rank ``r`` taking chunk ``r``;
+    chunk ``c`` is ``[B_c, B_c+1)``, ``B_c = c T // parts``), and how many pieces each has.  A rank's step is at least
+    its compute: its linear time plus the attention time of every document inside one of its chunks, at its time
+    whole (``whole_times``: a whole piece takes that time, and the pieces of cut documents only add), summed from
+    prefix sums in document order; less a millionth for rounding.  Pieces: the documents plus each distinct
+    chunk bound strictly inside a document (the pieces are the gaps between the document starts and the bounds)."""
+    total = int(starts[-1] + lens[-1])
+    ends = starts + lens
+    sums = np.concatenate(([0.0], np.cumsum(whole_times)))
+    low, pieces = math.inf, []
+    for parts in (2 * n, n):
+        b = total * np.arange(parts + 1, dtype=np.int64) // parts
+        i0, i1 = np.searchsorted(starts, b[:-1], side="left"), np.searchsorted(ends, b[1:], side="right")
+        attn, toks = np.where(i1 > i0, sums[i1] - sums[np.minimum(i0, i1)], 0.0), np.diff(b)
+        if parts == 2 * n:  # (rank r: chunks r and 2N - 1 - r)
+            attn, toks = attn[:n] + attn[::-1][:n], toks[:n] + toks[::-1][:n]
+        compute = toks * cost.flops_per_token / cost.hardware.gemm_flops + attn
+        low = min(low, float(compute.max()))  # (the bound of both: the lesser)
+        inner = np.unique(b[(b > 0) & (b < total)])
+        at = np.minimum(np.searchsorted(starts, inner), len(starts) - 1)
+        pieces.append(len(lens) + int(np.count_nonzero(starts[at] != inner)))
+    return low * (1 - 1e-6), (pieces[0], pieces[1])
 
 
 def _cut_attn(lens, n: int, cost: CostModel):
