@@ -74,10 +74,49 @@ def test_blame_names_ranks_behind_or_says_none_is(tmp_path):
     assert where.blame(7, tmp_path) == ""
 
 
+def test_blame_says_a_transfer_stopped_when_the_ranks_behind_wait_in_an_exchange(tmp_path):
+    """A rank behind, alive, in the step's input check (one collective) is itself waiting for a transfer: the
+    line says a transfer stopped.  The same rank stopped (SIGSTOP), or alive in a phase that computes, is
+    named as the one that did not arrive."""
+    import signal
+    import subprocess
+
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        for r, (phase, pid) in enumerate([("forward", None), ("input check", sleeper.pid)]):
+            s = where.Stamps(tmp_path, r)
+            s.pid = pid or s.pid
+            s.begin_step(2)
+            s.enter("input check")
+            if phase != "input check":
+                s.enter(phase)
+            s.close()
+        line = where.blame(0, tmp_path)
+        assert "wait in an exchange themselves (rank 1 (waiting) in step 2 input check" in line, line
+        assert line.endswith("a transfer between ranks stopped, not a rank"), line
+        sleeper.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while where.process_state(sleeper.pid) != "stopped" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert where.blame(0, tmp_path).startswith("did not arrive: rank 1 (stopped) in step 2 input check")
+        sleeper.send_signal(signal.SIGCONT)
+        s = where.Stamps(tmp_path, 1)
+        s.pid = sleeper.pid
+        s.begin_step(2)
+        s.enter("data")  # alive, behind, in a phase that computes
+        s.close()
+        line = where.blame(0, tmp_path)  # just continued: running or waiting
+        assert line.startswith("did not arrive: rank 1 (") and ") in step 2 data; rank 0 waited" in line, line
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
 def test_a_link_that_stops_ends_the_job_within_the_timeout(tmp_path):
     """Rank 1's emulated link drops everything from step 2 on (``EmulatedLinks.cut``; the process lives on):
     the ranks, started as torchrun would (one ``flashpar train`` process each, RANK in the environment), time
-    out in the same phase and say that a transfer stopped, not a rank; the job ends within the timeout."""
+    out in the same phase (or a rank behind waits in the step's input check, which the cut can split) and say
+    that a transfer stopped, not a rank; the job ends within the timeout."""
     import subprocess
     import sys
     import threading

@@ -12,6 +12,9 @@ visible to the others at once::
 
 A rank is behind when its (step, phase number within the step) is lower than this rank's.  When no rank is
 behind (they all wait in the same phase), the line says so: a transfer between ranks stopped, not a rank.
+So it does when every rank behind is alive inside a phase that is one exchange and nothing else
+(:data:`EXCHANGE_PHASES`): such a rank is itself waiting for a transfer, as when a link stops in the middle
+of the step's input check and the ranks whose data had already arrived went on to the forward.
 Ranks on other machines (under torchrun) have no stamp here; the line names only what this machine sees.
 """
 
@@ -21,6 +24,10 @@ import os
 from pathlib import Path
 
 RECORD = 96  # bytes of one stamp: "pid step seq phase", space-padded
+EXCHANGE_PHASES = ("input check", "gradient sums")
+"""Phases that are one wait on other ranks' transfers: the step's cross-rank input check (one collective,
+``flashpar.models.step_check``) and the wait for the gradient sums posted during backward."""
+_ALIVE = ("running", "waiting", "idle")
 _STATE = {"R": "running", "S": "waiting", "D": "in a disk wait", "T": "stopped", "t": "stopped by a tracer",
           "Z": "exited", "X": "exited", "I": "idle"}
 
@@ -105,6 +112,9 @@ def blame(rank: int | None = None, folder: str | os.PathLike | None = None) -> s
     if not behind:
         return (f"no rank is behind rank {rank} (all {len(stamps)} stamps at step {step} or later, this rank in "
                 f"{phase}): a transfer between ranks stopped, not a rank")
-    named = "; ".join(f"rank {r} ({process_state(stamps[r][0])}) in step {stamps[r][1]} {stamps[r][3]}"
-                      for r in behind)
+    states = {r: process_state(stamps[r][0]) for r in behind}
+    named = "; ".join(f"rank {r} ({states[r]}) in step {stamps[r][1]} {stamps[r][3]}" for r in behind)
+    if all(states[r] in _ALIVE and stamps[r][3] in EXCHANGE_PHASES for r in behind):
+        return (f"the ranks behind rank {rank} wait in an exchange themselves ({named}; rank {rank} waited in step "
+                f"{step} {phase}): a transfer between ranks stopped, not a rank")
     return f"did not arrive: {named}; rank {rank} waited in step {step} {phase}"
