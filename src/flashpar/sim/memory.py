@@ -38,7 +38,7 @@ allocator fragmentation).
 from __future__ import annotations
 
 from flashpar.sim.peers import Peer
-from flashpar.sim.step import gathers_again
+from flashpar.sim.step import gathers_again, head_gathers_again
 from flashpar.sim.workload import Workload
 
 GPU_MEMORY_GB = {"h100-nvlink": 80.0, "h100-ib": 80.0, "h200": 141.0, "a100": 80.0, "b200": 180.0}
@@ -70,7 +70,7 @@ def activations(w: Workload, peer: Peer, kv_recv_tokens: float) -> float:
     kv = 2 * s["kv_heads"] * d * kv_recv_tokens
     one_block = (t * (rows + attn + mlp) + kv) * w.elem_bytes
     blocks = cfg.layers * t * h / r * w.elem_bytes + one_block if w.checkpoint else cfg.layers * one_block
-    head_kept = s["tp"] > 1 and not (w.regather and peer.data_parallel != "fsdp")
+    head_kept = s["tp"] > 1 and not head_gathers_again(w, peer)
     head_in = s["t_u"] * h / (1 if head_kept else s["tp"]) * w.elem_bytes  # gathered T_u x h, or the own rows
     logits = s["t_u"] * cfg.vocab_size / s["tp"] * (w.elem_bytes + 8)
     return blocks + head_in + logits

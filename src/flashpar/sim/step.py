@@ -89,6 +89,12 @@ def gathers_again(w: Workload, peer: Peer) -> bool:
     return w.regather or (peer.data_parallel == "zero3" and w.layout.dp > 1)
 
 
+def head_gathers_again(w: Workload, peer: Peer) -> bool:
+    """Whether the head's all-gather + GEMM gathers its input again in backward: only with ``--regather``
+    (the head is never ZeRO-split; torch's linear keeps its input)."""
+    return w.regather and peer.data_parallel != "fsdp"
+
+
 def linears(w: Workload, peer: Peer) -> tuple[Part, Part]:
     """(forward, backward) of one block's four linears at the mean rows ``T_u`` of a rank."""
     cfg, s, g = w.cfg, w.sizes(peer), w.groups(peer)
@@ -226,8 +232,7 @@ def ends(w: Workload, peer: Peer) -> tuple[Part, Part]:
     else:
         fwd.add(Part.of(lookup))
         bwd.add(Part.of(lookup))
-    head_again = w.regather and peer.data_parallel != "fsdp"  # the head is never ZeRO-split
-    hf, hb = _op("ag_matmul", peer.mode, tp, rows, cfg.hidden, vocab, e, tp_hw, "tp", head_again)
+    hf, hb = _op("ag_matmul", peer.mode, tp, rows, cfg.hidden, vocab, e, tp_hw, "tp", head_gathers_again(w, peer))
     loss = tp_hw.memory_time(5 * rows * vocab * 4)  # fp32 logits: max, exp, sum, target, the gradient
     fwd.add(hf).add(Part.of(loss))
     bwd.add(hb).add(Part.of(loss))
