@@ -80,19 +80,16 @@ def _with_zero(inner: tuple[Part, Part], zero: tuple[Part, Part], plain: tuple[P
     return out[0], out[1]
 
 
-def gathers_again(w: Workload, peer: Peer) -> bool:
-    """Whether a column-parallel linear gathers its input again in backward: flashpar's and baseline's
-    ZeRO-3 linears do, and the others with ``--regather`` (``flashpar.models.parallel``); torch's DTensor
-    linear keeps the gathered input."""
-    if peer.data_parallel == "fsdp":
-        return False
-    return w.regather or (peer.data_parallel == "zero3" and w.layout.dp > 1)
-
-
 def head_gathers_again(w: Workload, peer: Peer) -> bool:
     """Whether the head's all-gather + GEMM gathers its input again in backward: only with ``--regather``
-    (the head is never ZeRO-split; torch's linear keeps its input)."""
+    (the head is never ZeRO-split; torch's DTensor linear keeps its input)."""
     return w.regather and peer.data_parallel != "fsdp"
+
+
+def gathers_again(w: Workload, peer: Peer) -> bool:
+    """Whether a block's column-parallel linear gathers its input again in backward: as the head does, and
+    flashpar's and baseline's ZeRO-3 linears always (``flashpar.models.parallel``)."""
+    return head_gathers_again(w, peer) or (peer.data_parallel == "zero3" and w.layout.dp > 1)
 
 
 def linears(w: Workload, peer: Peer) -> tuple[Part, Part]:
