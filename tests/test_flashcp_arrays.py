@@ -162,7 +162,8 @@ def test_next_trade_by_rate_equals_the_pair_by_pair_scan():
         order = np.argsort(prate, kind="stable")
         with np.errstate(divide="ignore", invalid="ignore"):
             assert _Greedy._next_trade(pos, prate, rate_b, ppart, excess, room) == want
-            assert _Greedy._next_trade(pos, prate, rate_b, ppart, excess, room, (order, prate[order])) == want
+            by_rate = order, prate[order], ppart[order], excess[order]
+            assert _Greedy._next_trade(pos, prate, rate_b, ppart, excess, room, by_rate) == want
         hits += want >= 0
     assert 20 < hits < 140  # (both answers met)
 

@@ -48,6 +48,7 @@ import functools
 import heapq
 import itertools
 import math
+import operator
 
 import numpy as np
 
@@ -152,7 +153,7 @@ class _Ranked:
         old, new = self.cur[q], (load, toks, q)
         if old == new:
             return
-        keys, rows = self.keys, self.rows
+        keys = self.keys
         i = bisect.bisect_left(keys, old)
         del keys[i]
         # (the keys before i are below old, those from i on above it: the search for new starts on its side of i)
@@ -163,11 +164,14 @@ class _Ranked:
             return
         if min(i, j) < self._valid:
             self._valid = min(i, j)
+        loads, toks_row = self.loads, self.toks  # (the rows, one at a time: cheaper than both as one 2-d slice)
         if j > i:  # (overlapping slices: numpy copies as if through a buffer)
-            rows[:, i:j] = rows[:, i + 1:j + 1]
+            loads[i:j] = loads[i + 1:j + 1]
+            toks_row[i:j] = toks_row[i + 1:j + 1]
         elif j < i:
-            rows[:, j + 1:i + 1] = rows[:, j:i]
-        rows[0, j], rows[1, j] = load, toks
+            loads[j + 1:i + 1] = loads[j:i]
+            toks_row[j + 1:i + 1] = toks_row[j:i]
+        loads[j], toks_row[j] = load, toks
         self.toks_of[q], self.load_of[q] = toks, load
 
     def update_many(self, ranks, load, toks) -> None:
@@ -175,16 +179,16 @@ class _Ranked:
             for q in ranks:
                 self.update(q, load[q], toks[q])
             return
+        cur, lv, tv = self.cur, self.load_of, self.toks_of
         for q in ranks:
-            self.cur[q] = (load[q], toks[q], q)
-            self.toks_of[q], self.load_of[q] = toks[q], load[q]
-        lv = self.load_of
+            cur[q] = (load[q], toks[q], q)
+            tv[q], lv[q] = toks[q], load[q]
         at = np.argsort(lv, kind="stable")  # (equal loads: by rank; by tokens first where any are equal)
         if (lv[at[1:]] == lv[at[:-1]]).any():
-            at = np.lexsort((self.toks_of, lv))
-        cur = self.cur
-        self.keys = [cur[q] for q in at.tolist()]
-        self._rows(np.stack((lv[at], self.toks_of[at].astype(np.float64))))
+            at = np.lexsort((tv, lv))
+        self.keys = list(operator.itemgetter(*at.tolist())(cur))  # (cur's tuples in that order)
+        lv_at, tv_at = lv[at], tv[at]
+        self._rows(np.stack((lv_at, tv_at.astype(np.float64))))
 
     def ranks(self) -> list[int]:
         return [key[2] for key in self.keys]
@@ -295,15 +299,15 @@ class _RankDocs:
     def arrays(self):
         """:meth:`options` as arrays (made once per change)."""
         if self._arrays is None:
-            self._arrays = np.asarray(self.lens), np.asarray(self.work), np.asarray(self.first)
+            self._arrays = _ints(self.lens), _floats(self.work), _ints(self.first)
         return self._arrays
 
     def other_arrays(self):
         """:meth:`options` as the least busy rank's, arrays with nothing first (length 0, compute 0, place -1), and
         whether the compute rises along them."""
         if self._other is None:
-            work = np.asarray([0.0, *self.work])
-            self._other = (np.asarray([0, *self.lens]), work, np.asarray([-1, *self.first]),
+            work = _floats([0.0, *self.work])
+            self._other = (_ints([0, *self.lens]), work, _ints([-1, *self.first]),
                            bool((work[1:] >= work[:-1]).all()))
         return self._other
 
@@ -341,6 +345,17 @@ class _RankDocs:
         self.work.insert(i, self.whole[length])
         self.first.insert(i, at)
         self.queues[length] = collections.deque([doc])
+
+
+def _floats(values) -> np.ndarray:
+    """A list of floats as a float64 array (the same values; numpy's type discovery in ``np.asarray`` costs several
+    times more)."""
+    return np.fromiter(values, dtype=np.float64, count=len(values))
+
+
+def _ints(values) -> np.ndarray:
+    """A list of integers as an int64 array (see :func:`_floats`)."""
+    return np.fromiter(values, dtype=np.int64, count=len(values))
 
 
 def _headtail_arrays(splits: list[_Split]):
@@ -383,9 +398,10 @@ def _sized_arrays(splits: list[_Split]):
     the back, the last member the middle), on arrays; empty pieces are left to the caller to drop."""
     ranks, sizes, g = [], [], []
     for sp in splits:
-        members = sorted(sp.parts, key=lambda r: -sp.parts[r])
+        part = sp.parts.__getitem__
+        members = sorted(sp.parts, key=part, reverse=True)  # (stable: equal parts keep their order, as by -part)
         ranks += members
-        sizes += [sp.parts[r] for r in members]
+        sizes += map(part, members)
         g.append(len(members))
     g_np = np.asarray(g, dtype=np.int64)
     s = np.asarray(sizes, dtype=np.int64)
@@ -437,6 +453,7 @@ class _Greedy:
             g = g + 1 if g < 8 else math.ceil(g * 1.25)
         self.sizes = [*sizes, n] if n >= 2 else []
         self.sizes_np = np.asarray(self.sizes, dtype=np.int64)
+        self._last_np = self.sizes_np - 1  # (the last member of a group of each size)
         self._fewest: dict[int, np.ndarray] = {}  # per length: _group's fewest tokens per member, per size
         self._row_of = np.arange(n, dtype=np.int64)  # (each rank's row, for _batch_whole)
         self._whole = dict(zip(distinct.tolist(), self._whole_arrays(distinct).tolist(), strict=True))
@@ -542,16 +559,15 @@ class _Greedy:
             candidates = sizes[lo:hi]
         else:
             most = sizes[hi - 1]  # (the members' room grows with g: every rank up to here is under the limit)
-            if limit < math.inf and most * limit - float(ranked.loads[:most].sum()) < (
-                    self.whole(length) * (1 - 1e-6) - 1e-9 * most * limit):
-                return None
-            gs = self.sizes_np[lo:hi]
-            at = gs - 1  # (the last member of each size)
+            at = self._last_np[lo:hi]  # (the last member of each size)
             fewest = self._fewest.get(length)  # the fewest tokens a member takes, per size
             if fewest is None:
                 fewest = self._fewest[length] = 2 * (length // (2 * self.sizes_np))
             top_toks, load_sums = ranked.prefixes(most)
             ok = top_toks[at] + fewest[lo:hi] <= cap
+            if not ok.any():
+                return None
+            gs = self.sizes_np[lo:hi]
             if limit < math.inf:  # the members' room under the limit, all together, must hold the document's work
                 room = gs * (limit * (1 + 1e-9)) - load_sums[at]
                 ok &= room >= self.whole(length) * (1 - 1e-6)
@@ -612,7 +628,17 @@ class _Greedy:
         top = min(self.cap, share * self.mean / per_tok)
         need = (1 + FILL_MARGIN) * length
         if self.n > 32:  # (on arrays: the same rooms, order and running sum)
-            acc, k, members, first = self._fill_rooms(load, toks, limit, per_tok, top, need)
+            load_np, toks_np = _floats(load), _ints(toks)
+            acc, k, members, first = self._fill_rooms(load_np, toks_np, limit, per_tok, top, need)
+            if acc >= need:
+                self.peak_share = max(self.peak_share, first * per_tok / self.mean)
+            else:  # too little work room: lift the bound for all alike (the token cap stays)
+                members, top = np.flatnonzero(toks_np < self.cap), self.cap
+                if int((self.cap - toks_np[members]).sum()) < length:
+                    return None
+            if len(members) > 32:  # (many members: the same on arrays, _level's too)
+                return self._fill_arrays(length, start, members, load_np[members], toks_np[members], per_tok, top)
+            members = members.tolist()
         else:
             room = sorted(((min((limit - load[r]) / per_tok, self.cap - toks[r], top), r) for r in range(self.n)),
                           reverse=True)
@@ -621,12 +647,12 @@ class _Greedy:
                 acc += room[k][0]
                 k += 1
             members, first = [r for _, r in room[:k]], room[0][0]
-        if acc >= need:
-            self.peak_share = max(self.peak_share, first * per_tok / self.mean)
-        else:  # too little work room: lift the bound for all alike (the token cap stays)
-            members, top = [r for r in range(self.n) if toks[r] < self.cap], self.cap
-            if sum(self.cap - toks[r] for r in members) < length:
-                return None
+            if acc >= need:
+                self.peak_share = max(self.peak_share, first * per_tok / self.mean)
+            else:  # too little work room: lift the bound for all alike (the token cap stays)
+                members, top = [r for r in range(self.n) if toks[r] < self.cap], self.cap
+                if sum(self.cap - toks[r] for r in members) < length:
+                    return None
         sizes = self._level(length, [load[r] for r in members], [toks[r] for r in members], [per_tok] * len(members),
                             top)
         order = sorted(range(len(members)), key=lambda i: -sizes[i])  # largest part first: least K/V received
@@ -637,6 +663,20 @@ class _Greedy:
             rates[i] = w / sizes[i]
         sizes = self._level(length, [load[r] for r in members], [toks[r] for r in members], rates, top)
         return [r for r, s in zip(members, sizes, strict=True) if s > 0], [s for s in sizes if s > 0]
+
+    def _fill_arrays(self, length: int, start: int, members, load, toks, per_tok: float, top: float):
+        """The end of :meth:`_fill` over more than 32 members (``members`` and their ``load`` and ``toks``, arrays),
+        on arrays: the same levels (``_level_np``, as ``_level`` takes them there), the same stable order by part
+        (largest first), the same rates (a float over an integer below 2^53, divided as Python divides)."""
+        sizes = self._level_np(length, load, toks, np.full(len(members), per_tok), top)
+        order = np.argsort(-sizes, kind="stable")  # largest part first: least K/V received
+        members, sizes, load, toks = members[order], sizes[order], load[order], toks[order]
+        nonzero = np.flatnonzero(sizes > 0)
+        rates = np.full(len(members), per_tok)
+        rates[nonzero] = self.sized_work(start, length, sizes[nonzero].tolist(), as_array=True) / sizes[nonzero]
+        sizes = self._level_np(length, load, toks, rates, top)
+        keep = sizes > 0
+        return members[keep].tolist(), sizes[keep].tolist()
 
     def _fill_rooms(self, load, toks, limit: float, per_tok: float, top: float, need: float):
         """:meth:`_fill`'s ranks by room, on arrays: (the room of the first ``k`` added up, ``k``, those ranks, the
@@ -651,7 +691,7 @@ class _Greedy:
         sums = np.cumsum(room[:usable])  # (in order, as the running sum adds)
         full = np.flatnonzero(sums >= need)
         k = int(full[0]) + 1 if len(full) else usable
-        return (float(sums[k - 1]) if k else 0.0), k, order[:k].tolist(), float(room[0])
+        return (float(sums[k - 1]) if k else 0.0), k, order[:k], float(room[0])
 
     def _level(self, length: int, load, toks, rates, top: float) -> list[int]:
         """Integer parts ``s_i = clip((lam - load_i) / rate_i, 0, c_i)``, ``c_i = min(cap - toks_i, top)``,
@@ -679,6 +719,10 @@ class _Greedy:
 
     def _level_arrays(self, length: int, load, toks, rates, top: float) -> list[int]:
         """:meth:`_level` on arrays (the same floats and integers)."""
+        return self._level_np(length, load, toks, rates, top).tolist()
+
+    def _level_np(self, length: int, load, toks, rates, top: float) -> np.ndarray:
+        """:meth:`_level_arrays`, the parts as an int64 array."""
         ld, w = np.asarray(load, dtype=np.float64), np.asarray(rates, dtype=np.float64)
         t = np.asarray(toks, dtype=np.int64)
         caps = np.maximum(0.0, np.minimum((self.cap - t).astype(np.float64), top))
@@ -701,15 +745,15 @@ class _Greedy:
         if rest > 0:  # rounding: fewer than one token per member, where the cap allows (in member order)
             took = np.minimum(np.cumsum(np.maximum(0, self.cap - t - sizes)), rest)
             sizes += np.diff(took, prepend=0)
-        return sizes.tolist()
+        return sizes
 
-    def sized_work(self, start: int, length: int, sizes: list[int]) -> list[float]:
+    def sized_work(self, start: int, length: int, sizes: list[int], as_array: bool = False):
         """Compute of each member of an unequal head-tail split (cost model, pieces as placed; beyond 8 members on
-        arrays, the same floats: see :meth:`_piece_time`)."""
+        arrays, the same floats: see :meth:`_piece_time`), a list (``as_array``: a float64 array)."""
         if len(sizes) > 8:
             if sum(sizes) != length:
                 raise ValueError(f"sizes {sizes} do not add up to the document's {length} tokens")
-            s = np.asarray(sizes, dtype=np.int64)
+            s = _ints(sizes)
             h = s // 2
             h[-1] = s[-1]  # the last member: one piece, the middle
             head0 = np.concatenate(([0], np.cumsum(h)[:-1]))  # (from the document's start)
@@ -718,12 +762,12 @@ class _Greedy:
             tail0[-1] = tail1[-1]
             work = (self._piece_time(head0, head0 + h) + self._piece_time(tail0, tail1)) + s.astype(np.float64) * (
                 self.cost.flops_per_token) / self.cost.hardware.gemm_flops
-            return work.tolist()
+            return work if as_array else work.tolist()
         out = []
         for pieces in sized_pieces(sizes, start, length):
             t = sum(self.cost.attn_time(causal_pairs(a, b, start), b - a, b - start) for a, b in pieces if b > a)
             out.append(t + self.cost.linear_time(sum(b - a for a, b in pieces)))
-        return out
+        return _floats(out) if as_array else out
 
     def calibrate(self) -> tuple[Placement, float] | None:
         """Re-base the mean compute on a first placement (cutting documents costs kernel efficiency).  Where
@@ -930,7 +974,7 @@ class _Greedy:
     def _fitting(self, rooms, limit: float, tok_room: int, work_room: float) -> int:
         """The rank of least key ``(max(load / limit, tokens / cap), load, rank)`` among those with
         ``tokens <= tok_room`` and ``load <= work_room``; -1 if none.  ``rooms``: (loads, tokens) of every rank."""
-        lv, tv = np.asarray(rooms[0]), np.asarray(rooms[1], dtype=np.int64)
+        lv, tv = rooms if isinstance(rooms[0], np.ndarray) else (_floats(rooms[0]), _ints(rooms[1]))
         ok = np.flatnonzero((tv <= tok_room) & (lv <= work_room))
         if not len(ok):
             return -1
@@ -1004,13 +1048,14 @@ class _Greedy:
         px = [x for v in over for x in heaviest[v]]
         if not px:
             return
-        prate = np.asarray(rate)[px]
+        prate = _floats(rate)[px]
         ppart = np.asarray([splits[x].parts.get(v, 0) for v, x in zip(pv, px, strict=True)], dtype=np.float64)
-        excess = np.asarray([load[v] for v in pv]) - mean  # (v's load over the mean, per pair)
+        excess = _floats([load[v] for v in pv]) - mean  # (v's load over the mean, per pair)
         pair_at = {vx: i for i, vx in enumerate(zip(pv, px, strict=True))}
         rows_of: dict[int, list[int]] = {}
         for i, v in enumerate(pv):
             rows_of.setdefault(v, []).append(i)
+        rows_of = {v: np.asarray(rows, dtype=np.int64) for v, rows in rows_of.items()}
         rates_sorted = sorted(set(prate.tolist()))
         with np.errstate(divide="ignore", invalid="ignore"):  # (see _next_trade)
             self._trades(under, held, rate, rates_sorted, splits, load, pv, px, prate, ppart, excess, pair_at, rows_of)
@@ -1019,8 +1064,14 @@ class _Greedy:
                 rows_of) -> None:
         """The trades of :meth:`_exchange`'s scan (see there), in order."""
         mean = self.mean
-        by_rate = np.argsort(prate, kind="stable")  # (for long scans: see _next_trade)
-        by_rate = by_rate, prate[by_rate]
+        # (for long scans, see _next_trade: the pairs by rate, with their rates, parts and excesses in that order,
+        # kept in step with ppart and excess; rate_at: each pair's place in that order)
+        order = np.argsort(prate, kind="stable")
+        by_rate = order, prate[order], ppart[order], excess[order]
+        part_by_rate, excess_by_rate = by_rate[2], by_rate[3]
+        rate_at = np.empty_like(order)
+        rate_at[order] = np.arange(len(order))
+        rows_by_rate: dict[int, np.ndarray] = {}  # per v: rate_at of its rows
         for u in under:
             for b in sorted(held[u], key=rate.__getitem__):
                 pos = 0
@@ -1046,8 +1097,12 @@ class _Greedy:
                     load[v] -= gain * move
                     for t in (x, b):
                         if (v, t) in pair_at:
-                            ppart[pair_at[(v, t)]] = splits[t].parts.get(v, 0)
-                    excess[rows_of[v]] = load[v] - mean
+                            at = pair_at[(v, t)]
+                            ppart[at] = part_by_rate[rate_at[at]] = splits[t].parts.get(v, 0)
+                    rows = rows_of[v]
+                    if v not in rows_by_rate:
+                        rows_by_rate[v] = rate_at[rows]
+                    excess[rows] = excess_by_rate[rows_by_rate[v]] = load[v] - mean
                     pos = i + 1
 
     @staticmethod
@@ -1059,22 +1114,22 @@ class _Greedy:
         division is monotone in its numerator); where ``gain <= 0`` the quotient is not used (no trade; the caller
         silences the division's warnings).
 
-        ``by_rate``: the pairs by rate and those rates; a long scan looks only at the pairs whose rate is in
+        ``by_rate``: the pairs by rate, and their rates, parts and excesses in that order (the same values as
+        ``prate``, ``ppart``, ``excess``); a long scan looks only at the pairs whose rate is in
         ``(rate_b, rate_b + room / EXCHANGE_MIN]`` (with a millionth, and a trillionth of ``rate_b``, to spare for
         rounding) where they are fewer: a pair outside has ``gain <= 0``, or a quotient ``room / gain`` below
-        ``EXCHANGE_MIN``, so it cannot trade (the same first pair)."""
+        ``EXCHANGE_MIN``, so it cannot trade (the same first pair).  Those pairs are one slice of the arrays by rate
+        (the same conditions on the same values, element by element)."""
         end = len(prate)
         if by_rate is not None and end - pos > 1024:
-            order, rates = by_rate
-            a = int(np.searchsorted(rates, rate_b, side="right"))
-            z = int(np.searchsorted(rates, rate_b + room / EXCHANGE_MIN * (1 + 1e-6) + abs(rate_b) * 1e-12,
-                                    side="right"))
+            order, rates, parts, excesses = by_rate
+            a = int(rates.searchsorted(rate_b, side="right"))
+            z = int(rates.searchsorted(rate_b + room / EXCHANGE_MIN * (1 + 1e-6) + abs(rate_b) * 1e-12, side="right"))
             if z - a < (end - pos) // 2:
                 at = order[a:z]
-                at = at[at >= pos]
-                gain = prate[at] - rate_b
-                hit = at[(gain > 0) & (ppart[at] >= EXCHANGE_MIN)
-                         & (np.minimum(excess[at], room) / gain >= EXCHANGE_MIN)]
+                gain = rates[a:z] - rate_b
+                hit = at[(at >= pos) & (gain > 0) & (parts[a:z] >= EXCHANGE_MIN)
+                         & (np.minimum(excesses[a:z], room) / gain >= EXCHANGE_MIN)]
                 return int(hit.min()) if len(hit) else -1
         for lo, hi in (((pos, pos + 512), (pos + 512, end)) if end - pos > 1024 else ((pos, end),)):
             gain = prate[lo:hi] - rate_b
@@ -1097,7 +1152,7 @@ class _Greedy:
         the ``hi - lo`` least keys of all fitting slots, in key order: one sort.  Slots per rank are tried up
         to ``m`` (doubled while some rank took all of its ``m`` and more might follow)."""
         n, cap, k = self.n, self.cap, hi - lo
-        l0, t0 = np.array(load), np.array(toks, dtype=np.int64)
+        l0, t0 = _floats(load), _ints(toks)
         m = min(k, 2 * -(-k // n) + 2)
         while True:
             # slots 0..m of each rank, slot m too (the rows then ravel as views): it follows slot m - 1 in key and in
