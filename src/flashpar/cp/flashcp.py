@@ -140,12 +140,12 @@ class _Ranked:
         if v < most:
             if v == 0:
                 np.maximum.accumulate(self.toks[:most], out=top[:most])
-                np.cumsum(self.loads[:most], out=sums[:most])
+                np.add.accumulate(self.loads[:most], out=sums[:most])  # (np.cumsum: the same sums in order)
             else:
                 np.maximum(np.maximum.accumulate(self.toks[v:most]), top[v - 1], out=top[v:most])
                 part = self.loads[v - 1:most].copy()
                 part[0] = sums[v - 1]
-                np.cumsum(part, out=sums[v - 1:most])
+                np.add.accumulate(part, out=sums[v - 1:most])
             self._valid = most
         return top, sums
 
@@ -549,7 +549,8 @@ class _Greedy:
         longer than the document, which run no more efficiently; a millionth of it, and a billionth of ``g limit``,
         spare for rounding)."""
         # a member's share is about whole / g (a little more: cut pieces run less efficiently)
-        first = max(2, min(self.n, math.ceil(self.whole(length) / (share * self.mean)))) if share < math.inf else 2
+        whole = self.whole(length)
+        first = max(2, min(self.n, math.ceil(whole / (share * self.mean)))) if share < math.inf else 2
         keys, sizes, cap = ranked.keys, self.sizes, self.cap
         lo = bisect.bisect_left(sizes, first)
         hi = bisect.bisect_right(sizes, bisect.bisect_left(keys, (limit,)))  # (limit,): below every key at limit
@@ -565,27 +566,28 @@ class _Greedy:
                 fewest = self._fewest[length] = 2 * (length // (2 * self.sizes_np))
             top_toks, load_sums = ranked.prefixes(most)
             ok = top_toks[at] + fewest[lo:hi] <= cap
-            if not ok.any():
+            if not np.logical_or.reduce(ok):  # (ok.any(), without its Python layer)
                 return None
             gs = self.sizes_np[lo:hi]
             if limit < math.inf:  # the members' room under the limit, all together, must hold the document's work
                 room = gs * (limit * (1 + 1e-9)) - load_sums[at]
-                ok &= room >= self.whole(length) * (1 - 1e-6)
+                ok &= room >= whole * (1 - 1e-6)
             candidates = gs[ok].tolist()
         bound = share * self.mean
         for g in candidates:
             # (on arrays, at once: every member within the cap where the fullest of them, the prefix maximum, has room
             # for two of the longest chunks, ceil(L / 2g) tokens each; within the limit where the most loaded, the
-            # last, has room for the largest share: then no member's sum can be over, as float sums are monotone)
+            # last, has room for the largest share: then no member's sum can be over, as float sums are monotone;
+            # any member over: the largest over, a maximum.reduce)
             roomy = ranked.arrays and top_toks[g - 1] + 2 * -(-length // (2 * g)) <= cap
             if ranked.arrays and g > 32:  # (on arrays: the same sums and comparisons; tokens first, cheaper)
-                if not roomy and (ranked.toks[:g] + self._share_tokens(length, g) > cap).any():
+                if not roomy and np.maximum.reduce(ranked.toks[:g] + self._share_tokens(length, g)) > cap:
                     continue
                 top = self._top.get((length, g))
                 if top is None:
                     top = self._top[(length, g)] = float(self._share_arrays(length, g)[0].max())
-                if (top > bound and g < self.n) or (ranked.loads[g - 1] + top > limit and (
-                        ranked.loads[:g] + self._share_arrays(length, g)[0] > limit).any()):
+                if (top > bound and g < self.n) or (ranked.loads[g - 1] + top > limit and np.maximum.reduce(
+                        ranked.loads[:g] + self._share_arrays(length, g)[0]) > limit):
                     continue
             else:
                 top = self._size_fits(keys, length, g, bound, limit, cap, roomy)
@@ -741,7 +743,7 @@ class _Greedy:
         else:
             lam = float(xs[-1])
         sizes = np.maximum(0.0, np.minimum((lam - ld) / w, caps)).astype(np.int64)
-        rest = length - int(sizes.sum())
+        rest = length - int(np.add.reduce(sizes))
         if rest > 0:  # rounding: fewer than one token per member, where the cap allows (in member order)
             took = np.minimum(np.cumsum(np.maximum(0, self.cap - t - sizes)), rest)
             sizes += np.diff(took, prepend=0)
@@ -877,7 +879,8 @@ class _Greedy:
                     fits = False
                 elif eager:  # some rank within both (those within the work room: a prefix of the ranked order)
                     c = bisect.bisect_right(ranked.keys, (work_room, math.inf))
-                    fits = c > 0 and int(ranked.toks[:c].min()) <= tok_room
+                    fits = c > 0 and np.minimum.reduce(ranked.toks[:c]) <= tok_room  # (.min(), without its Python
+                    # layer; the tokens are integers, exact as floats)
                 elif mins is not None:
                     if heap_anew:
                         mins = _Mins(load, toks)
@@ -1130,7 +1133,7 @@ class _Greedy:
                 gain = rates[a:z] - rate_b
                 hit = at[(at >= pos) & (gain > 0) & (parts[a:z] >= EXCHANGE_MIN)
                          & (np.minimum(excesses[a:z], room) / gain >= EXCHANGE_MIN)]
-                return int(hit.min()) if len(hit) else -1
+                return int(np.minimum.reduce(hit)) if len(hit) else -1
         for lo, hi in (((pos, pos + 512), (pos + 512, end)) if end - pos > 1024 else ((pos, end),)):
             gain = prate[lo:hi] - rate_b
             ok = (gain > 0) & (ppart[lo:hi] >= EXCHANGE_MIN) & (np.minimum(excess[lo:hi], room) / gain >= EXCHANGE_MIN)
