@@ -157,12 +157,15 @@ def _cut_figures(rank, a, b, doc, s, length, pairs, n: int, total: int, cost: Co
     return local_t, remote_t, _int_sums(rank[group_first], recv_g, n, total), np.bincount(rank, minlength=n)
 
 
-def whole_doc_times(lens, cost: CostModel):
+def whole_doc_times(lens, cost: CostModel, attn=None):
     """Attention time of each document (lengths ``lens``, an int64 array) held whole on one rank: all of it on local
-    keys, rounded as :func:`figures_of_arrays` rounds a piece that is a whole document (``t p / p``)."""
+    keys, rounded as :func:`figures_of_arrays` rounds a piece that is a whole document (``t p / p``).  ``attn``:
+    ``cost.attn_times(pairs, L, L)`` of the documents, where the caller has them (``t``)."""
     pairs = lens * (lens + 1) // 2
-    q = lens.astype(np.float64)
-    t = cost.attn_times(pairs, q, q)
+    if attn is None:
+        q = lens.astype(np.float64)
+        attn = cost.attn_times(pairs, q, q)
+    t = attn
     with np.errstate(divide="ignore", invalid="ignore"):
         return t * pairs.astype(np.float64) / pairs
 

@@ -439,7 +439,8 @@ class _Greedy:
             run_end += [e] * (e - lo)
             lo = e
         self.run_end = run_end
-        distinct = sl[np.concatenate(([0], ends[:-1]))]
+        run_starts = np.concatenate(([0], ends[:-1]))
+        distinct = sl[run_starts]
         self._shares: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
         self._whole: dict[int, float] = {}
         self._top: dict[tuple[int, int], float] = {}  # per (length, g): the largest of the shares
@@ -456,10 +457,11 @@ class _Greedy:
         self._last_np = self.sizes_np - 1  # (the last member of a group of each size)
         self._fewest: dict[int, np.ndarray] = {}  # per length: _group's fewest tokens per member, per size
         self._row_of = np.arange(n, dtype=np.int64)  # (each rank's row, for _batch_whole)
-        self._whole = dict(zip(distinct.tolist(), self._whole_arrays(distinct).tolist(), strict=True))
-        # (added in document order, as always: cumsum adds in order, as sum() of floats does; the same floats per
-        # document, the formula being elementwise)
-        self.mean = float(np.cumsum(self._whole_arrays(lens))[-1]) / n
+        # (the same floats per document, the formula being elementwise: each length's from its first document's)
+        whole_all = self._whole_arrays(lens, keep=True)
+        self._whole = dict(zip(distinct.tolist(), whole_all[order[run_starts]].tolist(), strict=True))
+        # (added in document order, as always: cumsum adds in order, as sum() of floats does)
+        self.mean = float(np.cumsum(whole_all)[-1]) / n
 
     @functools.cached_property
     def starts(self) -> list[int]:
@@ -470,15 +472,19 @@ class _Greedy:
         """(lengths, ``whole_doc_times``) of the documents under this pass's cost model (placements of whole
         documents are scored from them)."""
         if self._whole_times is None:
-            self._whole_times = (self.lens_np, whole_doc_times(self.lens_np, self.cost))
+            self._whole_times = (self.lens_np, whole_doc_times(self.lens_np, self.cost, self._doc_attn))
         return self._whole_times
 
-    def _whole_arrays(self, lens):
+    def _whole_arrays(self, lens, keep: bool = False):
         """:meth:`whole` of each of ``lens`` (an int64 array), on arrays: the same floats (the linear time, then the
-        attention time as ``CostModel.attn_time`` rounds it, added)."""
+        attention time as ``CostModel.attn_time`` rounds it, added).  ``keep``: the attention times are kept for
+        :meth:`whole_times` (``lens``: every document's)."""
         cost = self.cost
         q = lens.astype(np.float64)
-        return q * cost.flops_per_token / cost.hardware.gemm_flops + cost.attn_times(lens * (lens + 1) // 2, q, q)
+        attn = cost.attn_times(lens * (lens + 1) // 2, q, q)
+        if keep:
+            self._doc_attn = attn
+        return q * cost.flops_per_token / cost.hardware.gemm_flops + attn
 
     def whole(self, length: int) -> float:
         if length not in self._whole:
