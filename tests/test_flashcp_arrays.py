@@ -195,3 +195,47 @@ def test_whole_doc_step_in_runs_and_in_short_equals_the_plain_greedy(monkeypatch
             for d, r in zip(p.docs.tolist(), p.rank.tolist(), strict=True):
                 got[d] = r
             assert got == want, (n, tol)
+
+
+def test_exchange_pairs_on_arrays_equal_the_python_pairs():
+    """_Greedy._pairs_arrays (many ranks) gives what _Greedy._pairs gives: the pairs in scan order, their rates, parts
+    and excesses, the rows per (v, X) and per v, and the sets of the ranks under the mean, iterated in the same order;
+    None where two splits of one rank over the mean have equal rates (their order is then that rank's set's)."""
+    g, rng = greedy(100), random.Random(7)
+    compared = 0
+    for trial in range(30):
+        tied = trial % 3 == 0  # (equal lengths: equal rates on the ranks that hold both)
+        lengths = [rng.choice((3000, 5000)) if tied else rng.randint(2000, 90000) for _ in range(rng.randint(5, 60))]
+        load = [rng.uniform(0.5, 1.5) * g.mean for _ in range(g.n)]
+        over = sorted((r for r in range(g.n) if load[r] > g.mean * 1.01), key=lambda r: -load[r])
+        under = sorted((r for r in range(g.n) if load[r] < g.mean * 0.99), key=load.__getitem__)
+        pool = [r for r in range(g.n) if r not in under] if trial % 5 == 1 else range(g.n)  # (none under holds any)
+        splits = []
+        for i, length in enumerate(lengths):
+            members = rng.sample(pool, rng.randint(2, 40))
+            splits.append(_Split(i * 100000, length, {r: rng.randint(1, 3000) for r in members}, False))
+        rate = [g.whole(sp.length) / sp.length for sp in splits]
+        got, want = g._pairs_arrays(splits, over, under, rate, load), g._pairs(splits, over, rate, load)
+        if got is None:  # (no pairs at all, or equal rates on one rank)
+            pv, px = want[1:3] if want is not None else ([], [])
+            assert want is None or any(v == w and rate[x] == rate[y]
+                                       for v, w, x, y in zip(pv, pv[1:], px, px[1:], strict=False))
+            continue
+        compared += 1
+        assert [list(got[0][u]) for u in under] == [list(want[0][u]) for u in under]
+        assert got[1:3] == want[1:3] and got[6] == want[6]
+        for a, b in zip(got[3:6], want[3:6], strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+        assert got[7].keys() == want[7].keys() and all(np.array_equal(got[7][v], want[7][v]) for v in got[7])
+    assert 10 <= compared < 30  # (both kinds met)
+
+
+def test_per_doc_arrays_equals_per_doc():
+    from flashpar.cp.strategies import ArrayPlacement, per_doc, per_doc_arrays
+
+    rng = random.Random(3)
+    for _ in range(200):
+        n = rng.choice((1, 2, 3, 8, 33))
+        lens = [rng.choice((1, 2, 3, rng.randint(1, 5000))) for _ in range(rng.randint(1, 40))]
+        want, got = ArrayPlacement.of(per_doc(lens, n)), per_doc_arrays(lens, n)
+        assert got.key() == want.key() and got.frozen() == want.frozen() and got.rank.dtype == want.rank.dtype

@@ -60,7 +60,7 @@ from flashpar.cp.strategies import (
     chunk_bounds,
     contiguous,
     headtail,
-    per_doc,
+    per_doc_arrays,
     sized_pieces,
     torch_per_doc,
 )
@@ -348,14 +348,16 @@ class _RankDocs:
 
 
 def _floats(values) -> np.ndarray:
-    """A list of floats as a float64 array (the same values; numpy's type discovery in ``np.asarray`` costs several
-    times more)."""
-    return np.fromiter(values, dtype=np.float64, count=len(values))
+    """A list of floats as a float64 array (the same values; beyond 64 by ``np.fromiter``: ``np.asarray``'s type
+    discovery costs about 1.5x there, up to 4x on a loaded machine, and fromiter's start-up more below)."""
+    n = len(values)
+    return np.fromiter(values, dtype=np.float64, count=n) if n > 64 else np.array(values, dtype=np.float64)
 
 
 def _ints(values) -> np.ndarray:
     """A list of integers as an int64 array (see :func:`_floats`)."""
-    return np.fromiter(values, dtype=np.int64, count=len(values))
+    n = len(values)
+    return np.fromiter(values, dtype=np.int64, count=n) if n > 64 else np.array(values, dtype=np.int64)
 
 
 def _headtail_arrays(splits: list[_Split]):
@@ -1043,31 +1045,88 @@ class _Greedy:
         if not over or not under or not splits:
             return
         rate = [self.whole(sp.length) / sp.length for sp in splits]
+        # The scan, per (u, B): over v (busiest first) and its X (heaviest first), trade where the move is at least
+        # EXCHANGE_MIN; X stops at the first no heavier than B.  Between two trades nothing changes, so each step
+        # finds the next trade of the scan at once: every (v, X) pair of the scan as arrays, in scan order, with
+        # the part of X on v (0 once v holds none) and v's load kept in step with the trades.
+        pairs = self._pairs_arrays(splits, over, under, rate, load) if self.n > 64 else None
+        if pairs is None:
+            pairs = self._pairs(splits, over, rate, load)
+        if pairs is None:
+            return
+        held, pv, px, prate, ppart, excess, pair_at, rows_of = pairs
+        rates_sorted = sorted(set(prate.tolist()))
+        with np.errstate(divide="ignore", invalid="ignore"):  # (see _next_trade)
+            self._trades(under, held, rate, rates_sorted, splits, load, pv, px, prate, ppart, excess, pair_at, rows_of)
+
+    def _pairs(self, splits: list[_Split], over: list[int], rate: list[float], load):
+        """:meth:`_exchange`'s pairs (see there), in Python: (the splits each rank has a part of, as sets; each pair's
+        v and X, lists; X's rate, X's part on v and v's load over the mean, arrays; each pair's row by (v, X); each
+        v's rows), or None where there are none."""
         held: list[set[int]] = [set() for _ in range(self.n)]  # the splits each rank has a part of
         for i, sp in enumerate(splits):
             for r in sp.parts:
                 held[r].add(i)
         # the splits of each rank over the mean, heaviest first (what a trade gives it is not offered again)
         heaviest = {v: sorted(held[v], key=lambda i: -rate[i]) for v in over}
-        # The scan, per (u, B): over v (busiest first) and its X (heaviest first), trade where the move is at least
-        # EXCHANGE_MIN; X stops at the first no heavier than B.  Between two trades nothing changes, so each step
-        # finds the next trade of the scan at once: every (v, X) pair of the scan as arrays, in scan order, with
-        # the part of X on v (0 once v holds none) and v's load kept in step with the trades.
         pv = [v for v in over for _ in heaviest[v]]
         px = [x for v in over for x in heaviest[v]]
         if not px:
-            return
+            return None
         prate = _floats(rate)[px]
         ppart = np.asarray([splits[x].parts.get(v, 0) for v, x in zip(pv, px, strict=True)], dtype=np.float64)
-        excess = _floats([load[v] for v in pv]) - mean  # (v's load over the mean, per pair)
+        excess = _floats([load[v] for v in pv]) - self.mean  # (v's load over the mean, per pair)
         pair_at = {vx: i for i, vx in enumerate(zip(pv, px, strict=True))}
         rows_of: dict[int, list[int]] = {}
         for i, v in enumerate(pv):
             rows_of.setdefault(v, []).append(i)
         rows_of = {v: np.asarray(rows, dtype=np.int64) for v, rows in rows_of.items()}
-        rates_sorted = sorted(set(prate.tolist()))
-        with np.errstate(divide="ignore", invalid="ignore"):  # (see _next_trade)
-            self._trades(under, held, rate, rates_sorted, splits, load, pv, px, prate, ppart, excess, pair_at, rows_of)
+        return held, pv, px, prate, ppart, excess, pair_at, rows_of
+
+    def _pairs_arrays(self, splits: list[_Split], over: list[int], under: list[int], rate: list[float], load):
+        """:meth:`_pairs` on arrays (many ranks): the same pairs in the same order, or None where two splits of one
+        rank over the mean have equal rates (their order is then the order of that rank's set: :meth:`_pairs`).
+
+        Every part as (split, rank, tokens), in split order; the pairs: the parts on ranks over the mean, by (place
+        of the rank in ``over``, rate descending), a stable sort (the same order as ``sorted(set, key=-rate)`` where
+        no rates tie).  The sets are made for the ranks under the mean alone (the only ones :meth:`_trades` reads;
+        the others' stay empty, and trades only add to and take from them), each from its splits in split order, as
+        the loop in :meth:`_pairs` adds them (the same sets, iterated in the same order).  A rank's rows are one
+        range (the pairs are grouped by rank)."""
+        n = self.n
+        g = np.fromiter((len(sp.parts) for sp in splits), dtype=np.int64, count=len(splits))
+        m = int(g.sum())
+        part_rank = np.fromiter(itertools.chain.from_iterable(sp.parts for sp in splits), dtype=np.int64, count=m)
+        part_tok = np.fromiter(itertools.chain.from_iterable(sp.parts.values() for sp in splits), dtype=np.int64,
+                               count=m)
+        part_split = np.repeat(np.arange(len(splits), dtype=np.int64), g)
+        rate_np = _floats(rate)
+        place = np.full(n, -1, dtype=np.int64)
+        place[np.asarray(over, dtype=np.int64)] = np.arange(len(over), dtype=np.int64)
+        sel = np.flatnonzero(place[part_rank] >= 0)
+        if not len(sel):
+            return None
+        sel = sel[np.lexsort((-rate_np[part_split[sel]], place[part_rank[sel]]))]
+        pv_np, px_np = part_rank[sel], part_split[sel]
+        prate = rate_np[px_np]
+        if ((pv_np[1:] == pv_np[:-1]) & (prate[1:] == prate[:-1])).any():
+            return None
+        held: list[set[int]] = [set() for _ in range(n)]
+        mine = np.zeros(n, dtype=bool)
+        mine[np.asarray(under, dtype=np.int64)] = True
+        sub = np.flatnonzero(mine[part_rank])
+        sub = sub[np.argsort(part_rank[sub], kind="stable")]  # (by rank, each rank's in split order)
+        ranks_sub, splits_sub = part_rank[sub], part_split[sub].tolist()
+        cuts = np.flatnonzero(np.concatenate(([True], ranks_sub[1:] != ranks_sub[:-1], [True]))).tolist()
+        for lo, hi in itertools.pairwise(cuts if len(sub) else ()):
+            held[int(ranks_sub[lo])] = set(splits_sub[lo:hi])
+        pv, px = pv_np.tolist(), px_np.tolist()
+        ppart = part_tok[sel].astype(np.float64)
+        excess = _floats(load)[pv_np] - self.mean  # (v's load over the mean, per pair)
+        pair_at = dict(zip(zip(pv, px, strict=True), range(len(pv)), strict=True))
+        heads = np.flatnonzero(np.concatenate(([True], pv_np[1:] != pv_np[:-1], [True]))).tolist()
+        rows_of = {pv[lo]: np.arange(lo, hi, dtype=np.int64) for lo, hi in itertools.pairwise(heads)}
+        return held, pv, px, prate, ppart, excess, pair_at, rows_of
 
     def _trades(self, under, held, rate, rates_sorted, splits, load, pv, px, prate, ppart, excess, pair_at,
                 rows_of) -> None:
@@ -1075,12 +1134,14 @@ class _Greedy:
         mean = self.mean
         # (for long scans, see _next_trade: the pairs by rate, with their rates, parts and excesses in that order,
         # kept in step with ppart and excess; rate_at: each pair's place in that order)
-        order = np.argsort(prate, kind="stable")
-        by_rate = order, prate[order], ppart[order], excess[order]
-        part_by_rate, excess_by_rate = by_rate[2], by_rate[3]
-        rate_at = np.empty_like(order)
-        rate_at[order] = np.arange(len(order))
-        rows_by_rate: dict[int, np.ndarray] = {}  # per v: rate_at of its rows
+        by_rate = None  # (only scans of more than 1024 pairs read it)
+        if len(prate) > 1024:
+            order = np.argsort(prate, kind="stable")
+            by_rate = order, prate[order], ppart[order], excess[order]
+            part_by_rate, excess_by_rate = by_rate[2], by_rate[3]
+            rate_at = np.empty_like(order)
+            rate_at[order] = np.arange(len(order))
+            rows_by_rate: dict[int, np.ndarray] = {}  # per v: rate_at of its rows
         for u in under:
             for b in sorted(held[u], key=rate.__getitem__):
                 pos = 0
@@ -1106,12 +1167,16 @@ class _Greedy:
                     load[v] -= gain * move
                     for t in (x, b):
                         if (v, t) in pair_at:
-                            at = pair_at[(v, t)]
-                            ppart[at] = part_by_rate[rate_at[at]] = splits[t].parts.get(v, 0)
-                    rows = rows_of[v]
-                    if v not in rows_by_rate:
-                        rows_by_rate[v] = rate_at[rows]
-                    excess[rows] = excess_by_rate[rows_by_rate[v]] = load[v] - mean
+                            at, part = pair_at[(v, t)], splits[t].parts.get(v, 0)
+                            ppart[at] = part
+                            if by_rate is not None:
+                                part_by_rate[rate_at[at]] = part
+                    rows, e = rows_of[v], load[v] - mean
+                    excess[rows] = e
+                    if by_rate is not None:
+                        if v not in rows_by_rate:
+                            rows_by_rate[v] = rate_at[rows]
+                        excess_by_rate[rows_by_rate[v]] = e
                     pos = i + 1
 
     @staticmethod
@@ -1366,7 +1431,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
     ring_of = functools.cache(lambda: [f(doc_lens, n, starts) for f in (headtail, contiguous)])
     # per_doc, torch_per_doc (beyond 16 ranks not: cutting every document into 2N pieces twice over is the
     # costliest candidate at large N); in the order the baselines have always been compared in
-    cut_all = lambda: ([ArrayPlacement.of(per_doc(doc_lens, n))],  # noqa: E731
+    cut_all = lambda: ([per_doc_arrays(doc_lens, n)],  # noqa: E731
                        [ArrayPlacement.of(torch_per_doc(doc_lens, n, False))] if n <= 16 else [])
     fig_of: dict[bytes, object] = {}
     times = greedy.whole_times() if greedy.cost is cost else (greedy.lens_np, whole_doc_times(greedy.lens_np, cost))

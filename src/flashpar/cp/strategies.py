@@ -200,12 +200,31 @@ def per_doc(doc_lens: list[int], n: int) -> Placement:
     """Every document head-tail over all ranks (``Placement.headtail`` per document, then each rank's pieces in
     token order), on arrays: for N > 1, rank ``r``'s pieces are, document by document, chunks ``r`` and
     ``2n - 1 - r``."""
-    import numpy as np
-
     p = Placement(n)
     if n == 1:  # a group of one holds each document whole, in one piece
         p.segments[0] = [(s, s + length) for s, length in zip(doc_starts_of(doc_lens), doc_lens, strict=True)]
         return p
+    a, b = _per_doc_pieces(doc_lens, n)
+    for r in range(n):
+        keep = b[r] > a[r]
+        p.segments[r] = list(zip(a[r][keep].tolist(), b[r][keep].tolist(), strict=True))
+    return p
+
+
+def per_doc_arrays(doc_lens: list[int], n: int) -> ArrayPlacement:
+    """:func:`per_doc` as an :class:`ArrayPlacement` (the same pieces, each rank's in the same order), without its
+    lists."""
+    if n == 1:
+        return ArrayPlacement.of(per_doc(doc_lens, n))
+    a, b = _per_doc_pieces(doc_lens, n)
+    keep = b > a
+    counts = np.count_nonzero(keep, axis=1)
+    return ArrayPlacement(n, np.repeat(np.arange(n, dtype=np.int64), counts), a[keep], b[keep])
+
+
+def _per_doc_pieces(doc_lens: list[int], n: int):
+    """(start, end) of :func:`per_doc`'s pieces, ``(n, 2 D)`` arrays: per rank, the head and tail of each document
+    in order (empty ones included)."""
     lens = np.asarray(doc_lens, dtype=np.int64)
     starts = np.asarray(doc_starts_of(doc_lens), dtype=np.int64)
     bounds = starts[:, None] + lens[:, None] * np.arange(2 * n + 1, dtype=np.int64)[None, :] // (2 * n)
@@ -213,10 +232,7 @@ def per_doc(doc_lens: list[int], n: int) -> Placement:
     tail_a, tail_b = bounds[:, 2 * n - 1:n - 1:-1].T, bounds[:, 2 * n:n:-1].T
     a = np.stack((head_a, tail_a), axis=2).reshape(n, -1)  # per rank: head, tail of each document, in order
     b = np.stack((head_b, tail_b), axis=2).reshape(n, -1)
-    for r in range(n):
-        keep = b[r] > a[r]
-        p.segments[r] = list(zip(a[r][keep].tolist(), b[r][keep].tolist(), strict=True))
-    return p
+    return a, b
 
 
 def torch_per_doc(doc_lens: list[int], n: int, use_torch: bool = True) -> Placement:
