@@ -180,9 +180,12 @@ class _Ranked:
                 self.update(q, load[q], toks[q])
             return
         cur, lv, tv = self.cur, self.load_of, self.toks_of
-        for q in ranks:
-            cur[q] = (load[q], toks[q], q)
-            tv[q], lv[q] = toks[q], load[q]
+        get = operator.itemgetter(*ranks)
+        new_load, new_toks = get(load), get(toks)
+        for q, x, t in zip(ranks, new_load, new_toks, strict=True):
+            cur[q] = (x, t, q)
+        at = _ints(ranks)  # (the same values, written at once)
+        lv[at], tv[at] = _floats(new_load), _ints(new_toks)
         at = np.argsort(lv, kind="stable")  # (equal loads: by rank; by tokens first where any are equal)
         if (lv[at[1:]] == lv[at[:-1]]).any():
             at = np.lexsort((tv, lv))
@@ -623,7 +626,7 @@ class _Greedy:
             return None
         return top
 
-    def _fill(self, length: int, start: int, load, toks, limit: float, share: float):
+    def _fill(self, length: int, start: int, load, toks, limit: float, share: float, rooms=None):
         """Unequal head-tail (``Placement.headtail_sized``) over the fewest ranks whose room holds the document,
         each filled to the same level of compute.  Returns (members, tokens of each), or None.
 
@@ -633,12 +636,13 @@ class _Greedy:
         room, every rank with token room joins and the bound is lifted (``share`` dropped).  Member ``i``
         then takes ``s_i = min((lam - load_i) / w_i, cap - toks_i, top)`` tokens, with the level ``lam``
         such that ``sum s_i = L_d`` (see ``_level``), once with ``w_i = w`` and once more with each member's
-        own rate from the cost model (short pieces, and pieces near the document's start, run slower)."""
+        own rate from the cost model (short pieces, and pieces near the document's start, run slower).
+        ``rooms``: ``load`` and ``toks`` as float64 and int64 arrays, where the caller keeps them (the same values)."""
         per_tok = self.whole(length) / length
         top = min(self.cap, share * self.mean / per_tok)
         need = (1 + FILL_MARGIN) * length
         if self.n > 32:  # (on arrays: the same rooms, order and running sum)
-            load_np, toks_np = _floats(load), _ints(toks)
+            load_np, toks_np = rooms if rooms is not None else (_floats(load), _ints(toks))
             acc, k, members, first = self._fill_rooms(load_np, toks_np, limit, per_tok, top, need)
             if acc >= need:
                 self.peak_share = max(self.peak_share, first * per_tok / self.mean)
@@ -1002,7 +1006,8 @@ class _Greedy:
         # rank), looked up once (nothing changes in between)
         room = ranked.first_with_room(cap - length) if group is None else -1
         cut = group is None and subgroups and room < 0
-        fill = self._fill(length, start, load, toks, limit, share) if cut else None
+        rooms = (ranked.load_of, ranked.toks_of) if ranked.arrays else None  # (kept current there, as for _fitting)
+        fill = self._fill(length, start, load, toks, limit, share, rooms) if cut else None
         if fill is not None and len(fill[0]) > 1:  # unequal parts by each rank's room
             members, sizes = fill
             splits.append(_Split(start, length, dict(zip(members, sizes, strict=True)), False))
