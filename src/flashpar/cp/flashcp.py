@@ -129,25 +129,39 @@ class _Ranked:
     def _rows(self, rows: np.ndarray) -> None:
         self.rows = rows
         self.loads, self.toks = rows[0], rows[1]
-        self._valid = 0
+        self._valid_top = self._valid_sums = 0
 
     def prefixes(self, most: int) -> tuple[np.ndarray, np.ndarray]:
         """The prefix maximum of ``toks`` and the prefix sum of ``loads`` (``np.maximum.accumulate`` and
-        ``np.cumsum``: the same floats), valid over the first ``most`` places.  Kept between calls: a change
-        moves ranks only between its old and its new place, so the prefixes before both stay, and only the rest
-        is added anew, in order (a running sum continued from its last valid value is the same sum)."""
-        v, top, sums = self._valid, self._top_toks, self._load_sums
+        ``np.cumsum``: the same floats), valid over the first ``most`` places (:meth:`top_prefix`,
+        :meth:`sum_prefix`)."""
+        return self.top_prefix(most), self.sum_prefix(most)
+
+    def top_prefix(self, most: int) -> np.ndarray:
+        """The prefix maximum of ``toks``, valid over the first ``most`` places.  Kept between calls: a change moves
+        ranks only between its old and its new place, so the prefixes before both stay, and only the rest is taken
+        anew (the maximum of the last valid one and the rest's own prefix maxima)."""
+        v, top = self._valid_top, self._top_toks
+        if v < most:
+            np.maximum.accumulate(self.toks[v:most], out=top[v:most])
+            if v:
+                np.maximum(top[v:most], top[v - 1], out=top[v:most])
+            self._valid_top = most
+        return top
+
+    def sum_prefix(self, most: int) -> np.ndarray:
+        """The prefix sum of ``loads`` (``np.cumsum``'s sums: ``np.add.accumulate``, in order), valid over the first
+        ``most`` places; kept as :meth:`top_prefix` (a running sum continued from its last valid value is the same
+        sum)."""
+        v, sums = self._valid_sums, self._load_sums
         if v < most:
             if v == 0:
-                np.maximum.accumulate(self.toks[:most], out=top[:most])
-                np.add.accumulate(self.loads[:most], out=sums[:most])  # (np.cumsum: the same sums in order)
+                np.add.accumulate(self.loads[:most], out=sums[:most])
             else:
-                np.maximum(np.maximum.accumulate(self.toks[v:most]), top[v - 1], out=top[v:most])
-                part = self.loads[v - 1:most].copy()
-                part[0] = sums[v - 1]
-                np.add.accumulate(part, out=sums[v - 1:most])
-            self._valid = most
-        return top, sums
+                sums[v:most] = self.loads[v:most]
+                np.add.accumulate(sums[v - 1:most], out=sums[v - 1:most])  # (from the last valid sum on)
+            self._valid_sums = most
+        return sums
 
     def update(self, q: int, load: float, toks: int) -> None:
         old, new = self.cur[q], (load, toks, q)
@@ -162,8 +176,11 @@ class _Ranked:
         self.cur[q] = new
         if not self.arrays:
             return
-        if min(i, j) < self._valid:
-            self._valid = min(i, j)
+        lo = i if i < j else j
+        if lo < self._valid_top:
+            self._valid_top = lo
+        if lo < self._valid_sums:
+            self._valid_sums = lo
         loads, toks_row = self.loads, self.toks  # (the rows, one at a time: cheaper than both as one 2-d slice)
         if j > i:  # (overlapping slices: numpy copies as if through a buffer)
             loads[i:j] = loads[i + 1:j + 1]
@@ -575,13 +592,13 @@ class _Greedy:
             fewest = self._fewest.get(length)  # the fewest tokens a member takes, per size
             if fewest is None:
                 fewest = self._fewest[length] = 2 * (length // (2 * self.sizes_np))
-            top_toks, load_sums = ranked.prefixes(most)
+            top_toks = ranked.top_prefix(most)
             ok = top_toks[at] + fewest[lo:hi] <= cap
             if not np.logical_or.reduce(ok):  # (ok.any(), without its Python layer)
                 return None
             gs = self.sizes_np[lo:hi]
             if limit < math.inf:  # the members' room under the limit, all together, must hold the document's work
-                room = gs * (limit * (1 + 1e-9)) - load_sums[at]
+                room = gs * (limit * (1 + 1e-9)) - ranked.sum_prefix(most)[at]
                 ok &= room >= whole * (1 - 1e-6)
             candidates = gs[ok].tolist()
         bound = share * self.mean
