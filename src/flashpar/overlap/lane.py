@@ -8,7 +8,19 @@ issued in order execute in order.
 
 * CPU (gloo): a worker thread posts an item, waits for its handles (``Work.wait``
   releases the GIL, so GEMMs on the main thread run meanwhile), marks it done
-  and takes the next.  gloo would otherwise run every posted transfer at once,
+  and takes the next.  An item submitted while nothing of its lane is in flight
+  (the usual first transfer of an op, and at tp 2 the only one) is posted on the
+  submitting thread, and the worker only waits for it::
+
+      main:    | post x_r -> r+1 | GEMM y[r] ............ | wait | GEMM y[r-1]
+      gloo:          |====== x transfer ======|
+      worker:        (waits for the handles, marks done)
+
+  Posted by the worker instead, the transfer would start only when the worker
+  thread next gets a core: with more ranks than cores, up to a scheduler tick
+  (4 ms at HZ=250) after the submit, while the GEMM it should hide behind runs.
+  Later items still wait for the one before (the worker posts them), so the
+  lane's order is the same either way.  gloo would otherwise run every posted transfer at once,
   splitting the link between peers so that all peer blocks arrive together at
   the end, which is exactly the exposed tail the flash schedule exists to avoid.
   One worker thread per (process group, calling thread) is started on first use
@@ -26,6 +38,7 @@ a failure names the op, this rank and the item (which says which peers were invo
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import queue
 import threading
@@ -42,6 +55,11 @@ LaneFn = Callable[[], list]
 
 class LaneError(RuntimeError):
     pass
+
+
+def _posted(works: list) -> list:
+    """The worker's job for an item already posted by the submitting thread: its handles."""
+    return works
 
 
 class _Worker:
@@ -143,6 +161,7 @@ class Lane:
         self._error_item: int | None = None
         self._aborted = False
         self._worker: _Worker | None = None
+        self._last: int | None = None  # the last item handed to the worker
         self._group = weakref.ref(group) if group is not None else None  # never keeps a group alive
         self._host_waits = not stream_waits(group)  # NCCL: the stream waits, not the host (dist.wait_work)
 
@@ -182,7 +201,19 @@ class Lane:
             return
         if self._worker is None:
             self._worker = _worker_for(self._group() if self._group is not None else None)
-        self._worker.jobs.put((self, item, fn))
+        job = fn
+        if self._idle():  # post here; the worker only waits (it stays the handles' one waiter)
+            try:
+                job = functools.partial(_posted, fn())
+            except BaseException as err:
+                raise LaneError(self._fail_message(item, what) + f": {err}") from err
+        self._last = item
+        self._worker.jobs.put((self, item, job))
+
+    def _idle(self) -> bool:
+        """Every item submitted before has completed (its worker job set its event), so nothing of this
+        lane is in flight and an item posted now keeps the lane's order."""
+        return self._error is None and not self._aborted and (self._last is None or self._done[self._last].is_set())
 
     def wait(self, item: int) -> None:
         what = self._what[item]
