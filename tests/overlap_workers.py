@@ -134,7 +134,9 @@ def device_mesh(rank: int, n: int) -> dict[str, str]:
 
 
 def group_lifetime(rank: int, n: int) -> str:
-    """A destroyed group takes its lane worker and its twin-group entry with it; a later group gets its own."""
+    """A destroyed group takes its lane worker and its twin-group entry with it; a later group gets its own.
+    The op runs two chunks per peer: the second transfer queues behind the first, which starts the worker (an
+    op with one transfer posts and waits for it on the calling thread and never needs one)."""
     import gc
     import weakref
 
@@ -144,7 +146,7 @@ def group_lifetime(rank: int, n: int) -> str:
     from flashpar.overlap import lane
 
     def use(group) -> tuple[list, object]:
-        y = all_gather_matmul(torch.full((2, 4), float(rank)), torch.eye(4), group=group, mode="flash")
+        y = all_gather_matmul(torch.full((2, 4), float(rank)), torch.eye(4), group=group, mode="flash", chunks=2)
         expect = torch.arange(n, dtype=torch.float32).repeat_interleave(2)
         assert torch.equal(y[:, 0], expect), y[:, 0].tolist()
         return lane.workers_of(group), fdist._UPWARD_GROUPS.get(group)

@@ -11,6 +11,21 @@ issued in order execute in order.
   and takes the next.  gloo would otherwise run every posted transfer at once,
   splitting the link between peers so that all peer blocks arrive together at
   the end, which is exactly the exposed tail the flash schedule exists to avoid.
+  An item submitted while nothing of its lane is in flight (the first transfer
+  of an op; at tp 2 the only one) is posted on the submitting thread instead,
+  and waited for there at its ``wait``, unless a later item is queued first:
+  that hands it to the worker, which waits for it and then posts the later one::
+
+      one item     main:    | post x_r -> r+1 | GEMM y[r] ....... | wait | GEMM y[r-1]
+                   gloo:          |===== x transfer =====|
+      two items    main:    | post 1 | queue 2 | GEMM ...........  | wait 1 | GEMM | wait 2 | ...
+                   worker:           | wait 1 ......| post 2, wait 2 ......|
+
+  Posted by the worker, a transfer would start only when the worker thread next
+  gets a core (with more ranks than cores, up to a scheduler tick, 4 ms at
+  HZ=250, after the submit, while the GEMM it should hide behind runs), and its
+  completion would reach the main thread through the worker.  Every handle has
+  one waiter, and the lane's order is the same either way.
   One worker thread per (process group, calling thread) is started on first use
   and reused by every later op on that group (starting a thread per call costs
   about a millisecond here); it stops when its group is freed (after
@@ -26,6 +41,7 @@ a failure names the op, this rank and the item (which says which peers were invo
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import queue
 import threading
@@ -42,6 +58,11 @@ LaneFn = Callable[[], list]
 
 class LaneError(RuntimeError):
     pass
+
+
+def _posted(works: list) -> list:
+    """The worker's job for an item already posted by the submitting thread: its handles."""
+    return works
 
 
 class _Worker:
@@ -143,6 +164,8 @@ class Lane:
         self._error_item: int | None = None
         self._aborted = False
         self._worker: _Worker | None = None
+        self._last: int | None = None  # the last item handed to the worker
+        self._held: tuple[int, list] | None = None  # (item, handles): posted by the submitting thread, not yet waited
         self._group = weakref.ref(group) if group is not None else None  # never keeps a group alive
         self._host_waits = not stream_waits(group)  # NCCL: the stream waits, not the host (dist.wait_work)
 
@@ -180,13 +203,41 @@ class Lane:
             except BaseException as err:
                 raise LaneError(self._fail_message(item, what) + f": {err}") from err
             return
+        if self._held is None and self._worker_idle():
+            # nothing of this lane in flight: post here, and let whoever needs the handles first wait for them
+            try:
+                self._held = (item, fn())
+            except BaseException as err:
+                raise LaneError(self._fail_message(item, what) + f": {err}") from err
+            return
+        self._release_held()
+        self._queue(item, fn)
+
+    def _worker_idle(self) -> bool:
+        """Every item handed to the worker has completed (its job set its event)."""
+        return self._error is None and not self._aborted and (self._last is None or self._done[self._last].is_set())
+
+    def _release_held(self) -> None:
+        """A later item is queued behind the held one: the worker waits for the held handles first (it becomes
+        their one waiter), so the later item is posted only after the held one completed."""
+        if self._held is not None:
+            item, works = self._held
+            self._held = None
+            self._queue(item, functools.partial(_posted, works))
+
+    def _queue(self, item: int, fn: LaneFn) -> None:
         if self._worker is None:
             self._worker = _worker_for(self._group() if self._group is not None else None)
+        self._last = item
         self._worker.jobs.put((self, item, fn))
 
     def wait(self, item: int) -> None:
         what = self._what[item]
-        if self.threaded:
+        if self._held is not None and self._held[0] == item:  # posted here, nothing queued behind: wait here
+            self._works[item] = self._held[1] + self._works.get(item, [])
+            self._held = None
+            self._done[item].set()
+        elif self.threaded:
             # The worker's own wait times out first; this margin only guards a stuck worker.
             if not self._done[item].wait(self.timeout_s + 30.0):
                 raise LaneError(f"{self._fail_message(item, what)}: no completion within {self.timeout_s:.0f}s")
