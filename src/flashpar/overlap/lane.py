@@ -1,4 +1,4 @@
-"""The communication lane: runs a schedule's transfers one after another, off the main thread.
+"""The communication lane: runs a schedule's transfers one after another, beside the main thread's compute.
 
 A lane item is a function that posts torch.distributed work (a batch of
 ``isend``/``irecv`` or one async collective) and returns the ``Work`` handles.
