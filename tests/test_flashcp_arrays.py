@@ -107,7 +107,7 @@ def test_ranked_order_and_group_search_equal_a_sort_and_every_size():
         assert ranked.keys == want and ranked.toks.tolist() == [float(t) for _, t, _ in want]
         assert ranked.loads.tolist() == [ld for ld, _, _ in want]
         most = rng.randint(1, n)  # the prefixes kept between changes equal ones made anew, float for float
-        top, sums = ranked.prefixes(most)
+        top, sums = ranked.top_prefix(most), ranked.sum_prefix(most)
         assert top[:most].tolist() == np.maximum.accumulate(ranked.toks[:most]).tolist()
         assert sums[:most].tolist() == np.cumsum(ranked.loads[:most]).tolist()
         length = rng.choice([rng.randint(1, 3000), rng.randint(3000, 300000)])

@@ -124,18 +124,12 @@ class _Ranked:
         self.arrays = arrays  # (without: the keys alone, for few ranks, where lists beat arrays)
         self._rows(np.zeros((2, n)))
         self.toks_of, self.load_of = np.zeros(n, dtype=np.int64), np.zeros(n)  # (by rank)
-        self._top_toks, self._load_sums = np.zeros(n), np.zeros(n)  # (see prefixes)
+        self._top_toks, self._load_sums = np.zeros(n), np.zeros(n)  # (see top_prefix, sum_prefix)
 
     def _rows(self, rows: np.ndarray) -> None:
         self.rows = rows
         self.loads, self.toks = rows[0], rows[1]
         self._valid_top = self._valid_sums = 0
-
-    def prefixes(self, most: int) -> tuple[np.ndarray, np.ndarray]:
-        """The prefix maximum of ``toks`` and the prefix sum of ``loads`` (``np.maximum.accumulate`` and
-        ``np.cumsum``: the same floats), valid over the first ``most`` places (:meth:`top_prefix`,
-        :meth:`sum_prefix`)."""
-        return self.top_prefix(most), self.sum_prefix(most)
 
     def top_prefix(self, most: int) -> np.ndarray:
         """The prefix maximum of ``toks``, valid over the first ``most`` places.  Kept between calls: a change moves
