@@ -22,7 +22,8 @@ def bf16_steps(rank, world, cases):
     out = []
     for shape, dp_mode, model, ckpt in cases:
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS)
-        out.append(one_step(MODELS[model], mesh, sequences(2 * shape[0]), strategy="flashcp", mode="flash",
+        seqs = sequences(2 * shape[0], vocab=MODELS[model].vocab_size)
+        out.append(one_step(MODELS[model], mesh, seqs, strategy="flashcp", mode="flash",
                             dp_mode=dp_mode, dtype="bf16", checkpoint_activations=ckpt, micro_batches=2,
                             clip_ratio=CHECK_CLIP_RATIO))
     return out

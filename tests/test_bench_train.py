@@ -44,6 +44,8 @@ def _calls(n: int) -> list:
     if n == 2:
         calls += [(f"solo{mesh}", solo_without_comm, _config(dp=mesh[0], cp=mesh[1], tp=mesh[2]))
                   for mesh in SOLO_MESHES]
+        # 512 tokens against the 256-byte vocabulary: flashpar and baseline gather the embedding / head weights
+        calls += [("solo-vocab", solo_without_comm, _config(dp=1, cp=1, tp=2, seq_len=512))]
     return calls
 
 
@@ -117,6 +119,17 @@ def test_no_comm_skips_every_transfer_of_every_configuration(mesh):
     a transfer that escaped the fakes would wait for a peer that never calls it.  Leaving the block restores
     the real calls."""
     solo = spawned(2)[f"solo{mesh}"]
+    assert solo[0]["done"] == list(bench_train.CONFIGS)
+    assert all(r["restored"] for r in solo)
+
+
+def test_no_comm_skips_the_gathered_vocabulary_weights_too():
+    """The same with more tokens than vocabulary rows (``flashpar.models.vocab.gathers_weight``): the weights'
+    all-gathers and their reduce-scatters in backward are faked as well."""
+    from flashpar.models.vocab import gathers_weight
+
+    assert gathers_weight(256, 512, 2)
+    solo = spawned(2)["solo-vocab"]
     assert solo[0]["done"] == list(bench_train.CONFIGS)
     assert all(r["restored"] for r in solo)
 

@@ -12,7 +12,14 @@ from dist_harness import SpawnCache
 from flashpar.models import Llama, LlamaConfig
 from flashpar.models.layout import layout_of, mesh_name
 from flashpar.models.parallel import ulysses_qkv_rows
-from train_workers import check_meshes, checkpoint_across_meshes, decay_step, optim_meshes, vocab_loss_cases
+from train_workers import (
+    check_meshes,
+    checkpoint_across_meshes,
+    decay_step,
+    gathered_vocab_cases,
+    optim_meshes,
+    vocab_loss_cases,
+)
 
 # (dp, cp, ulysses, tp), dp mode, model (train_workers.MODELS)[, strategy, mode, save_gathered] -> world size
 MESH_CASES = {
@@ -23,8 +30,12 @@ MESH_CASES = {
         ((1, 2, 2, 1), "zero3", "base"), ((2, 1, 2, 1), "zero3", "base"), ((2, 1, 2, 1), "replicate", "untied"),
         ((1, 1, 4, 1), "zero3", "base"), ((1, 1, 4, 1), "zero3", "untied"),
         # --regather: the column-parallel linears and the head gather their input again in backward
-        ((1, 2, 1, 2), "replicate", "untied", "flashcp", "flash", False)],
-    3: [((1, 1, 3, 1), "zero3", "heads6"), ((1, 1, 3, 1), "zero3", "heads6-mqa")],
+        ((1, 2, 1, 2), "replicate", "untied", "flashcp", "flash", False),
+        # small vocabularies: the embedding / head weight gathered over tp (flashpar.models.vocab.gathers_weight)
+        ((1, 2, 1, 2), "zero3", "vocab16"), ((2, 1, 1, 2), "zero3", "vocab16-untied"),
+        ((1, 1, 1, 4), "replicate", "vocab16-untied"), ((1, 2, 1, 2), "zero3", "vocab54", "per_doc", "none")],
+    3: [((1, 1, 3, 1), "zero3", "heads6"), ((1, 1, 3, 1), "zero3", "heads6-mqa"),
+        ((1, 1, 1, 3), "zero3", "heads6-vocab12")],
     2: [((1, 1, 2, 1), "zero3", "base"), ((1, 1, 2, 1), "replicate", "untied")],
 }
 CASE_IDS = [(n, case) for n, cases in MESH_CASES.items() for case in cases]
@@ -49,7 +60,7 @@ def _calls(n: int) -> list[tuple]:
     # the vocabulary cases last: their groups of 1..4 ranks leave the ranks with different numbers of groups,
     # and torch names a later point-to-point twin group (flashpar.dist.p2p_group) by that number
     return calls + [("checkpoint", checkpoint_across_meshes, *CHECKPOINT_MESHES), ("decay", decay_step, (1, 2, 1, 2)),
-                    ("vocab", vocab_loss_cases)] if n == 4 else calls
+                    ("vocab", vocab_loss_cases), ("gathered", gathered_vocab_cases)] if n == 4 else calls
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +76,7 @@ def test_parallel_model_matches_single_process(spawned, n, case):
     per_rank = [out[MESH_CASES[n].index(case)] for out in spawned(n)["meshes"]]
     bad = {r: errs for r, (errs, _) in enumerate(per_rank) if errs}
     # loss, 9 tensors per block, embedding, final norm (and the head when untied)
-    assert per_rank[0][1] == 1 + 9 * 2 + 2 + (case[2] == "untied") and not bad, bad
+    assert per_rank[0][1] == 1 + 9 * 2 + 2 + ("untied" in case[2]) and not bad, bad
 
 
 @pytest.mark.parametrize("n, case", OPTIM_IDS, ids=[f"{n}-{c}" for n, c in OPTIM_IDS])
@@ -171,3 +182,34 @@ def test_vocabulary_parallel_loss_matches_float64_cross_entropy_at_tp_1_to_4(spa
     for rank, cases in enumerate(per_rank):
         for tp, loss_err, grad_err, future in cases:
             assert loss_err < 1e-5 and grad_err < 1e-5 and not future, (rank, tp, loss_err, grad_err, future)
+
+
+def test_gathered_vocabulary_weight_matches_float64_at_tp_1_to_4(spawned):
+    """The small-vocabulary path: the tied weight gathered once (``gather_vocab``), each rank's rows looked up,
+    projected and scored against the whole vocabulary (``own_rows_loss``); the loss summed over the tp ranks,
+    each rank's gradient of its vocabulary rows (the gather's reduce-scatter) and the projection's gradient
+    summed over the ranks, against the full float64 computation in one process.  The loss computes in fp32
+    (``logits.float()``), as the activation path's: ~1e-7 relative here, so 1e-5; a gradient not summed over
+    the ranks (the reduce-scatter dropped) or the wrong rows is O(1)."""
+    per_rank = spawned(4)["gathered"]
+    assert [tp for tp, *_ in per_rank[0]] == [1, 2, 3, 4] and [len(r) for r in per_rank] == [4, 3, 2, 1]
+    for rank, cases in enumerate(per_rank):
+        for tp, loss_err, embed_err, proj_err in cases:
+            assert loss_err < 1e-5 and embed_err < 1e-5 and proj_err < 1e-5, (rank, tp, loss_err, embed_err, proj_err)
+
+
+def test_small_vocabulary_cases_take_the_gathered_path():
+    """The mesh cases above meet ``gathers_weight`` as their comments say (else they would test the activation
+    path twice): vocabulary 16 and 12 below every cp rank's tokens; 54 between the two cp ranks' counts of the
+    per_doc case, so one tp group gathers the weight and the other moves the activations."""
+    from flashpar import cp
+    from flashpar.models.vocab import gathers_weight
+    from train_workers import MODELS, sequences
+
+    for shape, _, model, *rest in [c for cases in MESH_CASES.values() for c in cases if "vocab" in c[2]]:
+        vocab, cpn, tp = MODELS[model].vocab_size, shape[1], shape[3]
+        for _, _, doc_lens in sequences(shape[0], vocab=vocab):
+            plan = cp.plan(doc_lens, cpn, strategy=rest[0] if rest else "flashcp")
+            paths = {gathers_weight(vocab, len(plan.local_indices(r)), tp) for r in range(cpn)}
+            assert paths == ({True, False} if vocab == 54 else {True}), (shape, model, paths)
+    assert not gathers_weight(16, 100, 1) and not gathers_weight(100, 100, 2) and gathers_weight(99, 100, 2)

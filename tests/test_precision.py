@@ -21,7 +21,8 @@ U = 2.0**-8  # bf16 unit roundoff
 # (the K/V exchange in bf16 at cp 3 is tests/test_cp_attention.py's; here ZeRO-3 over 3 uneven dp ranks)
 BF16_CASES = {
     4: [((1, 2, 1, 2), "zero3", "untied", True), ((2, 1, 1, 2), "zero3", "base", False),
-        ((2, 1, 2, 1), "zero3", "base", False)],
+        ((2, 1, 2, 1), "zero3", "base", False),
+        ((1, 2, 1, 2), "zero3", "vocab16-untied", False)],  # the embedding / head weights gathered (models.vocab)
     3: [((3, 1, 1, 1), "zero3", "base", False)],
 }
 CHECKPOINT_CASES = [((1, 2, 1, 2), "zero3", "base"), ((1, 2, 2, 1), "zero3", "base")]

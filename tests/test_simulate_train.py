@@ -105,6 +105,27 @@ def test_regather_adds_an_all_gather_per_column_linear_to_the_backward():
     assert step.simulate(w, PEERS["torch"])["step_s"] == step.simulate(again, PEERS["torch"])["step_s"]
 
 
+def test_a_vocabulary_smaller_than_the_tokens_moves_its_weights_not_the_activations():
+    """``flashpar.models.vocab.gathers_weight`` in the simulator (``step.gathers_vocab``): 64 vocabulary rows
+    against 4096 tokens of the cp rank.  flashpar and baseline all-gather each fp32 weight's other half (32 x 16)
+    forward and reduce-scatter it backward: exactly that, exposed, and less than the activation path (the
+    embedding's reduce-scatter of 2048 x 16, the head's all-gather, the loss all-reduces); each rank keeps only
+    its own rows' input and the two gathered weights.  torch's plans move the activations either way."""
+    slow = dataclasses.replace(preset("h100-nvlink"), link_bytes_per_s=1e8)  # bytes, not the latency, count
+    w = Workload(TINY, Layout(1, 1, 1, 2), Cluster(slow, slow), ((4096,),), elem_bytes=2)
+    moved = dataclasses.replace(w, gather_vocab=False)
+    assert step.gathers_vocab(w, PEERS["baseline"]) and not step.gathers_vocab(moved, PEERS["baseline"])
+    assert not step.gathers_vocab(w, PEERS["torch"])
+    hw = w.groups(PEERS["baseline"])["tp"][1]
+    weights = 2 * hw.transfer_time(32 * 16 * 4)  # untied: embedding and head
+    (fwd, bwd), (fwd_moved, bwd_moved) = step.ends(w, PEERS["baseline"]), step.ends(moved, PEERS["baseline"])
+    assert fwd.exposed["tp"] == pytest.approx(weights) and bwd.exposed["tp"] == pytest.approx(weights)
+    assert fwd.exposed["tp"] < fwd_moved.exposed["tp"] and bwd.exposed["tp"] < bwd_moved.exposed["tp"]
+    acts, acts_moved = (memory.activations(x, PEERS["flashpar"], 0.0) for x in (w, moved))
+    assert acts - acts_moved == pytest.approx(2 * 64 * 16 * 4 - 4096 * 16 / 2 * 2)  # + weights - gathered input
+    assert step.ends(w, PEERS["torch"])[0].total == step.ends(moved, PEERS["torch"])[0].total
+
+
 def test_ulysses_all_to_alls_are_hidden_by_flashpar_and_the_torch_peer_runs_them_as_cp():
     w = Workload(load_model("llama3-8b"), Layout(1, 2, 4, 1), H100, ((16384, 16384),))
     flash, none, peer = (step.simulate(w, PEERS[n]) for n in ("flashpar", "baseline", "torch"))

@@ -21,17 +21,24 @@ MODELS = {  # the model of a case, by name (cases stay short, picklable tuples)
     "untied": dataclasses.replace(CFG, tie_embeddings=False),
     "heads6": dataclasses.replace(CFG, hidden=48, heads=6, kv_heads=3),  # ulysses 3: 2 q heads, 1 kv head per rank
     "heads6-mqa": dataclasses.replace(CFG, hidden=48, heads=6, kv_heads=1),  # ulysses 3: the kv head on every rank
+    # vocabularies smaller than a cp rank's tokens: the tp ranks gather the embedding / head weight
+    # (flashpar.models.vocab.gathers_weight); with per_doc at cp 2 the cp ranks hold 56 and 51 tokens, so their
+    # tp groups take different paths at vocabulary 54 (test_parallel_model checks it)
+    "vocab16": dataclasses.replace(CFG, vocab_size=16),
+    "vocab16-untied": dataclasses.replace(CFG, kv_heads=4, vocab_size=16, tie_embeddings=False),  # tp 4: 4 kv heads
+    "vocab54": dataclasses.replace(CFG, vocab_size=54),
+    "heads6-vocab12": dataclasses.replace(CFG, hidden=48, heads=6, kv_heads=3, ffn=72, vocab_size=12),
 }
 
 
-def sequences(dp: int, seed: int = 0):
+def sequences(dp: int, seed: int = 0, vocab: int = 256):
     """``dp`` packed sequences: (tokens, labels, doc_lens); labels are the next token of the same document."""
     rng = random.Random(seed)
     out = []
     for _ in range(dp):
         doc_lens = [rng.choice([1, 3, 8, 17, 30]) for _ in range(7)]
         total = sum(doc_lens)
-        tokens = torch.tensor([rng.randrange(256) for _ in range(total)])
+        tokens = torch.tensor([rng.randrange(vocab) for _ in range(total)])
         labels = torch.roll(tokens, -1)
         ends = torch.tensor(doc_lens).cumsum(0) - 1
         labels[ends] = -100
@@ -45,8 +52,8 @@ def check_mesh(rank, world, shape, dp_mode="zero3", model="base", strategy="flas
     (``save_gathered=False``: ``--regather``)."""
     dp = shape[0]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS)
-    errors = one_step(MODELS[model], mesh, sequences(dp), strategy=strategy, mode=mode, dp_mode=dp_mode,
-                      save_gathered=save_gathered)
+    errors = one_step(MODELS[model], mesh, sequences(dp, vocab=MODELS[model].vocab_size), strategy=strategy,
+                      mode=mode, dp_mode=dp_mode, save_gathered=save_gathered)
     return {k: v for k, v in errors.items() if not v <= TOL}, len(errors)
 
 
@@ -186,6 +193,52 @@ def vocab_loss_cases(rank, world):
         want = full.grad[:, lo:hi]
         out.append((tp, float(abs(total - ref) / ref), float((mine.grad - want).abs().max() / want.abs().max()),
                     [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]))
+    return out
+
+
+def gathered_vocab_cases(rank, world):
+    """``[(tp, loss relative error, embedding-gradient relative error, x-gradient relative error)]`` of the
+    gathered-weight path (``gather_vocab``, ``own_rows_loss``) on the tp group ``range(tp)``, tied: this rank's
+    vocabulary rows ``E[lo:hi]`` gathered once, looked up for its rows of tokens, projected, and used as the
+    head of those rows; against the same computation on the full float64 tensors in one process."""
+    import torch.nn.functional as F
+
+    from flashpar.models.vocab import gather_vocab, own_rows_loss
+    from flashpar.rows import shard_rows
+
+    def loss_of(e_full, a, tok, lab, count):
+        return own_rows_loss(F.embedding(tok, e_full) @ a, e_full, lab, count)
+
+    out = []
+    for tp in range(1, world + 1):
+        group = dist.new_group(list(range(tp)))  # every rank creates every group
+        if rank >= tp:
+            continue
+        torch.manual_seed(100 + tp)
+        e_full = torch.randn(12, 5, dtype=torch.float64).requires_grad_()
+        a = torch.randn(5, 5, dtype=torch.float64)
+        tokens = torch.randint(0, 12, (10,))
+        labels = torch.randint(0, 12, (10,))
+        labels[[2, 7]] = -100
+        count = float((labels != -100).sum())
+        ref = loss_of(e_full, a, tokens, labels, count)
+        ref.backward()
+        lo, hi = shard_rows(12, tp, rank)
+        r0, r1 = shard_rows(10, tp, rank)
+        e_mine = e_full.detach()[lo:hi].clone().requires_grad_()
+        gathered = gather_vocab(e_mine, group, 12)
+        a_mine = a.clone().requires_grad_()
+        loss = loss_of(gathered, a_mine, tokens[r0:r1], labels[r0:r1], count)
+        loss.backward()
+        total = loss.detach().double()
+        dist.all_reduce(total, group=group)
+        grad_a = a_mine.grad.clone()
+        dist.all_reduce(grad_a, group=group)
+        a_ref = a.clone().requires_grad_()
+        loss_of(e_full.detach(), a_ref, tokens, labels, count).backward()
+        want = e_full.grad[lo:hi]
+        out.append((tp, float(abs(total - ref) / ref), float((e_mine.grad - want).abs().max() / want.abs().max()),
+                    float((grad_a - a_ref.grad).abs().max() / a_ref.grad.abs().max())))
     return out
 
 

@@ -86,7 +86,7 @@ from flashpar.models.llama import Llama, RMSNorm, rope
 from flashpar.models.precision import compute_dtype
 from flashpar.models.recompute import run_checkpointed
 from flashpar.models.step_check import StepCheck
-from flashpar.models.vocab import embed_rows, vocab_parallel_loss
+from flashpar.models.vocab import embed_rows, gather_vocab, gathers_weight, own_rows_loss, vocab_parallel_loss
 from flashpar.models.zero import gather_rows
 from flashpar.overlap.a2a import all_to_all_matmul, matmul_all_to_all
 from flashpar.overlap.ops import all_gather_matmul
@@ -195,13 +195,17 @@ class ParallelLlama(nn.Module):
     gate/up, the head) keeps the gathered ``x [T, in]`` for its weight gradient, as torch's DTensor linear does,
     instead of gathering ``x_shard [T/tp, in]`` again in backward (Megatron's choice): one all-gather fewer per
     column-parallel linear and step, for ``(tp - 1) / tp x T x in`` more activation memory each.  ZeRO-3's
-    linears gather again either way (``flashpar.overlap.sharded``)."""
+    linears gather again either way (``flashpar.overlap.sharded``).  ``gather_vocab_weight``: where the
+    vocabulary is smaller than the cp (ulysses) rank's tokens, the tp ranks all-gather the embedding and head
+    weights and compute their own rows whole, instead of moving the activations (``flashpar.models.vocab``);
+    False keeps the activation path always."""
 
     def __init__(self, cfg: LlamaConfig, mesh, *, mode: str = "flash", timeout_s: float = DEFAULT_TIMEOUT_S,
                  dp_mode: str = "zero3", dtype: torch.dtype = torch.float32,
-                 checkpoint_activations: bool = False, save_gathered: bool = True) -> None:
+                 checkpoint_activations: bool = False, save_gathered: bool = True,
+                 gather_vocab_weight: bool = True) -> None:
         super().__init__()
-        self.save_gathered = bool(save_gathered)
+        self.save_gathered, self.gather_vocab_weight = bool(save_gathered), bool(gather_vocab_weight)
         self.compute_dtype = compute_dtype(dtype)  # ValueError (one line) on another dtype
         self.checkpoint_activations = bool(checkpoint_activations)
         if dp_mode not in ("zero3", "replicate"):
@@ -240,7 +244,7 @@ class ParallelLlama(nn.Module):
         self.grad_sync = GradSync([(p, self._sum_groups[layout_of(name)[0].grad_sum(self.zero, self.ulysses > 1)])
                                    for name, p in reversed(list(self.named_parameters()))], timeout_s=timeout_s)
         signature = (cfg, mode, dp_mode, tuple(mesh.mesh.shape), mesh.mesh_dim_names, self.compute_dtype,
-                     self.checkpoint_activations, self.save_gathered)
+                     self.checkpoint_activations, self.save_gathered, self.gather_vocab_weight)
         self.step_check = StepCheck(mesh, signature, timeout_s=timeout_s)  # the cross-rank check of each step's inputs
         self.kv_counter = cp.CommCounter()  # bytes this rank's attention sent and received, all layers
         self.kv_recompute = cp.CommCounter()  # the same, of the recomputed forwards (checkpoint_activations)
@@ -345,13 +349,22 @@ class ParallelLlama(nn.Module):
         # all T_cp positions (attention sees every token of the cp rank), copied without a host wait on CUDA
         positions = to_device(plan.position_ids(self.cp_rank), tokens_cp.device)
         dtype = self.compute_dtype  # fp32: every cast below returns its input itself
-        x = embed_rows(tokens_u, self.embed.weight, self.vocab_lo, self.tp_group, dtype=dtype)
+        vocab = self.cfg.vocab_size
+        whole = self.gather_vocab_weight and gathers_weight(vocab, tokens_u.shape[0], self.tp)
+        if whole:  # a small vocabulary: the weight moves, not the activations (flashpar.models.vocab)
+            embed = gather_vocab(self.embed.weight, self.tp_group, vocab)
+            x = F.embedding(tokens_u[rows], embed).to(dtype)
+        else:
+            x = embed_rows(tokens_u, self.embed.weight, self.vocab_lo, self.tp_group, dtype=dtype)
         for block in self.blocks:
             if self.checkpoint_activations:
                 x = run_checkpointed(block, self.kv_recompute, x, positions, plan, split, blocks)
             else:
                 x = block(x, positions, plan, split, blocks)
         head = self.embed.weight if self.head is None else self.head.weight
+        if whole:
+            head = embed if self.head is None else gather_vocab(head, self.tp_group, vocab)
+            return own_rows_loss(self.norm(x).to(dtype), head.to(dtype), labels_u[rows], count)
         logits = all_gather_matmul(self.norm(x).to(dtype), head.to(dtype), None, group=self.tp_group, mode=self.mode,
                                    split_sizes=split, save_gathered=self.save_gathered, check=False)
         return vocab_parallel_loss(logits, labels_u, self.vocab_lo, self.tp_group, rows, count)

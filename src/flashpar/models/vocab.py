@@ -14,6 +14,25 @@ The row maximum and the two sums are all-reduced over tp.  The maximum only shif
 terms use the same reduced sum ``y = sum_t x_t``, so ``dL/dx_t = sum_t' dL_t'/dy``.  Rank ``t``
 adds the losses of its block of rows only, so the loss summed over the ranks counts every target
 once.
+
+A small vocabulary against many tokens (``gathers_weight``: ``V < T``, as a byte-level model on a long
+sequence): moving the activations costs each rank ``(tp - 1) / tp x T x h`` elements per use (the
+embedding's reduce-scatter, the head's all-gather, and their adjoints in backward), moving the weight
+``(tp - 1) / tp x V x h``.  Then the weight is gathered instead, once per step for each weight (tied: one
+gather feeds both), and each rank computes its own rows whole, with no loss all-reduce::
+
+    E  = all_gather_rows(E_t)                                   [V, h]      (backward: reduce-scatter, fp32)
+    x_t = E[tok_t]                                              [rows_t, h]
+    z_t = norm(x_t) E_head^T                                    [rows_t, V]
+    loss row i: log sum_v exp(z_iv - m_i) + m_i - z_i[target_i]             (m_i: this row's maximum)
+
+    in flight (tp 2, rank t):   tp: | E_t -> t+1, E_{t+1} <- t+1 |          (one transfer of V/2 x h, fp32)
+                                main: waits, then every row of its block with the whole vocabulary
+
+The gather moves the fp32 weight (its gradient is summed across ranks in fp32, as every gradient is,
+``flashpar.models.precision``); it is cast to the compute dtype after.  The same values as the
+activation path: each embedding row has one nonzero term there, and each loss row sums the same
+exponentials (in another order).
 """
 
 from __future__ import annotations
@@ -23,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flashpar.models.llama import IGNORE
-from flashpar.models.zero import reduce_scatter_rows
+from flashpar.models.zero import all_gather_rows, reduce_scatter_rows
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -46,6 +65,19 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return x
     return _AllReduceSum.apply(x, group)
+
+
+def gathers_weight(vocab: int, tokens: int, tp: int) -> bool:
+    """Whether the tp ranks gather the vocabulary weight (``[V / tp, h]`` a rank) rather than move the
+    activations of the ``tokens`` (``[tokens / tp, h]`` a rank): where the weight is the smaller, ``V < T``.
+    ``tokens`` is the same on every tp rank of a cp (and ulysses) rank, so they all take the same path."""
+    return tp > 1 and vocab < tokens
+
+
+def gather_vocab(weight: torch.Tensor, group, vocab: int) -> torch.Tensor:
+    """The whole ``[V, h]`` weight from every tp rank's vocabulary rows (gradient: this rank's rows of it,
+    summed over the group), in the weight's dtype."""
+    return all_gather_rows(weight, group, vocab)
 
 
 def embed_rows(tokens: torch.Tensor, weight: torch.Tensor, lo: int, group, *,
@@ -73,3 +105,16 @@ def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, lo: int, gro
     picked = all_reduce_sum(picked, group)
     per_row = (torch.log(total) + top - picked) * valid
     return per_row[rows].sum() / max(count, 1.0)
+
+
+def own_rows_loss(x_rows: torch.Tensor, head: torch.Tensor, labels_rows: torch.Tensor, count: float) -> torch.Tensor:
+    """Summed next-token cross-entropy of this rank's rows from their hidden states ``x_rows [rows, h]`` and
+    the whole head ``head [V, h]`` (both in the compute dtype; ``labels_rows``: -100 none), divided by
+    ``count``; nothing crosses ranks (``gather_vocab`` brought the head)."""
+    logits = (x_rows @ head.t()).float()
+    top = logits.detach().max(-1).values
+    total = torch.exp(logits - top.unsqueeze(-1)).sum(-1)
+    valid = labels_rows != IGNORE
+    picked = logits.gather(1, labels_rows.clamp(0, logits.shape[1] - 1).unsqueeze(-1)).squeeze(-1)
+    per_row = (torch.log(total) + top - picked) * valid
+    return per_row.sum() / max(count, 1.0)

@@ -33,8 +33,8 @@ Gradients are summed over dp (the trainer's convention: the loss is normalised b
 count), so ``ParallelLlama.reduce_grads`` sums the ZeRO-3 rows over cp only (``layout`` grad_sum ``zero``).
 
 ``gather_rows`` (no autograd) assembles a tp shard from the dp rows for checkpoints
-(``ParallelLlama.to_full``); ``reduce_scatter_rows`` (the adjoint of an all-gather) serves the
-vocabulary-parallel embedding (``flashpar.models.vocab``).
+(``ParallelLlama.to_full``); ``reduce_scatter_rows`` (the adjoint of an all-gather) and ``all_gather_rows``
+(the adjoint of a reduce-scatter) serve the vocabulary-parallel embedding and head (``flashpar.models.vocab``).
 """
 
 from __future__ import annotations
@@ -84,6 +84,25 @@ def reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return full
     return _ScatterRows.apply(full, group)
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, group, total):
+        ctx.group = group
+        return _all_gather_rows(rows.contiguous(), group, total)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_rows(grad.contiguous(), ctx.group), None, None
+
+
+def all_gather_rows(rows: torch.Tensor, group, total: int) -> torch.Tensor:
+    """The full ``[total, ...]`` tensor from every rank's block ``shard_rows(total, n, p)`` (gradient: this
+    rank's block of the gradient, summed over the group)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return rows
+    return _GatherRows.apply(rows, group, total)
 
 
 def gather_rows(rows: torch.Tensor, group, total: int) -> torch.Tensor:

@@ -52,8 +52,11 @@ def workload(report: dict, name: str):
     regather = s.get("regather", True)  # a report without it is from before stop 21: its trainer gathered again
     if not isinstance(regather, bool):
         raise ValueError(f"the report's setup.regather must be true or false, got {regather!r}")
+    gather_vocab = s.get("gather_vocab", False)  # a report without it is from before stop 23: activations moved
+    if not isinstance(gather_vocab, bool):
+        raise ValueError(f"the report's setup.gather_vocab must be true or false, got {gather_vocab!r}")
     return Workload(cfg, layout, cluster, packs, elem_bytes=4, attn_bwd=bwd, zero_rs_elem_bytes=4,
-                    torch_attention="dense", fsdp_prefetch=False, regather=regather)
+                    torch_attention="dense", fsdp_prefetch=False, regather=regather, gather_vocab=gather_vocab)
 
 
 def predict(report: dict) -> dict[str, dict]:

@@ -27,7 +27,8 @@ dtype (``r = tp x U`` ranks split a cp rank's rows between the blocks and its he
 
 torch's TP saves the all-gathered norm outputs too; its attention keeps the all-gathered K/V of the whole
 sequence.  The head's input adds ``T_u h`` once where it is kept gathered (``T_u h / tp``, its rows, where
-it is gathered again).  With activation checkpointing a block keeps only its input
+it is gathered again), or, where the weights are gathered instead (``step.gathers_vocab``), ``T_u h / tp`` and the
+gathered fp32 weights.  With activation checkpointing a block keeps only its input
 (``h / r`` per token) and one block's activations exist at a time (the one being recomputed).  The loss adds
 the rank's logits ``T_u x vocab / tp`` (compute dtype, and fp32 softmax and gradient).
 
@@ -38,7 +39,7 @@ allocator fragmentation).
 from __future__ import annotations
 
 from flashpar.sim.peers import Peer
-from flashpar.sim.step import gathers_again, head_gathers_again
+from flashpar.sim.step import gathers_again, gathers_vocab, head_gathers_again
 from flashpar.sim.workload import Workload
 
 GPU_MEMORY_GB = {"h100-nvlink": 80.0, "h100-ib": 80.0, "h200": 141.0, "a100": 80.0, "b200": 180.0}
@@ -70,9 +71,12 @@ def activations(w: Workload, peer: Peer, kv_recv_tokens: float) -> float:
     kv = 2 * s["kv_heads"] * d * kv_recv_tokens
     one_block = (t * (rows + attn + mlp) + kv) * w.elem_bytes
     blocks = cfg.layers * t * h / r * w.elem_bytes + one_block if w.checkpoint else cfg.layers * one_block
+    logits = s["t_u"] * cfg.vocab_size / s["tp"] * (w.elem_bytes + 8)
+    if gathers_vocab(w, peer):  # the own rows' input, and the gathered fp32 weights (tied: one)
+        weights = (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * h * 4
+        return blocks + s["t_u"] * h / s["tp"] * w.elem_bytes + weights + logits
     head_kept = s["tp"] > 1 and not head_gathers_again(w, peer)
     head_in = s["t_u"] * h / (1 if head_kept else s["tp"]) * w.elem_bytes  # gathered T_u x h, or the own rows
-    logits = s["t_u"] * cfg.vocab_size / s["tp"] * (w.elem_bytes + 8)
     return blocks + head_in + logits
 
 

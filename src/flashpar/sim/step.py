@@ -18,7 +18,9 @@ Per block (forward; backward mirrored), on the cp rank whose layer takes longest
     or gathers it again (``--regather``, and every ZeRO-3 linear): ``gathers_again``
 
 Once per step: the vocabulary-parallel embedding (reduce-scatter over tp, exposed) and head (ag_matmul over
-tp) with the loss; the gradient sums (flashpar, baseline: all-reduces posted during backward on one lane, the
+tp) with the loss, or, flashpar and baseline with a vocabulary smaller than T_u (``gathers_vocab``), the
+weights' all-gathers (reduce-scatters in backward, fp32, exposed) and each rank's own rows against the whole
+vocabulary; the gradient sums (flashpar, baseline: all-reduces posted during backward on one lane, the
 exposed tail counted); torch: FSDP2's per-block all-gathers (one block ahead) and reduce-scatters; AdamW
 (28 bytes moved per local parameter: read p, g, m, v, write p, m, v).  With activation checkpointing every
 block's forward runs again in backward.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import functools
 
 from flashpar.cost import Hardware
+from flashpar.models.vocab import gathers_weight
 from flashpar.overlap.simulate import all_reduce_time
 from flashpar.sim.parts import Part, total
 from flashpar.sim.peers import Peer
@@ -84,6 +87,14 @@ def head_gathers_again(w: Workload, peer: Peer) -> bool:
     """Whether the head's all-gather + GEMM gathers its input again in backward: only with ``--regather``
     (the head is never ZeRO-split; torch's DTensor linear keeps its input)."""
     return w.regather and peer.data_parallel != "fsdp"
+
+
+def gathers_vocab(w: Workload, peer: Peer) -> bool:
+    """Whether the tp ranks gather the embedding and head weights instead of moving the activations: flashpar
+    and baseline where the vocabulary is smaller than the rank's tokens (``flashpar.models.vocab.gathers_weight``,
+    on the mean T_u); torch's vocabulary-parallel plans always move the activations."""
+    s = w.sizes(peer)
+    return w.gather_vocab and peer.data_parallel != "fsdp" and gathers_weight(w.cfg.vocab_size, s["t_u"], s["tp"])
 
 
 def gathers_again(w: Workload, peer: Peer) -> bool:
@@ -219,6 +230,15 @@ def ends(w: Workload, peer: Peer) -> tuple[Part, Part]:
     rows, e, vocab = s["t_u"], w.elem_bytes, cfg.vocab_size // s["tp"]
     fwd, bwd = Part(), Part()
     lookup = tp_hw.memory_time(2 * rows * cfg.hidden * e)
+    if gathers_vocab(w, peer):  # each weight gathered (fp32) forward, reduce-scattered backward; own rows whole
+        mine, weights = rows / tp, 1 if cfg.tie_embeddings else 2
+        move = weights * (tp - 1) * tp_hw.transfer_time(vocab * cfg.hidden * 4)
+        gemm = tp_hw.gemm_time(mine, cfg.hidden, cfg.vocab_size)
+        loss = tp_hw.memory_time(5 * mine * cfg.vocab_size * 4)
+        lookup = tp_hw.memory_time(2 * mine * cfg.hidden * e)
+        fwd.add(Part.of(lookup + gemm + loss, tp=move))
+        bwd.add(Part.of(lookup + 2 * gemm + loss, tp=move))
+        return fwd, bwd
     if tp > 1:  # each tp rank embeds its vocabulary rows of all T_u tokens; reduce-scatter to the rank's rows
         rs = (tp - 1) * tp_hw.transfer_time(rows / tp * cfg.hidden * e)
         fwd.add(Part.of(lookup, tp=rs))

@@ -39,6 +39,7 @@ class Workload:
     zero_rs_elem_bytes: int = 4  # the ZeRO-3 / FSDP gradient reduce-scatter's element (fp32 sums)
     fsdp_prefetch: bool = True  # FSDP2 all-gathers the next block while this one computes
     regather: bool = False  # flashpar / baseline (`--regather`): ag_matmul gathers x again in backward
+    gather_vocab: bool = True  # flashpar / baseline gather a vocabulary smaller than T_u (models.vocab.gathers_weight)
 
     @property
     def seq(self) -> int:
