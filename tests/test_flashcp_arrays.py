@@ -239,3 +239,28 @@ def test_per_doc_arrays_equals_per_doc():
         lens = [rng.choice((1, 2, 3, rng.randint(1, 5000))) for _ in range(rng.randint(1, 40))]
         want, got = ArrayPlacement.of(per_doc(lens, n)), per_doc_arrays(lens, n)
         assert got.key() == want.key() and got.frozen() == want.frozen() and got.rank.dtype == want.rank.dtype
+
+
+def test_passes_started_where_the_first_stopped_keying_by_tokens_equal_passes_from_the_start():
+    """A pass of force 0 after the first (up to 64 ranks) starts from the state where the first pass's keys stopped
+    being the tokens' alone (``_Prefix``): every such pass, of any higher limit, share or without sub-groups, gives the
+    placement it gives from the start (a fresh pass).  Packs of many short documents (long runs of equal lengths: ties)
+    after a few long ones, where that state lies inside the pass, and a pack of all-distinct lengths."""
+    from flashpar.bench.plan_targets import short_docs
+
+    rng = random.Random(3)
+    packs = [(short_docs(32768, 1000), 8), (short_docs(16384, 900), 3), (short_docs(8192, 600), 4),
+             ([rng.choice((2, 5, 9, 60)) if rng.random() < 0.9 else rng.randint(100, 3000) for _ in range(600)], 16),
+             (rng.sample(range(1, 5000), 200), 64)]
+    inside = 0
+    for lens, n in packs:
+        cap = int(1.05 * sum(lens) / n)
+        g = _Greedy(lens, n, CostModel(), cap)
+        g.run(0.0, 0)
+        inside += 0 < g._prefix.k < len(lens)
+        for tol, share, subgroups in ((math.inf, 1.0, False), (0.02, 1.0, True), (0.0, 0.45, True), (0.05, 0.7, True),
+                                      (0.0, 1.0, True)):
+            got = g.run(tol, 0, share, subgroups)
+            want = _Greedy(lens, n, CostModel(), cap).run(tol, 0, share, subgroups)
+            assert got.key() == want.key(), (n, tol, share, subgroups)
+    assert inside >= 2  # (the passes after the first did start inside the pass)

@@ -216,8 +216,9 @@ class _Ranked:
         return next((key[2] for key in self.keys if key[1] <= most), -1)
 
 
-def token_cap(doc_lens: list[int], n: int, token_slack: float) -> int:
-    total = sum(doc_lens)
+def token_cap(doc_lens: list[int], n: int, token_slack: float, total: int | None = None) -> int:
+    """``max(ceil(T / N), (1 + token_slack) T / N)``; ``total``: ``T``, where the caller has it."""
+    total = sum(doc_lens) if total is None else total
     return max(-(-total // n), int((1 + token_slack) * total / n))
 
 
@@ -436,12 +437,39 @@ def _sized_arrays(splits: list[_Split]):
     return np.concatenate((rank, rank)), a, b
 
 
+@dataclasses.dataclass(frozen=True)
+class _Prefix:
+    """Where the first greedy pass of force 0 (up to 64 ranks) stopped keying every rank by its tokens alone: its state
+    before document ``k`` of pass order (loads, tokens, the heap, the runs placed in one sort, the ranks and places of
+    the documents placed one by one), and its ``limit``.
+
+    Up to there every rank's key ``max(load / limit, tokens / cap)`` was ``tokens / cap`` (checked at each change:
+    ``load / limit <= tokens / cap``, in every slot of a run placed at once) and every document went whole onto the
+    first rank by key that fit both bounds (the top of the heap, or every slot of a run fit).  A pass of force 0 with
+    a limit no lower divides by a larger limit (``load / limit'`` is no larger: rounded division is monotone), so its
+    keys are the same floats, the same ranks fit it (``limit' - w >= limit - w``), and it takes the same steps: it
+    starts here (``share`` and sub-groups only matter for documents no rank fits whole, which come after)."""
+
+    limit: float
+    k: int
+    seq: int
+    load: list[float]
+    toks: list[int]
+    heap: list[tuple]
+    runs: list[tuple]
+    rank: np.ndarray
+    seq_of: np.ndarray
+
+
 class _Greedy:
     """The greedy pass (see the module docstring), with per-(length, group) shares cached."""
 
-    def __init__(self, doc_lens: list[int], n: int, cost: CostModel, cap: int) -> None:
+    def __init__(self, doc_lens: list[int], n: int, cost: CostModel, cap: int, lens_np=None) -> None:
+        """``lens_np``: ``doc_lens`` as an int64 array, where the caller has it."""
         self.lens, self.n, self.cost, self.cap = doc_lens, n, cost, cap
-        self.lens_np = lens = np.fromiter(doc_lens, dtype=np.int64, count=len(doc_lens))
+        if lens_np is None:
+            lens_np = np.fromiter(doc_lens, dtype=np.int64, count=len(doc_lens))
+        self.lens_np = lens = lens_np
         self.starts_np = np.cumsum(lens) - lens
         # by (-length, index): a stable sort (of 16-bit keys, a radix sort, where the lengths allow)
         neg = -lens if int(lens.max()) >= 1 << 15 else (-lens).astype(np.int16)
@@ -472,6 +500,7 @@ class _Greedy:
         self.sizes_np = np.asarray(self.sizes, dtype=np.int64)
         self._last_np = self.sizes_np - 1  # (the last member of a group of each size)
         self._fewest: dict[int, np.ndarray] = {}  # per length: _group's fewest tokens per member, per size
+        self._prefix: _Prefix | None = None  # where the first pass of force 0 stopped keying by tokens alone (run)
         self._row_of = np.arange(n, dtype=np.int64)  # (each rank's row, for _batch_whole)
         # (the same floats per document, the formula being elementwise: each length's from its first document's)
         whole_all = self._whole_arrays(lens, keep=True)
@@ -838,6 +867,22 @@ class _Greedy:
         # fits a document whole comes from them there, else brought up to date where next needed (``pending``)
         ranked, eager, pending = _Ranked(n, arrays=n > 128), n >= 256, []
         runs = []  # (where in pass order, ranks, first place) of each run _batch_whole placed
+        k, prefix = 0, self._prefix
+        # up to 64 ranks, a pass of force 0 starts where the first such pass stopped keying by tokens alone, where its
+        # own limit is no lower (see _Prefix); the first such pass keeps track of where that is (``tracking``)
+        tracking = n <= 64 and force == 0 and prefix is None
+        if n <= 64 and force == 0 and prefix is not None and limit >= prefix.limit:
+            k, seq, heap, runs = prefix.k, prefix.seq, list(prefix.heap), list(prefix.runs)
+            load, toks = list(prefix.load), list(prefix.toks)
+            doc_rank, doc_seq = prefix.rank.copy(), prefix.seq_of.copy()
+            pending = list(range(n))  # (ranked: every rank brought up to date where next needed)
+
+        def stop_tracking(at_load, at_toks) -> None:  # the state before document k, for the passes after this one
+            nonlocal tracking
+            self._prefix = _Prefix(limit, k, seq, list(at_load), list(at_toks), list(heap), list(runs), doc_rank.copy(),
+                                   doc_seq.copy())
+            tracking = False
+
         mins = _Mins(load, toks) if 64 < n < 256 else None  # min(toks), min(load) in O(log N) in between
         heap_anew = False  # after many changes at once: the heaps are built anew where next needed
 
@@ -859,7 +904,7 @@ class _Greedy:
                 mins.push(ranks)
 
         order, run_end = self.order, self.run_end
-        k, count = 0, len(order)
+        count = len(order)
         few, whole_of, lens = not eager and mins is None, self._whole, self.lens  # (few: up to 64 ranks)
         heappop, heapreplace = heapq.heappop, heapq.heapreplace
         while k < count:
@@ -874,13 +919,15 @@ class _Greedy:
                     e = heap[0]
                 r = e[2]
                 if toks[r] <= cap - length and load[r] <= limit - w:
+                    lr, tr = load[r] + w, toks[r] + length
+                    x, y = lr / limit, tr / cap
+                    if tracking and x > y:  # (its key is no longer its tokens')
+                        stop_tracking(load, toks)
                     doc_rank[d], doc_seq[d] = r, seq
                     seq += 1
-                    load[r] += w
-                    toks[r] += length
+                    load[r], toks[r] = lr, tr
                     pending.append(r)
-                    x, y = load[r] / limit, toks[r] / cap
-                    heapreplace(heap, (y if y > x else x, load[r], r, toks[r]))  # (max(x, y), as max() picks)
+                    heapreplace(heap, (y if y > x else x, lr, r, tr))  # (max(x, y), as max() picks)
                     k += 1
                     continue
             length = self.lens[d]
@@ -888,7 +935,10 @@ class _Greedy:
                 w = self.whole(length)
                 tok_room, work_room = cap - length, limit - w
                 if run_end[k] - k >= BATCH:  # a run of equal lengths: place as many whole as the greedy would
-                    placed = self._batch_whole(k, run_end[k], length, w, load, toks, limit)
+                    before = (list(load), list(toks)) if tracking else None
+                    placed = self._batch_whole(k, run_end[k], length, w, load, toks, limit, tracking)
+                    if placed and tracking and not placed[2]:
+                        stop_tracking(*before)
                     if placed:
                         runs.append((k, placed[0], seq))  # (their ranks and places: written after the loop)
                         seq += len(placed[0])
@@ -897,6 +947,8 @@ class _Greedy:
                         continue
                 # the rank with the most room left in both work and tokens, among those it fits: the first in
                 # key order that fits (the least key, the lowest rank on ties)
+                if tracking:  # (its fit might depend on the limit)
+                    stop_tracking(load, toks)
                 r, skipped = -1, []
                 if tok_room < 0:  # (longer than the cap)
                     fits = False
@@ -960,7 +1012,7 @@ class _Greedy:
             if pending:
                 ranked.update_many(list(dict.fromkeys(pending)), load, toks)
                 pending.clear()
-            start = self.starts[d]
+            start = int(self.starts_np[d])
             changed = self._place_other(k, d, length, start, force, load, toks, limit, share, subgroups, p, splits,
                                         ranked)
             if changed is None:  # whole on one rank, over the work bound
@@ -970,6 +1022,8 @@ class _Greedy:
                 changed = [r]
             touched(changed)
             k += 1
+        if tracking:  # every document keyed by tokens alone: the passes after this one start at the end
+            stop_tracking(load, toks)
         if runs:  # the documents of runs placed in one sort: ranks and places written at once
             run_ranks = [x for _, x, _ in runs]
             sizes = np.fromiter(map(len, run_ranks), dtype=np.int64, count=len(runs))
@@ -1229,7 +1283,7 @@ class _Greedy:
                 return lo + at
         return -1
 
-    def _batch_whole(self, lo: int, hi: int, length: int, w: float, load, toks, limit: float):
+    def _batch_whole(self, lo: int, hi: int, length: int, w: float, load, toks, limit: float, tracking: bool = False):
         """Documents ``order[lo:hi]`` (all of ``length`` tokens and compute ``w``, in pass order) placed whole as the
         one-by-one step places them, as far as they fit: returns (the ranks of those placed, in order; the ranks
         changed), or None where the first fits nowhere (``load`` and ``toks`` updated; the caller records the
@@ -1240,8 +1294,12 @@ class _Greedy:
         and the step takes each document onto the fitting rank of least key ``(max(load / limit, tokens / cap),
         load, rank)``.  A rank's keys rise with ``j`` and its fitting slots are a prefix, so the documents go to
         the ``hi - lo`` least keys of all fitting slots, in key order: one sort.  Slots per rank are tried up
-        to ``m`` (doubled while some rank took all of its ``m`` and more might follow)."""
+        to ``m`` (doubled while some rank took all of its ``m`` and more might follow).
+
+        A third item: whether every slot fit within both bounds and was keyed by its tokens alone (``load / limit <=
+        tokens / cap``), as in a pass with any higher limit (see :class:`_Prefix`; looked at only with ``tracking``)."""
         n, cap, k = self.n, self.cap, hi - lo
+        same = True
         l0, t0 = _floats(load), _ints(toks)
         m = min(k, 2 * -(-k // n) + 2)
         while True:
@@ -1256,8 +1314,15 @@ class _Greedy:
             # every slot fits where each rank's last does (loads and tokens rise along a row): then no selection
             every = max(toks) + m * length <= cap - length and (
                 limit == math.inf or np.maximum.reduce(lt[:, m]) <= limit - w)
+            same = same and every
             if every:
-                key0 = np.maximum(ls / limit, ts / cap) if limit < math.inf else ts / cap
+                if limit < math.inf:
+                    by_load, by_toks = ls / limit, ts / cap
+                    key0 = np.maximum(by_load, by_toks)
+                    if tracking and same:
+                        same = not np.logical_or.reduce(by_load > by_toks)
+                else:
+                    key0 = ts / cap
                 # (by key, then load, then rank: the slots run by rank, and lexsort is stable)
                 take = np.lexsort((ls, key0))[:k]
             else:
@@ -1290,7 +1355,7 @@ class _Greedy:
             new_load, new_toks = ls[at].tolist(), ts[at].tolist()
             for r in changed:
                 load[r], toks[r] = new_load[r], new_toks[r]
-        return ranks, changed
+        return ranks, changed, same
 
     def _refine(self, doc_rank, doc_seq, load, toks, seq: int) -> None:
         """Lower the busiest rank by moving one of its Whole-Doc documents to the least busy rank, or by
@@ -1428,15 +1493,19 @@ _UNSURE = object()
 _WINDOW = np.arange(-2, 2)
 
 
-def whole_doc(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) -> ArrayPlacement:
-    """Baseline: Whole-Doc wherever a document fits under the token cap, Per-Doc for the rest."""
-    return _Greedy(doc_lens, n, cost, token_cap(doc_lens, n, token_slack)).run(float("inf"), 0, subgroups=False)
+def whole_doc(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_np=None) -> ArrayPlacement:
+    """Baseline: Whole-Doc wherever a document fits under the token cap, Per-Doc for the rest (``lens_np``: the
+    lengths as an int64 array, where the caller has it)."""
+    cap = token_cap(doc_lens, n, token_slack, None if lens_np is None else int(lens_np.sum()))
+    return _Greedy(doc_lens, n, cost, cap, lens_np).run(float("inf"), 0, subgroups=False)
 
 
-def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) -> ArrayPlacement:
-    cap = token_cap(doc_lens, n, token_slack)
+def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_np=None) -> ArrayPlacement:
+    """The hybrid search (see the module docstring); ``lens_np``: ``doc_lens`` as an int64 array, where the caller
+    has it."""
+    cap = token_cap(doc_lens, n, token_slack, None if lens_np is None else int(lens_np.sum()))
     # attention alone: balance the attention work itself (pairs), as the solvers it is compared with do
-    greedy = _Greedy(doc_lens, n, cost if cost.linear else cost.with_hardware(attn_half=0.0), cap)
+    greedy = _Greedy(doc_lens, n, cost if cost.linear else cost.with_hardware(attn_half=0.0), cap, lens_np)
     starts = greedy.starts_np
     lower = greedy.mean  # no plan's step time is below the mean compute of every document whole (cuts only add)
     first = greedy.calibrate()  # the pass (tol 0, force 0, share 1), where the mean did not move
@@ -1509,7 +1578,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
             return best
     # beyond 16 ranks a pass costs O(N) per document: a smaller grid keeps 1M tokens at N=64 near 200 ms
     forced, tolerances = (FORCED, TOLERANCES) if n <= 16 else (FORCED[:1], TOLERANCES[:2])
-    if max(doc_lens) > cap:  # the longest document fits whole nowhere: forcing it to split changes nothing
+    if int(greedy.lens_np.max()) > cap:  # the longest document fits whole nowhere: forcing it to split changes nothing
         forced = FORCED[:1]
     # from 256 ranks on, the smallest share only spreads long documents over more ranks than the fastest plan does:
     # its passes (the slowest of the grid there) won none of the four lists' packs at 2M / 256, 4M / 512 and 8M / 1024
