@@ -245,10 +245,12 @@ class _RankDocs:
     in the order it received them (``doc_seq``), and as lists (lengths ascending; compute; place in the rank's order
     of the first document of each length), which :meth:`_Greedy._best_move` reads.  ``docs``: the rank's documents
     by (length, place); ``heads``: where each length's begin there.  The queue of a length is made when a move first
-    touches it (moves are few, lengths many)."""
+    touches it (moves are few, lengths many).  ``rising``: the compute rises with the length over all lengths (then
+    over any rank's too)."""
 
-    def __init__(self, docs, lens: list[int], first: list[int], heads: list[int], whole: dict[int, float]) -> None:
-        self.docs, self.lens, self.first, self.whole = docs, lens, first, whole
+    def __init__(self, docs, lens: list[int], first: list[int], heads: list[int], whole: dict[int, float],
+                 rising: bool = False) -> None:
+        self.docs, self.lens, self.first, self.whole, self.rising = docs, lens, first, whole, rising
         self.work = [whole[x] for x in lens]
         ends = [*heads[1:], len(docs)] if heads else []
         self.span = dict(zip(lens, zip(heads, ends, strict=True), strict=True))  # length -> (lo, hi) in docs,
@@ -256,15 +258,16 @@ class _RankDocs:
         self._arrays = self._other = None
 
     @classmethod
-    def of(cls, mine, lens_np, doc_seq, whole: dict[int, float]) -> _RankDocs:
+    def of(cls, mine, lens_np, doc_seq, whole: dict[int, float], rising: bool = False) -> _RankDocs:
         """Of the documents ``mine`` (few: in Python)."""
         items = sorted(zip(lens_np[mine].tolist(), doc_seq[mine].tolist(), mine.tolist(), strict=True))
         heads = [i for i in range(len(items)) if i == 0 or items[i][0] != items[i - 1][0]]
-        return cls([d for _, _, d in items], [items[i][0] for i in heads], [items[i][1] for i in heads], heads, whole)
+        return cls([d for _, _, d in items], [items[i][0] for i in heads], [items[i][1] for i in heads], heads, whole,
+                   rising)
 
     @staticmethod
     def all_ranks(whole, n: int, doc_rank, lens_np, doc_seq, seq_end: int, work: dict[int, float],
-                  in_order: bool = False):
+                  in_order: bool = False, rising: bool = False):
         """``r -> _RankDocs`` of every rank ``r`` (made when first called) of the documents ``whole``, in one sort
         of all of them by (rank, length, place): the places are distinct and below ``seq_end``, so documents by
         place come from one scatter, then two stable sorts (of small integers: radix sorts) by length, then rank (one,
@@ -303,7 +306,7 @@ class _RankDocs:
             if r not in made:
                 h0, h1 = head_off[r], head_off[r + 1]
                 made[r] = _RankDocs(docs[doc_off[r]:doc_off[r + 1]], head_len[h0:h1], head_first[h0:h1],
-                                    head_at[h0:h1], work)
+                                    head_at[h0:h1], work, rising)
             return made[r]
 
         return of_rank
@@ -312,18 +315,19 @@ class _RankDocs:
         return self.lens, self.work, self.first
 
     def arrays(self):
-        """:meth:`options` as arrays (made once per change)."""
+        """:meth:`options` as arrays (made once per change): views of :meth:`other_arrays` past its first."""
         if self._arrays is None:
-            self._arrays = _ints(self.lens), _floats(self.work), _ints(self.first)
+            ol, ow, oj, _ = self.other_arrays()
+            self._arrays = ol[1:], ow[1:], oj[1:]
         return self._arrays
 
     def other_arrays(self):
         """:meth:`options` as the least busy rank's, arrays with nothing first (length 0, compute 0, place -1), and
-        whether the compute rises along them."""
+        whether the compute rises along them (where it rises over all lengths, so over these: no compute is below 0)."""
         if self._other is None:
             work = _floats([0.0, *self.work])
             self._other = (_ints([0, *self.lens]), work, _ints([-1, *self.first]),
-                           bool((work[1:] >= work[:-1]).all()))
+                           self.rising or bool((work[1:] >= work[:-1]).all()))
         return self._other
 
     def _queue(self, length: int) -> collections.deque:
@@ -360,6 +364,11 @@ class _RankDocs:
         self.work.insert(i, self.whole[length])
         self.first.insert(i, at)
         self.queues[length] = collections.deque([doc])
+
+
+def _falls_to_nonnegative(values) -> bool:
+    """Whether ``values`` never rise along the array and its last is not below 0 (NaN: False)."""
+    return bool((values[:-1] >= values[1:]).all()) and bool(values[-1] >= 0)
 
 
 def _floats(values) -> np.ndarray:
@@ -484,7 +493,11 @@ class _Greedy:
             lo = e
         self.run_end = run_end
         run_starts = np.concatenate(([0], ends[:-1]))
-        distinct = sl[run_starts]
+        # the distinct lengths (longest first) and each document's place among them: formulas that are elementwise in
+        # the length run once per length, each document's value gathered from its length's (the same floats)
+        self.distinct = distinct = sl[run_starts]
+        self.doc_run = np.empty(len(lens), dtype=np.int64)
+        self.doc_run[order] = np.repeat(np.arange(len(ends), dtype=np.int64), ends - run_starts)
         self._shares: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
         self._whole: dict[int, float] = {}
         self._top: dict[tuple[int, int], float] = {}  # per (length, g): the largest of the shares
@@ -502,9 +515,10 @@ class _Greedy:
         self._fewest: dict[int, np.ndarray] = {}  # per length: _group's fewest tokens per member, per size
         self._prefix: _Prefix | None = None  # where the first pass of force 0 stopped keying by tokens alone (run)
         self._row_of = np.arange(n, dtype=np.int64)  # (each rank's row, for _batch_whole)
-        # (the same floats per document, the formula being elementwise: each length's from its first document's)
-        whole_all = self._whole_arrays(lens, keep=True)
-        self._whole = dict(zip(distinct.tolist(), whole_all[order[run_starts]].tolist(), strict=True))
+        whole_runs = self._whole_arrays(distinct, keep=True)
+        whole_all = whole_runs[self.doc_run]
+        self.works_rise = _falls_to_nonnegative(whole_runs)  # (longest first: rising with the length)
+        self._whole = dict(zip(distinct.tolist(), whole_runs.tolist(), strict=True))
         # (added in document order, as always: cumsum adds in order, as sum() of floats does)
         self.mean = float(np.cumsum(whole_all)[-1]) / n
 
@@ -515,20 +529,21 @@ class _Greedy:
 
     def whole_times(self) -> tuple[np.ndarray, np.ndarray]:
         """(lengths, ``whole_doc_times``) of the documents under this pass's cost model (placements of whole
-        documents are scored from them)."""
+        documents are scored from them): each length's (elementwise), gathered per document."""
         if self._whole_times is None:
-            self._whole_times = (self.lens_np, whole_doc_times(self.lens_np, self.cost, self._doc_attn))
+            times = whole_doc_times(self.distinct, self.cost, self._run_attn)
+            self._whole_times = (self.lens_np, times[self.doc_run])
         return self._whole_times
 
     def _whole_arrays(self, lens, keep: bool = False):
         """:meth:`whole` of each of ``lens`` (an int64 array), on arrays: the same floats (the linear time, then the
         attention time as ``CostModel.attn_time`` rounds it, added).  ``keep``: the attention times are kept for
-        :meth:`whole_times` (``lens``: every document's)."""
+        :meth:`whole_times` (``lens``: the distinct lengths)."""
         cost = self.cost
         q = lens.astype(np.float64)
         attn = cost.attn_times(lens * (lens + 1) // 2, q, q)
         if keep:
-            self._doc_attn = attn
+            self._run_attn = attn
         return q * cost.flops_per_token / cost.hardware.gemm_flops + attn
 
     def whole(self, length: int) -> float:
@@ -1301,7 +1316,7 @@ class _Greedy:
         n, cap, k = self.n, self.cap, hi - lo
         same = True
         l0, t0 = _floats(load), _ints(toks)
-        m = min(k, 2 * -(-k // n) + 2)
+        m = min(k, 2 * -(-k // n) + 2, self._slots_needed(k, length, w, load, toks, limit))
         while True:
             # slots 0..m of each rank, slot m too (the rows then ravel as views): it follows slot m - 1 in key and in
             # place, so it is among the least keys only where its rank took all its first m, where m doubles anyway
@@ -1357,6 +1372,19 @@ class _Greedy:
                 load[r], toks[r] = new_load[r], new_toks[r]
         return ranks, changed, same
 
+    def _slots_needed(self, k: int, length: int, w: float, load, toks, limit: float) -> int:
+        """About the most documents of a run of ``k`` that one rank takes in :meth:`_batch_whole` (where fewer than
+        this were tried, the search doubles them: this only saves slots).  Where rank ``r`` takes ``c`` of them, its
+        slot ``c - 1`` is among the ``k`` least keys, and so is every slot of another rank ``s`` of lower key: every
+        ``j`` with ``t_s + j L < t_r + (c - 1) L`` and ``l_s + j w < l_r + (c - 1) w`` (its tokens and its load both
+        lower), at least ``c - 1 - S`` of them, ``S`` the spread of tokens over ``L`` or of loads over ``w``.  So
+        ``c + (N - 1)(c - 1 - S) <= k``: ``c <= (k + (N - 1)(1 + S)) / N``; one slot more for rounding."""
+        spread = (max(toks) - min(toks)) / length
+        if limit < math.inf and w > 0:
+            spread = max(spread, (max(load) - min(load)) / w)
+        n = self.n
+        return math.ceil((k + (n - 1) * (2 + spread)) / n) + 1
+
     def _refine(self, doc_rank, doc_seq, load, toks, seq: int) -> None:
         """Lower the busiest rank by moving one of its Whole-Doc documents to the least busy rank, or by
         swapping one for a lighter one there (no K/V cost: whole documents need none), while the peak drops.
@@ -1372,13 +1400,15 @@ class _Greedy:
         if not len(whole):
             return
         if len(whole) >= 512:  # many: one sort of them all
-            docs_of = _RankDocs.all_ranks(whole, self.n, doc_rank, self.lens_np, doc_seq, seq, self._whole, True)
+            docs_of = _RankDocs.all_ranks(whole, self.n, doc_rank, self.lens_np, doc_seq, seq, self._whole, True,
+                                          self.works_rise)
         else:
             by_rank: dict[int, _RankDocs] = {}
 
             def docs_of(r: int) -> _RankDocs:
                 if r not in by_rank:
-                    by_rank[r] = _RankDocs.of(whole[doc_rank[whole] == r], self.lens_np, doc_seq, self._whole)
+                    by_rank[r] = _RankDocs.of(whole[doc_rank[whole] == r], self.lens_np, doc_seq, self._whole,
+                                              self.works_rise)
                 return by_rank[r]
 
         def move(src: int, dst: int, length: int, at: int) -> int:
@@ -1519,8 +1549,11 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, le
     cut_all = lambda: ([per_doc_arrays(doc_lens, n)],  # noqa: E731
                        [ArrayPlacement.of(torch_per_doc(doc_lens, n, False))] if n <= 16 else [])
     fig_of: dict[bytes, object] = {}
-    times = greedy.whole_times() if greedy.cost is cost else (greedy.lens_np, whole_doc_times(greedy.lens_np, cost))
+    times = greedy.whole_times()
+    if greedy.cost is not cost:  # (attention alone: the greedy's cost differs; each length's, per document)
+        times = (greedy.lens_np, whole_doc_times(greedy.distinct, cost)[greedy.doc_run])
     ring_low = functools.cache(lambda: _ring_bound(greedy.lens_np, starts, n, cost, times[1]))
+    runs = (greedy.distinct, greedy.doc_run)
 
     def scored(candidates: list[ArrayPlacement]):
         """The pick among ``candidates`` and the baselines (see _pick), and its figures."""
@@ -1555,7 +1588,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, le
         # and its time cannot lower the bound the baselines set)
         pool = [max(fig_of[p.key()].time) for p in candidates + [*wd, *ring] if max(fig_of[p.key()].tokens) <= cap]
         pd, tpd = [], []
-        if not pool or _cut_all_bound(greedy.lens_np, n, cost) <= min(pool) * (1 + TIME_TIE):
+        if not pool or _cut_all_bound(greedy.lens_np, n, cost, runs) <= min(pool) * (1 + TIME_TIE):
             pd, tpd = cut_all()
             for p in pd + tpd:
                 if p.key() not in fig_of:
@@ -1623,7 +1656,10 @@ def _whole_doc_bound(lens, n: int, cost: CostModel, cap: int, whole_times) -> fl
     attention time whole (``whole_times``, :func:`~flashpar.cp.cp_plan.whole_doc_times`; one that ends up cut only
     costs more), plus the linear work.  Less a millionth for rounding."""
     long = lens > cap
-    attn = float(_cut_attn(lens[long], n, cost).sum()) + float(whole_times[~long].sum())
+    if not np.logical_or.reduce(long):  # (none: the same sum, of the same array)
+        attn = 0.0 + float(whole_times.sum())
+    else:
+        attn = float(_cut_attn(lens[long], n, cost).sum()) + float(whole_times[~long].sum())
     return (attn + cost.linear_time(int(lens.sum()))) / n * (1 - 1e-6)
 
 
@@ -1653,18 +1689,22 @@ def _ring_bound(lens, starts, n: int, cost: CostModel, whole_times) -> tuple[flo
     return low * (1 - 1e-6), (pieces[0], pieces[1])
 
 
-def _cut_attn(lens, n: int, cost: CostModel):
-    """Per document cut into ``2N`` chunks: a lower bound on its attention time (see :func:`_cut_all_bound`)."""
+def _cut_attn(lens, n: int, cost: CostModel, runs=None):
+    """Per document cut into ``2N`` chunks: a lower bound on its attention time (see :func:`_cut_all_bound`).
+    ``runs``: (the distinct lengths, each document's place among them): the same floats, once per length."""
+    if runs is not None:
+        return _cut_attn(runs[0], n, cost)[runs[1]]
     L = lens.astype(np.float64)
     return cost.attn_times(lens * (lens + 1) // 2, np.ceil(L / (2 * n)) if n > 1 else L, L)
 
 
-def _cut_all_bound(lens, n: int, cost: CostModel) -> float:
+def _cut_all_bound(lens, n: int, cost: CostModel, runs=None) -> float:
     """A lower bound on the estimated step time of ``per_doc`` and ``torch_per_doc`` (every document cut into 2N
     chunks, torch's further cut at shard boundaries): the mean compute per rank, each document's causal pairs
     at the efficiency of its longest possible piece (``ceil(L / 2N)`` queries over ``L`` keys; efficiency
-    rises with both, and a piece cut further only loses), plus the linear work.  Less a millionth for rounding."""
-    return (float(_cut_attn(lens, n, cost).sum()) + cost.linear_time(int(lens.sum()))) / n * (1 - 1e-6)
+    rises with both, and a piece cut further only loses), plus the linear work.  Less a millionth for rounding.
+    ``runs``: see :func:`_cut_attn`."""
+    return (float(_cut_attn(lens, n, cost, runs).sum()) + cost.linear_time(int(lens.sum()))) / n * (1 - 1e-6)
 
 
 BALANCE = 0.03
