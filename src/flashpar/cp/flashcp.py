@@ -246,15 +246,16 @@ class _RankDocs:
     of the first document of each length), which :meth:`_Greedy._best_move` reads.  ``docs``: the rank's documents
     by (length, place); ``heads``: where each length's begin there.  The queue of a length is made when a move first
     touches it (moves are few, lengths many).  ``rising``: the compute rises with the length over all lengths (then
-    over any rank's too)."""
+    over any rank's too); ``work``: the compute of each of ``lens``, where the caller has it."""
 
     def __init__(self, docs, lens: list[int], first: list[int], heads: list[int], whole: dict[int, float],
-                 rising: bool = False) -> None:
+                 rising: bool = False, work: list[float] | None = None) -> None:
         self.docs, self.lens, self.first, self.whole, self.rising = docs, lens, first, whole, rising
-        self.work = [whole[x] for x in lens]
-        ends = [*heads[1:], len(docs)] if heads else []
-        self.span = dict(zip(lens, zip(heads, ends, strict=True), strict=True))  # length -> (lo, hi) in docs,
-        self.queues: dict[int, collections.deque] = {}  # until its queue is made
+        self.work = [whole[x] for x in lens] if work is None else work
+        # (the lengths first held, ascending, and where each begins in docs: a length's documents until its queue is
+        # made, which happens at most once per such length, as a length that leaves and comes back gets a new queue)
+        self._heads = (list(lens), heads)
+        self.queues: dict[int, collections.deque] = {}
         self._arrays = self._other = None
 
     @classmethod
@@ -267,13 +268,14 @@ class _RankDocs:
 
     @staticmethod
     def all_ranks(whole, n: int, doc_rank, lens_np, doc_seq, seq_end: int, work: dict[int, float],
-                  in_order: bool = False, rising: bool = False):
+                  in_order: bool = False, rising: bool = False, doc_work=None):
         """``r -> _RankDocs`` of every rank ``r`` (made when first called) of the documents ``whole``, in one sort
         of all of them by (rank, length, place): the places are distinct and below ``seq_end``, so documents by
         place come from one scatter, then two stable sorts (of small integers: radix sorts) by length, then rank (one,
         by ``rank (longest + 1) + length``, where that fits in 16 bits).  ``in_order``: among documents of one length
         the places rise with the index (a pass places them so: longest first, then by index), so ``whole`` (by
-        index) needs no scatter."""
+        index) needs no scatter.  ``doc_work``: each document's compute (``work`` of its length), where the caller has
+        it."""
         if in_order:
             docs = whole
         else:
@@ -300,13 +302,15 @@ class _RankDocs:
         # per length each rank holds (all ranks at once): the length, its first place, where it begins in the rank's
         head_len, head_first = ln[heads].tolist(), doc_seq[docs[heads]].tolist()
         head_at = (heads - offsets[rk[heads]]).tolist()  # documents
+        # (each length's compute: the documents' own, where given, else looked up per length)
+        head_work = doc_work[docs[heads]].tolist() if doc_work is not None else [work[x] for x in head_len]
         made: dict[int, _RankDocs] = {}
 
         def of_rank(r: int) -> _RankDocs:
             if r not in made:
                 h0, h1 = head_off[r], head_off[r + 1]
                 made[r] = _RankDocs(docs[doc_off[r]:doc_off[r + 1]], head_len[h0:h1], head_first[h0:h1],
-                                    head_at[h0:h1], work, rising)
+                                    head_at[h0:h1], work, rising, head_work[h0:h1])
             return made[r]
 
         return of_rank
@@ -331,8 +335,10 @@ class _RankDocs:
         return self._other
 
     def _queue(self, length: int) -> collections.deque:
-        if length not in self.queues:
-            lo, hi = self.span.pop(length)
+        if length not in self.queues:  # (a length first held, not touched before)
+            lens0, heads = self._heads
+            i = bisect.bisect_left(lens0, length)
+            lo, hi = heads[i], (heads[i + 1] if i + 1 < len(heads) else len(self.docs))
             q = self.docs[lo:hi]
             self.queues[length] = collections.deque(q if isinstance(q, list) else q.tolist())
         return self.queues[length]
@@ -516,7 +522,7 @@ class _Greedy:
         self._prefix: _Prefix | None = None  # where the first pass of force 0 stopped keying by tokens alone (run)
         self._row_of = np.arange(n, dtype=np.int64)  # (each rank's row, for _batch_whole)
         whole_runs = self._whole_arrays(distinct, keep=True)
-        whole_all = whole_runs[self.doc_run]
+        self.doc_work = whole_all = whole_runs[self.doc_run]  # (each document's whole compute: whole(length))
         self.works_rise = _falls_to_nonnegative(whole_runs)  # (longest first: rising with the length)
         self._whole = dict(zip(distinct.tolist(), whole_runs.tolist(), strict=True))
         # (added in document order, as always: cumsum adds in order, as sum() of floats does)
@@ -1401,7 +1407,7 @@ class _Greedy:
             return
         if len(whole) >= 512:  # many: one sort of them all
             docs_of = _RankDocs.all_ranks(whole, self.n, doc_rank, self.lens_np, doc_seq, seq, self._whole, True,
-                                          self.works_rise)
+                                          self.works_rise, self.doc_work)
         else:
             by_rank: dict[int, _RankDocs] = {}
 
@@ -1485,9 +1491,10 @@ class _Greedy:
         rises and ``f2 = (low + w_a) - w_b`` falls along its options (float sums are monotone), so its peak
         ``max(f1, f2)`` falls until ``c``, the first option with ``f1 >= f2``, and rises from there: the row's
         least is at ``c - 1`` or ``c`` (within its token window, a range of options; ``c`` found by
-        ``w_b >= (f2 - f1) / 2``, then checked).  Any equal peak elsewhere in the row would need an equal
-        neighbour: where one is found (or ``c`` is not where the estimate put it: rounding), ``_UNSURE`` (the
-        caller takes all pairs)."""
+        ``w_b >= (f2 - f1) / 2``, then checked in every row: where it is not where the estimate put it (rounding),
+        ``_UNSURE``).  Every other option of a row is at least that least, so only the rows whose least is the best
+        can hold an equal peak elsewhere, next to it: the option beyond it (``c - 2``, or ``c + 1``) must be higher,
+        else ``_UNSURE`` (the caller takes all pairs)."""
         if not rising:
             return _UNSURE
         cap = self.cap
@@ -1496,31 +1503,33 @@ class _Greedy:
         jhi = ol.searchsorted(la + (cap - tok_hi), side="right")
         x1, x2 = h - wa, low + wa
         c = np.minimum(np.maximum(ow.searchsorted((x2 - x1) / 2, side="left"), jlo), jhi)  # (np.clip: slower)
-        # columns: options c - 2, c - 1 (j1), c (j2), c + 1 of each row
-        at = c[:, None] + _WINDOW
+        at = c[:, None] + _PAIR  # columns: options c - 1, c of each row
         inside = (at >= jlo[:, None]) & (at < jhi[:, None])
         w_b = ow[np.minimum(np.maximum(at, 0), len(ol) - 1)]
         f1, f2 = x1[:, None] + w_b, x2[:, None] - w_b
         above = f1 >= f2
-        peak = np.maximum(f1, f2)
-        ok = (~inside[:, 1] | ~above[:, 1]) & (~inside[:, 2] | above[:, 2])  # c: the first option above
-        ok &= ~(inside[:, 0] & inside[:, 1]) | (peak[:, 0] > peak[:, 1])  # no equal peak beyond j1 or j2
-        ok &= ~(inside[:, 3] & inside[:, 2]) | (peak[:, 3] > peak[:, 2])
-        if not np.logical_and.reduce(ok[jlo < jhi]):
+        if np.logical_or.reduce(inside & (above != _CROSSING), axis=None):  # (c - 1 below, c above, where inside)
             return _UNSURE
-        cand = np.where(inside[:, 1:3] & (peak[:, 1:3] < h - 1e-12 * abs(h)), peak[:, 1:3], np.inf)
+        peak = np.maximum(f1, f2)
+        cand = np.where(inside & (peak < h - 1e-12 * abs(h)), peak, np.inf)
         best = np.minimum.reduce(cand, axis=None)
         if best == np.inf:
             return None
         ii, col = (cand == best).nonzero()
-        jj = at[ii, col + 1]
+        beyond = c[ii] + 3 * col - 2  # (beyond c - 1: c - 2; beyond c: c + 1)
+        for i, j in zip(ii.tolist(), beyond.tolist(), strict=True):
+            if jlo[i] <= j < jhi[i] and not max(x1[i] + ow[j], x2[i] - ow[j]) > best:  # (an equal peak: maybe more)
+                return _UNSURE
+        jj = c[ii] + col - 1
         k = np.lexsort((oj[jj], sa[ii]))[0]
         return int(la[ii[k]]), (None if jj[k] == 0 else int(ol[jj[k]]))
 
 
 _UNSURE = object()
 """``_Greedy._best_move_rows`` could not be sure of its answer."""
-_WINDOW = np.arange(-2, 2)
+_PAIR = np.arange(-1, 1)
+_CROSSING = np.array([False, True])
+"""Whether ``f1 >= f2`` at options ``c - 1`` and ``c`` of a row (see ``_Greedy._best_move_rows``)."""
 
 
 def whole_doc(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_np=None) -> ArrayPlacement:
