@@ -1503,33 +1503,33 @@ class _Greedy:
         jhi = ol.searchsorted(la + (cap - tok_hi), side="right")
         x1, x2 = h - wa, low + wa
         c = np.minimum(np.maximum(ow.searchsorted((x2 - x1) / 2, side="left"), jlo), jhi)  # (np.clip: slower)
-        at = c[:, None] + _PAIR  # columns: options c - 1, c of each row
-        inside = (at >= jlo[:, None]) & (at < jhi[:, None])
-        w_b = ow[np.minimum(np.maximum(at, 0), len(ol) - 1)]
-        f1, f2 = x1[:, None] + w_b, x2[:, None] - w_b
-        above = f1 >= f2
-        if np.logical_or.reduce(inside & (above != _CROSSING), axis=None):  # (c - 1 below, c above, where inside)
+        # options c - 1 and c of each row, one array each (jlo <= c <= jhi: c - 1 is inside where c > jlo, c where
+        # c < jhi; an index outside is clipped, its values unused)
+        in1, in2 = c > jlo, c < jhi
+        w1, w2 = ow[np.maximum(c - 1, 0)], ow[np.minimum(c, len(ol) - 1)]
+        f11, f21, f12, f22 = x1 + w1, x2 - w1, x1 + w2, x2 - w2
+        if np.logical_or.reduce((in1 & (f11 >= f21)) | (in2 & (f12 < f22))):  # (c - 1 below, c above, where inside)
             return _UNSURE
-        peak = np.maximum(f1, f2)
-        cand = np.where(inside & (peak < h - 1e-12 * abs(h)), peak, np.inf)
-        best = np.minimum.reduce(cand, axis=None)
+        peak1, peak2 = np.maximum(f11, f21), np.maximum(f12, f22)
+        below = h - 1e-12 * abs(h)
+        cand1 = np.where(in1 & (peak1 < below), peak1, np.inf)
+        cand2 = np.where(in2 & (peak2 < below), peak2, np.inf)
+        best = min(np.minimum.reduce(cand1), np.minimum.reduce(cand2))
         if best == np.inf:
             return None
-        ii, col = (cand == best).nonzero()
-        beyond = c[ii] + 3 * col - 2  # (beyond c - 1: c - 2; beyond c: c + 1)
+        rows1, rows2 = (cand1 == best).nonzero()[0], (cand2 == best).nonzero()[0]
+        ii = np.concatenate((rows1, rows2))
+        jj = np.concatenate((c[rows1] - 1, c[rows2]))
+        beyond = np.concatenate((c[rows1] - 2, c[rows2] + 1))  # (the option past each, away from the crossing)
         for i, j in zip(ii.tolist(), beyond.tolist(), strict=True):
             if jlo[i] <= j < jhi[i] and not max(x1[i] + ow[j], x2[i] - ow[j]) > best:  # (an equal peak: maybe more)
                 return _UNSURE
-        jj = c[ii] + col - 1
         k = np.lexsort((oj[jj], sa[ii]))[0]
         return int(la[ii[k]]), (None if jj[k] == 0 else int(ol[jj[k]]))
 
 
 _UNSURE = object()
 """``_Greedy._best_move_rows`` could not be sure of its answer."""
-_PAIR = np.arange(-1, 1)
-_CROSSING = np.array([False, True])
-"""Whether ``f1 >= f2`` at options ``c - 1`` and ``c`` of a row (see ``_Greedy._best_move_rows``)."""
 
 
 def whole_doc(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_np=None) -> ArrayPlacement:
