@@ -289,17 +289,3 @@ def test_per_length_values_gathered_equal_per_document_values():
     for values, want in (([3.0, 2.0, 2.0, 0.0], True), ([3.0, 2.0, 2.5, 1.0], False), ([2.0, -1.0], False),
                          ([float("nan"), 1.0], False), ([1.0], True)):
         assert _falls_to_nonnegative(np.asarray(values)) == want, values
-
-
-def test_least_keys_by_key_alone_equal_the_lexsort():
-    """``_least_keys`` (one stable sort by key where the first k + 1 keys rise strictly) gives the first k of the
-    lexsort by (key, load, place), with ties of keys among them, at the k-th, beyond it, and none."""
-    from flashpar.cp.flashcp import _least_keys
-
-    rng = np.random.default_rng(4)
-    for t in range(300):
-        m = int(rng.integers(1, 300))
-        key = rng.integers(0, int(rng.choice([3, 50, 10**9])), m) / 7.0  # (few values: many ties)
-        load = rng.integers(0, 4, m) / 3.0
-        k = int(rng.integers(1, m + 1))
-        assert _least_keys(key, load, k).tolist() == np.lexsort((load, key))[:k].tolist(), t

@@ -372,17 +372,6 @@ class _RankDocs:
         self.queues[length] = collections.deque([doc])
 
 
-def _least_keys(key, load, k: int):
-    """The first ``k`` of ``np.lexsort((load, key))`` (by key, then load, then place): by key alone (one stable
-    sort, half the work) where the first ``k + 1`` keys in that order rise strictly (no tie among them, nor at the
-    ``k``-th: then no other order of equal keys can change them), else the lexsort."""
-    order = np.argsort(key, kind="stable")
-    first = key[order[:k + 1]]
-    if np.logical_and.reduce(first[1:] > first[:-1]):
-        return order[:k]
-    return np.lexsort((load, key))[:k]
-
-
 def _falls_to_nonnegative(values) -> bool:
     """Whether ``values`` never rise along the array and its last is not below 0 (NaN: False)."""
     return bool((values[:-1] >= values[1:]).all()) and bool(values[-1] >= 0)
@@ -1353,11 +1342,10 @@ class _Greedy:
                     key0 = np.maximum(by_load, by_toks)
                     if tracking and same:
                         same = not np.logical_or.reduce(by_load > by_toks)
-                    take = _least_keys(key0, ls, k)
-                else:  # (keyed by tokens alone: equal keys are common)
+                else:
                     key0 = ts / cap
-                    # (by key, then load, then rank: the slots run by rank, and lexsort is stable)
-                    take = np.lexsort((ls, key0))[:k]
+                # (by key, then load, then rank: the slots run by rank, and lexsort is stable)
+                take = np.lexsort((ls, key0))[:k]
             else:
                 if limit < math.inf:
                     ok = ((ts <= cap - length) & (ls <= limit - w)).nonzero()[0]
