@@ -11,7 +11,7 @@ import numpy as np
 
 from flashpar.cp import CostModel
 from flashpar.cp.cp_plan import causal_pairs
-from flashpar.cp.flashcp import _fits, _Greedy, _headtail_arrays, _Ranked, _sized_arrays, _Split
+from flashpar.cp.flashcp import _falls_to_nonnegative, _fits, _Greedy, _headtail_arrays, _Ranked, _sized_arrays, _Split
 from flashpar.cp.strategies import Placement, sized_pieces
 
 
@@ -239,3 +239,53 @@ def test_per_doc_arrays_equals_per_doc():
         lens = [rng.choice((1, 2, 3, rng.randint(1, 5000))) for _ in range(rng.randint(1, 40))]
         want, got = ArrayPlacement.of(per_doc(lens, n)), per_doc_arrays(lens, n)
         assert got.key() == want.key() and got.frozen() == want.frozen() and got.rank.dtype == want.rank.dtype
+
+
+def test_passes_started_where_the_first_stopped_keying_by_tokens_equal_passes_from_the_start():
+    """A pass of force 0 after the first (up to 64 ranks) starts from the state where the first pass's keys stopped
+    being the tokens' alone (``_Prefix``): every such pass, of any higher limit, share or without sub-groups, gives the
+    placement it gives from the start (a fresh pass).  Packs of many short documents (long runs of equal lengths: ties)
+    after a few long ones, where that state lies inside the pass, and a pack of all-distinct lengths."""
+    from flashpar.bench.plan_targets import short_docs
+
+    rng = random.Random(3)
+    packs = [(short_docs(32768, 1000), 8), (short_docs(16384, 900), 3), (short_docs(8192, 600), 4),
+             ([rng.choice((2, 5, 9, 60)) if rng.random() < 0.9 else rng.randint(100, 3000) for _ in range(600)], 16),
+             (rng.sample(range(1, 5000), 200), 64)]
+    inside = 0
+    for lens, n in packs:
+        cap = int(1.05 * sum(lens) / n)
+        g = _Greedy(lens, n, CostModel(), cap)
+        g.run(0.0, 0)
+        inside += 0 < g._prefix.k < len(lens)
+        for tol, share, subgroups in ((math.inf, 1.0, False), (0.02, 1.0, True), (0.0, 0.45, True), (0.05, 0.7, True),
+                                      (0.0, 1.0, True)):
+            got = g.run(tol, 0, share, subgroups)
+            want = _Greedy(lens, n, CostModel(), cap).run(tol, 0, share, subgroups)
+            assert got.key() == want.key(), (n, tol, share, subgroups)
+    assert inside >= 2  # (the passes after the first did start inside the pass)
+
+
+def test_per_length_values_gathered_equal_per_document_values():
+    """Formulas elementwise in the length, run once per distinct length and gathered per document (``_Greedy.distinct``,
+    ``doc_run``), give every document's own floats: whole compute, whole attention times, the cut bound's attention;
+    and ``works_rise`` says whether compute rises with length over all lengths (the refinement's shortcut)."""
+    from flashpar.cp.cp_plan import whole_doc_times
+    from flashpar.cp.flashcp import _cut_attn
+
+    rng = random.Random(9)
+    for n, cost in ((8, CostModel()), (3, CostModel(linear=False).with_hardware(attn_half=0.0)), (64, CostModel())):
+        lens = [rng.choice((1, 2, 7, 300, 4096)) if rng.random() < 0.7 else rng.randint(1, 9000) for _ in range(700)]
+        g = _Greedy(lens, n, cost, int(1.05 * sum(lens) / n))
+        lens_np = np.asarray(lens, dtype=np.int64)
+        assert g.distinct[g.doc_run].tolist() == lens
+        q = lens_np.astype(np.float64)
+        assert g.whole_times()[1].tolist() == whole_doc_times(lens_np, cost).tolist()
+        assert [g.whole(x) for x in lens] == (q * cost.flops_per_token / cost.hardware.gemm_flops + cost.attn_times(
+            lens_np * (lens_np + 1) // 2, q, q)).tolist()
+        assert _cut_attn(lens_np, n, cost, (g.distinct, g.doc_run)).tolist() == _cut_attn(lens_np, n, cost).tolist()
+        works = [g.whole(x) for x in sorted(set(lens))]
+        assert g.works_rise == (works == sorted(works) and works[0] >= 0)
+    for values, want in (([3.0, 2.0, 2.0, 0.0], True), ([3.0, 2.0, 2.5, 1.0], False), ([2.0, -1.0], False),
+                         ([float("nan"), 1.0], False), ([1.0], True)):
+        assert _falls_to_nonnegative(np.asarray(values)) == want, values

@@ -11,7 +11,10 @@ data-loader worker.  Strategies: ``flashcp`` (the hybrid search) and the baselin
 
 from __future__ import annotations
 
+import contextlib
 import time
+
+import numpy as np
 
 from flashpar.cp import flashcp as _flashcp
 from flashpar.cp import megatron_dynamic as _megatron_dynamic
@@ -28,13 +31,13 @@ COMM = {"contiguous": "all", "headtail": "all", "per_doc": "all", "torch_per_doc
 def plan(doc_lens, cp_size: int, *, strategy: str = "flashcp", cost: CostModel | None = None,
          token_slack: float = 0.05) -> CPPlan:
     """Plan one packed sequence of documents of ``doc_lens`` tokens over ``cp_size`` ranks."""
-    lens = _check(doc_lens, cp_size, strategy, token_slack)
+    lens, lens_np = _check(doc_lens, cp_size, strategy, token_slack)
     cost = cost or CostModel()
     t0 = time.perf_counter()
     if strategy == "flashcp":
-        placement = _flashcp.flashcp(lens, cp_size, cost, token_slack)
+        placement = _flashcp.flashcp(lens, cp_size, cost, token_slack, lens_np)
     elif strategy == "whole_doc":
-        placement = _flashcp.whole_doc(lens, cp_size, cost, token_slack)
+        placement = _flashcp.whole_doc(lens, cp_size, cost, token_slack, lens_np)
     elif strategy == "megatron_dynamic":
         placement = _megatron_dynamic.megatron_dynamic(lens, cp_size, token_slack)
     else:
@@ -46,7 +49,8 @@ def plan(doc_lens, cp_size: int, *, strategy: str = "flashcp", cost: CostModel |
     return CPPlan(cp_size, tuple(lens), strategy, placement.frozen(), COMM[strategy], cost, token_slack, elapsed)
 
 
-def _check(doc_lens, cp_size, strategy, token_slack) -> list[int]:
+def _check(doc_lens, cp_size, strategy, token_slack) -> tuple[list[int], np.ndarray]:
+    """The lengths as a list and as an int64 array (made once: the planner reads both), or ValueError."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
@@ -54,14 +58,18 @@ def _check(doc_lens, cp_size, strategy, token_slack) -> list[int]:
     lens = list(doc_lens)
     if not lens:
         raise ValueError("doc_lens is empty: a packed sequence needs at least one document")
-    fine = set(map(type, lens)) == {int} and min(lens) > 0  # (the common case, checked in C)
+    lens_np = None
+    if set(map(type, lens)) == {int}:  # (the common case, checked in C; the least on the array)
+        with contextlib.suppress(OverflowError):  # (beyond int64: checked one by one below, as any other)
+            lens_np = np.fromiter(lens, dtype=np.int64, count=len(lens))
+    fine = lens_np is not None and lens_np.min() > 0
     bad = [] if fine else [(i, v) for i, v in enumerate(lens)
                            if not isinstance(v, int) or isinstance(v, bool) or v <= 0]
     if bad:
         raise ValueError(f"doc_lens must be positive ints; bad entries (index, value): {bad[:5]}")
     if not token_slack >= 0:
         raise ValueError(f"token_slack must be >= 0, got {token_slack!r}")
-    return lens
+    return lens, lens_np
 
 
 from flashpar.cp.attention import attention  # noqa: E402 - after plan (the executor imports CPPlan)

@@ -216,8 +216,9 @@ class _Ranked:
         return next((key[2] for key in self.keys if key[1] <= most), -1)
 
 
-def token_cap(doc_lens: list[int], n: int, token_slack: float) -> int:
-    total = sum(doc_lens)
+def token_cap(doc_lens: list[int], n: int, token_slack: float, total: int | None = None) -> int:
+    """``max(ceil(T / N), (1 + token_slack) T / N)``; ``total``: ``T``, where the caller has it."""
+    total = sum(doc_lens) if total is None else total
     return max(-(-total // n), int((1 + token_slack) * total / n))
 
 
@@ -244,32 +245,37 @@ class _RankDocs:
     in the order it received them (``doc_seq``), and as lists (lengths ascending; compute; place in the rank's order
     of the first document of each length), which :meth:`_Greedy._best_move` reads.  ``docs``: the rank's documents
     by (length, place); ``heads``: where each length's begin there.  The queue of a length is made when a move first
-    touches it (moves are few, lengths many)."""
+    touches it (moves are few, lengths many).  ``rising``: the compute rises with the length over all lengths (then
+    over any rank's too); ``work``: the compute of each of ``lens``, where the caller has it."""
 
-    def __init__(self, docs, lens: list[int], first: list[int], heads: list[int], whole: dict[int, float]) -> None:
-        self.docs, self.lens, self.first, self.whole = docs, lens, first, whole
-        self.work = [whole[x] for x in lens]
-        ends = [*heads[1:], len(docs)] if heads else []
-        self.span = dict(zip(lens, zip(heads, ends, strict=True), strict=True))  # length -> (lo, hi) in docs,
-        self.queues: dict[int, collections.deque] = {}  # until its queue is made
+    def __init__(self, docs, lens: list[int], first: list[int], heads: list[int], whole: dict[int, float],
+                 rising: bool = False, work: list[float] | None = None) -> None:
+        self.docs, self.lens, self.first, self.whole, self.rising = docs, lens, first, whole, rising
+        self.work = [whole[x] for x in lens] if work is None else work
+        # (the lengths first held, ascending, and where each begins in docs: a length's documents until its queue is
+        # made, which happens at most once per such length, as a length that leaves and comes back gets a new queue)
+        self._heads = (list(lens), heads)
+        self.queues: dict[int, collections.deque] = {}
         self._arrays = self._other = None
 
     @classmethod
-    def of(cls, mine, lens_np, doc_seq, whole: dict[int, float]) -> _RankDocs:
+    def of(cls, mine, lens_np, doc_seq, whole: dict[int, float], rising: bool = False) -> _RankDocs:
         """Of the documents ``mine`` (few: in Python)."""
         items = sorted(zip(lens_np[mine].tolist(), doc_seq[mine].tolist(), mine.tolist(), strict=True))
         heads = [i for i in range(len(items)) if i == 0 or items[i][0] != items[i - 1][0]]
-        return cls([d for _, _, d in items], [items[i][0] for i in heads], [items[i][1] for i in heads], heads, whole)
+        return cls([d for _, _, d in items], [items[i][0] for i in heads], [items[i][1] for i in heads], heads, whole,
+                   rising)
 
     @staticmethod
     def all_ranks(whole, n: int, doc_rank, lens_np, doc_seq, seq_end: int, work: dict[int, float],
-                  in_order: bool = False):
+                  in_order: bool = False, rising: bool = False, doc_work=None):
         """``r -> _RankDocs`` of every rank ``r`` (made when first called) of the documents ``whole``, in one sort
         of all of them by (rank, length, place): the places are distinct and below ``seq_end``, so documents by
         place come from one scatter, then two stable sorts (of small integers: radix sorts) by length, then rank (one,
         by ``rank (longest + 1) + length``, where that fits in 16 bits).  ``in_order``: among documents of one length
         the places rise with the index (a pass places them so: longest first, then by index), so ``whole`` (by
-        index) needs no scatter."""
+        index) needs no scatter.  ``doc_work``: each document's compute (``work`` of its length), where the caller has
+        it."""
         if in_order:
             docs = whole
         else:
@@ -296,13 +302,15 @@ class _RankDocs:
         # per length each rank holds (all ranks at once): the length, its first place, where it begins in the rank's
         head_len, head_first = ln[heads].tolist(), doc_seq[docs[heads]].tolist()
         head_at = (heads - offsets[rk[heads]]).tolist()  # documents
+        # (each length's compute: the documents' own, where given, else looked up per length)
+        head_work = doc_work[docs[heads]].tolist() if doc_work is not None else [work[x] for x in head_len]
         made: dict[int, _RankDocs] = {}
 
         def of_rank(r: int) -> _RankDocs:
             if r not in made:
                 h0, h1 = head_off[r], head_off[r + 1]
                 made[r] = _RankDocs(docs[doc_off[r]:doc_off[r + 1]], head_len[h0:h1], head_first[h0:h1],
-                                    head_at[h0:h1], work)
+                                    head_at[h0:h1], work, rising, head_work[h0:h1])
             return made[r]
 
         return of_rank
@@ -311,23 +319,26 @@ class _RankDocs:
         return self.lens, self.work, self.first
 
     def arrays(self):
-        """:meth:`options` as arrays (made once per change)."""
+        """:meth:`options` as arrays (made once per change): views of :meth:`other_arrays` past its first."""
         if self._arrays is None:
-            self._arrays = _ints(self.lens), _floats(self.work), _ints(self.first)
+            ol, ow, oj, _ = self.other_arrays()
+            self._arrays = ol[1:], ow[1:], oj[1:]
         return self._arrays
 
     def other_arrays(self):
         """:meth:`options` as the least busy rank's, arrays with nothing first (length 0, compute 0, place -1), and
-        whether the compute rises along them."""
+        whether the compute rises along them (where it rises over all lengths, so over these: no compute is below 0)."""
         if self._other is None:
             work = _floats([0.0, *self.work])
             self._other = (_ints([0, *self.lens]), work, _ints([-1, *self.first]),
-                           bool((work[1:] >= work[:-1]).all()))
+                           self.rising or bool((work[1:] >= work[:-1]).all()))
         return self._other
 
     def _queue(self, length: int) -> collections.deque:
-        if length not in self.queues:
-            lo, hi = self.span.pop(length)
+        if length not in self.queues:  # (a length first held, not touched before)
+            lens0, heads = self._heads
+            i = bisect.bisect_left(lens0, length)
+            lo, hi = heads[i], (heads[i + 1] if i + 1 < len(heads) else len(self.docs))
             q = self.docs[lo:hi]
             self.queues[length] = collections.deque(q if isinstance(q, list) else q.tolist())
         return self.queues[length]
@@ -359,6 +370,11 @@ class _RankDocs:
         self.work.insert(i, self.whole[length])
         self.first.insert(i, at)
         self.queues[length] = collections.deque([doc])
+
+
+def _falls_to_nonnegative(values) -> bool:
+    """Whether ``values`` never rise along the array and its last is not below 0 (NaN: False)."""
+    return bool((values[:-1] >= values[1:]).all()) and bool(values[-1] >= 0)
 
 
 def _floats(values) -> np.ndarray:
@@ -436,12 +452,39 @@ def _sized_arrays(splits: list[_Split]):
     return np.concatenate((rank, rank)), a, b
 
 
+@dataclasses.dataclass(frozen=True)
+class _Prefix:
+    """Where the first greedy pass of force 0 (up to 64 ranks) stopped keying every rank by its tokens alone: its state
+    before document ``k`` of pass order (loads, tokens, the heap, the runs placed in one sort, the ranks and places of
+    the documents placed one by one), and its ``limit``.
+
+    Up to there every rank's key ``max(load / limit, tokens / cap)`` was ``tokens / cap`` (checked at each change:
+    ``load / limit <= tokens / cap``, in every slot of a run placed at once) and every document went whole onto the
+    first rank by key that fit both bounds (the top of the heap, or every slot of a run fit).  A pass of force 0 with
+    a limit no lower divides by a larger limit (``load / limit'`` is no larger: rounded division is monotone), so its
+    keys are the same floats, the same ranks fit it (``limit' - w >= limit - w``), and it takes the same steps: it
+    starts here (``share`` and sub-groups only matter for documents no rank fits whole, which come after)."""
+
+    limit: float
+    k: int
+    seq: int
+    load: list[float]
+    toks: list[int]
+    heap: list[tuple]
+    runs: list[tuple]
+    rank: np.ndarray
+    seq_of: np.ndarray
+
+
 class _Greedy:
     """The greedy pass (see the module docstring), with per-(length, group) shares cached."""
 
-    def __init__(self, doc_lens: list[int], n: int, cost: CostModel, cap: int) -> None:
+    def __init__(self, doc_lens: list[int], n: int, cost: CostModel, cap: int, lens_np=None) -> None:
+        """``lens_np``: ``doc_lens`` as an int64 array, where the caller has it."""
         self.lens, self.n, self.cost, self.cap = doc_lens, n, cost, cap
-        self.lens_np = lens = np.fromiter(doc_lens, dtype=np.int64, count=len(doc_lens))
+        if lens_np is None:
+            lens_np = np.fromiter(doc_lens, dtype=np.int64, count=len(doc_lens))
+        self.lens_np = lens = lens_np
         self.starts_np = np.cumsum(lens) - lens
         # by (-length, index): a stable sort (of 16-bit keys, a radix sort, where the lengths allow)
         neg = -lens if int(lens.max()) >= 1 << 15 else (-lens).astype(np.int16)
@@ -456,7 +499,11 @@ class _Greedy:
             lo = e
         self.run_end = run_end
         run_starts = np.concatenate(([0], ends[:-1]))
-        distinct = sl[run_starts]
+        # the distinct lengths (longest first) and each document's place among them: formulas that are elementwise in
+        # the length run once per length, each document's value gathered from its length's (the same floats)
+        self.distinct = distinct = sl[run_starts]
+        self.doc_run = np.empty(len(lens), dtype=np.int64)
+        self.doc_run[order] = np.repeat(np.arange(len(ends), dtype=np.int64), ends - run_starts)
         self._shares: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
         self._whole: dict[int, float] = {}
         self._top: dict[tuple[int, int], float] = {}  # per (length, g): the largest of the shares
@@ -472,10 +519,12 @@ class _Greedy:
         self.sizes_np = np.asarray(self.sizes, dtype=np.int64)
         self._last_np = self.sizes_np - 1  # (the last member of a group of each size)
         self._fewest: dict[int, np.ndarray] = {}  # per length: _group's fewest tokens per member, per size
+        self._prefix: _Prefix | None = None  # where the first pass of force 0 stopped keying by tokens alone (run)
         self._row_of = np.arange(n, dtype=np.int64)  # (each rank's row, for _batch_whole)
-        # (the same floats per document, the formula being elementwise: each length's from its first document's)
-        whole_all = self._whole_arrays(lens, keep=True)
-        self._whole = dict(zip(distinct.tolist(), whole_all[order[run_starts]].tolist(), strict=True))
+        whole_runs = self._whole_arrays(distinct, keep=True)
+        self.doc_work = whole_all = whole_runs[self.doc_run]  # (each document's whole compute: whole(length))
+        self.works_rise = _falls_to_nonnegative(whole_runs)  # (longest first: rising with the length)
+        self._whole = dict(zip(distinct.tolist(), whole_runs.tolist(), strict=True))
         # (added in document order, as always: cumsum adds in order, as sum() of floats does)
         self.mean = float(np.cumsum(whole_all)[-1]) / n
 
@@ -486,20 +535,21 @@ class _Greedy:
 
     def whole_times(self) -> tuple[np.ndarray, np.ndarray]:
         """(lengths, ``whole_doc_times``) of the documents under this pass's cost model (placements of whole
-        documents are scored from them)."""
+        documents are scored from them): each length's (elementwise), gathered per document."""
         if self._whole_times is None:
-            self._whole_times = (self.lens_np, whole_doc_times(self.lens_np, self.cost, self._doc_attn))
+            times = whole_doc_times(self.distinct, self.cost, self._run_attn)
+            self._whole_times = (self.lens_np, times[self.doc_run])
         return self._whole_times
 
     def _whole_arrays(self, lens, keep: bool = False):
         """:meth:`whole` of each of ``lens`` (an int64 array), on arrays: the same floats (the linear time, then the
         attention time as ``CostModel.attn_time`` rounds it, added).  ``keep``: the attention times are kept for
-        :meth:`whole_times` (``lens``: every document's)."""
+        :meth:`whole_times` (``lens``: the distinct lengths)."""
         cost = self.cost
         q = lens.astype(np.float64)
         attn = cost.attn_times(lens * (lens + 1) // 2, q, q)
         if keep:
-            self._doc_attn = attn
+            self._run_attn = attn
         return q * cost.flops_per_token / cost.hardware.gemm_flops + attn
 
     def whole(self, length: int) -> float:
@@ -838,6 +888,22 @@ class _Greedy:
         # fits a document whole comes from them there, else brought up to date where next needed (``pending``)
         ranked, eager, pending = _Ranked(n, arrays=n > 128), n >= 256, []
         runs = []  # (where in pass order, ranks, first place) of each run _batch_whole placed
+        k, prefix = 0, self._prefix
+        # up to 64 ranks, a pass of force 0 starts where the first such pass stopped keying by tokens alone, where its
+        # own limit is no lower (see _Prefix); the first such pass keeps track of where that is (``tracking``)
+        tracking = n <= 64 and force == 0 and prefix is None
+        if n <= 64 and force == 0 and prefix is not None and limit >= prefix.limit:
+            k, seq, heap, runs = prefix.k, prefix.seq, list(prefix.heap), list(prefix.runs)
+            load, toks = list(prefix.load), list(prefix.toks)
+            doc_rank, doc_seq = prefix.rank.copy(), prefix.seq_of.copy()
+            pending = list(range(n))  # (ranked: every rank brought up to date where next needed)
+
+        def stop_tracking(at_load, at_toks) -> None:  # the state before document k, for the passes after this one
+            nonlocal tracking
+            self._prefix = _Prefix(limit, k, seq, list(at_load), list(at_toks), list(heap), list(runs), doc_rank.copy(),
+                                   doc_seq.copy())
+            tracking = False
+
         mins = _Mins(load, toks) if 64 < n < 256 else None  # min(toks), min(load) in O(log N) in between
         heap_anew = False  # after many changes at once: the heaps are built anew where next needed
 
@@ -859,7 +925,7 @@ class _Greedy:
                 mins.push(ranks)
 
         order, run_end = self.order, self.run_end
-        k, count = 0, len(order)
+        count = len(order)
         few, whole_of, lens = not eager and mins is None, self._whole, self.lens  # (few: up to 64 ranks)
         heappop, heapreplace = heapq.heappop, heapq.heapreplace
         while k < count:
@@ -874,13 +940,15 @@ class _Greedy:
                     e = heap[0]
                 r = e[2]
                 if toks[r] <= cap - length and load[r] <= limit - w:
+                    lr, tr = load[r] + w, toks[r] + length
+                    x, y = lr / limit, tr / cap
+                    if tracking and x > y:  # (its key is no longer its tokens')
+                        stop_tracking(load, toks)
                     doc_rank[d], doc_seq[d] = r, seq
                     seq += 1
-                    load[r] += w
-                    toks[r] += length
+                    load[r], toks[r] = lr, tr
                     pending.append(r)
-                    x, y = load[r] / limit, toks[r] / cap
-                    heapreplace(heap, (y if y > x else x, load[r], r, toks[r]))  # (max(x, y), as max() picks)
+                    heapreplace(heap, (y if y > x else x, lr, r, tr))  # (max(x, y), as max() picks)
                     k += 1
                     continue
             length = self.lens[d]
@@ -888,7 +956,10 @@ class _Greedy:
                 w = self.whole(length)
                 tok_room, work_room = cap - length, limit - w
                 if run_end[k] - k >= BATCH:  # a run of equal lengths: place as many whole as the greedy would
-                    placed = self._batch_whole(k, run_end[k], length, w, load, toks, limit)
+                    before = (list(load), list(toks)) if tracking else None
+                    placed = self._batch_whole(k, run_end[k], length, w, load, toks, limit, tracking)
+                    if placed and tracking and not placed[2]:
+                        stop_tracking(*before)
                     if placed:
                         runs.append((k, placed[0], seq))  # (their ranks and places: written after the loop)
                         seq += len(placed[0])
@@ -897,6 +968,8 @@ class _Greedy:
                         continue
                 # the rank with the most room left in both work and tokens, among those it fits: the first in
                 # key order that fits (the least key, the lowest rank on ties)
+                if tracking:  # (its fit might depend on the limit)
+                    stop_tracking(load, toks)
                 r, skipped = -1, []
                 if tok_room < 0:  # (longer than the cap)
                     fits = False
@@ -960,7 +1033,7 @@ class _Greedy:
             if pending:
                 ranked.update_many(list(dict.fromkeys(pending)), load, toks)
                 pending.clear()
-            start = self.starts[d]
+            start = int(self.starts_np[d])
             changed = self._place_other(k, d, length, start, force, load, toks, limit, share, subgroups, p, splits,
                                         ranked)
             if changed is None:  # whole on one rank, over the work bound
@@ -970,6 +1043,8 @@ class _Greedy:
                 changed = [r]
             touched(changed)
             k += 1
+        if tracking:  # every document keyed by tokens alone: the passes after this one start at the end
+            stop_tracking(load, toks)
         if runs:  # the documents of runs placed in one sort: ranks and places written at once
             run_ranks = [x for _, x, _ in runs]
             sizes = np.fromiter(map(len, run_ranks), dtype=np.int64, count=len(runs))
@@ -1229,7 +1304,7 @@ class _Greedy:
                 return lo + at
         return -1
 
-    def _batch_whole(self, lo: int, hi: int, length: int, w: float, load, toks, limit: float):
+    def _batch_whole(self, lo: int, hi: int, length: int, w: float, load, toks, limit: float, tracking: bool = False):
         """Documents ``order[lo:hi]`` (all of ``length`` tokens and compute ``w``, in pass order) placed whole as the
         one-by-one step places them, as far as they fit: returns (the ranks of those placed, in order; the ranks
         changed), or None where the first fits nowhere (``load`` and ``toks`` updated; the caller records the
@@ -1240,10 +1315,14 @@ class _Greedy:
         and the step takes each document onto the fitting rank of least key ``(max(load / limit, tokens / cap),
         load, rank)``.  A rank's keys rise with ``j`` and its fitting slots are a prefix, so the documents go to
         the ``hi - lo`` least keys of all fitting slots, in key order: one sort.  Slots per rank are tried up
-        to ``m`` (doubled while some rank took all of its ``m`` and more might follow)."""
+        to ``m`` (doubled while some rank took all of its ``m`` and more might follow).
+
+        A third item: whether every slot fit within both bounds and was keyed by its tokens alone (``load / limit <=
+        tokens / cap``), as in a pass with any higher limit (see :class:`_Prefix`; looked at only with ``tracking``)."""
         n, cap, k = self.n, self.cap, hi - lo
+        same = True
         l0, t0 = _floats(load), _ints(toks)
-        m = min(k, 2 * -(-k // n) + 2)
+        m = min(k, 2 * -(-k // n) + 2, self._slots_needed(k, length, w, load, toks, limit))
         while True:
             # slots 0..m of each rank, slot m too (the rows then ravel as views): it follows slot m - 1 in key and in
             # place, so it is among the least keys only where its rank took all its first m, where m doubles anyway
@@ -1256,8 +1335,15 @@ class _Greedy:
             # every slot fits where each rank's last does (loads and tokens rise along a row): then no selection
             every = max(toks) + m * length <= cap - length and (
                 limit == math.inf or np.maximum.reduce(lt[:, m]) <= limit - w)
+            same = same and every
             if every:
-                key0 = np.maximum(ls / limit, ts / cap) if limit < math.inf else ts / cap
+                if limit < math.inf:
+                    by_load, by_toks = ls / limit, ts / cap
+                    key0 = np.maximum(by_load, by_toks)
+                    if tracking and same:
+                        same = not np.logical_or.reduce(by_load > by_toks)
+                else:
+                    key0 = ts / cap
                 # (by key, then load, then rank: the slots run by rank, and lexsort is stable)
                 take = np.lexsort((ls, key0))[:k]
             else:
@@ -1290,7 +1376,20 @@ class _Greedy:
             new_load, new_toks = ls[at].tolist(), ts[at].tolist()
             for r in changed:
                 load[r], toks[r] = new_load[r], new_toks[r]
-        return ranks, changed
+        return ranks, changed, same
+
+    def _slots_needed(self, k: int, length: int, w: float, load, toks, limit: float) -> int:
+        """About the most documents of a run of ``k`` that one rank takes in :meth:`_batch_whole` (where fewer than
+        this were tried, the search doubles them: this only saves slots).  Where rank ``r`` takes ``c`` of them, its
+        slot ``c - 1`` is among the ``k`` least keys, and so is every slot of another rank ``s`` of lower key: every
+        ``j`` with ``t_s + j L < t_r + (c - 1) L`` and ``l_s + j w < l_r + (c - 1) w`` (its tokens and its load both
+        lower), at least ``c - 1 - S`` of them, ``S`` the spread of tokens over ``L`` or of loads over ``w``.  So
+        ``c + (N - 1)(c - 1 - S) <= k``: ``c <= (k + (N - 1)(1 + S)) / N``; one slot more for rounding."""
+        spread = (max(toks) - min(toks)) / length
+        if limit < math.inf and w > 0:
+            spread = max(spread, (max(load) - min(load)) / w)
+        n = self.n
+        return math.ceil((k + (n - 1) * (2 + spread)) / n) + 1
 
     def _refine(self, doc_rank, doc_seq, load, toks, seq: int) -> None:
         """Lower the busiest rank by moving one of its Whole-Doc documents to the least busy rank, or by
@@ -1307,13 +1406,15 @@ class _Greedy:
         if not len(whole):
             return
         if len(whole) >= 512:  # many: one sort of them all
-            docs_of = _RankDocs.all_ranks(whole, self.n, doc_rank, self.lens_np, doc_seq, seq, self._whole, True)
+            docs_of = _RankDocs.all_ranks(whole, self.n, doc_rank, self.lens_np, doc_seq, seq, self._whole, True,
+                                          self.works_rise, self.doc_work)
         else:
             by_rank: dict[int, _RankDocs] = {}
 
             def docs_of(r: int) -> _RankDocs:
                 if r not in by_rank:
-                    by_rank[r] = _RankDocs.of(whole[doc_rank[whole] == r], self.lens_np, doc_seq, self._whole)
+                    by_rank[r] = _RankDocs.of(whole[doc_rank[whole] == r], self.lens_np, doc_seq, self._whole,
+                                              self.works_rise)
                 return by_rank[r]
 
         def move(src: int, dst: int, length: int, at: int) -> int:
@@ -1390,9 +1491,10 @@ class _Greedy:
         rises and ``f2 = (low + w_a) - w_b`` falls along its options (float sums are monotone), so its peak
         ``max(f1, f2)`` falls until ``c``, the first option with ``f1 >= f2``, and rises from there: the row's
         least is at ``c - 1`` or ``c`` (within its token window, a range of options; ``c`` found by
-        ``w_b >= (f2 - f1) / 2``, then checked).  Any equal peak elsewhere in the row would need an equal
-        neighbour: where one is found (or ``c`` is not where the estimate put it: rounding), ``_UNSURE`` (the
-        caller takes all pairs)."""
+        ``w_b >= (f2 - f1) / 2``, then checked in every row: where it is not where the estimate put it (rounding),
+        ``_UNSURE``).  Every other option of a row is at least that least, so only the rows whose least is the best
+        can hold an equal peak elsewhere, next to it: the option beyond it (``c - 2``, or ``c + 1``) must be higher,
+        else ``_UNSURE`` (the caller takes all pairs)."""
         if not rising:
             return _UNSURE
         cap = self.cap
@@ -1401,42 +1503,48 @@ class _Greedy:
         jhi = ol.searchsorted(la + (cap - tok_hi), side="right")
         x1, x2 = h - wa, low + wa
         c = np.minimum(np.maximum(ow.searchsorted((x2 - x1) / 2, side="left"), jlo), jhi)  # (np.clip: slower)
-        # columns: options c - 2, c - 1 (j1), c (j2), c + 1 of each row
-        at = c[:, None] + _WINDOW
-        inside = (at >= jlo[:, None]) & (at < jhi[:, None])
-        w_b = ow[np.minimum(np.maximum(at, 0), len(ol) - 1)]
-        f1, f2 = x1[:, None] + w_b, x2[:, None] - w_b
-        above = f1 >= f2
-        peak = np.maximum(f1, f2)
-        ok = (~inside[:, 1] | ~above[:, 1]) & (~inside[:, 2] | above[:, 2])  # c: the first option above
-        ok &= ~(inside[:, 0] & inside[:, 1]) | (peak[:, 0] > peak[:, 1])  # no equal peak beyond j1 or j2
-        ok &= ~(inside[:, 3] & inside[:, 2]) | (peak[:, 3] > peak[:, 2])
-        if not np.logical_and.reduce(ok[jlo < jhi]):
+        # options c - 1 and c of each row, one array each (jlo <= c <= jhi: c - 1 is inside where c > jlo, c where
+        # c < jhi; an index outside is clipped, its values unused)
+        in1, in2 = c > jlo, c < jhi
+        w1, w2 = ow[np.maximum(c - 1, 0)], ow[np.minimum(c, len(ol) - 1)]
+        f11, f21, f12, f22 = x1 + w1, x2 - w1, x1 + w2, x2 - w2
+        if np.logical_or.reduce((in1 & (f11 >= f21)) | (in2 & (f12 < f22))):  # (c - 1 below, c above, where inside)
             return _UNSURE
-        cand = np.where(inside[:, 1:3] & (peak[:, 1:3] < h - 1e-12 * abs(h)), peak[:, 1:3], np.inf)
-        best = np.minimum.reduce(cand, axis=None)
+        peak1, peak2 = np.maximum(f11, f21), np.maximum(f12, f22)
+        below = h - 1e-12 * abs(h)
+        cand1 = np.where(in1 & (peak1 < below), peak1, np.inf)
+        cand2 = np.where(in2 & (peak2 < below), peak2, np.inf)
+        best = min(np.minimum.reduce(cand1), np.minimum.reduce(cand2))
         if best == np.inf:
             return None
-        ii, col = (cand == best).nonzero()
-        jj = at[ii, col + 1]
+        rows1, rows2 = (cand1 == best).nonzero()[0], (cand2 == best).nonzero()[0]
+        ii = np.concatenate((rows1, rows2))
+        jj = np.concatenate((c[rows1] - 1, c[rows2]))
+        beyond = np.concatenate((c[rows1] - 2, c[rows2] + 1))  # (the option past each, away from the crossing)
+        for i, j in zip(ii.tolist(), beyond.tolist(), strict=True):
+            if jlo[i] <= j < jhi[i] and not max(x1[i] + ow[j], x2[i] - ow[j]) > best:  # (an equal peak: maybe more)
+                return _UNSURE
         k = np.lexsort((oj[jj], sa[ii]))[0]
         return int(la[ii[k]]), (None if jj[k] == 0 else int(ol[jj[k]]))
 
 
 _UNSURE = object()
 """``_Greedy._best_move_rows`` could not be sure of its answer."""
-_WINDOW = np.arange(-2, 2)
 
 
-def whole_doc(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) -> ArrayPlacement:
-    """Baseline: Whole-Doc wherever a document fits under the token cap, Per-Doc for the rest."""
-    return _Greedy(doc_lens, n, cost, token_cap(doc_lens, n, token_slack)).run(float("inf"), 0, subgroups=False)
+def whole_doc(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_np=None) -> ArrayPlacement:
+    """Baseline: Whole-Doc wherever a document fits under the token cap, Per-Doc for the rest (``lens_np``: the
+    lengths as an int64 array, where the caller has it)."""
+    cap = token_cap(doc_lens, n, token_slack, None if lens_np is None else int(lens_np.sum()))
+    return _Greedy(doc_lens, n, cost, cap, lens_np).run(float("inf"), 0, subgroups=False)
 
 
-def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) -> ArrayPlacement:
-    cap = token_cap(doc_lens, n, token_slack)
+def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_np=None) -> ArrayPlacement:
+    """The hybrid search (see the module docstring); ``lens_np``: ``doc_lens`` as an int64 array, where the caller
+    has it."""
+    cap = token_cap(doc_lens, n, token_slack, None if lens_np is None else int(lens_np.sum()))
     # attention alone: balance the attention work itself (pairs), as the solvers it is compared with do
-    greedy = _Greedy(doc_lens, n, cost if cost.linear else cost.with_hardware(attn_half=0.0), cap)
+    greedy = _Greedy(doc_lens, n, cost if cost.linear else cost.with_hardware(attn_half=0.0), cap, lens_np)
     starts = greedy.starts_np
     lower = greedy.mean  # no plan's step time is below the mean compute of every document whole (cuts only add)
     first = greedy.calibrate()  # the pass (tol 0, force 0, share 1), where the mean did not move
@@ -1450,8 +1558,11 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
     cut_all = lambda: ([per_doc_arrays(doc_lens, n)],  # noqa: E731
                        [ArrayPlacement.of(torch_per_doc(doc_lens, n, False))] if n <= 16 else [])
     fig_of: dict[bytes, object] = {}
-    times = greedy.whole_times() if greedy.cost is cost else (greedy.lens_np, whole_doc_times(greedy.lens_np, cost))
+    times = greedy.whole_times()
+    if greedy.cost is not cost:  # (attention alone: the greedy's cost differs; each length's, per document)
+        times = (greedy.lens_np, whole_doc_times(greedy.distinct, cost)[greedy.doc_run])
     ring_low = functools.cache(lambda: _ring_bound(greedy.lens_np, starts, n, cost, times[1]))
+    runs = (greedy.distinct, greedy.doc_run)
 
     def scored(candidates: list[ArrayPlacement]):
         """The pick among ``candidates`` and the baselines (see _pick), and its figures."""
@@ -1486,7 +1597,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
         # and its time cannot lower the bound the baselines set)
         pool = [max(fig_of[p.key()].time) for p in candidates + [*wd, *ring] if max(fig_of[p.key()].tokens) <= cap]
         pd, tpd = [], []
-        if not pool or _cut_all_bound(greedy.lens_np, n, cost) <= min(pool) * (1 + TIME_TIE):
+        if not pool or _cut_all_bound(greedy.lens_np, n, cost, runs) <= min(pool) * (1 + TIME_TIE):
             pd, tpd = cut_all()
             for p in pd + tpd:
                 if p.key() not in fig_of:
@@ -1509,7 +1620,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float) ->
             return best
     # beyond 16 ranks a pass costs O(N) per document: a smaller grid keeps 1M tokens at N=64 near 200 ms
     forced, tolerances = (FORCED, TOLERANCES) if n <= 16 else (FORCED[:1], TOLERANCES[:2])
-    if max(doc_lens) > cap:  # the longest document fits whole nowhere: forcing it to split changes nothing
+    if int(greedy.lens_np.max()) > cap:  # the longest document fits whole nowhere: forcing it to split changes nothing
         forced = FORCED[:1]
     # from 256 ranks on, the smallest share only spreads long documents over more ranks than the fastest plan does:
     # its passes (the slowest of the grid there) won none of the four lists' packs at 2M / 256, 4M / 512 and 8M / 1024
@@ -1554,7 +1665,10 @@ def _whole_doc_bound(lens, n: int, cost: CostModel, cap: int, whole_times) -> fl
     attention time whole (``whole_times``, :func:`~flashpar.cp.cp_plan.whole_doc_times`; one that ends up cut only
     costs more), plus the linear work.  Less a millionth for rounding."""
     long = lens > cap
-    attn = float(_cut_attn(lens[long], n, cost).sum()) + float(whole_times[~long].sum())
+    if not np.logical_or.reduce(long):  # (none: the same sum, of the same array)
+        attn = 0.0 + float(whole_times.sum())
+    else:
+        attn = float(_cut_attn(lens[long], n, cost).sum()) + float(whole_times[~long].sum())
     return (attn + cost.linear_time(int(lens.sum()))) / n * (1 - 1e-6)
 
 
@@ -1584,18 +1698,22 @@ def _ring_bound(lens, starts, n: int, cost: CostModel, whole_times) -> tuple[flo
     return low * (1 - 1e-6), (pieces[0], pieces[1])
 
 
-def _cut_attn(lens, n: int, cost: CostModel):
-    """Per document cut into ``2N`` chunks: a lower bound on its attention time (see :func:`_cut_all_bound`)."""
+def _cut_attn(lens, n: int, cost: CostModel, runs=None):
+    """Per document cut into ``2N`` chunks: a lower bound on its attention time (see :func:`_cut_all_bound`).
+    ``runs``: (the distinct lengths, each document's place among them): the same floats, once per length."""
+    if runs is not None:
+        return _cut_attn(runs[0], n, cost)[runs[1]]
     L = lens.astype(np.float64)
     return cost.attn_times(lens * (lens + 1) // 2, np.ceil(L / (2 * n)) if n > 1 else L, L)
 
 
-def _cut_all_bound(lens, n: int, cost: CostModel) -> float:
+def _cut_all_bound(lens, n: int, cost: CostModel, runs=None) -> float:
     """A lower bound on the estimated step time of ``per_doc`` and ``torch_per_doc`` (every document cut into 2N
     chunks, torch's further cut at shard boundaries): the mean compute per rank, each document's causal pairs
     at the efficiency of its longest possible piece (``ceil(L / 2N)`` queries over ``L`` keys; efficiency
-    rises with both, and a piece cut further only loses), plus the linear work.  Less a millionth for rounding."""
-    return (float(_cut_attn(lens, n, cost).sum()) + cost.linear_time(int(lens.sum()))) / n * (1 - 1e-6)
+    rises with both, and a piece cut further only loses), plus the linear work.  Less a millionth for rounding.
+    ``runs``: see :func:`_cut_attn`."""
+    return (float(_cut_attn(lens, n, cost, runs).sum()) + cost.linear_time(int(lens.sum()))) / n * (1 - 1e-6)
 
 
 BALANCE = 0.03
