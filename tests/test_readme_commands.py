@@ -89,10 +89,13 @@ COMMANDS = {  # README command -> the run that exercises it
     "flashpar bench cp --nproc 4 --link-rate 300mbit --packs 2 --rounds 5 --json docs/bench/cp.json": "bench-cp",
     "flashpar bench cp --nproc 4 --link-rate 300mbit --lengths prolong": "bench-cp",
     "flashpar bench train": "bench-train",
-    "flashpar bench train --link-rate 300mbit": "bench-train",
-    "flashpar bench train --cp 2 --ulysses 2 --tp 1": "bench-train",
-    "flashpar bench train --dp 2 --cp 1 --tp 2": "bench-train",
-    "flashpar bench train --hidden 512 --ffn 1408 --link-rate 1gbit --rounds 3": "bench-train",
+    "flashpar bench train --link-rate 800mbit": "bench-train",
+    "flashpar bench train --link-rate 1gbit": "bench-train",
+    "flashpar bench train --cp 2 --ulysses 2 --tp 1 --hidden 256 --ffn 704 --seq-len 2048 --link-rate 500mbit":
+        "bench-train",
+    "flashpar bench train --hidden 256 --ffn 704 --seq-len 2048 --link-rate 500mbit": "bench-train",
+    "flashpar bench train --dp 2 --cp 1 --tp 2 --hidden 256 --ffn 704 --seq-len 2048 --link-rate 500mbit":
+        "bench-train",
     "flashpar simulate train --model llama3-8b --gpus 64 --tp 8 --seq 8192": "simulate-train",
     "flashpar simulate train --model llama3-70b --gpus 512 --seq 131072 --search": "simulate-search",
     "flashpar simulate train --model path/to/config.json --dp 2 --cp 4 --tp 8 --seq 32768 --json out.json":

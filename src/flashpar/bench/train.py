@@ -372,15 +372,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp", type=int, default=2, help="context-parallel size (default 2)")
     p.add_argument("--ulysses", type=int, default=1, help="Ulysses size of flashpar's mesh (default 1)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
-    # the default setup (docs/bench-train.md says why): a 12M-parameter Llama on 8192-token sequences at 800mbit
+    # the default setup (docs/bench-train.md says why): a 12M-parameter Llama on 8192-token sequences at 2gbit
     p.add_argument("--hidden", type=int, default=512, help="(default 512)")
     p.add_argument("--layers", type=int, default=4, help="(default 4)")
     p.add_argument("--heads", type=int, default=8, help="(default 8)")
     p.add_argument("--kv-heads", type=int, default=4, help="(default 4)")
     p.add_argument("--ffn", type=int, default=1408, help="(default 1408)")
     p.add_argument("--seq-len", type=int, default=8192, help="tokens per packed sequence (per dp rank; default 8192)")
-    p.add_argument("--link-rate", default="800mbit",
-                   help="emulated per-rank link (tc rate); 'none' = loopback (default 800mbit, docs/bench-train.md)")
+    p.add_argument("--link-rate", default="2gbit",
+                   help="emulated per-rank link (tc rate); 'none' = loopback (default 2gbit, docs/bench-train.md)")
     p.add_argument("--lengths", default="wlbllm", help=LENGTHS_HELP + " (default wlbllm)")
     p.add_argument("--scale", type=int, default=16, help="divide every document length by this (default 16)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per configuration and round (default 2)")
