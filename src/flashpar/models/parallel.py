@@ -18,6 +18,7 @@ Tensor parallelism (U = 1):
     x_shard  += matmul_reduce_scatter(silu(g) u, w_down[:, tp rank]),  (g, u) = all_gather_matmul(norm(x_shard), w_gu)
     logits_t  = all_gather_matmul(norm(x_shard), head_t)                   [T_cp, vocab / tp]
     loss      = vocab-parallel cross-entropy of this tp rank's rows        (``flashpar.models.vocab``)
+    (a vocabulary smaller than T_cp: embed_t and head_t all-gathered instead, each rank its rows whole)
 
 Ulysses (U > 1, tp = 1: both split the heads, so they do not compose here), USP style: Ulysses inside,
 context parallelism outside.  Ulysses rank u of the cp rank attends with head group u (``head_layout``:

@@ -18,7 +18,7 @@ once.
 A small vocabulary against many tokens (``gathers_weight``: ``V < T``, as a byte-level model on a long
 sequence): moving the activations costs each rank ``(tp - 1) / tp x T x h`` elements per use (the
 embedding's reduce-scatter, the head's all-gather, and their adjoints in backward), moving the weight
-``(tp - 1) / tp x V x h``.  Then the weight is gathered instead, once per step for each weight (tied: one
+``(tp - 1) / tp x V x h``.  Then the weight is gathered instead, once per forward for each weight (tied: one
 gather feeds both), and each rank computes its own rows whole, with no loss all-reduce::
 
     E  = all_gather_rows(E_t)                                   [V, h]      (backward: reduce-scatter, fp32)
