@@ -27,7 +27,7 @@ RECORD = 96  # bytes of one stamp: "pid step seq phase", space-padded
 EXCHANGE_PHASES = ("input check", "gradient sums")
 """Phases that are one wait on other ranks' transfers: the step's cross-rank input check (one collective,
 ``flashpar.models.step_check``) and the wait for the gradient sums posted during backward."""
-_ALIVE = ("running", "waiting", "idle")
+_ALIVE = ("running", "waiting", "in a disk wait", "idle")  # a disk wait (D: paging, I/O) is alive too
 _STATE = {"R": "running", "S": "waiting", "D": "in a disk wait", "T": "stopped", "t": "stopped by a tracer",
           "Z": "exited", "X": "exited", "I": "idle"}
 
