@@ -185,7 +185,7 @@ def test_vocabulary_parallel_loss_matches_float64_cross_entropy_at_tp_1_to_4(spa
 
 
 def test_gathered_vocabulary_weight_matches_float64_at_tp_1_to_4(spawned):
-    """The small-vocabulary path: the tied weight gathered once (``gather_vocab``), each rank's rows looked up,
+    """The small-vocabulary path: the tied weight gathered once (``all_gather_rows``), each rank's rows looked up,
     projected and scored against the whole vocabulary (``own_rows_loss``); the loss summed over the tp ranks,
     each rank's gradient of its vocabulary rows (the gather's reduce-scatter) and the projection's gradient
     summed over the ranks, against the full float64 computation in one process.  The loss computes in fp32

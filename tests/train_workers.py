@@ -197,13 +197,15 @@ def vocab_loss_cases(rank, world):
 
 
 def gathered_vocab_cases(rank, world):
-    """``[(tp, loss relative error, embedding-gradient relative error, x-gradient relative error)]`` of the
-    gathered-weight path (``gather_vocab``, ``own_rows_loss``) on the tp group ``range(tp)``, tied: this rank's
-    vocabulary rows ``E[lo:hi]`` gathered once, looked up for its rows of tokens, projected, and used as the
-    head of those rows; against the same computation on the full float64 tensors in one process."""
+    """``[(tp, loss relative error, embedding-gradient relative error, projection-gradient relative error)]`` of
+    gathered-weight path (``flashpar.models.zero.all_gather_rows``, ``own_rows_loss``) on the tp group
+    ``range(tp)``, tied: this rank's vocabulary rows ``E[lo:hi]`` gathered once, looked up for its rows of
+    tokens, projected, and used as the head of those rows; against the same computation on the full float64
+    tensors in one process."""
     import torch.nn.functional as F
 
-    from flashpar.models.vocab import gather_vocab, own_rows_loss
+    from flashpar.models.vocab import own_rows_loss
+    from flashpar.models.zero import all_gather_rows
     from flashpar.rows import shard_rows
 
     def loss_of(e_full, a, tok, lab, count):
@@ -226,7 +228,7 @@ def gathered_vocab_cases(rank, world):
         lo, hi = shard_rows(12, tp, rank)
         r0, r1 = shard_rows(10, tp, rank)
         e_mine = e_full.detach()[lo:hi].clone().requires_grad_()
-        gathered = gather_vocab(e_mine, group, 12)
+        gathered = all_gather_rows(e_mine, group, 12)
         a_mine = a.clone().requires_grad_()
         loss = loss_of(gathered, a_mine, tokens[r0:r1], labels[r0:r1], count)
         loss.backward()

@@ -87,8 +87,8 @@ from flashpar.models.llama import Llama, RMSNorm, rope
 from flashpar.models.precision import compute_dtype
 from flashpar.models.recompute import run_checkpointed
 from flashpar.models.step_check import StepCheck
-from flashpar.models.vocab import embed_rows, gather_vocab, gathers_weight, own_rows_loss, vocab_parallel_loss
-from flashpar.models.zero import gather_rows
+from flashpar.models.vocab import embed_rows, gathers_weight, own_rows_loss, vocab_parallel_loss
+from flashpar.models.zero import all_gather_rows, gather_rows
 from flashpar.overlap.a2a import all_to_all_matmul, matmul_all_to_all
 from flashpar.overlap.ops import all_gather_matmul
 from flashpar.overlap.ulysses import head_layout
@@ -353,7 +353,7 @@ class ParallelLlama(nn.Module):
         vocab = self.cfg.vocab_size
         whole = self.gather_vocab_weight and gathers_weight(vocab, tokens_u.shape[0], self.tp)
         if whole:  # a small vocabulary: the weight moves, not the activations (flashpar.models.vocab)
-            embed = gather_vocab(self.embed.weight, self.tp_group, vocab)
+            embed = all_gather_rows(self.embed.weight, self.tp_group, vocab)  # fp32: gradients sum in fp32
             x = F.embedding(tokens_u[rows], embed).to(dtype)
         else:
             x = embed_rows(tokens_u, self.embed.weight, self.vocab_lo, self.tp_group, dtype=dtype)
@@ -364,7 +364,7 @@ class ParallelLlama(nn.Module):
                 x = block(x, positions, plan, split, blocks)
         head = self.embed.weight if self.head is None else self.head.weight
         if whole:
-            head = embed if self.head is None else gather_vocab(head, self.tp_group, vocab)
+            head = embed if self.head is None else all_gather_rows(head, self.tp_group, vocab)
             return own_rows_loss(self.norm(x).to(dtype), head.to(dtype), labels_u[rows], count)
         logits = all_gather_matmul(self.norm(x).to(dtype), head.to(dtype), None, group=self.tp_group, mode=self.mode,
                                    split_sizes=split, save_gathered=self.save_gathered, check=False)

@@ -21,7 +21,7 @@ embedding's reduce-scatter, the head's all-gather, and their adjoints in backwar
 ``(tp - 1) / tp x V x h``.  Then the weight is gathered instead, once per forward for each weight (tied: one
 gather feeds both), and each rank computes its own rows whole, with no loss all-reduce::
 
-    E  = all_gather_rows(E_t)                                   [V, h]      (backward: reduce-scatter, fp32)
+    E  = all_gather_rows(E_t)                                   [V, h]      (flashpar.models.zero; backward: RS, fp32)
     x_t = E[tok_t]                                              [rows_t, h]
     z_t = norm(x_t) E_head^T                                    [rows_t, V]
     loss row i: log sum_v exp(z_iv - m_i) + m_i - z_i[target_i]             (m_i: this row's maximum)
@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flashpar.models.llama import IGNORE
-from flashpar.models.zero import all_gather_rows, reduce_scatter_rows
+from flashpar.models.zero import reduce_scatter_rows
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -72,12 +72,6 @@ def gathers_weight(vocab: int, tokens: int, tp: int) -> bool:
     activations of the ``tokens`` (``[tokens / tp, h]`` a rank): where the weight is the smaller, ``V < T``.
     ``tokens`` is the same on every tp rank of a cp (and ulysses) rank, so they all take the same path."""
     return tp > 1 and vocab < tokens
-
-
-def gather_vocab(weight: torch.Tensor, group, vocab: int) -> torch.Tensor:
-    """The whole ``[V, h]`` weight from every tp rank's vocabulary rows (gradient: this rank's rows of it,
-    summed over the group), in the weight's dtype."""
-    return all_gather_rows(weight, group, vocab)
 
 
 def embed_rows(tokens: torch.Tensor, weight: torch.Tensor, lo: int, group, *,
@@ -110,11 +104,5 @@ def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, lo: int, gro
 def own_rows_loss(x_rows: torch.Tensor, head: torch.Tensor, labels_rows: torch.Tensor, count: float) -> torch.Tensor:
     """Summed next-token cross-entropy of this rank's rows from their hidden states ``x_rows [rows, h]`` and
     the whole head ``head [V, h]`` (both in the compute dtype; ``labels_rows``: -100 none), divided by
-    ``count``; nothing crosses ranks (``gather_vocab`` brought the head)."""
-    logits = (x_rows @ head.t()).float()
-    top = logits.detach().max(-1).values
-    total = torch.exp(logits - top.unsqueeze(-1)).sum(-1)
-    valid = labels_rows != IGNORE
-    picked = logits.gather(1, labels_rows.clamp(0, logits.shape[1] - 1).unsqueeze(-1)).squeeze(-1)
-    per_row = (torch.log(total) + top - picked) * valid
-    return per_row.sum() / max(count, 1.0)
+    ``count``: ``vocab_parallel_loss`` on a group of one (every column is this rank's, nothing is reduced)."""
+    return vocab_parallel_loss(x_rows @ head.t(), labels_rows, 0, None, slice(None), count)
