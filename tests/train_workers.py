@@ -198,7 +198,7 @@ def vocab_loss_cases(rank, world):
 
 def gathered_vocab_cases(rank, world):
     """``[(tp, loss relative error, embedding-gradient relative error, projection-gradient relative error)]`` of
-    gathered-weight path (``flashpar.models.zero.all_gather_rows``, ``own_rows_loss``) on the tp group
+    the gathered-weight path (``flashpar.models.zero.all_gather_rows``, ``own_rows_loss``) on the tp group
     ``range(tp)``, tied: this rank's vocabulary rows ``E[lo:hi]`` gathered once, looked up for its rows of
     tokens, projected, and used as the head of those rows; against the same computation on the full float64
     tensors in one process."""
