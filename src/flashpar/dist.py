@@ -86,6 +86,16 @@ def wait_work(work, timeout_s: float, *, host: bool) -> None:
         work.wait()
 
 
+def from_rank0(value, group=None):
+    """Rank 0's ``value`` (any picklable object) on every rank of ``group`` (a collective call; ``value`` as
+    it is outside a process group or in a group of one)."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    return box[0]
+
+
 def stream_waits(group) -> bool:
     """Whether transfers on ``group`` (None: the default group) are waited for by the stream (NCCL), not
     the host (:func:`wait_work`)."""

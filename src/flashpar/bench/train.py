@@ -304,6 +304,10 @@ def calibrate_hardware(config: dict) -> dict:
 
 def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank: float, seqs,
                 hardware: dict | None = None) -> dict:
+    import dataclasses
+
+    from flashpar.cost import store as cost_store
+
     names, n = config["configs"], len(gathered)
     flops = step_flops(config, seqs)
     tokens = config["seq_len"] * config["dp"]
@@ -327,6 +331,7 @@ def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank
                  loss_rel_diff=worst, losses_agree=worst <= LOSS_RTOL, torch_cp=torch_cp(config),
                  cores=os.cpu_count(), regather=train_config(config, "flashpar").regather,
                  gather_vocab=True,  # ParallelLlama's default (flashpar.models.vocab.gathers_weight)
+                 plan_hardware=dataclasses.asdict(cost_store.load("cpu")),  # what Runner's planner_cost(cfg) read
                  **(hardware or {}),
                  peak_mem="CPU: rise of the rank's peak resident set (VmHWM, reset via /proc/self/clear_refs) over "
                           "its resident set before building, 2 steps of a fresh build; largest rank")

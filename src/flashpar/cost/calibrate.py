@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from flashpar.cost.hardware import Hardware
 from flashpar.cost.presets import PRESETS, gpu_preset, preset
-from flashpar.dist import p2p_group, resolve_group
+from flashpar.dist import from_rank0, p2p_group, resolve_group
 
 
 def peak_flops(device: torch.device) -> float:
@@ -123,7 +123,7 @@ def calibrate(group=None, *, k: int = 1024, n: int = 512, dtype: torch.dtype = t
     if overheads is not None and many:
         piece, item = overheads(group, dtype)
         overhead, latency = max(overhead, piece), max(latency, item)
-    return _from_rank0(Hardware(flops, half_rows, overhead, bw, latency, mem), group)
+    return from_rank0(Hardware(flops, half_rows, overhead, bw, latency, mem), group)
 
 
 def measure_comm_cpu(hw: Hardware, dtype: torch.dtype, group=None, *, gemm_s: float = 0.1, pairs: int = 25,
@@ -207,15 +207,6 @@ def measure_comm_cpu(hw: Hardware, dtype: torch.dtype, group=None, *, gemm_s: fl
             "bytes_moved": 2 * b, "gemm_s": statistics.median(float(t) for t in times[:, 0])}
 
 
-def _from_rank0(value, group=None):
-    """Rank 0's ``value`` (any picklable object) on every rank of ``group``."""
-    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    return box[0]
-
-
 # ----------------------------------------------------------------------------------------------
 # attention kernel
 
@@ -262,7 +253,7 @@ def calibrate_attention(hw: Hardware, heads: int, kv_heads: int, head_dim: int, 
                         ) -> tuple[Hardware, Hardware]:
     """``hw`` with the attention curve of this machine's flash kernel, (forward, backward): measured on
     every rank of ``group`` at once (a collective call), rank 0's values everywhere."""
-    rates = _from_rank0([measure_attention(heads, kv_heads, head_dim, n, dtype) for n in (ATTN_LONG, ATTN_SHORT)],
+    rates = from_rank0([measure_attention(heads, kv_heads, head_dim, n, dtype) for n in (ATTN_LONG, ATTN_SHORT)],
                         group)
     out = []
     for d in (0, 1):  # forward, backward

@@ -1,8 +1,9 @@
 """The FlashCP cost model: work, bytes and estimated time per rank of a context-parallel plan.
 
 Shared by the planner (to score candidates), the execution benchmarks and the simulator.
-Everything is per transformer layer and per forward pass (the backward scales attention and
-linear work alike, so ratios between plans do not change).  The model's shape is here; the
+Everything is per transformer layer and per forward pass; :meth:`CostModel.per_step` weighs
+attention for a whole training step (its backward costs relatively more than a linear layer's),
+which is what the trainer plans with.  The model's shape is here; the
 device's figures are one :class:`flashpar.cost.Hardware` (``hardware``, default the
 ``h100-ib`` preset, which is also what ``cuda`` means to ``mode="auto"``).
 
@@ -36,6 +37,11 @@ from flashpar.cost import Hardware, preset
 
 DEFAULT_HARDWARE = "h100-ib"
 
+BWD_ATTN_TIME = 2.5
+"""Backward attention takes this many times the forward's time (FlashAttention-2's backward: five matrix
+products against the forward's two, at a somewhat lower rate; the usual rule of thumb on a GPU.  torch's CPU
+flash kernel measures 2.4 at its plateau: ``flashpar bench train``'s ``attn_fwd`` / ``attn_bwd``)."""
+
 _LEGACY = {"flops": "flops", "bandwidth": "link_bytes_per_s", "attn_peak": "attn_peak", "attn_half": "attn_half",
            "linear_eff": "gemm_eff"}
 """Device keys of the flat ``to_dict`` before the device moved into ``hardware`` -> Hardware field."""
@@ -59,6 +65,17 @@ class CostModel:
     def __post_init__(self) -> None:
         if isinstance(self.hardware, str):  # a preset's name
             object.__setattr__(self, "hardware", preset(self.hardware))
+
+    def per_step(self) -> CostModel:
+        """This model weighted for one training step, forward and backward, as a trainer plans it.
+
+        A linear layer's backward is two GEMMs of its forward's size, 3x the forward in all; attention's
+        backward takes ``BWD_ATTN_TIME`` x its forward, ``1 + BWD_ATTN_TIME`` in all.  Against the linears,
+        attention therefore weighs ``(1 + BWD_ATTN_TIME) / 3`` (1.17x) what the forward alone says: the
+        attention rate is divided by that, every time stays per forward.  K/V time is unchanged (dK / dV
+        travel back in backward as K / V came in forward, overlapped the same way)."""
+        step_weight = (1.0 + BWD_ATTN_TIME) / 3.0
+        return self.with_hardware(attn_peak=self.hardware.attn_peak / step_weight)
 
     def with_hardware(self, **figures) -> CostModel:
         """This model on a device whose figures differ by ``figures`` (``Hardware`` field names)."""

@@ -55,8 +55,29 @@ def workload(report: dict, name: str):
     gather_vocab = s.get("gather_vocab", False)  # a report without it is from before stop 23: activations moved
     if not isinstance(gather_vocab, bool):
         raise ValueError(f"the report's setup.gather_vocab must be true or false, got {gather_vocab!r}")
+    plan_hw, per_step = plan_hardware(s)
     return Workload(cfg, layout, cluster, packs, elem_bytes=4, attn_bwd=bwd, zero_rs_elem_bytes=4,
-                    torch_attention="dense", fsdp_prefetch=False, regather=regather, gather_vocab=gather_vocab)
+                    torch_attention="dense", fsdp_prefetch=False, regather=regather, gather_vocab=gather_vocab,
+                    plan_hardware=plan_hw, plan_per_step=per_step)
+
+
+def plan_hardware(setup: dict):
+    """(Hardware, per step) the report's trainer planned with: ``setup.plan_hardware`` (written since stop 24,
+    ``flashpar.train.step.planner_cost``), else the h100-ib preset, forward only (the trainer before)."""
+    import dataclasses
+
+    from flashpar.cost import preset
+
+    figures = setup.get("plan_hardware")
+    if figures is None:
+        return preset("h100-ib"), False
+    if not isinstance(figures, dict):
+        raise ValueError(f"the report's setup.plan_hardware must be an object of Hardware figures, got "
+                         f"{type(figures).__name__}")
+    try:
+        return dataclasses.replace(preset("cpu"), **figures), True
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the report's setup.plan_hardware: {e}") from None
 
 
 def predict(report: dict) -> dict[str, dict]:

@@ -16,14 +16,10 @@ import functools
 from dataclasses import dataclass
 
 from flashpar.cost import Hardware
+from flashpar.cp.cost import BWD_ATTN_TIME  # a GPU preset's backward attention; a calibrated CPU run measures its own
 from flashpar.models.config import LlamaConfig
 from flashpar.sim.peers import Peer
 from flashpar.sim.topology import Cluster, Layout
-
-BWD_ATTN_TIME = 2.5
-"""Backward attention takes this many times the forward's time on a GPU preset (FlashAttention-2's backward:
-five matrix products against the forward's two, at a somewhat lower rate; the usual rule of thumb).  A
-calibrated CPU run (``bench train``'s ``attn_bwd``) measures its own backward curve instead."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +36,8 @@ class Workload:
     fsdp_prefetch: bool = True  # FSDP2 all-gathers the next block while this one computes
     regather: bool = False  # flashpar / baseline (`--regather`): ag_matmul gathers x again in backward
     gather_vocab: bool = True  # flashpar / baseline gather a vocabulary smaller than T_u (models.vocab.gathers_weight)
+    plan_hardware: Hardware | None = None  # the device figures the trainer planned with; None: the cp group's
+    plan_per_step: bool = True  # planned per training step (CostModel.per_step; a trainer before stop 24: forward)
 
     @property
     def seq(self) -> int:

@@ -2,7 +2,8 @@
 
     build(config, mesh, device)    -> (cfg, ParallelLlama with its shards of one seeded Llama, or of the
                                       Hugging Face folder --init-from read by slices, AdamW)
-    planner_cost(cfg)              the planner's cost model with the model's shape
+    planner_cost(cfg, ..)          the planner's cost model: the model's shape on the training device, per step
+    planning_hardware(type)        that device's figures, rank 0's on every rank
     forward_backward(model, ...)   one micro-batch: loss share; backward; gradients summed over copies
     accumulate(model, micro, n)    M micro-batches' gradients added up, summed over copies once
     gradients(model, micro, n)     accumulate, then the global gradient norm and clipping
@@ -35,7 +36,10 @@ from typing import NamedTuple
 
 import torch
 
+from flashpar.cost import Hardware
+from flashpar.cost import store as cost_store
 from flashpar.cp import CostModel
+from flashpar.dist import from_rank0
 from flashpar.models import Llama, LlamaConfig
 from flashpar.models.grad_norm import clip_grads_
 from flashpar.models.parallel import ParallelLlama
@@ -77,11 +81,27 @@ def build(config: TrainConfig, mesh, device) -> tuple:
     return cfg, model, opt
 
 
-def planner_cost(cfg: LlamaConfig, dtype_bytes: int = 4) -> CostModel:
+def planner_cost(cfg: LlamaConfig, dtype_bytes: int = 4, device_type: str = "cpu",
+                 hardware: Hardware | None = None) -> CostModel:
     """The cost model the trainer's plans are made with: this model's shape, activations of ``dtype_bytes``
-    (fp32: 4, ``--dtype bf16``: 2), the default device rates."""
+    (fp32: 4, ``--dtype bf16``: 2), on the device it trains on, weighted for a training step
+    (``CostModel.per_step``).
+
+    The device's figures are ``hardware`` when given (the trainer passes rank 0's, so that every rank plans
+    alike), else ``flashpar.cost.load(device_type)``: this machine's calibration file, else the preset
+    (``cpu`` -> ``cpu-calibrated``, ``cuda`` -> ``h100-ib``).  The device decides the plans: on a GPU preset a
+    small model's step is so short that splitting a long document costs more in K/V than it balances, and
+    the planner keeps documents whole; on this CPU that plan's slowest rank takes 1.15x as long as with
+    the long document split (``bench train``'s pack, ``tests/test_planner_device.py``)."""
+    hw = hardware if hardware is not None else cost_store.load(device_type)
     return CostModel(hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                     layers=cfg.layers, dtype_bytes=dtype_bytes)
+                     layers=cfg.layers, dtype_bytes=dtype_bytes, hardware=hw).per_step()
+
+
+def planning_hardware(device_type: str) -> Hardware:
+    """The device figures every rank plans with: rank 0's ``flashpar.cost.load(device_type)`` (a collective
+    call, once at setup: a calibration file may differ between nodes, the plans of one step may not)."""
+    return from_rank0(cost_store.load(device_type))
 
 
 def forward_backward(model: ParallelLlama, tokens_cp: torch.Tensor, labels_cp: torch.Tensor, plan,

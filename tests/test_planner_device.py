@@ -1,0 +1,94 @@
+"""The trainer plans for the device it trains on, weighted for a training step (``planner_cost``), with
+rank 0's figures on every rank (``planning_hardware``); the simulator plans the same way, and reads what a
+bench report's trainer planned with (``setup.plan_hardware``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from dist_harness import run_ranks
+
+from flashpar import cost, cp
+from flashpar.cost import store as cost_store
+from flashpar.cp.cost import BWD_ATTN_TIME, CostModel
+from flashpar.cp.cp_plan import rank_figures
+from flashpar.models import LlamaConfig
+from flashpar.sim import check_train
+from flashpar.train.step import planner_cost, planning_hardware
+
+BENCH_MODEL = LlamaConfig(hidden=512, layers=4, heads=8, kv_heads=4, ffn=1408, tie_embeddings=False)
+BENCH_PACK = [172, 264, 40, 328, 180, 376, 212, 256, 248, 212, 296, 172, 3236, 340, 236, 384, 184, 384, 52, 8, 80,
+              116, 128, 288]
+"""``flashpar bench train``'s default pack (wlbllm / 16, seed 0, 8192 tokens): one 3236-token document."""
+
+
+@pytest.fixture(autouse=True)
+def no_calibration_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the presets, whatever this machine has calibrated
+
+
+def test_per_step_weighs_attention_by_its_backward_and_nothing_else():
+    fwd = CostModel(hardware="h100-ib")
+    step = fwd.per_step()
+    weight = (1 + BWD_ATTN_TIME) / 3  # attention fwd + bwd = 3.5 forwards, a linear layer's 3
+    assert step.attn_time(10**6, 700, 3000) == pytest.approx(weight * fwd.attn_time(10**6, 700, 3000), rel=1e-12)
+    assert step.linear_time(4096) == fwd.linear_time(4096)
+    assert step.comm_time(4096) == fwd.comm_time(4096)
+    assert step.hardware.attn_half == fwd.hardware.attn_half
+
+
+def test_planner_cost_reads_the_training_device():
+    shape = {"hidden": 512, "ffn": 1408, "heads": 8, "kv_heads": 4, "head_dim": 64, "layers": 4}
+    expect = {d: CostModel(**shape, dtype_bytes=4, hardware=cost.preset(p)).per_step()
+              for d, p in (("cpu", "cpu-calibrated"), ("cuda", "h100-ib"))}
+    assert planner_cost(BENCH_MODEL) == expect["cpu"]  # the default: a CPU trainer
+    assert planner_cost(BENCH_MODEL, device_type="cuda") == expect["cuda"]
+    mine = dataclasses.replace(cost.preset("cpu"), flops=7e10, link_bytes_per_s=3e8)
+    with cost_store.use(mine):  # a calibration in force (as the file would be)
+        assert planner_cost(BENCH_MODEL).hardware.link_bytes_per_s == 3e8
+    given = planner_cost(BENCH_MODEL, 2, hardware=mine)  # the trainer's: rank 0's figures
+    assert given.hardware.flops == 7e10 and given.dtype_bytes == 2
+
+
+def _slowest_rank_s(plan, device: CostModel) -> float:
+    """The plan's slowest rank on ``device`` for a whole step: forward, backward, K/V in flight."""
+    f = rank_figures(plan.segments, plan.doc_lens, plan.doc_starts, device, plan.comm)
+    return max(max(c, m + r) for c, m, r in zip(f.compute, f.comm, f.remote, strict=True))
+
+
+def test_the_device_decides_the_plan_of_the_bench_pack():
+    """On an H100 preset the bench model's step is microseconds: splitting the long document costs more K/V
+    time than it balances, and the planner keeps every document whole (1.11x compute imbalance by its own
+    estimate).  On the CPU it splits the long document; there the whole-document plan's slowest rank takes
+    1.15x as long by the cpu preset (1.18x by the curves ``bench train`` measured, docs/bench/train.json)."""
+    gpu = cp.plan(BENCH_PACK, 2, strategy="flashcp", cost=planner_cost(BENCH_MODEL, device_type="cuda"))
+    cpu = cp.plan(BENCH_PACK, 2, strategy="flashcp", cost=planner_cost(BENCH_MODEL))
+    assert gpu.stats()["total_kv_bytes"] == 0 and gpu.stats()["compute_imbalance"] > 1.1
+    assert cpu.stats()["total_kv_bytes"] > 0 and cpu.stats()["compute_imbalance"] < 1.01
+    device = planner_cost(BENCH_MODEL)
+    assert _slowest_rank_s(gpu, device) > 1.1 * _slowest_rank_s(cpu, device)
+
+
+def _plan_with_own_figures(rank: int, world_size: int) -> tuple[float, float]:
+    mine = dataclasses.replace(cost.preset("cpu"), flops=1e10 * (rank + 1))  # as if each node calibrated alone
+    with cost_store.use(mine):
+        hw = planning_hardware("cpu")
+    return hw.flops, cost_store.load("cpu").flops
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_every_rank_plans_with_rank_0s_figures(world_size):
+    got = run_ranks(world_size, _plan_with_own_figures)
+    assert [flops for flops, _ in got] == [1e10] * world_size
+    assert [own for _, own in got] == [cost.preset("cpu").flops] * world_size  # `use` ended with the block
+
+
+def test_a_report_says_what_its_trainer_planned_with():
+    cpu = dataclasses.asdict(cost.preset("cpu"))
+    assert check_train.plan_hardware({}) == (cost.preset("h100-ib"), False)  # before stop 24: forward, h100-ib
+    assert check_train.plan_hardware({"plan_hardware": cpu}) == (cost.preset("cpu"), True)
+    for bad, needle in (([1, 2], "must be an object"), ({**cpu, "flops": -1}, "flops must be > 0"),
+                        ({"speed": 1}, "speed")):
+        with pytest.raises(ValueError, match=needle):
+            check_train.plan_hardware({"plan_hardware": bad})
