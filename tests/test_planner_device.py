@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from dist_harness import run_ranks
 
+from dist_harness import run_ranks
 from flashpar import cost, cp
 from flashpar.cost import store as cost_store
 from flashpar.cp.cost import BWD_ATTN_TIME, CostModel

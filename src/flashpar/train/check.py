@@ -6,9 +6,10 @@ sequences (``M`` micro-batches per dp rank; ``sequences[m * dp + d]`` is dp rank
 the loss normalised by the global number of targets; with ``clip_ratio`` its gradients are then
 clipped by ``torch.nn.utils.clip_grad_norm_`` to ``clip_ratio`` times their float64 norm (a ratio
 below 1 always clips).  The mesh model takes its shards of the same weights, its dp rank's
-micro-batches, their cp shards (the plans) and its ulysses and tp rows, and runs the trainer's
-step without the optimizer (``flashpar.train.step.gradients``: the micro-batches' gradients
-accumulated, summed over copies once, the global norm, clipping).  Its loss (summed over ranks),
+micro-batches, their cp shards (the plans the trainer makes: ``planner_cost`` on the device) and its
+ulysses and tp rows, and runs the trainer's step without the optimizer
+(``flashpar.train.step.gradients``: the micro-batches' gradients accumulated, summed over copies once,
+the global norm, clipping).  Its loss (summed over ranks),
 gradient norm and every gradient (tp shards gathered) are compared with the reference: relative
 error ``max |a - b| / max |b|``.
 
@@ -29,7 +30,7 @@ from flashpar.models import Llama, LlamaConfig, load_hf, next_token_loss
 from flashpar.models.layout import LAYOUT, label_of
 from flashpar.models.parallel import ParallelLlama
 from flashpar.models.precision import DTYPES
-from flashpar.train.step import MicroBatch, gradients
+from flashpar.train.step import MicroBatch, gradients, planner_cost, planning_hardware
 
 TOL = 1e-4  # fp32: the mesh only reorders sums (~1e-6 relative); one misplaced shard is O(1)
 CHECK_CLIP_RATIO = 0.5  # --check clips the gradients to half their norm: the coefficient is exercised (~0.5)
@@ -91,10 +92,11 @@ def _mesh_step(ref: Llama, cfg: LlamaConfig, mesh, sequences, *, strategy: str, 
     model.to(device)
     dp, d, c = mesh["dp"].size(), mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     count = sum(int((lab != -100).sum()) for _, lab, _ in sequences)
+    cost = planner_cost(cfg, DTYPES[dtype].itemsize, hardware=planning_hardware(device.type))  # the trainer's plans
     batch = []
     for m in range(micro_batches):
         tokens, labels, doc_lens = sequences[m * dp + d]
-        plan = cp.plan(doc_lens, mesh["cp"].size(), strategy=strategy)
+        plan = cp.plan(doc_lens, mesh["cp"].size(), strategy=strategy, cost=cost)
         batch.append(MicroBatch(cp.shard(tokens, plan, c).to(device), cp.shard(labels, plan, c).to(device), plan))
     loss, norm = gradients(model, batch, count, clip=clip)
     total = loss.clone()
