@@ -33,7 +33,9 @@ H / U query heads, max(H_kv / U, 1) kv heads; fewer kv heads than U are replicat
 
 The all-to-alls are FlashOverlap's (``flashpar.overlap.a2a``: each fused with the projection on its
 side); the rope positions of all T_cp tokens are the plan's (``plan.position_ids(cp_rank)``), known
-on every rank.  ``w_qkv`` stays ``cat(q, k, v)``; each forward regroups its rows by head group
+on every rank.  Rope's cos / sin tables are made once per step and shared by the layers, and rope and
+SwiGLU run as one autograd node each on the fused GEMM outputs (``flashpar.models.fused``).
+``w_qkv`` stays ``cat(q, k, v)``; each forward regroups its rows by head group
 (``ulysses_qkv_rows``: [q_g; k_g; v_g] for g = 0..U-1), and the autograd of that gather sums the
 gradient of a kv head replicated on several groups.
 
@@ -81,9 +83,10 @@ from flashpar import cp
 from flashpar.cp.layout import to_device
 from flashpar.dist import DEFAULT_TIMEOUT_S
 from flashpar.models.config import LlamaConfig
+from flashpar.models.fused import rope_qkv, rope_tables, swiglu
 from flashpar.models.grad_sync import GradSync
 from flashpar.models.layout import LAYOUT, Piece, layout_of, stack
-from flashpar.models.llama import Llama, RMSNorm, rope
+from flashpar.models.llama import Llama, RMSNorm
 from flashpar.models.precision import compute_dtype
 from flashpar.models.recompute import run_checkpointed
 from flashpar.models.step_check import StepCheck
@@ -157,11 +160,12 @@ class ParallelBlock(nn.Module):
         self.down = LAYOUT["down"].linear(zero3)(cfg.ffn, h, **kw)
         self.kv_counter: cp.CommCounter | None = None  # set by ParallelLlama: K/V bytes of cp.attention
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, plan, split: list[int],
+    def forward(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], plan, split: list[int],
                 blocks: list[int]) -> torch.Tensor:
         """``x`` this rank's rows; ``split`` the tp ranks' rows of the ulysses rank's block, ``blocks`` the
-        ulysses ranks' blocks of the cp rank's T_cp tokens (``positions``: all T_cp of them)."""
-        cfg, d, t = self.cfg, self.cfg.head_dim, positions.shape[0]
+        ulysses ranks' blocks of the cp rank's T_cp tokens (``tables``: the step's cos / sin tables of all T_cp
+        of them, ``flashpar.models.fused.rope_tables``)."""
+        t = tables[0].shape[0]
         a = self.attn_norm(x).to(x.dtype)  # the norm computes in fp32; its output in the compute dtype
         # check=False on every op: ParallelLlama.forward checked this step's inputs across ranks once
         # (models/step_check.py)
@@ -171,18 +175,16 @@ class ParallelBlock(nn.Module):
             w_qkv = self.qkv.weight.index_select(0, self.qkv_rows).to(a.dtype)  # regrouped, then cast
             qkv = matmul_all_to_all(a, w_qkv, group=self.ulysses_group, mode=self.mode, split_sizes=blocks,
                                     check=False, timeout_s=self.timeout_s)
-        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        q = rope(q.reshape(t, self.heads, d), positions, cfg)
-        k = rope(k.reshape(t, self.kv_heads, d), positions, cfg)
-        o = cp.attention(q, k, v.reshape(t, self.kv_heads, d), plan, group=self.cp_group, counter=self.kv_counter,
+        q, k, v = rope_qkv(qkv, tables, self.heads, self.kv_heads)  # one autograd node (models/fused.py)
+        o = cp.attention(q, k, v, plan, group=self.cp_group, counter=self.kv_counter,
                          timeout_s=self.timeout_s, check=False).reshape(t, -1)
         if self.ulysses_group is None:
             x = x + self.o_proj(o, split_sizes=split, check=False)
         else:  # back to this rank's rows: head group g's columns of w_o are [g H/U D, (g + 1) H/U D)
             x = x + all_to_all_matmul(o, self.o_proj.weight.to(o.dtype), group=self.ulysses_group,
                                       mode=self.mode, split_sizes=blocks, check=False, timeout_s=self.timeout_s)
-        g, u = self.gate_up(self.mlp_norm(x).to(x.dtype), split_sizes=split, check=False).chunk(2, dim=-1)
-        return x + self.down(F.silu(g) * u, split_sizes=split, check=False)
+        gu = self.gate_up(self.mlp_norm(x).to(x.dtype), split_sizes=split, check=False)
+        return x + self.down(swiglu(gu), split_sizes=split, check=False)
 
 
 class ParallelLlama(nn.Module):
@@ -350,6 +352,7 @@ class ParallelLlama(nn.Module):
         # all T_cp positions (attention sees every token of the cp rank), copied without a host wait on CUDA
         positions = to_device(plan.position_ids(self.cp_rank), tokens_cp.device)
         dtype = self.compute_dtype  # fp32: every cast below returns its input itself
+        tables = rope_tables(positions, self.cfg, dtype)  # rope's cos / sin: once per step, for every layer
         vocab = self.cfg.vocab_size
         whole = self.gather_vocab_weight and gathers_weight(vocab, tokens_u.shape[0], self.tp)
         if whole:  # a small vocabulary: the weight moves, not the activations (flashpar.models.vocab)
@@ -359,9 +362,9 @@ class ParallelLlama(nn.Module):
             x = embed_rows(tokens_u, self.embed.weight, self.vocab_lo, self.tp_group, dtype=dtype)
         for block in self.blocks:
             if self.checkpoint_activations:
-                x = run_checkpointed(block, self.kv_recompute, x, positions, plan, split, blocks)
+                x = run_checkpointed(block, self.kv_recompute, x, tables, plan, split, blocks)
             else:
-                x = block(x, positions, plan, split, blocks)
+                x = block(x, tables, plan, split, blocks)
         head = self.embed.weight if self.head is None else self.head.weight
         if whole:
             head = embed if self.head is None else all_gather_rows(head, self.tp_group, vocab)
