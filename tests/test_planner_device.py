@@ -5,8 +5,10 @@ bench report's trainer planned with (``setup.plan_hardware``)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
+import torch
 
 from dist_harness import run_ranks
 from flashpar import cost, cp
@@ -15,7 +17,7 @@ from flashpar.cp.cost import BWD_ATTN_TIME, CostModel
 from flashpar.cp.cp_plan import rank_figures
 from flashpar.models import LlamaConfig
 from flashpar.sim import check_train
-from flashpar.train.step import planner_cost, planning_hardware
+from flashpar.train.step import _spans_nodes, device_figures, planner_cost, planning_hardware
 
 BENCH_MODEL = LlamaConfig(hidden=512, layers=4, heads=8, kv_heads=4, ffn=1408, tie_embeddings=False)
 BENCH_PACK = [172, 264, 40, 328, 180, 376, 212, 256, 248, 212, 296, 172, 3236, 340, 236, 384, 184, 384, 52, 8, 80,
@@ -38,7 +40,8 @@ def test_per_step_weighs_attention_by_its_backward_and_nothing_else():
     assert step.hardware.attn_half == fwd.hardware.attn_half
 
 
-def test_planner_cost_reads_the_training_device():
+def test_planner_cost_reads_the_training_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the presets, on a GPU machine too
     shape = {"hidden": 512, "ffn": 1408, "heads": 8, "kv_heads": 4, "head_dim": 64, "layers": 4}
     expect = {d: CostModel(**shape, dtype_bytes=4, hardware=cost.preset(p)).per_step()
               for d, p in (("cpu", "cpu-calibrated"), ("cuda", "h100-ib"))}
@@ -49,6 +52,50 @@ def test_planner_cost_reads_the_training_device():
         assert planner_cost(BENCH_MODEL).hardware.link_bytes_per_s == 3e8
     given = planner_cost(BENCH_MODEL, 2, hardware=mine)  # the trainer's: rank 0's figures
     assert given.hardware.flops == 7e10 and given.dtype_bytes == 2
+
+
+def test_a_visible_gpu_plans_with_its_own_figures(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
+    assert device_figures("cuda") == cost.preset("h200")  # not h100-ib: NVLink within the node
+    assert planner_cost(BENCH_MODEL, device_type="cuda") == planner_cost(BENCH_MODEL, hardware=cost.preset("h200"))
+    assert device_figures("cpu") == cost.preset("cpu")
+    mine = dataclasses.replace(cost.preset("h200"), link_bytes_per_s=1e10)
+    with cost_store.use(mine):  # a calibration in force wins over the name
+        assert device_figures("cuda") == mine
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Some Future GPU")
+    assert device_figures("cuda") == cost.preset("h100-ib")  # a GPU not listed: the cuda preset
+
+
+def test_a_gpu_across_nodes_plans_with_an_infiniband_link():
+    for name, preset in (("NVIDIA H200", "h200"), ("NVIDIA B200", "b200"), ("NVIDIA A100-SXM4-80GB", "a100")):
+        within, across = cost.gpu_hardware(name, across_nodes=False), cost.gpu_hardware(name, across_nodes=True)
+        assert within == cost.preset(preset)
+        assert across.link_bytes_per_s == cost.preset("h100-ib").link_bytes_per_s == 50e9
+        assert across.link_latency_s == cost.preset("h100-ib").link_latency_s
+        assert dataclasses.replace(across, link_bytes_per_s=within.link_bytes_per_s,
+                                   link_latency_s=within.link_latency_s) == within  # compute figures kept
+
+
+def _spans(rank: int, world_size: int, local: str | None) -> bool:
+    if local is None:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+    else:
+        os.environ["LOCAL_WORLD_SIZE"] = local
+    try:
+        return _spans_nodes()
+    except ValueError as err:
+        return str(err)
+
+
+@pytest.mark.parametrize("local,spans", [(None, False), ("2", False), ("1", True), ("x", "is not an integer")])
+def test_spans_nodes_reads_torchruns_local_world_size(local, spans):
+    got = run_ranks(2, _spans, local)
+    if isinstance(spans, str):
+        assert all(spans in g for g in got)
+    else:
+        assert got == [spans, spans]
+    assert _spans_nodes() is False  # no process group here: one node
 
 
 def _slowest_rank_s(plan, device: CostModel) -> float:

@@ -16,8 +16,9 @@ holds a :class:`Hardware` for its device figures.
 """
 
 from flashpar.cost.hardware import Hardware
-from flashpar.cost.presets import ALIASES, PRESETS, gpu_preset, preset, preset_name
+from flashpar.cost.presets import ALIASES, PRESETS, gpu_hardware, gpu_preset, preset, preset_name
 from flashpar.cost.store import default_path, device_preset, load, parse, save, use
 
-__all__ = ["ALIASES", "PRESETS", "Hardware", "default_path", "device_preset", "gpu_preset", "load", "parse",
+__all__ = ["ALIASES", "PRESETS", "Hardware", "default_path", "device_preset", "gpu_hardware", "gpu_preset", "load",
+           "parse",
            "preset", "preset_name", "save", "use"]

@@ -21,6 +21,8 @@ rest are estimates shared by every GPU preset, not datasheet figures:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from flashpar.cost.hardware import Hardware
 
 _GEMM_EFF = 0.7
@@ -76,6 +78,18 @@ def preset_name(name: str) -> str:
     """``name`` with its alias resolved (``cpu`` -> ``cpu-calibrated``)."""
     preset(name)
     return ALIASES.get(name, name)
+
+
+def gpu_hardware(device_name: str, *, across_nodes: bool) -> Hardware:
+    """The figures of the CUDA device named ``device_name`` (its ``gpu_preset``).  ``across_nodes``: the job
+    spans nodes, so a group (a cp group of the planner) may too, and the link is one InfiniBand port per GPU
+    (``h100-ib``'s link figures) wherever the preset's NVLink is faster."""
+    hw = PRESETS[gpu_preset(device_name)]
+    if not across_nodes:
+        return hw
+    ib = PRESETS["h100-ib"]
+    return replace(hw, link_bytes_per_s=min(hw.link_bytes_per_s, ib.link_bytes_per_s),
+                   link_latency_s=max(hw.link_latency_s, ib.link_latency_s))
 
 
 def gpu_preset(device_name: str) -> str:
