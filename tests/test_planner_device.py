@@ -130,6 +130,24 @@ def test_every_rank_plans_with_rank_0s_figures(world_size):
     assert [own for _, own in got] == [cost.preset("cpu").flops] * world_size  # `use` ended with the block
 
 
+def _plan_with_broken_file_on_rank0(rank: int, world_size: int, folder: str) -> str:
+    if rank == 0:  # only rank 0 reads the figures: the other ranks' files are not looked at
+        os.environ["XDG_CACHE_HOME"] = folder
+    try:
+        planning_hardware("cpu")
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_rank0s_unreadable_figures_fail_every_rank(tmp_path):
+    broken = tmp_path / "flashpar" / "hardware.json"
+    broken.parent.mkdir()
+    broken.write_text("{not json")
+    got = run_ranks(3, _plan_with_broken_file_on_rank0, str(tmp_path))
+    assert all(g.startswith("planning figures of rank 0: calibration file") and str(broken) in g for g in got), got
+
+
 def test_a_report_says_what_its_trainer_planned_with():
     cpu = dataclasses.asdict(cost.preset("cpu"))
     assert check_train.plan_hardware({}) == (cost.preset("h100-ib"), False)  # before stop 24: forward, h100-ib

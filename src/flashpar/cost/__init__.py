@@ -20,5 +20,4 @@ from flashpar.cost.presets import ALIASES, PRESETS, gpu_hardware, gpu_preset, pr
 from flashpar.cost.store import default_path, device_preset, load, parse, save, use
 
 __all__ = ["ALIASES", "PRESETS", "Hardware", "default_path", "device_preset", "gpu_hardware", "gpu_preset", "load",
-           "parse",
-           "preset", "preset_name", "save", "use"]
+           "parse", "preset", "preset_name", "save", "use"]

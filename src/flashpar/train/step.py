@@ -126,8 +126,19 @@ def _spans_nodes() -> bool:
 
 def planning_hardware(device_type: str) -> Hardware:
     """The device figures every rank plans with: rank 0's ``device_figures(device_type)`` (a collective call,
-    once at setup: a calibration file may differ between nodes, the plans of one step may not)."""
-    return from_rank0(device_figures(device_type))
+    once at setup: a calibration file may differ between nodes, the plans of one step may not).  Only rank 0
+    reads them; where it cannot (a broken calibration file, a malformed ``LOCAL_WORLD_SIZE``) every rank raises
+    its one-line ``ValueError``."""
+    figures: Hardware | str | None = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            figures = device_figures(device_type)
+        except ValueError as err:
+            figures = str(err)
+    figures = from_rank0(figures)
+    if isinstance(figures, str):
+        raise ValueError(f"planning figures of rank 0: {figures}")
+    return figures
 
 
 def forward_backward(model: ParallelLlama, tokens_cp: torch.Tensor, labels_cp: torch.Tensor, plan,
