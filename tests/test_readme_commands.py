@@ -94,6 +94,7 @@ COMMANDS = {  # README command -> the run that exercises it
     "flashpar bench train --cp 2 --ulysses 2 --tp 1 --hidden 256 --ffn 704 --seq-len 2048 --link-rate 500mbit":
         "bench-train",
     "flashpar bench train --cp 2 --ulysses 2 --tp 1": "bench-train",
+    "flashpar bench train --dp 2 --cp 1 --tp 2 --rounds 3": "bench-train",
     "flashpar bench train --hidden 256 --ffn 704 --seq-len 2048 --link-rate 500mbit": "bench-train",
     "flashpar bench train --dp 2 --cp 1 --tp 2 --hidden 256 --ffn 704 --seq-len 2048 --link-rate 500mbit":
         "bench-train",
