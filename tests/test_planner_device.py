@@ -1,6 +1,6 @@
 """The trainer plans for the device it trains on, weighted for a training step (``planner_cost``), with
-rank 0's figures on every rank (``planning_hardware``); the simulator plans the same way, and reads what a
-bench report's trainer planned with (``setup.plan_hardware``)."""
+rank 0's figures on every rank (``planning_hardware``; a GPU by its name, ``device_figures``); the simulator
+plans the same way, and reads what a bench report's trainer planned with (``setup.plan_hardware``)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_a_gpu_across_nodes_plans_with_an_infiniband_link():
                                    link_latency_s=within.link_latency_s) == within  # compute figures kept
 
 
-def _spans(rank: int, world_size: int, local: str | None) -> bool:
+def _spans(rank: int, world_size: int, local: str | None) -> bool | str:
     if local is None:
         os.environ.pop("LOCAL_WORLD_SIZE", None)
     else:
