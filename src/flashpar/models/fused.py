@@ -12,11 +12,11 @@ RoPE (Llama's half-split form; ``x = [x1 | x2]`` along the head dimension, ``c =
     y1 = x1 c - x2 s          dx1 =  dy1 c + dy2 s
     y2 = x2 c + x1 s          dx2 = -dy1 s + dy2 c
 
-The tables are made once per step (``rope_tables``, in float64, then cast to the compute dtype, as
-``flashpar.overlap.ulysses.rotate`` does) and shared by every layer.  ``rope_qkv`` takes the q/k/v GEMM's
-output ``[T, (H + 2 H_kv) D]`` and returns ``q [T, H, D]`` and ``k [T, H_kv, D]`` rotated and ``v`` as a
-copy; its backward writes ``dq``, ``dk`` (rotated back) and ``dv`` straight into their columns of one
-``d_qkv``::
+The tables are made once per step (``rope_tables``: ``flashpar.overlap.ulysses.rotary_tables``, the ones
+``rotate`` uses, in float64, then cast to the compute dtype) and shared by every layer.  ``rope_qkv``
+takes the q/k/v GEMM's output ``[T, (H + 2 H_kv) D]`` and returns ``q [T, H, D]`` and ``k [T, H_kv, D]``
+rotated and ``v`` as a copy; its backward writes ``dq``, ``dk`` (rotated back) and ``dv`` straight into
+their columns of one ``d_qkv``::
 
     qkv  [T | q heads ........ | k heads .. | v heads .. ]
     d_qkv[T | rot^-1(dq) ..... | rot^-1(dk) | dv ....... ]   one buffer, no cat
@@ -36,14 +36,13 @@ import torch
 
 from flashpar.models.config import LlamaConfig
 from flashpar.models.rope import inverse_frequencies
+from flashpar.overlap.ulysses import rotary_tables
 
 
 def rope_tables(positions: torch.Tensor, cfg: LlamaConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` of ``positions [T] x cfg's frequencies [D / 2]`` (``[T, D / 2]``, computed in float64, in
     ``dtype``): the tables every layer's ``rope_qkv`` of one step uses."""
-    inv_freq = inverse_frequencies(cfg, positions.device)
-    angles = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return rotary_tables(positions, inverse_frequencies(cfg, positions.device), dtype)
 
 
 def _rotate_into(out: torch.Tensor, x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, sign: float) -> torch.Tensor:

@@ -53,6 +53,14 @@ def default_frequencies(head_dim: int, theta: float, device=None) -> torch.Tenso
     return theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
 
 
+def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of the angles ``positions [S] x inv_freq [D/2]`` (``[S, D/2]``), computed in float64 and
+    returned in ``dtype``."""
+    angles = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float | None = None, *,
            inv_freq: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary embedding (Llama's half-split form) of ``x [..., S, D]`` at ``positions [S]``:
@@ -67,9 +75,8 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float | None = None,
         inv_freq = default_frequencies(d, theta, x.device)
     elif inv_freq.shape != (d // 2,):
         raise ValueError(f"rotate: inv_freq has shape {tuple(inv_freq.shape)}, expected ({d // 2},)")
-    angles = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]  # inv_freq on x's device
-    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(x.dtype)
-    sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(x.dtype)
+    cos, sin = rotary_tables(positions, inv_freq, x.dtype)  # inv_freq on x's device
+    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
     return x * cos + half * sin
 
