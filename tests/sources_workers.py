@@ -15,7 +15,8 @@ def eval_loss_on_meshes(rank, world, config, shapes):
     from flashpar.models import Llama, next_token_loss
     from flashpar.train.data import training_data
     from flashpar.train.evaluate import held_out
-    from flashpar.train.step import build, planner_cost
+    from flashpar.train.planning import planner_cost
+    from flashpar.train.step import build
 
     out = {}
     for shape in shapes:

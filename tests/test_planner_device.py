@@ -1,6 +1,7 @@
 """The trainer plans for the device it trains on, weighted for a training step (``planner_cost``), with
-rank 0's figures on every rank (``planning_hardware``; a GPU by its name, ``device_figures``); the simulator
-plans the same way, and reads what a bench report's trainer planned with (``setup.plan_hardware``)."""
+rank 0's figures on every rank (``planning_device``; a GPU by its name, ``device_figures``); the simulator
+plans the same way, and reads what a bench report's trainer planned with (``setup.plan_hardware``,
+``setup.plan_burst``).  Ranks sharing cores: tests/test_shared_cores.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from flashpar.cp.cost import BWD_ATTN_TIME, CostModel
 from flashpar.cp.cp_plan import rank_figures
 from flashpar.models import LlamaConfig
 from flashpar.sim import check_train
-from flashpar.train.step import _spans_nodes, device_figures, planner_cost, planning_hardware
+from flashpar.train.planning import _spans_nodes, device_figures, planner_cost, planning_device
 
 BENCH_MODEL = LlamaConfig(hidden=512, layers=4, heads=8, kv_heads=4, ffn=1408, tie_embeddings=False)
 BENCH_PACK = [172, 264, 40, 328, 180, 376, 212, 256, 248, 212, 296, 172, 3236, 340, 236, 384, 184, 384, 52, 8, 80,
@@ -116,25 +117,27 @@ def test_the_device_decides_the_plan_of_the_bench_pack():
     assert _slowest_rank_s(gpu, device) > 1.1 * _slowest_rank_s(cpu, device)
 
 
-def _plan_with_own_figures(rank: int, world_size: int) -> tuple[float, float]:
+def _plan_with_own_figures(rank: int, world_size: int) -> tuple[float, float, float]:
     mine = dataclasses.replace(cost.preset("cpu"), flops=1e10 * (rank + 1))  # as if each node calibrated alone
+    os.sched_getaffinity = lambda pid: set(range(1 if rank == 0 else 64))  # rank 0's host: 1 core
     with cost_store.use(mine):
-        hw = planning_hardware("cpu")
-    return hw.flops, cost_store.load("cpu").flops
+        hw, burst = planning_device("cpu")
+    return hw.flops, cost_store.load("cpu").flops, burst
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_every_rank_plans_with_rank_0s_figures(world_size):
     got = run_ranks(world_size, _plan_with_own_figures)
-    assert [flops for flops, _ in got] == [1e10] * world_size
-    assert [own for _, own in got] == [cost.preset("cpu").flops] * world_size  # `use` ended with the block
+    assert [flops for flops, _, _ in got] == [1e10] * world_size
+    assert [own for _, own, _ in got] == [cost.preset("cpu").flops] * world_size  # `use` ended with the block
+    assert [burst for _, _, burst in got] == [float(world_size)] * world_size  # rank 0's: N ranks on 1 core
 
 
 def _plan_with_broken_file_on_rank0(rank: int, world_size: int, folder: str) -> str:
     if rank == 0:  # only rank 0 reads the figures: the other ranks' files are not looked at
         os.environ["XDG_CACHE_HOME"] = folder
     try:
-        planning_hardware("cpu")
+        planning_device("cpu")
     except ValueError as err:
         return str(err)
     return "no error"
@@ -156,3 +159,8 @@ def test_a_report_says_what_its_trainer_planned_with():
                         ({"speed": 1}, "speed")):
         with pytest.raises(ValueError, match=needle):
             check_train.plan_hardware({"plan_hardware": bad})
+    assert check_train.plan_burst({}) == 1.0  # before stop 26: planned as if each rank had its own device
+    assert check_train.plan_burst({"plan_burst": 2.0}) == 2.0
+    for bad in (0.5, "2", None):
+        with pytest.raises(ValueError, match=r"^the report's setup.plan_burst: CostModel.burst must be"):
+            check_train.plan_burst({"plan_burst": bad})

@@ -155,7 +155,8 @@ class Runner:
             self._step = lambda: torch_parallel.train_step(self.model, self.opt, batch, count, tp)
             return
         from flashpar import cp
-        from flashpar.train.step import build, planner_cost, train_step
+        from flashpar.train.planning import planner_cost
+        from flashpar.train.step import build, train_step
 
         tc = train_config(config, name)
         mesh = meshes["flashpar"]
@@ -307,6 +308,7 @@ def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank
     import dataclasses
 
     from flashpar.cost import store as cost_store
+    from flashpar.train.planning import core_burst
 
     names, n = config["configs"], len(gathered)
     flops = step_flops(config, seqs)
@@ -332,6 +334,7 @@ def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank
                  cores=os.cpu_count(), regather=train_config(config, "flashpar").regather,
                  gather_vocab=True,  # ParallelLlama's default (flashpar.models.vocab.gathers_weight)
                  plan_hardware=dataclasses.asdict(cost_store.load("cpu")),  # what Runner's planner_cost(cfg) read
+                 plan_burst=core_burst("cpu"),  # and the ranks sharing cores it planned for
                  **(hardware or {}),
                  peak_mem="CPU: rise of the rank's peak resident set (VmHWM, reset via /proc/self/clear_refs) over "
                           "its resident set before building, 2 steps of a fresh build; largest rank")

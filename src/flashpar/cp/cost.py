@@ -19,7 +19,9 @@ device's figures are one :class:`flashpar.cost.Hardware` (``hardware``, default 
     K/V time              bytes / hardware.link_bytes_per_s               (bandwidth only: the messages
                                                                            are megabytes)
     rank time             max(compute, comm + compute that needs remote K/V)      local-first overlap
-    step time             max over ranks
+    step time             max over ranks                                  (burst 1: a device per rank)
+                          max(compute_span, max over ranks of             (burst b > 1: ranks sharing
+                              comm + remote / b)                           cores; see CostModel.burst)
 
 Default: a Llama-3-8B layer (hidden 4096, FFN 14336, 32 heads, 8 kv heads, head dim 128, bf16)
 on an H100 with a 400 Gb/s InfiniBand link per GPU (``h100-ib``: 989 TFLOP/s dense bf16,
@@ -31,7 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import asdict, dataclass, field
+
+import numpy as np
 
 from flashpar.cost import Hardware, preset
 
@@ -50,7 +55,23 @@ _LEGACY = {"flops": "flops", "bandwidth": "link_bytes_per_s", "attn_peak": "attn
 @dataclass(frozen=True)
 class CostModel:
     """A model's layer shape on a device: ``hardware`` is a :class:`flashpar.cost.Hardware` or a preset's
-    name (``CostModel(hardware="h100-nvlink")``)."""
+    name (``CostModel(hardware="h100-nvlink")``).
+
+    ``burst``: how many times faster one rank computes while the ranks it shares cores with wait (1: each
+    rank has its own device).  A host running ``L`` ranks of ``t`` threads on ``C`` cores, ``L t > C``, gives a
+    busy rank ``C / L`` cores and a rank alone ``min(t, C)``: ``burst = L min(t, C) / C``.  The device's figures
+    are then one rank's with every rank busy; with ``k`` of the ``N`` ranks still busy each computes
+    ``min(burst, N / k)`` times as fast (the cores shared fairly, none idle while a rank has work), so the ranks'
+    computes end as ranks leave the cores to the others (``compute_span``), not at the slowest rank's time at
+    the shared rate::
+
+        burst 2, no K/V, compute 1.3 and 0.7 (mean 1.0), in time:
+            rank 0  |======== shared: 0.7 ========|== alone: 0.6 / 2 ==|    ends at 1.0
+            rank 1  |======== shared: 0.7 ========|                         its cores lent to rank 0
+            step = 0.7 + 0.6 / 2 = 1.0, not the slowest rank's 1.3
+
+    A plan that balances the ranks by cutting a document then buys nothing and costs a K/V exchange.
+    A rank that waits for remote K/V ends no sooner than ``comm + remote / burst``."""
 
     hidden: int = 4096
     ffn: int = 14336
@@ -61,10 +82,39 @@ class CostModel:
     dtype_bytes: int = 2
     linear: bool = True  # False: attention work alone (to compare with solvers that balance only attention)
     hardware: Hardware = field(default_factory=lambda: preset(DEFAULT_HARDWARE))
+    burst: float = 1.0  # a rank's speed-up while the ranks sharing its cores wait (see the class docstring)
 
     def __post_init__(self) -> None:
         if isinstance(self.hardware, str):  # a preset's name
             object.__setattr__(self, "hardware", preset(self.hardware))
+        b = self.burst
+        if isinstance(b, bool) or not isinstance(b, int | float) or not math.isfinite(b) or b < 1:
+            raise ValueError(f"CostModel.burst must be a finite number >= 1, got {b!r}")
+
+    def step_time(self, compute, remote, comm) -> float:
+        """The estimated step of ranks with these per-rank times (seconds; sequences of one length): with
+        ``burst`` 1 the slowest rank's ``max(compute, comm + remote)``; ranks sharing cores: the later of the
+        computes' end (``compute_span``) and every rank's K/V and remote work, ``comm + remote / burst``."""
+        compute, remote, comm = (np.asarray(x, dtype=np.float64) for x in (compute, remote, comm))
+        if self.burst == 1:
+            return float(np.maximum(compute, comm + remote).max())
+        return max(self.compute_span(compute), float((comm + remote / self.burst).max()))
+
+    def compute_span(self, compute) -> float:
+        """When the last of the ranks' computes ends (seconds, one per rank, each at the rate of every rank busy):
+        the slowest one's with ``burst`` 1; ranks sharing cores fairly (the class docstring), by phases between
+        two computes' ends, in ascending order ``c_(0) <= ... <= c_(N-1)``::
+
+            span = sum_i (c_(i) - c_(i-1)) / min(burst, N / (N - i)),   c_(-1) = 0
+
+        at least the mean compute (all ``N`` ranks' work on the cores) and the slowest's over ``burst``."""
+        compute = np.asarray(compute, dtype=np.float64)
+        if self.burst == 1:
+            return float(compute.max())
+        n = len(compute)
+        ends = np.sort(compute)
+        rate = np.minimum(self.burst, n / (n - np.arange(n, dtype=np.float64)))
+        return float((np.diff(ends, prepend=0.0) / rate).sum())
 
     def per_step(self) -> CostModel:
         """This model weighted for one training step, forward and backward, as a trainer plans it.
@@ -105,8 +155,6 @@ class CostModel:
 
     def attn_times(self, pairs, q_len, k_len):
         """:meth:`attn_time` on arrays (numpy, elementwise; the same floats): 0 where there are no pairs."""
-        import numpy as np
-
         work = np.asarray(pairs, dtype=np.float64) * self.flops_per_pair
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(work > 0, work / (self.hardware.flops * self.hardware.attn_efficiency(q_len, k_len)), 0.0)

@@ -51,6 +51,7 @@ class RankFigures:
     remote: list[float]  # attention whose keys come from other ranks
     comm: list[float]
     time: list[float]  # max(compute, comm + remote)
+    step: float  # the plan's estimated step: CostModel.step_time (the slowest rank's time, unless ranks share cores)
 
 
 def rank_figures(segments, doc_lens, doc_starts, cost: CostModel, comm: str) -> RankFigures:
@@ -130,7 +131,7 @@ def figures_of_arrays(rank, a, b, n: int, total: int, doc_starts, cost: CostMode
     comm_t = (recv * cost.kv_bytes_per_token) / hw.link_bytes_per_s
     time = np.maximum(compute, comm_t + rt)
     return RankFigures(tokens_r.tolist(), pairs_r.tolist(), recv.tolist(), compute.tolist(), rt.tolist(),
-                       comm_t.tolist(), time.tolist())
+                       comm_t.tolist(), time.tolist(), cost.step_time(compute, rt, comm_t))
 
 
 def _cut_figures(rank, a, b, doc, s, length, pairs, n: int, total: int, cost: CostModel):
@@ -187,7 +188,7 @@ def figures_of_whole(rank, docs, n: int, lens, times, cost: CostModel) -> RankFi
     comm_t = (recv * cost.kv_bytes_per_token) / hw.link_bytes_per_s
     time = np.maximum(compute, comm_t + rt)
     return RankFigures(tokens_r.tolist(), pairs_r.tolist(), recv.tolist(), compute.tolist(), rt.tolist(),
-                       comm_t.tolist(), time.tolist())
+                       comm_t.tolist(), time.tolist(), cost.step_time(compute, rt, comm_t))
 
 
 def aware_send_tokens(segments, doc_starts, total: int) -> list[int]:
@@ -376,7 +377,7 @@ class CPPlan:
             "total_kv_bytes": sum(recv_bytes),
             "max_kv_bytes": max(recv_bytes),
             "kv_worst_frac": max((t / o if o else 0.0) for t, o in zip(fig.recv_tokens, others, strict=True)),
-            "est_step_time": max(fig.time),
+            "est_step_time": fig.step,
             "planning_s": self.planning_s,
         }
 

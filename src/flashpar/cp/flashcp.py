@@ -1573,7 +1573,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, le
         # the fastest candidate within the cap by more than a tie (as per_doc below: neither could be the fastest,
         # tie, nor lower the baselines' bound, nor change the skips below, which compare with that fastest), unless
         # one might equal another placement (as many pieces as one): then in their places, as always
-        inside = [max(fig_of[p.key()].time) for p in candidates if max(fig_of[p.key()].tokens) <= cap]
+        inside = [fig_of[p.key()].step for p in candidates if max(fig_of[p.key()].tokens) <= cap]
         ring, pieces = None, ()
         if inside:
             low, pieces = ring_low()
@@ -1585,7 +1585,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, le
                 fig_of[p.key()] = p.figures(doc_lens, starts, cost, whole=times)
         # the whole_doc baseline (a greedy pass of its own): skipped where its lower bound (_whole_doc_bound)
         # is slower than the fastest of the rest within the cap by more than a tie, as per_doc below
-        rest = [max(fig_of[p.key()].time) for p in candidates + ring if max(fig_of[p.key()].tokens) <= cap]
+        rest = [fig_of[p.key()].step for p in candidates + ring if max(fig_of[p.key()].tokens) <= cap]
         wd = []
         if not rest or _whole_doc_bound(greedy.lens_np, n, cost, cap, times[1]) <= min(rest) * (1 + TIME_TIE):
             wd = [whole()]
@@ -1595,7 +1595,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, le
         # their lower bound (see _cut_all_bound) is slower than the fastest candidate within the cap by more
         # than a tie, which leaves the choice as it was (such a candidate can be neither the fastest nor tied,
         # and its time cannot lower the bound the baselines set)
-        pool = [max(fig_of[p.key()].time) for p in candidates + [*wd, *ring] if max(fig_of[p.key()].tokens) <= cap]
+        pool = [fig_of[p.key()].step for p in candidates + [*wd, *ring] if max(fig_of[p.key()].tokens) <= cap]
         pd, tpd = [], []
         if not pool or _cut_all_bound(greedy.lens_np, n, cost, runs) <= min(pool) * (1 + TIME_TIE):
             pd, tpd = cut_all()
@@ -1610,13 +1610,13 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, le
         baselines = [*wd, *pd, *ring, *tpd]
         unique = _unique(candidates + baselines)
         keys = {p.key() for p in baselines}
-        best = unique[_pick([fig_of[p.key()] for p in unique], cap, [p.key() in keys for p in unique])]
+        best = unique[_pick([fig_of[p.key()] for p in unique], cap, [p.key() in keys for p in unique], cost)]
         return best, fig_of[best.key()]
 
     if cost.linear and first is not None:
         fig_of[first[0].key()] = greedy.first_figures
         best, fig = scored([first[0]])
-        if sum(fig.recv_tokens) == 0 and max(fig.time) <= lower * (1 + PERFECT):  # nothing left to gain
+        if sum(fig.recv_tokens) == 0 and fig.step <= lower * (1 + PERFECT):  # nothing left to gain
             return best
     # beyond 16 ranks a pass costs O(N) per document: a smaller grid keeps 1M tokens at N=64 near 200 ms
     forced, tolerances = (FORCED, TOLERANCES) if n <= 16 else (FORCED[:1], TOLERANCES[:2])
@@ -1642,7 +1642,7 @@ def flashcp(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, le
         unique = _unique(candidates + [whole(), *pd, *ring_of(), *tpd])
         figs = {i: unique[i].figures(doc_lens, starts, cost, whole=times)
                 for i in _balanced([p.segments for p in unique], greedy.starts, cap)}
-        return unique[min(figs, key=lambda i: (max(figs[i].time), sum(figs[i].recv_tokens), i))]
+        return unique[min(figs, key=lambda i: (figs[i].step, sum(figs[i].recv_tokens), i))]
     return scored(candidates)[0]
 
 
@@ -1675,10 +1675,11 @@ def _whole_doc_bound(lens, n: int, cost: CostModel, cap: int, whole_times) -> fl
 def _ring_bound(lens, starts, n: int, cost: CostModel, whole_times) -> tuple[float, tuple[int, int]]:
     """A lower bound on the estimated step time of both ``headtail`` and ``contiguous`` (the sequence cut into
     ``2N`` chunks, rank ``r`` taking chunks ``r`` and ``2N - 1 - r``, or into ``N``, rank ``r`` taking chunk ``r``;
-    chunk ``c`` is ``[B_c, B_c+1)``, ``B_c = c T // parts``), and how many pieces each has.  A rank's step is at least
-    its compute: its linear time plus the attention time of every document inside one of its chunks, at its time
-    whole (``whole_times``: a whole piece takes that time, and the pieces of cut documents only add), summed from
-    prefix sums in document order; less a millionth for rounding.  Pieces: the documents plus each distinct
+    chunk ``c`` is ``[B_c, B_c+1)``, ``B_c = c T // parts``), and how many pieces each has.  A step is at least a
+    rank's compute (over ``burst`` where ranks share cores, ``CostModel.burst``): its linear time plus the
+    attention time of every document inside one of its chunks, at its time whole (``whole_times``: a whole piece
+    takes that time, and the pieces of cut documents only add), summed from prefix sums in document order; less a
+    millionth for rounding.  Pieces: the documents plus each distinct
     chunk bound strictly inside a document (the pieces are the gaps between the document starts and the bounds)."""
     total = int(starts[-1] + lens[-1])
     ends = starts + lens
@@ -1691,7 +1692,7 @@ def _ring_bound(lens, starts, n: int, cost: CostModel, whole_times) -> tuple[flo
         if parts == 2 * n:  # (rank r: chunks r and 2N - 1 - r)
             attn, toks = attn[:n] + attn[::-1][:n], toks[:n] + toks[::-1][:n]
         compute = toks * cost.flops_per_token / cost.hardware.gemm_flops + attn
-        low = min(low, float(compute.max()))  # (the bound of both: the lesser)
+        low = min(low, float(compute.max()) / cost.burst)  # (the bound of both: the lesser)
         inner = np.unique(b[(b > 0) & (b < total)])
         at = np.minimum(np.searchsorted(starts, inner), len(starts) - 1)
         pieces.append(len(lens) + int(np.count_nonzero(starts[at] != inner)))
@@ -1747,13 +1748,15 @@ def _balanced(placements, doc_starts: list[int], cap: int) -> list[int]:
     return [i for i in idx if imbalance[i] <= budget]
 
 
-def _pick(figs, cap: int, baseline: list[bool]) -> int:
+def _pick(figs, cap: int, baseline: list[bool], cost: CostModel) -> int:
     """Among the candidates within the token cap (all, if none is): the fewest K/V tokens received among those
     whose estimated step time and peak compute are within ``TIME_TIE`` of the fastest's, and whose step time
-    is no more than any baseline's (``baseline[i]``); then the least time."""
+    is no more than any baseline's (``baseline[i]``); then the least time.  Peak compute: the slowest rank's,
+    or where ranks share cores when the last compute ends (``CostModel.compute_span``)."""
     pool = [i for i, f in enumerate(figs) if max(f.tokens) <= cap] or list(range(len(figs)))
-    fastest = min(pool, key=lambda i: (max(figs[i].time), i))
-    bound = min([max(figs[fastest].time) * (1 + TIME_TIE)] + [max(figs[i].time) for i in pool if baseline[i]])
-    peak = max(figs[fastest].compute) * (1 + TIME_TIE)
-    tied = [i for i in pool if max(figs[i].time) <= bound and max(figs[i].compute) <= peak]
-    return min(tied, key=lambda i: (sum(figs[i].recv_tokens), max(figs[i].time), i))
+    fastest = min(pool, key=lambda i: (figs[i].step, i))
+    bound = min([figs[fastest].step * (1 + TIME_TIE)] + [figs[i].step for i in pool if baseline[i]])
+    peak_of = (lambda f: max(f.compute)) if cost.burst == 1 else (lambda f: cost.compute_span(f.compute))
+    peak = peak_of(figs[fastest]) * (1 + TIME_TIE)
+    tied = [i for i in pool if figs[i].step <= bound and peak_of(figs[i]) <= peak]
+    return min(tied, key=lambda i: (sum(figs[i].recv_tokens), figs[i].step, i))

@@ -56,14 +56,15 @@ def workload(report: dict, name: str):
     if not isinstance(gather_vocab, bool):
         raise ValueError(f"the report's setup.gather_vocab must be true or false, got {gather_vocab!r}")
     plan_hw, per_step = plan_hardware(s)
+    burst = plan_burst(s)
     return Workload(cfg, layout, cluster, packs, elem_bytes=4, attn_bwd=bwd, zero_rs_elem_bytes=4,
                     torch_attention="dense", fsdp_prefetch=False, regather=regather, gather_vocab=gather_vocab,
-                    plan_hardware=plan_hw, plan_per_step=per_step)
+                    plan_hardware=plan_hw, plan_per_step=per_step, plan_burst=burst)
 
 
 def plan_hardware(setup: dict):
     """(Hardware, per step) the report's trainer planned with: ``setup.plan_hardware`` (written since stop 24,
-    ``flashpar.train.step.planner_cost``), else the h100-ib preset, forward only (the trainer before)."""
+    ``flashpar.train.planning.planner_cost``), else the h100-ib preset, forward only (the trainer before)."""
     import dataclasses
 
     from flashpar.cost import preset
@@ -78,6 +79,19 @@ def plan_hardware(setup: dict):
         return dataclasses.replace(preset("cpu"), **figures), True
     except (TypeError, ValueError) as e:
         raise ValueError(f"the report's setup.plan_hardware: {e}") from None
+
+
+def plan_burst(setup: dict) -> float:
+    """``CostModel.burst`` the report's trainer planned with: ``setup.plan_burst`` (written since stop 26,
+    ``flashpar.train.planning.core_burst``), else 1 (the trainer before planned as if each rank had its own
+    device)."""
+    from flashpar import cp
+
+    burst = setup.get("plan_burst", 1.0)
+    try:
+        return cp.CostModel(burst=burst).burst
+    except ValueError as e:
+        raise ValueError(f"the report's setup.plan_burst: {e}") from None
 
 
 def predict(report: dict) -> dict[str, dict]:

@@ -163,7 +163,7 @@ def plan_figures(doc_lens: list[int], n: int, strategy: str, cost) -> dict:
     plan_ms = (time.process_time() - t0) * 1e3
     fig = p.figures()
     ratio = lambda xs: max(xs) / (sum(xs) / len(xs)) if sum(xs) > 0 else 1.0  # noqa: E731
-    return {"step_ms": max(fig.time) * 1e3, "kv_bytes": sum(fig.recv_tokens) * cost.kv_bytes_per_token,
+    return {"step_ms": fig.step * 1e3, "kv_bytes": sum(fig.recv_tokens) * cost.kv_bytes_per_token,
             "compute_imbalance": ratio(fig.compute), "token_imbalance": ratio(fig.tokens),
             "token_peak": max(fig.tokens), "plan_ms": plan_ms}
 
@@ -233,7 +233,7 @@ def versus_row(name: str, n: int, tokens: int, pack_list, flash: list[dict], meg
         g = plan(doc_lens, n, strategy="flashcp", cost=cost, token_slack=slack).figures()
         if max(g.tokens) > peak:
             raise RuntimeError(f"flashcp at token_slack {slack} holds {max(g.tokens)} > {peak} tokens on a rank")
-        speed.append(m["step_ms"] / (max(g.time) * 1e3))
+        speed.append(m["step_ms"] / (g.step * 1e3))
         matched += 1
     return {"lengths": name, "ranks": n, "tokens": size_label(tokens), "packs": len(speed),
             "no_slower": all(x >= 1 - 1e-9 for x in speed), "faster_packs": sum(x > 1 + 1e-3 for x in speed),

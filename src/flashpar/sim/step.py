@@ -168,8 +168,8 @@ def attention(w: Workload, peer: Peer) -> list[tuple[float, Part, Part]]:
     n, hw = s["cp_size"], g["cp"][1]
     shape = {"hidden": cfg.hidden, "ffn": max(cfg.ffn // s["split"], 1), "heads": s["heads"],
              "kv_heads": s["kv_heads"], "head_dim": cfg.head_dim, "dtype_bytes": w.elem_bytes}
-    plan_cost = cp.CostModel(**shape, hardware=w.plan_hardware or hw)  # linears included, as the trainer plans
-    if w.plan_per_step:  # (flashpar.train.step.planner_cost)
+    plan_cost = cp.CostModel(**shape, hardware=w.plan_hardware or hw, burst=w.plan_burst)  # as the trainer plans
+    if w.plan_per_step:  # (flashpar.train.planning.planner_cost)
         plan_cost = plan_cost.per_step()
     fwd_cost = cp.CostModel(**shape, hardware=hw, linear=False)
     bwd_cost = cp.CostModel(**shape, hardware=w.bwd_hardware(hw), linear=False)

@@ -38,6 +38,7 @@ class Workload:
     gather_vocab: bool = True  # flashpar / baseline gather a vocabulary smaller than T_u (models.vocab.gathers_weight)
     plan_hardware: Hardware | None = None  # the device figures the trainer planned with; None: the cp group's
     plan_per_step: bool = True  # planned per training step (CostModel.per_step; a trainer before stop 24: forward)
+    plan_burst: float = 1.0  # CostModel.burst the trainer planned with (ranks sharing cores; a device per rank: 1)
 
     @property
     def seq(self) -> int:

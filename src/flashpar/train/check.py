@@ -30,7 +30,8 @@ from flashpar.models import Llama, LlamaConfig, load_hf, next_token_loss
 from flashpar.models.layout import LAYOUT, label_of
 from flashpar.models.parallel import ParallelLlama
 from flashpar.models.precision import DTYPES
-from flashpar.train.step import MicroBatch, gradients, planner_cost, planning_hardware
+from flashpar.train.planning import planner_cost, planning_device
+from flashpar.train.step import MicroBatch, gradients
 
 TOL = 1e-4  # fp32: the mesh only reorders sums (~1e-6 relative); one misplaced shard is O(1)
 CHECK_CLIP_RATIO = 0.5  # --check clips the gradients to half their norm: the coefficient is exercised (~0.5)
@@ -92,7 +93,8 @@ def _mesh_step(ref: Llama, cfg: LlamaConfig, mesh, sequences, *, strategy: str, 
     model.to(device)
     dp, d, c = mesh["dp"].size(), mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     count = sum(int((lab != -100).sum()) for _, lab, _ in sequences)
-    cost = planner_cost(cfg, DTYPES[dtype].itemsize, hardware=planning_hardware(device.type))  # the trainer's plans
+    hw, burst = planning_device(device.type)
+    cost = planner_cost(cfg, DTYPES[dtype].itemsize, hardware=hw, burst=burst)  # the trainer's plans
     batch = []
     for m in range(micro_batches):
         tokens, labels, doc_lens = sequences[m * dp + d]

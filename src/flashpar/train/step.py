@@ -2,9 +2,6 @@
 
     build(config, mesh, device)    -> (cfg, ParallelLlama with its shards of one seeded Llama, or of the
                                       Hugging Face folder --init-from read by slices, AdamW)
-    planner_cost(cfg, ..)          the planner's cost model: the model's shape on the training device, per step
-    device_figures(type)           the training device's figures (calibration file, else its preset; a GPU by name)
-    planning_hardware(type)        those figures, rank 0's on every rank
     forward_backward(model, ...)   one micro-batch: loss share; backward; gradients summed over copies
     accumulate(model, micro, n)    M micro-batches' gradients added up, summed over copies once
     gradients(model, micro, n)     accumulate, then the global gradient norm and clipping
@@ -33,17 +30,11 @@ model's device; reading them (``float(loss)``) is the caller's, after the step.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from flashpar.cost import Hardware, gpu_hardware, preset
-from flashpar.cost import store as cost_store
-from flashpar.cp import CostModel
-from flashpar.dist import from_rank0
-from flashpar.models import Llama, LlamaConfig
+from flashpar.models import Llama
 from flashpar.models.grad_norm import clip_grads_
 from flashpar.models.parallel import ParallelLlama
 from flashpar.models.precision import DTYPES
@@ -82,63 +73,6 @@ def build(config: TrainConfig, mesh, device) -> tuple:
     model.to(device)
     opt = adamw(model, lr=config.lr, weight_decay=config.weight_decay)
     return cfg, model, opt
-
-
-def planner_cost(cfg: LlamaConfig, dtype_bytes: int = 4, device_type: str = "cpu",
-                 hardware: Hardware | None = None) -> CostModel:
-    """The cost model the trainer's plans are made with: this model's shape, activations of ``dtype_bytes``
-    (fp32: 4, ``--dtype bf16``: 2), on the device it trains on, weighted for a training step
-    (``CostModel.per_step``).
-
-    The device's figures are ``hardware`` when given (the trainer passes rank 0's, so that every rank plans
-    alike), else ``device_figures(device_type)``.  The device decides the plans: on a GPU preset a
-    small model's step is so short that splitting a long document costs more in K/V than it balances, and
-    the planner keeps documents whole; on this CPU that plan's slowest rank takes 1.15x as long as with
-    the long document split (``bench train``'s pack, ``tests/test_planner_device.py``)."""
-    hw = hardware if hardware is not None else device_figures(device_type)
-    return CostModel(hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                     layers=cfg.layers, dtype_bytes=dtype_bytes, hardware=hw).per_step()
-
-
-def device_figures(device_type: str) -> Hardware:
-    """The figures of the device this process trains on: ``flashpar.cost.load(device_type)`` (a ``use`` block's,
-    this machine's calibration file, else the device type's preset: ``cpu`` -> ``cpu-calibrated``, ``cuda`` ->
-    ``h100-ib``), except that on a visible GPU the ``cuda`` preset gives way to the GPU's own by its name
-    (``flashpar.cost.gpu_hardware``: NVLink within a node; one InfiniBand port per GPU when the job spans nodes,
-    as torchrun's ``LOCAL_WORLD_SIZE`` below the world size says)."""
-    hw = cost_store.load(device_type)
-    if device_type != "cuda" or not torch.cuda.is_available() or hw != preset(cost_store.device_preset("cuda")):
-        return hw  # not a GPU, or figures from a use block or a calibration file
-    return gpu_hardware(torch.cuda.get_device_name(), across_nodes=_spans_nodes())
-
-
-def _spans_nodes() -> bool:
-    """Whether this job's ranks are on more than one node (torchrun's ``LOCAL_WORLD_SIZE`` < world size)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return False
-    world = dist.get_world_size()
-    try:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    except ValueError:
-        raise ValueError(f"LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']!r} is not an integer") from None
-    return local < world
-
-
-def planning_hardware(device_type: str) -> Hardware:
-    """The device figures every rank plans with: rank 0's ``device_figures(device_type)`` (a collective call,
-    once at setup: a calibration file may differ between nodes, the plans of one step may not).  Only rank 0
-    reads them; where it cannot (a broken calibration file, a malformed ``LOCAL_WORLD_SIZE``) every rank raises
-    its one-line ``ValueError``."""
-    figures: Hardware | str | None = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            figures = device_figures(device_type)
-        except ValueError as err:
-            figures = str(err)
-    figures = from_rank0(figures)
-    if isinstance(figures, str):
-        raise ValueError(f"planning figures of rank 0: {figures}")
-    return figures
 
 
 def forward_backward(model: ParallelLlama, tokens_cp: torch.Tensor, labels_cp: torch.Tensor, plan,

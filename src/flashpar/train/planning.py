@@ -1,0 +1,104 @@
+"""What the trainer's plans are made with: the model's shape on the device it trains on, one cost model on
+every rank.
+
+    planner_cost(cfg, ..)       the planner's cost model: the model's shape on the training device, per step
+    device_figures(type)        the training device's figures (calibration file, else its preset; a GPU by name)
+    core_burst(type)            how much faster a rank computes while the ranks sharing its cores wait
+    planning_device(type)       both, rank 0's on every rank (a collective call, once at setup)
+
+Ranks that share cores (``core_burst`` > 1; ``flashpar.cp.CostModel.burst``) are a CPU host running more
+threads than it has cores, as ``flashpar bench train`` does (4 ranks of 1 thread on 2 cores): a rank that
+waits hands its core to the others, so the step follows the ranks' total work, and a plan that balances them
+by cutting a document costs a K/V exchange and buys nothing::
+
+    4 ranks, 2 cores, cp 2 x tp 2        whole documents                   the long one cut
+    cp rank 0 (2 tp ranks)     |======= shared =======|== alone ==|      |====== shared ======|kv|=|
+    cp rank 1 (2 tp ranks)     |======= shared =======|                  |====== shared ======|kv|=|
+                                        step = total work / cores         the same work, plus waits on K/V
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from flashpar.cost import Hardware, gpu_hardware, preset
+from flashpar.cost import store as cost_store
+from flashpar.cp import CostModel
+from flashpar.dist import from_rank0
+from flashpar.models import LlamaConfig
+
+
+def planner_cost(cfg: LlamaConfig, dtype_bytes: int = 4, device_type: str = "cpu",
+                 hardware: Hardware | None = None, burst: float | None = None) -> CostModel:
+    """The cost model the trainer's plans are made with: this model's shape, activations of ``dtype_bytes``
+    (fp32: 4, ``--dtype bf16``: 2), on the device it trains on, weighted for a training step
+    (``CostModel.per_step``).
+
+    The device's figures are ``hardware`` and ``burst`` when given (the trainer passes rank 0's, so that every
+    rank plans alike), else ``device_figures(device_type)`` and ``core_burst(device_type)``.  The device decides
+    the plans: on a GPU preset a small model's step is so short that splitting a long document costs more in
+    K/V than it balances, and the planner keeps documents whole; on this CPU with a core per rank, that plan's
+    slowest rank takes 1.15x as long as with the long document split, and with 2 ranks per core (``bench
+    train``) the step takes the ranks' total work whatever the split, and the planner keeps it whole again
+    (``bench train``'s pack, ``tests/test_planner_device.py``)."""
+    hw = hardware if hardware is not None else device_figures(device_type)
+    burst = burst if burst is not None else core_burst(device_type)
+    return CostModel(hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                     layers=cfg.layers, dtype_bytes=dtype_bytes, hardware=hw, burst=burst).per_step()
+
+
+def device_figures(device_type: str) -> Hardware:
+    """The figures of the device this process trains on: ``flashpar.cost.load(device_type)`` (a ``use`` block's,
+    this machine's calibration file, else the device type's preset: ``cpu`` -> ``cpu-calibrated``, ``cuda`` ->
+    ``h100-ib``), except that on a visible GPU the ``cuda`` preset gives way to the GPU's own by its name
+    (``flashpar.cost.gpu_hardware``: NVLink within a node; one InfiniBand port per GPU when the job spans nodes,
+    as torchrun's ``LOCAL_WORLD_SIZE`` below the world size says)."""
+    hw = cost_store.load(device_type)
+    if device_type != "cuda" or not torch.cuda.is_available() or hw != preset(cost_store.device_preset("cuda")):
+        return hw  # not a GPU, or figures from a use block or a calibration file
+    return gpu_hardware(torch.cuda.get_device_name(), across_nodes=_spans_nodes())
+
+
+def core_burst(device_type: str) -> float:
+    """``CostModel.burst`` of this process's job: how many times faster one rank computes while the ranks sharing
+    its cores wait.  1 on a GPU (a device per rank) and wherever the ranks have a core per thread; on a CPU
+    host running ``L`` ranks (torchrun's ``LOCAL_WORLD_SIZE``, else the world size) of ``t`` threads
+    (``torch.get_num_threads``) on ``C`` cores (this process's CPU affinity), ``L min(t, C) / C`` where that
+    exceeds 1.  1 when the job spans nodes: the cp group's ranks may then not share one host's cores."""
+    if device_type != "cpu" or _spans_nodes():
+        return 1.0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) if dist.is_initialized() else 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1.0, local * min(torch.get_num_threads(), cores) / cores)
+
+
+def _spans_nodes() -> bool:
+    """Whether this job's ranks are on more than one node (torchrun's ``LOCAL_WORLD_SIZE`` < world size)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    world = dist.get_world_size()
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    except ValueError:
+        raise ValueError(f"LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']!r} is not an integer") from None
+    return local < world
+
+
+def planning_device(device_type: str) -> tuple[Hardware, float]:
+    """``(device_figures, core_burst)`` of rank 0 on every rank: what every rank plans with (a collective call,
+    once at setup: a calibration file, a thread count or a core count may differ between nodes, the plans of
+    one step may not).  Only rank 0 reads them; where it cannot (a broken calibration file, a malformed
+    ``LOCAL_WORLD_SIZE``) every rank raises its one-line ``ValueError``."""
+    figures: tuple[Hardware, float] | str | None = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            figures = (device_figures(device_type), core_burst(device_type))
+        except ValueError as err:
+            figures = str(err)
+    figures = from_rank0(figures)
+    if isinstance(figures, str):
+        raise ValueError(f"planning figures of rank 0: {figures}")
+    return figures

@@ -1,0 +1,137 @@
+"""Ranks that share cores (``CostModel.burst``): the step the cost model estimates, the plans it leads to, and
+how the trainer finds its burst (``flashpar.train.planning.core_burst``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dist_harness import run_ranks
+from flashpar.cp import CostModel, CPPlan, plan
+from flashpar.train.planning import core_burst
+
+BASELINES = ("whole_doc", "per_doc", "headtail", "contiguous", "torch_per_doc")
+"""The placements flashcp scores beside its own candidates (flashcp.py, ``scored``): never estimated faster."""
+
+
+def test_burst_1_is_the_slowest_ranks_time():
+    compute, remote, comm = [1.3, 0.7, 1.0], [0.2, 0.0, 0.5], [0.9, 0.0, 0.2]
+    time = np.maximum(np.asarray(compute), np.asarray(comm) + np.asarray(remote))
+    assert CostModel().step_time(compute, remote, comm) == float(time.max()) == 1.3
+
+
+def test_a_waiting_rank_lends_its_cores():
+    """The class docstring's drawing: compute 1.3 and 0.7 on two ranks, nothing received."""
+    two = CostModel(burst=2.0)
+    assert two.step_time([1.3, 0.7], [0.0, 0.0], [0.0, 0.0]) == pytest.approx(1.0, rel=1e-15)  # 0.7 + 0.6 / 2
+    # 4 ranks on 2 cores: all busy to 0.2, then rank 0 alone on one core (2x: not every core) for 2.8 / 2
+    assert two.step_time([3.0, 0.2, 0.2, 0.2], [0.0] * 4, [0.0] * 4) == pytest.approx(1.6, rel=1e-15)
+    # 4, 3 and 2 busy: rates 1, 4/3 and 2 (N / k, then capped by burst), phases of 1.0, 1.0 and 2.0 of work
+    assert two.step_time([1.0, 4.0, 2.0, 4.0], [0.0] * 4, [0.0] * 4) == pytest.approx(1.0 + 1.0 / (4 / 3) + 2.0 / 2)
+    # a rank that waits for K/V (comm 0.9) before its remote work (0.5, at 2x: 0.25) ends at 1.15, after the span
+    assert two.step_time([1.0, 1.0], [0.5, 0.0], [0.9, 0.0]) == pytest.approx(1.15, rel=1e-15)
+    # burst 1.5 (3 ranks on 2 cores, 1 thread each): rate 1.5 once one rank is left
+    assert CostModel(burst=1.5).step_time([1.3, 0.7], [0.0, 0.0], [0.0, 0.0]) == pytest.approx(0.7 + 0.6 / 1.5)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(min_value=0.0, max_value=10.0), min_size=1, max_size=12), st.floats(1.0, 8.0))
+def test_the_span_is_a_fair_share_of_the_cores(compute, burst):
+    """Against an event-by-event run of the ranks: ``k`` busy ranks each at ``min(burst, N / k)``.  Bounds:
+    the mean (no more work than the cores hold) and the slowest rank over burst."""
+    n, left, t = len(compute), list(compute), 0.0
+    while any(x > 0 for x in left):
+        busy = [i for i, x in enumerate(left) if x > 0]
+        rate = min(burst, n / len(busy))
+        dt = min(left[i] for i in busy) / rate
+        t += dt
+        for i in busy:
+            left[i] = max(left[i] - dt * rate, 0.0) if left[i] - dt * rate > 1e-12 * max(compute) else 0.0
+    span = CostModel(burst=burst).compute_span(compute)
+    assert span == pytest.approx(t, rel=1e-9, abs=1e-12)
+    assert span >= sum(compute) / n * (1 - 1e-12) and span >= max(compute) / burst * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("bad", [0.5, 0, -1.0, math.nan, math.inf, True, "2"])
+def test_a_burst_below_1_or_not_a_number_is_refused(bad):
+    with pytest.raises(ValueError, match=r"CostModel.burst must be a finite number >= 1, got"):
+        CostModel(burst=bad)
+
+
+def test_a_plan_keeps_its_burst_and_a_bad_one_is_refused():
+    p = plan([300, 40, 900, 20], 2, cost=CostModel(hidden=512, ffn=1408, heads=8, kv_heads=4, head_dim=64,
+                                                  burst=2.0))
+    back = CPPlan.from_json(p.to_json())
+    assert back == p and back.cost.burst == 2.0
+    text = p.to_json().replace('"burst": 2.0', '"burst": 0.5')
+    with pytest.raises(ValueError, match=r"^plan JSON: cost is not a CostModel \(CostModel.burst must be"):
+        CPPlan.from_json(text)
+    old = p.to_json().replace(', "burst": 2.0', "")  # a plan written before burst: each rank its own device
+    assert CPPlan.from_json(old).cost.burst == 1.0
+
+
+SHAPE = {"hidden": 512, "ffn": 1408, "heads": 8, "kv_heads": 4, "head_dim": 64, "layers": 4, "dtype_bytes": 4}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(min_value=1, max_value=3000), min_size=1, max_size=24), st.integers(1, 6),
+       st.sampled_from([1.5, 2.0, 4.0]), st.sampled_from(["cpu", "h100-ib"]))
+def test_flashcp_is_never_estimated_slower_than_a_baseline(doc_lens, n, burst, hardware):
+    """The search's bounds (the ring's and the others') stay lower bounds of the step with cores shared, so no
+    baseline it skips or scores is estimated faster than its pick."""
+    cost = CostModel(**SHAPE, hardware=hardware, burst=burst).per_step()
+    best = plan(doc_lens, n, strategy="flashcp", cost=cost).stats()["est_step_time"]
+    for strategy in BASELINES:
+        other = plan(doc_lens, n, strategy=strategy, cost=cost).stats()["est_step_time"]
+        assert best <= other * (1 + 1e-12), (strategy, best, other)
+
+
+def _burst(rank: int, world_size: int, threads: int, cores: int, local: str | None, device: str) -> float:
+    torch.set_num_threads(threads)
+    os.sched_getaffinity = lambda pid: set(range(cores))  # (this rank's process only)
+    if local is None:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+    else:
+        os.environ["LOCAL_WORLD_SIZE"] = local
+    return core_burst(device)
+
+
+@pytest.mark.parametrize("threads, cores, local, device, burst", [
+    (1, 2, None, "cpu", 1.5),   # 3 ranks on 2 cores: a rank alone has a core, 1.5x the share it has among 3
+    (1, 1, None, "cpu", 3.0),   # 3 ranks on 1 core
+    (4, 2, None, "cpu", 3.0),   # a rank alone uses both cores, not 4 threads' worth
+    (1, 4, None, "cpu", 1.0),   # a core per rank
+    (1, 2, "3", "cpu", 1.5),    # torchrun's count of this node's ranks
+    (1, 2, "1", "cpu", 1.0),    # the job spans nodes: the cp group may not share one host's cores
+    (1, 1, None, "cuda", 1.0),  # a GPU per rank
+])
+def test_core_burst_counts_the_ranks_threads_and_cores_of_the_host(threads, cores, local, device, burst):
+    assert run_ranks(3, _burst, threads, cores, local, device) == [burst] * 3
+
+
+def test_one_process_alone_shares_nothing():
+    assert core_burst("cpu") == 1.0  # no process group: one rank, whatever its threads
+
+
+def test_the_plans_of_ranks_sharing_cores_keep_a_document_whole_where_it_buys_no_balance():
+    """``bench train``'s pack on the cpu preset: with a core per rank the planner cuts the long document (the
+    whole-document plan's slowest rank 1.16x the mean); with 2 ranks per core (its 4 ranks of 1 thread on 2
+    cores) that plan takes the ranks' total work, the same as the cut one's, with no K/V to wait for."""
+    from flashpar.train.planning import planner_cost
+    from test_planner_device import BENCH_MODEL, BENCH_PACK
+
+    own = plan(BENCH_PACK, 2, strategy="flashcp", cost=planner_cost(BENCH_MODEL, burst=1.0)).stats()
+    shared_cost = planner_cost(BENCH_MODEL, burst=2.0)
+    shared = plan(BENCH_PACK, 2, strategy="flashcp", cost=shared_cost).stats()
+    assert own["total_kv_bytes"] > 0 and own["compute_imbalance"] < 1.01
+    assert shared["total_kv_bytes"] == 0 and shared["compute_imbalance"] > 1.1
+    cut = plan(BENCH_PACK, 2, strategy="flashcp", cost=dataclasses.replace(shared_cost, burst=1.0))
+    cut_on_shared = CPPlan(cut.cp_size, cut.doc_lens, cut.strategy, cut.segments, cut.comm, shared_cost)
+    assert shared["est_step_time"] < cut_on_shared.stats()["est_step_time"]
