@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from dist_harness import run_ranks
 from flashpar.cp import CostModel, CPPlan, plan
+from flashpar.cp.cost import shared_burst
 from flashpar.train.planning import core_burst
 
 BASELINES = ("whole_doc", "per_doc", "headtail", "contiguous", "torch_per_doc")
@@ -93,27 +94,48 @@ def test_flashcp_is_never_estimated_slower_than_a_baseline(doc_lens, n, burst, h
         assert best <= other * (1 + 1e-12), (strategy, best, other)
 
 
-def _burst(rank: int, world_size: int, threads: int, cores: int, local: str | None, device: str) -> float:
+@pytest.mark.parametrize("processes, threads, cores, group, burst", [
+    (4, 1, 2, 1, 2.0),  # bench train: 4 ranks of 1 thread on 2 cores, a core alone against half of one
+    (4, 1, 2, 2, 2.0),  # ... as 2 cp ranks of 2 tp processes: 2 cores alone against 1
+    (8, 1, 2, 4, 2.0),  # 2 cp ranks of 4: alone they have the 2 cores, not 4 (per process it would read 4)
+    (4, 2, 2, 1, 4.0),  # 2 threads each: a rank alone takes both cores, against half of one
+    (3, 1, 2, 1, 1.5),
+    (4, 1, 8, 1, 1.0),  # a core per thread: nothing shared
+    (4, 1, 2, 4, 1.0),  # one cp rank: no other to lend it cores
+])
+def test_shared_burst(processes, threads, cores, group, burst):
+    assert shared_burst(processes, threads, cores, group) == burst
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_shared_burst_refuses_a_count_that_is_not_a_positive_integer(bad):
+    with pytest.raises(ValueError, match=r"shared_burst: cores must be an integer >= 1, got"):
+        shared_burst(4, 1, bad)
+
+
+def _burst(rank: int, world_size: int, threads: int, cores: int, local: str | None, device: str,
+           group: int) -> float:
     torch.set_num_threads(threads)
     os.sched_getaffinity = lambda pid: set(range(cores))  # (this rank's process only)
     if local is None:
         os.environ.pop("LOCAL_WORLD_SIZE", None)
     else:
         os.environ["LOCAL_WORLD_SIZE"] = local
-    return core_burst(device)
+    return core_burst(device, group)
 
 
-@pytest.mark.parametrize("threads, cores, local, device, burst", [
-    (1, 2, None, "cpu", 1.5),   # 3 ranks on 2 cores: a rank alone has a core, 1.5x the share it has among 3
-    (1, 1, None, "cpu", 3.0),   # 3 ranks on 1 core
-    (4, 2, None, "cpu", 3.0),   # a rank alone uses both cores, not 4 threads' worth
-    (1, 4, None, "cpu", 1.0),   # a core per rank
-    (1, 2, "3", "cpu", 1.5),    # torchrun's count of this node's ranks
-    (1, 2, "1", "cpu", 1.0),    # the job spans nodes: the cp group may not share one host's cores
-    (1, 1, None, "cuda", 1.0),  # a GPU per rank
+@pytest.mark.parametrize("threads, cores, local, device, group, burst", [
+    (1, 2, None, "cpu", 1, 1.5),   # 3 ranks on 2 cores: a rank alone has a core, 1.5x the share it has among 3
+    (1, 1, None, "cpu", 1, 3.0),   # 3 ranks on 1 core
+    (4, 2, None, "cpu", 1, 3.0),   # a rank alone uses both cores, not 4 threads' worth
+    (1, 4, None, "cpu", 1, 1.0),   # a core per rank
+    (1, 1, None, "cpu", 3, 1.0),   # one cp rank of 3 processes (tp 3): no other rank to lend it cores
+    (1, 2, "3", "cpu", 1, 1.5),    # torchrun's count of this node's ranks
+    (1, 2, "1", "cpu", 1, 1.0),    # the job spans nodes: the cp group may not share one host's cores
+    (1, 1, None, "cuda", 1, 1.0),  # a GPU per rank
 ])
-def test_core_burst_counts_the_ranks_threads_and_cores_of_the_host(threads, cores, local, device, burst):
-    assert run_ranks(3, _burst, threads, cores, local, device) == [burst] * 3
+def test_core_burst_counts_the_ranks_threads_and_cores_of_the_host(threads, cores, local, device, group, burst):
+    assert run_ranks(3, _burst, threads, cores, local, device, group) == [burst] * 3
 
 
 def test_one_process_alone_shares_nothing():
@@ -135,3 +157,29 @@ def test_the_plans_of_ranks_sharing_cores_keep_a_document_whole_where_it_buys_no
     cut = plan(BENCH_PACK, 2, strategy="flashcp", cost=dataclasses.replace(shared_cost, burst=1.0))
     cut_on_shared = CPPlan(cut.cp_size, cut.doc_lens, cut.strategy, cut.segments, cut.comm, shared_cost)
     assert shared["est_step_time"] < cut_on_shared.stats()["est_step_time"]
+
+
+def test_the_simulator_shares_the_cores_as_the_run_did():
+    """``simulate check`` of a bench train report: its ranks shared 2 cores (4 ranks of 1 thread; the report's
+    ``world_size``, ``threads``, ``cores``).  flashpar's plan keeps the long document whole (burst 2), so one cp
+    rank computes more than the other; with the cores shared the block ends when the ranks' work is done
+    (``compute_span``), earlier than the slowest rank's time at the shared rate and no earlier than the mean."""
+    import json
+    from pathlib import Path
+
+    from flashpar.sim import check_train
+    from flashpar.sim.peers import PEERS
+    from flashpar.sim.step import block, simulate
+
+    report = json.loads((Path(__file__).parents[1] / "docs/bench/train-2026-12-03-stop25.json").read_text())
+    report["setup"]["plan_burst"] = 2.0
+    assert check_train.run_burst(report["setup"], 2) == 2.0 and check_train.run_burst({}, 2) == 1.0
+    with pytest.raises(ValueError, match=r"^the report's setup \(world_size, threads, cores\): .*threads"):
+        check_train.run_burst({**report["setup"], "threads": 0}, 2)
+    shared = check_train.workload(report, "flashpar")
+    own = dataclasses.replace(shared, shared_cores=1.0)
+    assert shared.shared_cores == 2.0 and shared.plan_burst == 2.0
+    for i in (2, 3):  # forward and backward, compute alone
+        span, slowest = block(shared, PEERS["flashpar"])[i].compute, block(own, PEERS["flashpar"])[i].compute
+        assert slowest / 2 <= span < slowest / 1.05  # at least the slowest over burst; the ranks are unequal
+    assert simulate(shared, PEERS["flashpar"])["no_comm_s"] < simulate(own, PEERS["flashpar"])["no_comm_s"]

@@ -162,7 +162,8 @@ class Runner:
         mesh = meshes["flashpar"]
         _, self.model, self.opt = build(tc, mesh, device)
         tokens, labels, doc_lens = seqs[mesh["dp"].get_local_rank()]
-        plan = cp.plan(doc_lens, tc.cp, strategy=tc.strategy, cost=planner_cost(cfg))  # as flashpar.train.loop
+        cost = planner_cost(cfg, group=tc.tp * tc.ulysses)  # as flashpar.train.loop (burst: core_burst)
+        plan = cp.plan(doc_lens, tc.cp, strategy=tc.strategy, cost=cost)
         cp_rank = mesh["cp"].get_local_rank()
         tokens_cp, labels_cp = cp.shard(tokens, plan, cp_rank), cp.shard(labels, plan, cp_rank)
         self._step = lambda: train_step(self.model, self.opt, tokens_cp, labels_cp, plan, count)
@@ -334,7 +335,7 @@ def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank
                  cores=os.cpu_count(), regather=train_config(config, "flashpar").regather,
                  gather_vocab=True,  # ParallelLlama's default (flashpar.models.vocab.gathers_weight)
                  plan_hardware=dataclasses.asdict(cost_store.load("cpu")),  # what Runner's planner_cost(cfg) read
-                 plan_burst=core_burst("cpu"),  # and the ranks sharing cores it planned for
+                 plan_burst=core_burst("cpu", config["tp"] * config["ulysses"]),  # and the ranks sharing cores
                  **(hardware or {}),
                  peak_mem="CPU: rise of the rank's peak resident set (VmHWM, reset via /proc/self/clear_refs) over "
                           "its resident set before building, 2 steps of a fresh build; largest rank")

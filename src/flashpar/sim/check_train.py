@@ -57,9 +57,11 @@ def workload(report: dict, name: str):
         raise ValueError(f"the report's setup.gather_vocab must be true or false, got {gather_vocab!r}")
     plan_hw, per_step = plan_hardware(s)
     burst = plan_burst(s)
+    group = s["tp"] if name == "torch" else s["tp"] * s["ulysses"]  # a cp rank's processes (torch: no Ulysses)
     return Workload(cfg, layout, cluster, packs, elem_bytes=4, attn_bwd=bwd, zero_rs_elem_bytes=4,
                     torch_attention="dense", fsdp_prefetch=False, regather=regather, gather_vocab=gather_vocab,
-                    plan_hardware=plan_hw, plan_per_step=per_step, plan_burst=burst)
+                    plan_hardware=plan_hw, plan_per_step=per_step, plan_burst=burst,
+                    shared_cores=run_burst(s, group))
 
 
 def plan_hardware(setup: dict):
@@ -92,6 +94,20 @@ def plan_burst(setup: dict) -> float:
         return cp.CostModel(burst=burst).burst
     except ValueError as e:
         raise ValueError(f"the report's setup.plan_burst: {e}") from None
+
+
+def run_burst(setup: dict, group: int) -> float:
+    """``CostModel.burst`` of the run itself, its cp ranks of ``group`` processes sharing the box's cores
+    (``flashpar.cp.cost.shared_burst`` of ``world_size`` processes of ``threads`` threads on ``cores``: every rank
+    of ``flashpar bench train`` runs on the one host); 1 for a report that does not say its cores."""
+    from flashpar.cp.cost import shared_burst
+
+    if "cores" not in setup or setup["cores"] is None:
+        return 1.0
+    try:
+        return shared_burst(setup["world_size"], setup["threads"], setup["cores"], group)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"the report's setup (world_size, threads, cores): {e}") from None
 
 
 def predict(report: dict) -> dict[str, dict]:

@@ -207,18 +207,28 @@ def _plan(lens: tuple[int, ...], n: int, strategy: str, cost):
 
 def block(w: Workload, peer: Peer) -> tuple[Part, Part, Part, Part]:
     """(forward, backward, forward compute-only, backward compute-only) of one block on its slowest cp rank
-    (forward and backward each take their own slowest)."""
+    (forward and backward each take their own slowest).  Where the run's ranks share cores (``shared_cores``
+    > 1) a block's compute is when the last of the cp ranks' computes ends with the cores shared fairly
+    (``CostModel.compute_span``: a rank that finishes early lends its cores), with the slowest rank's exposures."""
+    from flashpar.cp import CostModel
+
     lin_f, lin_b = linears(w, peer)
     el_f, el_b = elementwise(w, peer, w.cluster.device)
     best = [None, None]
-    nocomm = [0.0, 0.0]
+    computes: list[list[float]] = [[], []]
     for scale, af, ab in attention(w, peer):
         for i, (lin, el, a) in enumerate(((lin_f, el_f, af), (lin_b, el_b, ab))):
             part = lin.scaled(scale).add(el, scale).add(a)
             if best[i] is None or part.total > best[i].total:
                 best[i] = part
-            nocomm[i] = max(nocomm[i], part.compute)
-    return best[0], best[1], Part.of(nocomm[0]), Part.of(nocomm[1])
+            computes[i].append(part.compute)
+    if w.shared_cores == 1:
+        return best[0], best[1], Part.of(max(computes[0])), Part.of(max(computes[1]))
+    shared = CostModel(burst=w.shared_cores)
+    spans = [shared.compute_span(c) for c in computes]  # (every pack's cp ranks alike: the mean over packs is
+    for part, span in zip(best, spans, strict=True):    #  not taken, as the slowest pack is not above)
+        part.compute = span
+    return best[0], best[1], Part.of(spans[0]), Part.of(spans[1])
 
 
 # ----------------------------------------------------------------------------------------------

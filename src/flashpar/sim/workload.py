@@ -39,6 +39,8 @@ class Workload:
     plan_hardware: Hardware | None = None  # the device figures the trainer planned with; None: the cp group's
     plan_per_step: bool = True  # planned per training step (CostModel.per_step; a trainer before stop 24: forward)
     plan_burst: float = 1.0  # CostModel.burst the trainer planned with (ranks sharing cores; a device per rank: 1)
+    shared_cores: float = 1.0  # CostModel.burst of the run itself: > 1 where its ranks share a host's cores (the
+    #                            bench's CPU box), and a block's compute ends as the cp ranks' computes share them
 
     @property
     def seq(self) -> int:

@@ -93,7 +93,7 @@ def _mesh_step(ref: Llama, cfg: LlamaConfig, mesh, sequences, *, strategy: str, 
     model.to(device)
     dp, d, c = mesh["dp"].size(), mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     count = sum(int((lab != -100).sum()) for _, lab, _ in sequences)
-    hw, burst = planning_device(device.type)
+    hw, burst = planning_device(device.type, mesh.size() // (mesh["dp"].size() * mesh["cp"].size()))  # tp x U
     cost = planner_cost(cfg, DTYPES[dtype].itemsize, hardware=hw, burst=burst)  # the trainer's plans
     batch = []
     for m in range(micro_batches):

@@ -92,7 +92,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     dp_group = mesh["dp"].get_group()
     dp_rank, cp_rank = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     data = training_data(config)  # the byte corpus, or the token cache of --data / --tokenizer
-    hw, burst = planning_device(device.type)  # rank 0's, on every rank
+    hw, burst = planning_device(device.type, config.tp * config.ulysses)  # rank 0's, on every rank
     cost = planner_cost(cfg, DTYPES[config.dtype].itemsize, hardware=hw, burst=burst)
     evaluator = held_out(config, cost, mesh, device)  # --eval-every: the held-out sequences, planned once
     first_step, start = 0, 0

@@ -27,25 +27,27 @@ import torch.distributed as dist
 from flashpar.cost import Hardware, gpu_hardware, preset
 from flashpar.cost import store as cost_store
 from flashpar.cp import CostModel
+from flashpar.cp.cost import shared_burst
 from flashpar.dist import from_rank0
 from flashpar.models import LlamaConfig
 
 
 def planner_cost(cfg: LlamaConfig, dtype_bytes: int = 4, device_type: str = "cpu",
-                 hardware: Hardware | None = None, burst: float | None = None) -> CostModel:
+                 hardware: Hardware | None = None, burst: float | None = None, group: int = 1) -> CostModel:
     """The cost model the trainer's plans are made with: this model's shape, activations of ``dtype_bytes``
     (fp32: 4, ``--dtype bf16``: 2), on the device it trains on, weighted for a training step
     (``CostModel.per_step``).
 
     The device's figures are ``hardware`` and ``burst`` when given (the trainer passes rank 0's, so that every
-    rank plans alike), else ``device_figures(device_type)`` and ``core_burst(device_type)``.  The device decides
+    rank plans alike), else ``device_figures(device_type)`` and ``core_burst(device_type, group)`` (``group``: the
+    processes of one cp rank, tp x ulysses).  The device decides
     the plans: on a GPU preset a small model's step is so short that splitting a long document costs more in
     K/V than it balances, and the planner keeps documents whole; on this CPU with a core per rank, that plan's
     slowest rank takes 1.15x as long as with the long document split, and with 2 ranks per core (``bench
     train``) the step takes the ranks' total work whatever the split, and the planner keeps it whole again
     (``bench train``'s pack, ``tests/test_planner_device.py``)."""
     hw = hardware if hardware is not None else device_figures(device_type)
-    burst = burst if burst is not None else core_burst(device_type)
+    burst = burst if burst is not None else core_burst(device_type, group)
     return CostModel(hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                      layers=cfg.layers, dtype_bytes=dtype_bytes, hardware=hw, burst=burst).per_step()
 
@@ -62,17 +64,18 @@ def device_figures(device_type: str) -> Hardware:
     return gpu_hardware(torch.cuda.get_device_name(), across_nodes=_spans_nodes())
 
 
-def core_burst(device_type: str) -> float:
-    """``CostModel.burst`` of this process's job: how many times faster one rank computes while the ranks sharing
-    its cores wait.  1 on a GPU (a device per rank) and wherever the ranks have a core per thread; on a CPU
-    host running ``L`` ranks (torchrun's ``LOCAL_WORLD_SIZE``, else the world size) of ``t`` threads
-    (``torch.get_num_threads``) on ``C`` cores (this process's CPU affinity), ``L min(t, C) / C`` where that
-    exceeds 1.  1 when the job spans nodes: the cp group's ranks may then not share one host's cores."""
+def core_burst(device_type: str, group: int = 1) -> float:
+    """``CostModel.burst`` of this process's job: how many times faster one cp rank (``group`` processes, tp x
+    ulysses) computes while the ranks sharing its cores wait.  1 on a GPU (a device per rank) and wherever every
+    thread has a core; on a CPU host running ``L`` processes (torchrun's ``LOCAL_WORLD_SIZE``, else the world
+    size) of ``t`` threads (``torch.get_num_threads``) on ``C`` cores (this process's CPU affinity),
+    ``flashpar.cp.cost.shared_burst(L, t, C, group)``: ``L min(t, C) / C`` for ``group`` 1.  1 when the job
+    spans nodes: the cp group's ranks may then not share one host's cores."""
     if device_type != "cpu" or _spans_nodes():
         return 1.0
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) if dist.is_initialized() else 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1.0, local * min(torch.get_num_threads(), cores) / cores)
+    return shared_burst(local, torch.get_num_threads(), cores, group)
 
 
 def _spans_nodes() -> bool:
@@ -87,15 +90,16 @@ def _spans_nodes() -> bool:
     return local < world
 
 
-def planning_device(device_type: str) -> tuple[Hardware, float]:
-    """``(device_figures, core_burst)`` of rank 0 on every rank: what every rank plans with (a collective call,
-    once at setup: a calibration file, a thread count or a core count may differ between nodes, the plans of
-    one step may not).  Only rank 0 reads them; where it cannot (a broken calibration file, a malformed
-    ``LOCAL_WORLD_SIZE``) every rank raises its one-line ``ValueError``."""
+def planning_device(device_type: str, group: int = 1) -> tuple[Hardware, float]:
+    """``(device_figures, core_burst)`` of rank 0 on every rank (``group``: the processes of a cp rank, tp x
+    ulysses): what every rank plans with (a collective call, once at setup: a calibration file, a thread count
+    or a core count may differ between nodes, the plans of one step may not).  Only rank 0 reads them; where it
+    cannot (a broken calibration file, a malformed ``LOCAL_WORLD_SIZE``) every rank raises its one-line
+    ``ValueError``."""
     figures: tuple[Hardware, float] | str | None = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            figures = (device_figures(device_type), core_burst(device_type))
+            figures = (device_figures(device_type), core_burst(device_type, group))
         except ValueError as err:
             figures = str(err)
     figures = from_rank0(figures)
