@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +17,8 @@ from hypothesis import strategies as st
 from dist_harness import run_ranks
 from flashpar.cp import CostModel, CPPlan, plan
 from flashpar.cp.cost import shared_burst
-from flashpar.train.planning import core_burst
+from flashpar.train import planning
+from flashpar.train.planning import core_burst, host_cores
 
 BASELINES = ("whole_doc", "per_doc", "headtail", "contiguous", "torch_per_doc")
 """The placements flashcp scores beside its own candidates (flashcp.py, ``scored``): never estimated faster."""
@@ -117,6 +119,7 @@ def _burst(rank: int, world_size: int, threads: int, cores: int, local: str | No
            group: int) -> float:
     torch.set_num_threads(threads)
     os.sched_getaffinity = lambda pid: set(range(cores))  # (this rank's process only)
+    planning.CPU_MAX = Path("/nonexistent/cpu.max")  # no container quota, whatever the machine running this has
     if local is None:
         os.environ.pop("LOCAL_WORLD_SIZE", None)
     else:
@@ -136,6 +139,22 @@ def _burst(rank: int, world_size: int, threads: int, cores: int, local: str | No
 ])
 def test_core_burst_counts_the_ranks_threads_and_cores_of_the_host(threads, cores, local, device, group, burst):
     assert run_ranks(3, _burst, threads, cores, local, device, group) == [burst] * 3
+
+
+@pytest.mark.parametrize("text, cores", [
+    ("200000 100000\n", 2),   # docker --cpus 2
+    ("150000 100000\n", 2),   # 1.5 cores' worth: rounded up
+    ("50000 100000\n", 1),
+    ("max 100000\n", 64),     # no quota: the affinity
+    ("garbage\n", 64),        # unreadable: the affinity
+    (None, 64),                # no cgroup v2 file
+])
+def test_host_cores_takes_a_containers_quota(tmp_path, monkeypatch, text, cores):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    cpu_max = tmp_path / "cpu.max"
+    if text is not None:
+        cpu_max.write_text(text)
+    assert host_cores(cpu_max) == cores
 
 
 def test_one_process_alone_shares_nothing():

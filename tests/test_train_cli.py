@@ -41,8 +41,9 @@ def test_train_runs_and_writes_metrics(train_runs):
     assert (out / "train.png").is_file()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    # forward K/V bytes measured by the executor equal what the plans say
-    assert all(r["kv_bytes"] == r["plan_kv_bytes"] for r in rows)
+    # forward K/V bytes measured by the executor equal what the plans say (and some move: the 256-token cap
+    # cuts the long documents, whether or not the ranks share cores)
+    assert all(r["kv_bytes"] == r["plan_kv_bytes"] for r in rows) and all(r["kv_bytes"] > 0 for r in rows)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["final_loss"] < summary["first_loss"]
     # the largest rank's peak memory over the steps (CPU: the resident peak's rise): activations, gradients, AdamW

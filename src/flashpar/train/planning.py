@@ -19,7 +19,9 @@ by cutting a document costs a K/V exchange and buys nothing::
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -68,14 +70,31 @@ def core_burst(device_type: str, group: int = 1) -> float:
     """``CostModel.burst`` of this process's job: how many times faster one cp rank (``group`` processes, tp x
     ulysses) computes while the ranks sharing its cores wait.  1 on a GPU (a device per rank) and wherever every
     thread has a core; on a CPU host running ``L`` processes (torchrun's ``LOCAL_WORLD_SIZE``, else the world
-    size) of ``t`` threads (``torch.get_num_threads``) on ``C`` cores (this process's CPU affinity),
-    ``flashpar.cp.cost.shared_burst(L, t, C, group)``: ``L min(t, C) / C`` for ``group`` 1.  1 when the job
-    spans nodes: the cp group's ranks may then not share one host's cores."""
+    size) of ``t`` threads (``torch.get_num_threads``) on ``C`` cores (``host_cores``: the CPU affinity, or a
+    container's quota), ``flashpar.cp.cost.shared_burst(L, t, C, group)``: ``L min(t, C) / C`` for ``group`` 1.
+    1 when the job spans nodes: the cp group's ranks may then not share one host's cores."""
     if device_type != "cpu" or _spans_nodes():
         return 1.0
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) if dist.is_initialized() else 1
+    return shared_burst(local, torch.get_num_threads(), host_cores(), group)
+
+
+CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+"""cgroup v2's CPU quota of this process's group (``"max 100000"``, or ``"200000 100000"``: 2 cores' worth)."""
+
+
+def host_cores(cpu_max: Path | None = None) -> int:
+    """The cores this process's job computes on: its CPU affinity, or fewer where a cgroup v2 quota (``cpu.max``,
+    ``CPU_MAX`` unless given; a container's ``--cpus``) allows less, rounded up.  A quota file that is absent,
+    unlimited or unreadable leaves the affinity."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return shared_burst(local, torch.get_num_threads(), cores, group)
+    try:
+        quota, period = (cpu_max or CPU_MAX).read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError, ZeroDivisionError):
+        pass  # no cgroup v2 quota here: the affinity alone
+    return cores
 
 
 def _spans_nodes() -> bool:
