@@ -1679,8 +1679,8 @@ def _ring_bound(lens, starts, n: int, cost: CostModel, whole_times) -> tuple[flo
     rank's compute (over ``burst`` where ranks share cores, ``CostModel.burst``): its linear time plus the
     attention time of every document inside one of its chunks, at its time whole (``whole_times``: a whole piece
     takes that time, and the pieces of cut documents only add), summed from prefix sums in document order; less a
-    millionth for rounding.  Pieces: the documents plus each distinct
-    chunk bound strictly inside a document (the pieces are the gaps between the document starts and the bounds)."""
+    millionth for rounding.  Pieces: the documents plus each distinct chunk bound strictly inside a document (the
+    pieces are the gaps between the document starts and the bounds)."""
     total = int(starts[-1] + lens[-1])
     ends = starts + lens
     sums = np.concatenate(([0.0], np.cumsum(whole_times)))

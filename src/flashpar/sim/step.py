@@ -225,8 +225,8 @@ def block(w: Workload, peer: Peer) -> tuple[Part, Part, Part, Part]:
     if w.shared_cores == 1:
         return best[0], best[1], Part.of(max(computes[0])), Part.of(max(computes[1]))
     shared = CostModel(burst=w.shared_cores)
-    spans = [shared.compute_span(c) for c in computes]  # (every pack's cp ranks alike: the mean over packs is
-    for part, span in zip(best, spans, strict=True):    #  not taken, as the slowest pack is not above)
+    spans = [shared.compute_span(c) for c in computes]  # (the cp ranks of every pack: one host holds them all)
+    for part, span in zip(best, spans, strict=True):
         part.compute = span
     return best[0], best[1], Part.of(spans[0]), Part.of(spans[1])
 

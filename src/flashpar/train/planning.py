@@ -42,12 +42,12 @@ def planner_cost(cfg: LlamaConfig, dtype_bytes: int = 4, device_type: str = "cpu
 
     The device's figures are ``hardware`` and ``burst`` when given (the trainer passes rank 0's, so that every
     rank plans alike), else ``device_figures(device_type)`` and ``core_burst(device_type, group)`` (``group``: the
-    processes of one cp rank, tp x ulysses).  The device decides
-    the plans: on a GPU preset a small model's step is so short that splitting a long document costs more in
-    K/V than it balances, and the planner keeps documents whole; on this CPU with a core per rank, that plan's
-    slowest rank takes 1.15x as long as with the long document split, and with 2 ranks per core (``bench
-    train``) the step takes the ranks' total work whatever the split, and the planner keeps it whole again
-    (``bench train``'s pack, ``tests/test_planner_device.py``)."""
+    processes of one cp rank, tp x ulysses).  The device decides the plans: on a GPU preset a small model's step
+    is so short that splitting a long document costs more in K/V than it balances, and the planner keeps
+    documents whole; on this CPU with a core per rank, that plan's slowest rank takes 1.15x as long as with the
+    long document split; with 2 ranks per core (``bench train``) the step takes the ranks' total work whatever
+    the split, and the planner keeps the document whole again (``bench train``'s pack,
+    ``tests/test_planner_device.py``, ``tests/test_shared_cores.py``)."""
     hw = hardware if hardware is not None else device_figures(device_type)
     burst = burst if burst is not None else core_burst(device_type, group)
     return CostModel(hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
