@@ -109,9 +109,7 @@ class CostModel:
         ``burst`` 1 the slowest rank's ``max(compute, comm + remote)``; ranks sharing cores: the later of the
         computes' end (``compute_span``) and every rank's K/V and remote work, ``comm + remote / burst``."""
         compute, remote, comm = (np.asarray(x, dtype=np.float64) for x in (compute, remote, comm))
-        if self.burst == 1:
-            return float(np.maximum(compute, comm + remote).max())
-        return max(self.compute_span(compute), float((comm + remote / self.burst).max()))
+        return max(self.compute_span(compute), float((comm + remote / self.burst).max()))  # (x / 1.0 is x)
 
     def compute_span(self, compute) -> float:
         """When the last of the ranks' computes ends (seconds, one per rank, each at the rate of every rank busy):

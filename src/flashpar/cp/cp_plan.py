@@ -125,8 +125,14 @@ def figures_of_arrays(rank, a, b, n: int, total: int, doc_starts, cost: CostMode
         else:
             remote_t, recv_r, part_counts = np.zeros(0), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     lt, rt = _sums_in_order(local_t, counts), _sums_in_order(remote_t, part_counts)
-    hw = cost.hardware
     recv = (total - tokens_r) if comm == "all" else recv_r
+    return _figures(tokens_r, pairs_r, recv, lt, rt, cost)
+
+
+def _figures(tokens_r, pairs_r, recv, lt, rt, cost: CostModel) -> RankFigures:
+    """Per-rank sums (arrays: tokens, pairs, tokens received, local and remote attention time) -> RankFigures:
+    ``compute = linear_time(tokens) + lt + rt``, the K/V time, ``max(compute, comm + rt)`` and the step."""
+    hw = cost.hardware
     compute = tokens_r * cost.flops_per_token / hw.gemm_flops + lt + rt  # linear_time(tokens) + lt + rt
     comm_t = (recv * cost.kv_bytes_per_token) / hw.link_bytes_per_s
     time = np.maximum(compute, comm_t + rt)
@@ -182,13 +188,7 @@ def figures_of_whole(rank, docs, n: int, lens, times, cost: CostModel) -> RankFi
     pairs_r = _int_sums(rank, length * (length + 1) // 2, n, total)
     counts = np.bincount(rank, minlength=n)
     lt, rt = _sums_in_order(times[docs], counts), np.zeros(n)
-    hw = cost.hardware
-    recv = np.zeros(n, dtype=np.int64)
-    compute = tokens_r * cost.flops_per_token / hw.gemm_flops + lt + rt
-    comm_t = (recv * cost.kv_bytes_per_token) / hw.link_bytes_per_s
-    time = np.maximum(compute, comm_t + rt)
-    return RankFigures(tokens_r.tolist(), pairs_r.tolist(), recv.tolist(), compute.tolist(), rt.tolist(),
-                       comm_t.tolist(), time.tolist(), cost.step_time(compute, rt, comm_t))
+    return _figures(tokens_r, pairs_r, np.zeros(n, dtype=np.int64), lt, rt, cost)
 
 
 def aware_send_tokens(segments, doc_starts, total: int) -> list[int]:

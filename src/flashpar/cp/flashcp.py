@@ -1756,7 +1756,6 @@ def _pick(figs, cap: int, baseline: list[bool], cost: CostModel) -> int:
     pool = [i for i, f in enumerate(figs) if max(f.tokens) <= cap] or list(range(len(figs)))
     fastest = min(pool, key=lambda i: (figs[i].step, i))
     bound = min([figs[fastest].step * (1 + TIME_TIE)] + [figs[i].step for i in pool if baseline[i]])
-    peak_of = (lambda f: max(f.compute)) if cost.burst == 1 else (lambda f: cost.compute_span(f.compute))
-    peak = peak_of(figs[fastest]) * (1 + TIME_TIE)
-    tied = [i for i in pool if figs[i].step <= bound and peak_of(figs[i]) <= peak]
+    peak = cost.compute_span(figs[fastest].compute) * (1 + TIME_TIE)
+    tied = [i for i in pool if figs[i].step <= bound and cost.compute_span(figs[i].compute) <= peak]
     return min(tied, key=lambda i: (sum(figs[i].recv_tokens), figs[i].step, i))

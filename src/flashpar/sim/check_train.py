@@ -102,7 +102,7 @@ def run_burst(setup: dict, group: int) -> float:
     of ``flashpar bench train`` runs on the one host); 1 for a report that does not say its cores."""
     from flashpar.cp.cost import shared_burst
 
-    if "cores" not in setup or setup["cores"] is None:
+    if setup.get("cores") is None:
         return 1.0
     try:
         return shared_burst(setup["world_size"], setup["threads"], setup["cores"], group)

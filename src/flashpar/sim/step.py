@@ -222,12 +222,11 @@ def block(w: Workload, peer: Peer) -> tuple[Part, Part, Part, Part]:
             if best[i] is None or part.total > best[i].total:
                 best[i] = part
             computes[i].append(part.compute)
-    if w.shared_cores == 1:
-        return best[0], best[1], Part.of(max(computes[0])), Part.of(max(computes[1]))
     shared = CostModel(burst=w.shared_cores)
-    spans = [shared.compute_span(c) for c in computes]  # (the cp ranks of every pack: one host holds them all)
-    for part, span in zip(best, spans, strict=True):
-        part.compute = span
+    spans = [shared.compute_span(c) for c in computes]  # (burst 1: the slowest rank's; every pack's cp ranks)
+    if w.shared_cores != 1:
+        for part, span in zip(best, spans, strict=True):
+            part.compute = span
     return best[0], best[1], Part.of(spans[0]), Part.of(spans[1])
 
 

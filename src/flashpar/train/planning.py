@@ -75,8 +75,7 @@ def core_burst(device_type: str, group: int = 1) -> float:
     1 when the job spans nodes: the cp group's ranks may then not share one host's cores."""
     if device_type != "cpu" or _spans_nodes():
         return 1.0
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) if dist.is_initialized() else 1
-    return shared_burst(local, torch.get_num_threads(), host_cores(), group)
+    return shared_burst(_local_world_size(), torch.get_num_threads(), host_cores(), group)
 
 
 CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
@@ -97,16 +96,21 @@ def host_cores(cpu_max: Path | None = None) -> int:
     return cores
 
 
+def _local_world_size() -> int:
+    """This node's ranks: torchrun's ``LOCAL_WORLD_SIZE``, else the world size (1 without a process group)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    except ValueError:
+        raise ValueError(f"LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']!r} is not an integer") from None
+
+
 def _spans_nodes() -> bool:
     """Whether this job's ranks are on more than one node (torchrun's ``LOCAL_WORLD_SIZE`` < world size)."""
     if not dist.is_available() or not dist.is_initialized():
         return False
-    world = dist.get_world_size()
-    try:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    except ValueError:
-        raise ValueError(f"LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']!r} is not an integer") from None
-    return local < world
+    return _local_world_size() < dist.get_world_size()
 
 
 def planning_device(device_type: str, group: int = 1) -> tuple[Hardware, float]:
