@@ -11,3 +11,18 @@ def comm_cpu(rank: int, n: int) -> dict:
     from flashpar.cost.calibrate import measure_comm_cpu
 
     return measure_comm_cpu(preset("cpu"), torch.float32, gemm_s=0.03, pairs=3)
+
+
+def late_peak(rank: int, n: int) -> float:
+    """``peak_flops`` on CPU with the last rank entering 1 s late: the seconds this rank's call took."""
+    import time
+
+    import torch
+
+    from flashpar.cost.calibrate import peak_flops
+
+    if rank == n - 1:
+        time.sleep(1.0)
+    t0 = time.perf_counter()
+    assert peak_flops(torch.device("cpu")) > 0
+    return time.perf_counter() - t0

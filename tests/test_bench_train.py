@@ -160,6 +160,9 @@ def test_smoke_run_reports_every_configuration_with_agreeing_first_losses(tmp_pa
         assert keys <= set(r), r
         assert all(isinstance(r[k], float) and math.isfinite(r[k]) for k in keys - {"name"}), r
         assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["mfu"] > 0
+        # the ranks' CPU per step, measured by the processes (every thread): a step computes, so both are
+        # positive; the communication's share may read either way on loopback, but it is a finite number
+        assert r["cpu_ms"] > 0 and r["no_comm_cpu_ms"] > 0 and math.isfinite(r["comm_cpu_ms"]), r
     # fp32 on every path, the same sums in other orders: the first-step losses agree to a few ulps of the
     # ~5.5 loss summed over a few hundred targets (1e-5 relative is ~100 fp32 ulps)
     losses = [r["loss_step1"] for r in rows]
@@ -167,3 +170,22 @@ def test_smoke_run_reports_every_configuration_with_agreeing_first_losses(tmp_pa
     assert "first-step losses agree" in proc.stdout
     for name in bench_train.CONFIGS:
         assert any(line.startswith(name) for line in proc.stdout.splitlines()), proc.stdout
+
+
+def test_report_sums_the_ranks_cpu_per_step_and_spreads_the_extra_over_the_shared_cores(monkeypatch):
+    """``cpu_ms``: per step the ranks' CPU summed, then the median over steps; ``comm_cpu_ms``: the extra CPU
+    with communication over the cores the ranks' threads share (min(cores, ranks x threads))."""
+    config = {**_config(dp=1, cp=1, tp=2), "configs": ["flashpar"], "link_rate": "loopback"}
+    seqs = bench_train.sequences(config)
+    walls = {"step": [0.5, 0.6, 0.7], "no_comm": [0.4, 0.4, 0.4]}
+    cpus = [{"step": [0.9, 1.0, 3.0], "no_comm": [0.7, 0.8, 0.9]},  # rank 0
+            {"step": [1.1, 1.2, 0.1], "no_comm": [0.8, 0.8, 0.8]}]  # rank 1
+    gathered = [{"samples": {("flashpar", k): walls[k] for k in walls}
+                 | {("flashpar", k + "_cpu"): c[k] for k in c}, "mem": {"flashpar": 1.0}} for c in cpus]
+    for cores, shared in ((1, 1), (8, 2)):  # 2 ranks of 1 thread: they share min(cores, 2) cores
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        row = bench_train.make_report(config, gathered, [5.0], 1e9, seqs)["configs"][0]
+        # step sums over the ranks: 2.0, 2.2, 3.1 -> median 2.2; no-comm 1.5, 1.6, 1.7 -> 1.6
+        assert row["cpu_ms"] == pytest.approx(2200) and row["no_comm_cpu_ms"] == pytest.approx(1600)
+        assert row["comm_cpu_ms"] == pytest.approx(600 / shared)
+        assert row["step_ms"] == pytest.approx(600) and row["exposed_ms"] == pytest.approx(200)

@@ -109,6 +109,16 @@ def test_comm_cpu_figure_on_loopback():
     assert 1 <= f["pairs"] <= 3 and f["bytes_moved"] > 0 and f["gemm_s"] > 0, f
 
 
+def test_the_mfu_peak_is_probed_by_every_rank_at_once():
+    """On CPU ``peak_flops`` waits for every rank before probing: a rank that arrives first does not probe
+    the cores alone.  The last rank enters 1 s late; the first one's call lasts at least that long."""
+    from calibrate_workers import late_peak
+    from dist_harness import run_ranks
+
+    took = run_ranks(2, late_peak, timeout=120)
+    assert took[0] >= 0.9, took  # the barrier: rank 0 waited for rank 1 (0.1 s of slack for the sleep's start)
+
+
 def test_calibration_round_trip(tmp_path):
     path = tmp_path / "hw.json"
     assert cost.load("cpu", path) == cost.preset("cpu")

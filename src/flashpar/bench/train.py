@@ -23,6 +23,9 @@ when not root), as ``bench cp`` and ``bench overlap`` do.  Every rank, for every
 
 Figures per configuration: ``step_ms`` the median over the timed steps of the slowest rank's step;
 ``exposed_ms`` = step - the median no-communication step (the communication the step does not hide);
+``cpu_ms`` / ``no_comm_cpu_ms`` the median over the steps of the ranks' process CPU (every thread) summed,
+and ``comm_cpu_ms`` their difference over the cores the ranks share (``min(cores, ranks x threads)``): the
+wall time the transport's CPU work takes from the compute while the cores stay busy;
 ``tokens_per_s`` = dp x seq_len / step; ``mfu`` = model FLOPs of the step (``LlamaConfig.flops_per_token``
 with the documents' causal pairs, as ``flashpar.train.loop``) / step / (peak FLOP/s per rank x ranks),
 the peak from ``flashpar.cost.calibrate.peak_flops`` (a GEMM probe on every rank at once on CPU,
@@ -217,11 +220,17 @@ def peak_memory(before_kb: int) -> float:
     return (_status_kb("VmHWM") - before_kb) / 1024.0
 
 
-def _timed(step, barrier) -> float:
+def _timed(step, barrier) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds: every thread, gloo's included) of one step after a barrier."""
     barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     step()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def _record(samples: dict, name: str, kind: str, timings: list[tuple[float, float]]) -> None:
+    samples[(name, kind)] += [wall for wall, _ in timings]
+    samples[(name, kind + "_cpu")] += [cpu for _, cpu in timings]
 
 
 def worker(config: dict) -> None:
@@ -249,15 +258,15 @@ def worker(config: dict) -> None:
     peak = torch.tensor([peak_flops(torch.device("cpu"))], dtype=torch.float64)
     dist.all_reduce(peak)
     hardware = calibrate_hardware(config)  # for `flashpar simulate check` (flashpar.sim.check_train)
-    samples = {(name, kind): [] for name in names for kind in ("step", "no_comm")}
+    samples = {(name, kind): [] for name in names for kind in ("step", "no_comm", "step_cpu", "no_comm_cpu")}
     barrier = dist.barrier
     for rnd in range(config["rounds"]):
         order = names[rnd % len(names):] + names[: rnd % len(names)]
         for name in order:
             step = runners[name].step
-            samples[(name, "step")] += [_timed(step, barrier) for _ in range(config["steps"])]
+            _record(samples, name, "step", [_timed(step, barrier) for _ in range(config["steps"])])
             with no_comm():
-                samples[(name, "no_comm")] += [_timed(step, barrier) for _ in range(config["steps"])]
+                _record(samples, name, "no_comm", [_timed(step, barrier) for _ in range(config["steps"])])
     del runners, step
 
     # 2. memory and first-step loss: each configuration built fresh (after the timing, so that one-time
@@ -314,14 +323,20 @@ def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank
     names, n = config["configs"], len(gathered)
     flops = step_flops(config, seqs)
     tokens = config["seq_len"] * config["dp"]
+    cores = os.cpu_count() or 1
+    shared = min(cores, n * config["threads"])  # the cores the ranks' threads share
     rows = []
     for name, loss in zip(names, losses, strict=True):
-        med = {}
+        med, cpu = {}, {}
         for kind in ("step", "no_comm"):
             per_step = zip(*(g["samples"][(name, kind)] for g in gathered), strict=True)
             med[kind] = statistics.median(max(ts) for ts in per_step)
+            per_step = zip(*(g["samples"][(name, kind + "_cpu")] for g in gathered), strict=True)
+            cpu[kind] = statistics.median(sum(cs) for cs in per_step)
         rows.append({"name": name, "tokens_per_s": tokens / med["step"], "step_ms": 1e3 * med["step"],
                      "exposed_ms": 1e3 * (med["step"] - med["no_comm"]), "no_comm_ms": 1e3 * med["no_comm"],
+                     "cpu_ms": 1e3 * cpu["step"], "no_comm_cpu_ms": 1e3 * cpu["no_comm"],
+                     "comm_cpu_ms": 1e3 * (cpu["step"] - cpu["no_comm"]) / shared,
                      "mfu": flops / med["step"] / (peak_per_rank * n),
                      "peak_mem_mb": max(g["mem"][name] for g in gathered), "loss_step1": loss})
     ref = losses[0]
@@ -332,7 +347,7 @@ def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank
     setup.update(world_size=n, documents=[len(lens) for _, _, lens in seqs], flops_per_step=flops,
                  peak_flops_per_rank=peak_per_rank, params=model_config(config).params,
                  loss_rel_diff=worst, losses_agree=worst <= LOSS_RTOL, torch_cp=torch_cp(config),
-                 cores=os.cpu_count(), regather=train_config(config, "flashpar").regather,
+                 cores=cores, regather=train_config(config, "flashpar").regather,
                  gather_vocab=True,  # ParallelLlama's default (flashpar.models.vocab.gathers_weight)
                  plan_hardware=dataclasses.asdict(cost_store.load("cpu")),  # what Runner's planner_cost(cfg) read
                  plan_burst=core_burst("cpu", config["tp"] * config["ulysses"]),  # and the ranks sharing cores
@@ -360,13 +375,15 @@ def format_report(report: dict) -> str:
            f"GFLOP/s, link {s['hardware']['link_bytes_per_s'] / 1e6:.1f} MB/s, "
            f"{1e6 * s['hardware']['link_latency_s']:.0f} us per message"] if "hardware" in s else []),
         "",
-        f"{'config':<10}{'tokens/s':>10}{'step ms':>9}{'no-comm':>9}{'exposed':>9}{'exp %':>7}{'MFU %':>7}"
-        f"{'mem MB':>8}{'loss step 1':>13}{'x baseline':>11}{'x torch':>9}",
+        f"{'config':<10}{'tokens/s':>10}{'step ms':>9}{'no-comm':>9}{'exposed':>9}{'exp %':>7}{'comm CPU':>9}"
+        f"{'MFU %':>7}{'mem MB':>8}{'loss step 1':>13}{'x baseline':>11}{'x torch':>9}",
     ]
     for r in rows:
         ratio = lambda base, r=r: f"{r['tokens_per_s'] / by[base]['tokens_per_s']:.2f}" if base in by else "-"  # noqa: E731
+        comm_cpu = f"{r['comm_cpu_ms']:>9.0f}" if "comm_cpu_ms" in r else f"{'-':>9}"  # reports before stop 27: none
         lines.append(f"{r['name']:<10}{r['tokens_per_s']:>10.0f}{r['step_ms']:>9.0f}{r['no_comm_ms']:>9.0f}"
-                     f"{r['exposed_ms']:>9.0f}{100 * r['exposed_ms'] / r['step_ms']:>7.1f}{100 * r['mfu']:>7.2f}"
+                     f"{r['exposed_ms']:>9.0f}{100 * r['exposed_ms'] / r['step_ms']:>7.1f}{comm_cpu}"
+                     f"{100 * r['mfu']:>7.2f}"
                      f"{r['peak_mem_mb']:>8.1f}{r['loss_step1']:>13.7f}{ratio('baseline'):>11}{ratio('torch'):>9}")
     agree = "agree" if s["losses_agree"] else "DISAGREE"
     lines.append(f"first-step losses {agree}: largest relative difference {s['loss_rel_diff']:.2e} "

@@ -31,14 +31,21 @@ from flashpar.cost.hardware import Hardware
 from flashpar.cost.presets import PRESETS, gpu_preset, preset
 from flashpar.dist import from_rank0, p2p_group, resolve_group
 
+PEAK_PROBES = 5  # one probe is about 0.1 s of small GEMMs here; the median of 5 steadies it
 
-def peak_flops(device: torch.device) -> float:
+
+def peak_flops(device: torch.device, group=None, *, probes: int = PEAK_PROBES) -> float:
     """The MFU denominator of one rank: the datasheet's dense bf16 rate of the GPU's preset
-    (:func:`flashpar.cost.gpu_preset`), or on CPU a GEMM probe of this rank (called on every
-    rank at once, so it is each rank's share of the cores)."""
+    (:func:`flashpar.cost.gpu_preset`), or on CPU a GEMM probe of this rank that every rank of
+    ``group`` runs at once, so that it is each rank's share of the cores: a barrier first (a
+    collective on CPU where a group is initialised), then the median of ``probes`` probes.  One probe
+    alone swings: 35-79 GFLOP/s on one rank of 4 sharing 2 cores in one run (stop 27), 58-86 as the
+    median of 5 after the barrier."""
     if device.type == "cuda":
         return PRESETS[gpu_preset(torch.cuda.get_device_name(device))].flops
-    return measure_gemm(256, 256, torch.float32, repeats=3)[0]
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group)
+    return statistics.median(measure_gemm(256, 256, torch.float32, repeats=3)[0] for _ in range(probes))
 
 
 def median_time(fn, repeats: int, *, barrier: bool = False, group=None) -> float:
