@@ -31,7 +31,7 @@ from flashpar.cost.hardware import Hardware
 from flashpar.cost.presets import PRESETS, gpu_preset, preset
 from flashpar.dist import from_rank0, p2p_group, resolve_group
 
-PEAK_PROBES = 5  # one probe is about 0.1 s of small GEMMs here; the median of 5 steadies it
+PEAK_PROBES = 5  # one probe: 0.04 s of small GEMMs on a free core here, twice that or more when shared
 
 
 def peak_flops(device: torch.device, group=None, *, probes: int = PEAK_PROBES) -> float:
