@@ -48,7 +48,6 @@ import contextlib
 import ctypes
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -318,12 +317,12 @@ def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank
     import dataclasses
 
     from flashpar.cost import store as cost_store
-    from flashpar.train.planning import core_burst
+    from flashpar.train.planning import core_burst, host_cores
 
     names, n = config["configs"], len(gathered)
     flops = step_flops(config, seqs)
     tokens = config["seq_len"] * config["dp"]
-    cores = os.cpu_count() or 1
+    cores = host_cores()  # the cores core_burst counts (affinity, container quota), as simulate check reads them
     shared = min(cores, n * config["threads"])  # the cores the ranks' threads share
     rows = []
     for name, loss in zip(names, losses, strict=True):
