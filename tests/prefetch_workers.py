@@ -141,8 +141,15 @@ def run_case(rank: int, world: int, dp: int, tp: int, depth: int, keep_last: boo
     gc.collect()
     alive = sorted({k for k, ref in pf.buffers if ref() is not None})
     (x * target).sum().backward()
-    pf.finish()
     errors = []
+    if depth:  # the last reduce-scatter posted (unit 0's) left in flight, landed after (a group of one: none)
+        tail = pf.finish(leave_last=True)
+        want = params[0] if dp > 1 else ()
+        if [id(p) for p in tail] != [id(p) for p in want] or any(p.grad is not None for p in tail):
+            errors.append("the tail is not unit 0's, or landed early")
+        pf.finish_tail()
+    else:
+        pf.finish()
     ref_out = ref_outs[d][rows]
     if not torch.allclose(x.detach(), ref_out, rtol=TOL, atol=TOL):
         errors.append(f"output off by {(x.detach() - ref_out).abs().max():.2e}")

@@ -17,7 +17,9 @@
 a training step: the transfers and collectives of the schedules its ops run (``build_schedule`` of
 the four linears forward and backward, ``kv_schedule`` of ``cp.attention`` forward and backward,
 a message counted where the executor posts it: when it carries rows), the ZeRO-3 weight gathers
-and gradient reduce-scatters, and the gradient all-reduces of the layer's parameters.
+and gradient reduce-scatters (a fused layer's in its schedules; a prefetched layer's unit: one all-gather
+in forward, one again in backward, one reduce-scatter), and the gradient all-reduces of the layer's
+parameters.
 """
 
 from __future__ import annotations
@@ -198,7 +200,8 @@ def layer_comm(model, plan, tokens: int) -> collections.Counter:
     for linear, gather_side in ((block.qkv, True), (block.o_proj, False), (block.gate_up, True), (block.down, False)):
         chunks = linear.chunks or DEFAULT_CHUNKS[mode]
         dp_group = getattr(linear, "dp_group", None)
-        if dp_group is not None:  # ZeRO-3 (overlap/sharded.py): dp schedules with the tp schedules nested inside
+        if dp_group is not None and linear.source is None:  # fused ZeRO-3 (overlap/sharded.py): dp schedules with
+            # the tp schedules nested inside
             dp_mode, dp, dp_rank = model.mode, dist.get_world_size(dp_group), dist.get_rank(dp_group)
             fwd = build_schedule("sharded", dp_mode, dp, dp_rank, chunks=DEFAULT_CHUNKS[dp_mode])
             scheds = [fwd, build_schedule("sharded_bwd", dp_mode, dp, dp_rank, chunks=DEFAULT_CHUNKS[dp_mode],
@@ -231,8 +234,12 @@ def layer_comm(model, plan, tokens: int) -> collections.Counter:
 
         for direction in ("forward", "backward"):
             out += _schedule_comm(kv_schedule(layout, direction), kv_rows)
+    if block.qkv.source is not None:  # a prefetched unit (overlap/prefetch.py), not the kept last one
+        out["all_gather"] += 2
+        out["reduce_scatter"] += 1
     for name, _ in block.named_parameters(prefix="blocks.0"):
-        if model._sum_groups[layout_of(name)[0].grad_sum(model.zero)] is not None:
+        kind = layout_of(name)[0].grad_sum(model.zero)
+        if kind != "zero" and model._sum_groups[kind] is not None:
             out["all_reduce"] += 1  # reduce_grads: the sum over the ranks holding copies
     return out
 

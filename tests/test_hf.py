@@ -254,9 +254,9 @@ def test_pieces_are_the_zero3_rows_of_every_tp_shard(tp, dp):
         for t in range(tp):
             shard = layout.shard([full[n] for n in names], t, tp)
             for d in range(dp):
-                pieces = layout.pieces(shapes, t, tp, (d, dp) if layout.zero else None)
+                pieces = layout.pieces(shapes, t, tp, (d, dp) if layout.zero_rows(True) else None)
                 got = stack(pieces, lambda p, names=names: p.of(full[names[p.part]]))
-                lo, hi = shard_rows(shard.shape[0], dp, d) if layout.zero else (0, shard.shape[0])
+                lo, hi = shard_rows(shard.shape[0], dp, d) if layout.zero_rows(True) else (0, shard.shape[0])
                 assert torch.equal(got, shard[lo:hi]), (name, t, d)
 
 
@@ -296,8 +296,8 @@ def test_parallel_model_from_slices_matches_the_single_process_model(world, fold
     """Each rank read exactly the bytes of its parameters (counted at the reader); gathered they are the
     folder's tensors bit for bit; one step (loss and every gradient) matches ``load_hf``'s model to
     ``flashpar.train.check.TOL`` (fp32, only the order of sums changes: 1e-4, measured ~1e-6).  Under pure
-    ZeRO-3 the ranks together read the model once plus, per extra rank, what ZeRO-3 keeps whole
-    (embedding, head, norms): no rank reads rows it does not hold."""
+    ZeRO-3 the ranks together read the model once plus, per extra rank, what ZeRO-3 keeps whole (the
+    norms): no rank reads rows it does not hold."""
     per_rank = request.getfixturevalue(f"world{world}")
     tied = world == 3
     for rank, results in enumerate(per_rank):
@@ -307,7 +307,7 @@ def test_parallel_model_from_slices_matches_the_single_process_model(world, fold
             assert not bad and count == 1 + 2 * 9 + 2 + (not tied), (shape, rank, bad)
     ref = load_hf(folders[0] / ("tied" if tied else "untied"))
     size = {n: p.numel() * p.element_size() for n, p in ref.named_parameters()}
-    whole_everywhere = sum(b for n, b in size.items() if "norm" in n or n.startswith(("embed", "head")))
+    whole_everywhere = sum(b for n, b in size.items() if "norm" in n)
     assert sum(results[0][0] for results in per_rank) == sum(size.values()) + (world - 1) * whole_everywhere
 
 

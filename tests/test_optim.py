@@ -71,11 +71,12 @@ def test_weight_decay_groups_are_the_matrices():
 
 def test_each_copy_of_a_gradient_piece_is_counted_on_one_rank():
     """Over every rank of a (dp, cp, ulysses, tp) mesh, each grad_sum kind's pieces are counted once: ``copy``
-    (the whole parameter) on one rank, ``shard`` once per tp rank, ``zero`` once per (dp, tp) rank."""
+    (the whole parameter) on one rank, ``shard`` once per tp rank, ``zero`` (rows held by one rank alone) on
+    every rank."""
     dp, cpn, un, tp = 2, 3, 2, 2
     coords = [(d, c, u, t) for d in range(dp) for c in range(cpn) for u in range(un) for t in range(tp)]
     for kind, want in (("copy", [(0, 0, 0, 0)]), ("shard", [(0, 0, 0, t) for t in range(tp)]),
-                       ("zero", [(d, 0, 0, t) for d in range(dp) for t in range(tp)])):
+                       ("zero", coords)):
         got = [x for x in coords if counted_here(kind, dp_rank=x[0], cp_rank=x[1], u_rank=x[2], tp_rank=x[3])]
         assert got == want, kind
     with pytest.raises(ValueError, match="unknown grad_sum kind 'rows'"):

@@ -21,7 +21,8 @@ from train_workers import (
     vocab_loss_cases,
 )
 
-# (dp, cp, ulysses, tp), dp mode, model (train_workers.MODELS)[, strategy, mode, save_gathered] -> world size
+# (dp, cp, ulysses, tp), dp mode, model (train_workers.MODELS)[, strategy, mode, save_gathered, zero_schedule,
+# prefetch] -> world size
 MESH_CASES = {
     4: [((1, 2, 1, 2), "zero3", "base"), ((2, 2, 1, 1), "zero3", "base"), ((2, 1, 1, 2), "zero3", "base"),
         ((4, 1, 1, 1), "zero3", "base"), ((1, 4, 1, 1), "zero3", "base"), ((2, 2, 1, 1), "replicate", "base"),
@@ -33,9 +34,15 @@ MESH_CASES = {
         ((1, 2, 1, 2), "replicate", "untied", "flashcp", "flash", False),
         # small vocabularies: the embedding / head weight gathered over tp (flashpar.models.vocab.gathers_weight)
         ((1, 2, 1, 2), "zero3", "vocab16"), ((2, 1, 1, 2), "zero3", "vocab16-untied"),
-        ((1, 1, 1, 4), "replicate", "vocab16-untied"), ((1, 2, 1, 2), "zero3", "vocab54", "per_doc", "none")],
+        ((1, 1, 1, 4), "replicate", "vocab16-untied"), ((1, 2, 1, 2), "zero3", "vocab54", "per_doc", "none"),
+        # ZeRO-3's schedules over the shard group (dp x cp x ulysses): fused, one per block, two blocks ahead
+        ((2, 1, 1, 2), "zero3", "base", "flashcp", "flash", True, "fused"),
+        ((1, 2, 1, 2), "zero3", "untied", "flashcp", "flash", True, ("fused", "prefetch")),
+        ((2, 2, 1, 1), "zero3", "untied", "flashcp", "flash", True, "prefetch", 2),
+        ((1, 4, 1, 1), "zero3", "base", "per_doc", "none", True, ("prefetch", "fused"))],
     3: [((1, 1, 3, 1), "zero3", "heads6"), ((1, 1, 3, 1), "zero3", "heads6-mqa"),
-        ((1, 1, 1, 3), "zero3", "heads6-vocab12")],
+        ((1, 1, 1, 3), "zero3", "heads6-vocab12"),
+        ((1, 3, 1, 1), "zero3", "untied", "flashcp", "flash", True, "fused")],
     2: [((1, 1, 2, 1), "zero3", "base"), ((1, 1, 2, 1), "replicate", "untied")],
 }
 CASE_IDS = [(n, case) for n, cases in MESH_CASES.items() for case in cases]

@@ -5,26 +5,25 @@ ZeRO-3 and ``flashpar train --check``.
 ``blocks.3.qkv.weight`` -> ``qkv``).  With ``rows_t`` = ``shard_rows(R, tp, t)`` (``flashpar.rows``),
 tp rank ``t`` of ``tp`` holds:
 
-    kind          tp rank t holds                                     gradient summed over     ZeRO-3 (dp rows)
-    FusedRows     cat_p W_p[rows_t]   (q, k, v  or  gate, up)         dp x cp x ulysses of t   yes (q, k, v: *)
-    Columns       W[:, cols_t]        (o_proj, down)                  dp x cp x ulysses of t   yes (o_proj: *)
-    Rows          W[rows_t]           (embedding, head: vocabulary)   dp x cp x ulysses of t   no
+    kind          tp rank t holds                                     gradient summed over     ZeRO-3 rows
+    FusedRows     cat_p W_p[rows_t]   (q, k, v  or  gate, up)         dp x cp x ulysses of t   yes
+    Columns       W[:, cols_t]        (o_proj, down)                  dp x cp x ulysses of t   yes
+    Rows          W[rows_t]           (embedding, head: vocabulary)   dp x cp x ulysses of t   yes
     Replicated    W                   (norms)                         the whole mesh           no
-
-    * not under Ulysses (``ulysses_whole``, below)
 
 A fused parameter stacks, per tp rank, its rows of several single-process parameters
 (``blocks.3.qkv.weight`` holds rows of ``blocks.3.q_proj.weight``, ``k_proj`` and ``v_proj``), so one
-all-gather feeds all of them.  With ZeRO-3 each dp rank keeps only its rows ``shard_rows(R_t, dp, d)``
-of a ``zero`` parameter's tp shard (``flashpar.models.zero``).  ``label`` names the parameter's row of
+all-gather feeds all of them.  With ZeRO-3 each rank of the shard group (the dp x cp x ulysses ranks of its tp
+index, which hold the same tp shard) keeps only its rows ``shard_rows(R_t, N, s)`` of every tp-split
+parameter (``flashpar.models.zero``), so its gradient needs no sum beyond the ZeRO-3 reduce-scatter.  The
+norm gains stay whole on every rank (a few thousand elements each).  ``label`` names the parameter's row of
 ``--check``'s table.
 
-Under Ulysses (``ulysses > 1``, then ``tp = 1``: both split the attention heads) every rank holds
-the attention projections whole (``ulysses_whole``): the GEMM fused with the all-to-all
-(``flashpar.overlap.a2a``) computes every head group's projection of the rank's tokens, so it
-needs all of the weight, and ZeRO-3 does not split them; their gradients (each rank's tokens'
-terms) are summed over dp x cp x ulysses.  The q/k/v weight stays ``cat(q, k, v)``; the model
-regroups it by head group on the fly.
+Under Ulysses (``ulysses > 1``, then ``tp = 1``: both split the attention heads) the attention projections are
+whole weights (``ulysses_whole``): the GEMM fused with the all-to-all (``flashpar.overlap.a2a``) computes every
+head group's projection of the rank's tokens, so it needs all of the weight; without ZeRO-3 every rank holds
+them whole, with it their rows are split over the shard group like every other weight and gathered whole
+before use.  The q/k/v weight stays ``cat(q, k, v)``; the model regroups it by head group on the fly.
 
 Each kind gives the index ranges of the single-process tensors a rank holds (``pieces``: blocks of rows,
 and of columns for ``Columns``, stacked along dim 0), with ZeRO-3 the dp rows composed in: dp rank
@@ -99,9 +98,8 @@ class Replicated:
     """Every rank holds the whole parameter."""
 
     label: str
-    tp_dim = None  # the dim split over tp
-    zero = False  # ZeRO-3 splits the tp shard's rows over dp
-    # an attention projection: under Ulysses whole on every rank, never ZeRO-3 rows
+    tp_dim = None  # the dim split over tp (every tp-split parameter is split by rows over the shard group)
+    # an attention projection: under Ulysses a whole weight (the all-to-all's GEMM needs all of it)
     ulysses_whole: bool = field(default=False, kw_only=True)
 
     def parts(self, key: str) -> tuple[str, ...]:
@@ -113,7 +111,7 @@ class Replicated:
         return [Piece(0, (0, shapes[0][0]))]
 
     def pieces(self, shapes: list[tuple[int, ...]], t: int, n: int, dp: tuple[int, int] | None = None) -> list[Piece]:
-        """``tp_pieces``; with ``dp = (d, D)`` (ZeRO-3 rows: ``zero_rows``) only dp rank ``d``'s rows of them."""
+        """``tp_pieces``; with ``dp = (s, N)`` (ZeRO-3 rows: ``zero_rows``) only shard rank ``s``'s rows of them."""
         pieces = self.tp_pieces([tuple(s) for s in shapes], t, n)
         return pieces if dp is None else zero_pieces(pieces, *dp)
 
@@ -125,18 +123,18 @@ class Replicated:
         """The single-process tensors of ``parts`` from every tp rank's ``local`` (the inverse of ``shard``)."""
         return [local.detach().clone()]
 
-    def zero_rows(self, zero3: bool, ulysses: bool = False) -> bool:
-        """Whether a dp rank keeps only its ZeRO-3 rows of the tp shard (``zero3``: ZeRO-3 over dp > 1;
-        ``ulysses``: the mesh has ulysses > 1, where the attention projections stay whole)."""
-        return zero3 and self.zero and not (ulysses and self.ulysses_whole)
+    def zero_rows(self, zero3: bool) -> bool:
+        """Whether a rank keeps only its ZeRO-3 rows of the tp shard (``zero3``: ZeRO-3 over a shard group of
+        more than one rank): every tp-split parameter."""
+        return zero3 and self.tp_dim is not None
 
-    def grad_sum(self, zero3: bool, ulysses: bool = False) -> str:
+    def grad_sum(self, zero3: bool) -> str:
         """The ranks that hold a copy, over which the gradient is summed: ``copy`` (the whole mesh),
-        ``shard`` (the dp x cp x ulysses ranks of this tp index) or ``zero`` (ZeRO-3 rows, whose
-        reduce-scatter already summed over dp: the cp x ulysses ranks of this dp and tp index)."""
+        ``shard`` (the dp x cp x ulysses ranks of this tp index) or ``zero`` (ZeRO-3 rows, held by this rank
+        alone: the reduce-scatter over the shard group summed them, nothing is left to sum)."""
         if self.tp_dim is None:
             return "copy"
-        return "zero" if self.zero_rows(zero3, ulysses) else "shard"
+        return "zero" if self.zero_rows(zero3) else "shard"
 
 
 @dataclass(frozen=True)
@@ -156,7 +154,7 @@ class Rows(Replicated):
 class Columns(Replicated):
     """Tp rank ``t`` holds the columns ``shard_rows(C, tp, t)`` (a row-parallel linear's input features)."""
 
-    tp_dim, zero = 1, True
+    tp_dim = 1
 
     def tp_pieces(self, shapes, t, n):
         return [Piece(0, (0, shapes[0][0]), shard_rows(shapes[0][1], n, t))]
@@ -175,7 +173,7 @@ class FusedRows(Replicated):
 
     names: tuple[str, ...]
     rows: Callable[[LlamaConfig], tuple[int, ...]]
-    tp_dim, zero = 0, True
+    tp_dim = 0
 
     def parts(self, key):
         return self.names

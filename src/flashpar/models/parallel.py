@@ -28,7 +28,7 @@ H / U query heads, max(H_kv / U, 1) kv heads; fewer kv heads than U are replicat
     qkv       = matmul_all_to_all(norm(x_u), w_qkv grouped by head group)   [T_cp, (H / U + 2 h_kv) D]
     o         = cp.attention(rope(q), rope(k), v, plan, group=cp)          [T_cp, H / U, D]
     x_u      += all_to_all_matmul(o, w_o)                                   [T_u, h]
-    x_u      += down(silu(g) u),  (g, u) = gate_up(norm(x_u))               (the rows T_u; ZeRO-3 over dp)
+    x_u      += down(silu(g) u),  (g, u) = gate_up(norm(x_u))               (the rows T_u)
     loss      = cross-entropy of the rows T_u
 
 The all-to-alls are FlashOverlap's (``flashpar.overlap.a2a``: each fused with the projection on its
@@ -50,29 +50,33 @@ replicated.  How each parameter is split is the one table ``flashpar.models.layo
 by loading (``shard_of``; ``load_hf_slices``: a Hugging Face folder, each rank reading only its slices),
 checkpoints (``to_full``), the gradient sums and ``--check``.
 
-Data parallelism: ``dp_mode="zero3"`` (the default) keeps on each dp rank only its rows of the tp
-shards (and their optimizer state); the dp all-gather of the rows is fused with the GEMMs that use
-them and composed with the tp all-gather / reduce-scatter of the activations, and the gradient rows
-are reduce-scattered (summed) over dp behind the backward GEMMs (``flashpar.models.zero``,
-``flashpar.overlap.sharded``); ``mode="none"`` runs the same decomposition with blocking
-collectives.  ``"replicate"`` keeps whole copies.  Embedding, head (vocabulary
-rows of the tp rank) and norms are not split over dp; under Ulysses neither are the attention
-projections (the GEMM fused with the all-to-all needs the whole weight).
+Data parallelism: ``dp_mode="zero3"`` (the default) splits every tp shard (projections, embedding and head:
+every weight but the norm gains) by rows over the shard group, the dp x cp x ulysses ranks of the rank's tp
+index, which hold the same shard, with its gradient and optimizer state (torchtitan's FSDP over
+dp_shard x cp).  A block either gathers its weights ahead (``prefetch``: one unit per block, gathered while
+the blocks before it compute, its GEMMs undivided, its gradients reduce-scattered as its backward ends:
+``flashpar.overlap.prefetch``) or fuses the gather with its GEMMs, one piece per peer (``fused``:
+``flashpar.overlap.sharded``); ``zero_schedule`` says which, per block (``flashpar.models.zero_units``).
+``mode="none"`` runs both blocking.  ``"replicate"`` keeps whole copies.
 
 Gradients: a parameter's gradient on a rank covers that rank's tokens only, and the loss is
 normalised by the global number of targets, so gradients are summed over every rank that holds a
-copy (``reduce_grads``; each sum is posted during backward by ``flashpar.models.grad_sync``): the tp
-shards over the dp x cp x ulysses ranks of their tp index (ZeRO-3 rows: over cp x ulysses, the
-reduce-scatter summed over dp), the norms over the whole mesh.
+copy (``reduce_grads``; each sum is posted during backward by ``flashpar.models.grad_sync``): the norms
+over the whole mesh, a tp shard without ZeRO-3 over the dp x cp x ulysses ranks of its tp index; ZeRO-3's
+reduce-scatter over the shard group is that sum for its rows.
 
 Mixed precision (``dtype=torch.bfloat16``): the parameters stay fp32; the activations are bf16 from the
-embedding on, each layer casts its weight to bf16 for the GEMM (ZeRO-3: before the dp all-gather), the
+embedding on, each layer casts its weight to bf16 for the GEMM (ZeRO-3: before the all-gather), the
 norms and the loss compute in fp32, and every gradient is fp32 when it is summed across ranks
 (``flashpar.models.precision``).  ``checkpoint_activations=True`` recomputes each block in backward
 (``flashpar.models.recompute``).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -91,13 +95,22 @@ from flashpar.models.precision import compute_dtype
 from flashpar.models.recompute import run_checkpointed
 from flashpar.models.step_check import StepCheck
 from flashpar.models.vocab import embed_rows, gathers_weight, own_rows_loss, vocab_parallel_loss
-from flashpar.models.zero import all_gather_rows, gather_rows
+from flashpar.models.zero import all_gather_rows, gather_rows, keep_rows
+from flashpar.models.zero_units import block_schedules, build_prefetcher, zero_groups
 from flashpar.overlap.a2a import all_to_all_matmul, matmul_all_to_all
 from flashpar.overlap.ops import all_gather_matmul
 from flashpar.overlap.ulysses import head_layout
 from flashpar.rows import row_sizes
 
 MESH_DIMS = ("dp", "cp", "ulysses", "tp")  # the mesh's dims, outermost first (a mesh without "ulysses": U = 1)
+
+
+class GradTail(NamedTuple):
+    """Gradients still in flight after ``ParallelLlama.reduce_grads(leave_tail=True)``: ``params`` and the
+    call that lands them (``finish``)."""
+
+    params: list[nn.Parameter]
+    finish: Callable[[], None]
 
 
 def ulysses_qkv_rows(cfg: LlamaConfig, n: int) -> list[int]:
@@ -116,8 +129,12 @@ def ulysses_qkv_rows(cfg: LlamaConfig, n: int) -> list[int]:
 
 
 class WholeProjection(nn.Module):
-    """A projection weight ``[out, in]`` held whole on every rank (Ulysses: the GEMM fused with the all-to-all
-    computes every head group's part of the rank's tokens); the block calls the fused op on it."""
+    """A projection weight ``[out, in]`` used whole (Ulysses: the GEMM fused with the all-to-all computes every
+    head group's part of the rank's tokens); the block calls the fused op on it.  Without ZeRO-3 every rank
+    holds it whole; with it the rank holds its rows (``keep_rows``) and ``source`` hands the whole weight,
+    gathered ahead (q/k/v regrouped by head group)."""
+
+    source = None
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -128,7 +145,7 @@ class WholeProjection(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp_group, cp_group, mode: str, timeout_s: float, dp_group=None,
+    def __init__(self, cfg: LlamaConfig, tp_group, cp_group, mode: str, timeout_s: float, zero_group=None,
                  ulysses_group=None, save_gathered: bool = True) -> None:
         super().__init__()
         tp = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -143,18 +160,21 @@ class ParallelBlock(nn.Module):
         self.attn_norm = RMSNorm(h, cfg.norm_eps)
         kw = {"bias": False, "group": tp_group, "mode": mode, "timeout_s": timeout_s}
         self.timeout_s = timeout_s
-        zero3 = dp_group is not None  # ZeRO-3: each dp rank keeps rows of the tp shards
+        zero3 = zero_group is not None  # ZeRO-3: each rank keeps its rows of the tp shards over the shard group
         if zero3:
-            kw["dp_group"] = dp_group
-        # a column-parallel linear keeps its gathered input for backward (ZeRO-3's gathers it again, as before)
-        gather_kw = {} if zero3 else {"save_gathered": save_gathered}
+            kw["dp_group"] = zero_group
+        # a column-parallel linear keeps its gathered input for backward (a fused ZeRO-3 linear gathers it again)
+        gather_kw = {"save_gathered": save_gathered}
         qkv_rows = (cfg.heads + 2 * cfg.kv_heads) * d
         if self.ulysses_group is None:
             self.qkv = LAYOUT["qkv"].linear(zero3)(h, qkv_rows, **kw, **gather_kw)
             self.o_proj = LAYOUT["o_proj"].linear(zero3)(cfg.heads * d, h, **kw)
-        else:  # whole on every rank (LAYOUT's ulysses_whole); q/k/v rows regrouped by head group per forward
+        else:  # whole weights (LAYOUT's ulysses_whole); q/k/v rows regrouped by head group per forward
             self.qkv, self.o_proj = WholeProjection(h, qkv_rows), WholeProjection(cfg.heads * d, h)
             self.register_buffer("qkv_rows", torch.tensor(ulysses_qkv_rows(cfg, u)), persistent=False)
+            if zero3:
+                keep_rows(self.qkv, zero_group)
+                keep_rows(self.o_proj, zero_group)
         self.mlp_norm = RMSNorm(h, cfg.norm_eps)
         self.gate_up = LAYOUT["gate_up"].linear(zero3)(h, 2 * cfg.ffn, **kw, **gather_kw)
         self.down = LAYOUT["down"].linear(zero3)(cfg.ffn, h, **kw)
@@ -172,7 +192,10 @@ class ParallelBlock(nn.Module):
         if self.ulysses_group is None:  # every token of the cp rank, this tp rank's heads
             qkv = self.qkv(a, split_sizes=split, check=False)
         else:  # every token of the cp rank, this ulysses rank's head group
-            w_qkv = self.qkv.weight.index_select(0, self.qkv_rows).to(a.dtype)  # regrouped, then cast
+            if self.qkv.source is not None:  # ZeRO-3: gathered ahead, already regrouped, in the compute dtype
+                w_qkv = self.qkv.source()
+            else:
+                w_qkv = self.qkv.weight.index_select(0, self.qkv_rows).to(a.dtype)  # regrouped, then cast
             qkv = matmul_all_to_all(a, w_qkv, group=self.ulysses_group, mode=self.mode, split_sizes=blocks,
                                     check=False, timeout_s=self.timeout_s)
         q, k, v = rope_qkv(qkv, tables, self.heads, self.kv_heads)  # one autograd node (models/fused.py)
@@ -181,7 +204,8 @@ class ParallelBlock(nn.Module):
         if self.ulysses_group is None:
             x = x + self.o_proj(o, split_sizes=split, check=False)
         else:  # back to this rank's rows: head group g's columns of w_o are [g H/U D, (g + 1) H/U D)
-            x = x + all_to_all_matmul(o, self.o_proj.weight.to(o.dtype), group=self.ulysses_group,
+            w_o = self.o_proj.source() if self.o_proj.source is not None else self.o_proj.weight.to(o.dtype)
+            x = x + all_to_all_matmul(o, w_o, group=self.ulysses_group,
                                       mode=self.mode, split_sizes=blocks, check=False, timeout_s=self.timeout_s)
         gu = self.gate_up(self.mlp_norm(x).to(x.dtype), split_sizes=split, check=False)
         return x + self.down(swiglu(gu), split_sizes=split, check=False)
@@ -197,16 +221,21 @@ class ParallelLlama(nn.Module):
     backward (``flashpar.models.recompute``).  ``save_gathered``: each tensor-parallel all-gather + GEMM (q/k/v,
     gate/up, the head) keeps the gathered ``x [T, in]`` for its weight gradient, as torch's DTensor linear does,
     instead of gathering ``x_shard [T/tp, in]`` again in backward (Megatron's choice): one all-gather fewer per
-    column-parallel linear and step, for ``(tp - 1) / tp x T x in`` more activation memory each.  ZeRO-3's
-    linears gather again either way (``flashpar.overlap.sharded``).  ``gather_vocab_weight``: where the
+    column-parallel linear and step, for ``(tp - 1) / tp x T x in`` more activation memory each.  A fused ZeRO-3
+    linear gathers again either way (``flashpar.overlap.sharded``).  ``gather_vocab_weight``: where the
     vocabulary is smaller than the cp (ulysses) rank's tokens, the tp ranks all-gather the embedding and head
     weights and compute their own rows whole, instead of moving the activations (``flashpar.models.vocab``);
-    False keeps the activation path always."""
+    False keeps the activation path always.
+
+    ZeRO-3 (``dp_mode="zero3"`` over a shard group of more than one rank: ``flashpar.models.zero_units``):
+    ``zero_schedule`` is ``"prefetch"`` or ``"fused"`` for every block, or one per block; ``prefetch``: the units
+    gathered ahead of the one computing (``mode="none"``: 0, blocking)."""
 
     def __init__(self, cfg: LlamaConfig, mesh, *, mode: str = "flash", timeout_s: float = DEFAULT_TIMEOUT_S,
                  dp_mode: str = "zero3", dtype: torch.dtype = torch.float32,
                  checkpoint_activations: bool = False, save_gathered: bool = True,
-                 gather_vocab_weight: bool = True) -> None:
+                 gather_vocab_weight: bool = True, zero_schedule: str | Sequence[str] = "prefetch",
+                 prefetch: int = 1) -> None:
         super().__init__()
         self.save_gathered, self.gather_vocab_weight = bool(save_gathered), bool(gather_vocab_weight)
         self.compute_dtype = compute_dtype(dtype)  # ValueError (one line) on another dtype
@@ -215,8 +244,6 @@ class ParallelLlama(nn.Module):
             raise ValueError(f"ParallelLlama: dp_mode must be 'zero3' or 'replicate', got {dp_mode!r}")
         self.cfg, self.mesh = cfg, mesh
         self.dp, self.dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
-        self.zero = dp_mode == "zero3" and self.dp > 1
-        dp_group = mesh["dp"].get_group() if self.zero else None
         self.tp_group, self.cp_group = mesh["tp"].get_group(), mesh["cp"].get_group()
         self.tp, self.tp_rank = mesh["tp"].size(), mesh["tp"].get_local_rank()
         self.cp_rank = mesh["cp"].get_local_rank()
@@ -237,17 +264,36 @@ class ParallelLlama(nn.Module):
                 head_layout(cfg.heads, cfg.kv_heads, self.ulysses)
             except ValueError as err:
                 raise ValueError(f"ParallelLlama: ulysses = {self.ulysses}: {err}") from None
+        # ZeRO-3 over the shard group: the dp x cp x ulysses ranks of this tp index (flashpar.models.zero_units)
+        self.shard_size = self.dp * mesh["cp"].size() * self.ulysses
+        self.zero = dp_mode == "zero3" and self.shard_size > 1
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ValueError(f"ParallelLlama: prefetch must be an integer >= 0, got {prefetch!r}")
+        schedules = block_schedules(zero_schedule, cfg.layers, self.ulysses) if self.zero else [None] * cfg.layers
+        self.zero_schedule = schedules
+        ranks = _mesh_ranks(mesh)
+        groups = zero_groups(ranks, fused="fused" in schedules) if self.zero else {}
         self.mode, self.vocab_lo = mode, self.tp_rank * cfg.vocab_size // self.tp
         self.embed = nn.Embedding(cfg.vocab_size // self.tp, cfg.hidden)  # this tp rank's vocabulary rows
-        self.blocks = nn.ModuleList(ParallelBlock(cfg, self.tp_group, self.cp_group, mode, timeout_s, dp_group,
-                                                  ulysses_group, self.save_gathered) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(
+            ParallelBlock(cfg, self.tp_group, self.cp_group, mode, timeout_s,
+                          groups.get("fused" if schedule == "fused" else "gather"), ulysses_group, self.save_gathered)
+            for schedule in schedules)
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab_size // self.tp, bias=False)
-        self._sum_groups = _sum_groups(mesh, self.zero)
-        self.grad_sync = GradSync([(p, self._sum_groups[layout_of(name)[0].grad_sum(self.zero, self.ulysses > 1)])
-                                   for name, p in reversed(list(self.named_parameters()))], timeout_s=timeout_s)
+        self.prefetcher, self.units = None, {}
+        self.grad_tail: GradTail | None = None  # set by flashpar.train.step between backward and the norm
+        if self.zero:  # the vocabulary rows too; the units gathered ahead, 0 ahead (blocking) in mode none
+            keep_rows(self.embed, groups["gather"])
+            if self.head is not None:
+                keep_rows(self.head, groups["gather"])
+            self.prefetcher = build_prefetcher(self, schedules, groups, 0 if mode == "none" else prefetch, timeout_s)
+        self._sum_groups = _sum_groups(mesh)
+        self.grad_sync = GradSync([(p, self._sum_groups[kind]) for name, p in reversed(list(self.named_parameters()))
+                                   if (kind := layout_of(name)[0].grad_sum(self.zero)) != "zero"], timeout_s=timeout_s)
         signature = (cfg, mode, dp_mode, tuple(mesh.mesh.shape), mesh.mesh_dim_names, self.compute_dtype,
-                     self.checkpoint_activations, self.save_gathered, self.gather_vocab_weight)
+                     self.checkpoint_activations, self.save_gathered, self.gather_vocab_weight, tuple(schedules),
+                     prefetch)
         self.step_check = StepCheck(mesh, signature, timeout_s=timeout_s)  # the cross-rank check of each step's inputs
         self.kv_counter = cp.CommCounter()  # bytes this rank's attention sent and received, all layers
         self.kv_recompute = cp.CommCounter()  # the same, of the recomputed forwards (checkpoint_activations)
@@ -271,10 +317,10 @@ class ParallelLlama(nn.Module):
 
     def pieces_of(self, name: str, shapes: list[tuple[int, ...]]) -> list[Piece]:
         """The index ranges of the single-process tensors (``shapes``: those of ``layout_of(name)``'s names) that
-        this rank's parameter ``name`` holds: its tp shard, with ZeRO-3 its dp rows of it (``LAYOUT``)."""
+        this rank's parameter ``name`` holds: its tp shard, with ZeRO-3 its rows of it (``LAYOUT``)."""
         layout, _ = layout_of(name)
-        dp = (self.dp_rank, self.dp) if layout.zero_rows(self.zero, self.ulysses > 1) else None
-        return layout.pieces(shapes, self.tp_rank, self.tp, dp)
+        rows = (dist.get_rank(self._sum_groups["shard"]), self.shard_size) if layout.zero_rows(self.zero) else None
+        return layout.pieces(shapes, self.tp_rank, self.tp, rows)
 
     def load_hf_slices(self, path) -> int:
         """Take this rank's shards from a Hugging Face folder, reading only the slices this rank holds
@@ -302,10 +348,10 @@ class ParallelLlama(nn.Module):
         modules = dict(self.named_modules())
         for name, g in local.items():
             layout, names = layout_of(name)
-            if layout.zero_rows(self.zero, self.ulysses > 1):  # the dp rows first: the whole tp shard
+            if layout.zero_rows(self.zero):  # the shard group's rows first: the whole tp shard
                 rows = modules[name.rsplit(".", 1)[0]].total_rows
                 with torch.no_grad():
-                    g = gather_rows(g.detach(), self.mesh["dp"].get_group(), rows)
+                    g = gather_rows(g.detach(), self._sum_groups["shard"], rows)
             out.update(zip(names, layout.unshard(g, self._gather_tp, self.cfg, self.tp), strict=True))
         return out
 
@@ -321,10 +367,18 @@ class ParallelLlama(nn.Module):
         (``flashpar.models.grad_sync``); ``reduce_grads`` then waits for them."""
         self.grad_sync.arm()
 
-    def reduce_grads(self) -> None:
+    def reduce_grads(self, *, leave_tail: bool = False) -> GradTail:
         """Sum every gradient over the ranks that hold a copy of its parameter (see the module docstring):
-        the sums ``sum_grads_in_backward`` posted during backward, and the rest."""
+        the sums ``sum_grads_in_backward`` posted during backward, and the rest; with ZeRO-3 the units'
+        reduce-scatters land their rows' gradients.  ``leave_tail``: the reduce-scatter posted last (the
+        embedding's, whose gradient is complete only at the end of backward) is left in flight: the returned
+        ``GradTail`` names its parameters and lands them (``finish``), so the caller can work on the others
+        meanwhile (``flashpar.models.grad_norm``: their squares)."""
         self.grad_sync.finish()
+        if self.prefetcher is None:
+            return GradTail([], lambda: None)
+        tail = self.prefetcher.finish(leave_last=leave_tail)
+        return GradTail(tail, self.prefetcher.finish_tail)
 
     # ------------------------------------------------------------------------------------------
     # forward
@@ -354,24 +408,43 @@ class ParallelLlama(nn.Module):
         dtype = self.compute_dtype  # fp32: every cast below returns its input itself
         tables = rope_tables(positions, self.cfg, dtype)  # rope's cos / sin: once per step, for every layer
         vocab = self.cfg.vocab_size
+        pf, units = self.prefetcher, self.units
+        if pf is not None:
+            pf.begin()
+        embed_t = pf.enter(units["embed"])[0] if pf is not None else self.embed.weight  # this tp rank's rows, fp32
         whole = self.gather_vocab_weight and gathers_weight(vocab, tokens_u.shape[0], self.tp)
         if whole:  # a small vocabulary: the weight moves, not the activations (flashpar.models.vocab)
-            embed = all_gather_rows(self.embed.weight, self.tp_group, vocab)  # fp32: gradients sum in fp32
+            embed = all_gather_rows(embed_t, self.tp_group, vocab)  # fp32: gradients sum in fp32
             x = F.embedding(tokens_u[rows], embed).to(dtype)
         else:
-            x = embed_rows(tokens_u, self.embed.weight, self.vocab_lo, self.tp_group, dtype=dtype)
-        for block in self.blocks:
+            x = embed_rows(tokens_u, embed_t, self.vocab_lo, self.tp_group, dtype=dtype)
+        if pf is not None:
+            x = pf.exit(units["embed"], x)
+        for i, block in enumerate(self.blocks):
+            k = units["blocks"][i] if pf is not None else None
+            if k is not None:
+                pf.enter(k)  # waits for the block's weights, posts the next units' gathers
             if self.checkpoint_activations:
                 x = run_checkpointed(block, self.kv_recompute, x, tables, plan, split, blocks)
             else:
-                x = block(x, tables, plan, split, blocks)
-        head = self.embed.weight if self.head is None else self.head.weight
+                with pf.saving(k) if k is not None else contextlib.nullcontext():
+                    x = block(x, tables, plan, split, blocks)
+            if k is not None:
+                x = pf.exit(k, x)
+        head_t = embed_t  # tied: the embedding's rows (its unit kept gathered from the start of forward)
+        if self.head is not None:
+            head_t = pf.enter(units["head"])[0] if pf is not None else self.head.weight
         if whole:
-            head = embed if self.head is None else all_gather_rows(head, self.tp_group, vocab)
-            return own_rows_loss(self.norm(x).to(dtype), head.to(dtype), labels_u[rows], count)
-        logits = all_gather_matmul(self.norm(x).to(dtype), head.to(dtype), None, group=self.tp_group, mode=self.mode,
-                                   split_sizes=split, save_gathered=self.save_gathered, check=False)
-        return vocab_parallel_loss(logits, labels_u, self.vocab_lo, self.tp_group, rows, count)
+            head = embed if self.head is None else all_gather_rows(head_t, self.tp_group, vocab)
+            loss = own_rows_loss(self.norm(x).to(dtype), head.to(dtype), labels_u[rows], count)
+        else:
+            logits = all_gather_matmul(self.norm(x).to(dtype), head_t.to(dtype), None, group=self.tp_group,
+                                       mode=self.mode, split_sizes=split, save_gathered=self.save_gathered,
+                                       check=False)
+            loss = vocab_parallel_loss(logits, labels_u, self.vocab_lo, self.tp_group, rows, count)
+        if pf is not None and self.head is not None:
+            loss = pf.exit(units["head"], loss)
+        return loss
 
 
 def _mesh_ranks(mesh) -> torch.Tensor:
@@ -382,16 +455,15 @@ def _mesh_ranks(mesh) -> torch.Tensor:
     return ranks
 
 
-def _sum_groups(mesh, zero: bool) -> dict[str, dist.ProcessGroup | None]:
+def _sum_groups(mesh) -> dict[str, dist.ProcessGroup | None]:
     """The ranks a gradient is summed over: ``shard`` (a tp shard: the ranks with this rank's tp index,
-    dp x cp x ulysses), ``zero`` (a ZeRO-3 row block, whose reduce-scatter already summed over dp: the
-    cp x ulysses ranks of this dp and tp index; made only with ``zero``), ``copy`` (replicated: the whole
+    dp x cp x ulysses; with ZeRO-3 it assembles the rows for checkpoints), ``copy`` (replicated: the whole
     mesh).  Every rank creates every group in the same order (``new_group`` is collective); ``None``
     where the group is this rank alone."""
     ranks = _mesh_ranks(mesh)
     dp, cpn, un, tp = ranks.shape
     me = dist.get_rank()
-    groups: dict[str, dist.ProcessGroup | None] = {"shard": None, "copy": None, "zero": None}
+    groups: dict[str, dist.ProcessGroup | None] = {"shard": None, "copy": None}
 
     def make(key: str, member_lists: list[list[int]]) -> None:
         for members in member_lists:
@@ -401,8 +473,6 @@ def _sum_groups(mesh, zero: bool) -> dict[str, dist.ProcessGroup | None]:
 
     if dp * cpn * un > 1:
         make("shard", [ranks[..., t].flatten().tolist() for t in range(tp)])
-    if zero and cpn * un > 1:  # its own groups, even where one equals the cp group (see models/grad_sync.py)
-        make("zero", [ranks[d, :, :, t].flatten().tolist() for d in range(dp) for t in range(tp)])
     if dp * cpn * un * tp > 1:
         make("copy", [ranks.flatten().tolist()])
     return groups

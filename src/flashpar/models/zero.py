@@ -1,40 +1,51 @@
-"""ZeRO-3 over the data-parallel group for the tensor-parallel weights of ``ParallelLlama``.
+"""ZeRO-3 over the shard group for the tensor-parallel weights of ``ParallelLlama``.
 
-Each dp rank ``d`` of ``D`` stores rows ``O_d = shard_rows(R, D, d)`` (``flashpar.rows``) of its tp shard
-``W_t`` (``R`` rows) and the optimizer state of those rows only.  The layers run the one ZeRO-3 of
-flashpar (``flashpar.overlap.sharded``): the dp all-gather of the rows is fused with the GEMMs that use
-them, and with the tensor-parallel all-gather / reduce-scatter of the activations; the gradient rows
-are reduce-scattered (summed) over dp behind the backward GEMMs.  Tp rank ``r`` holds the sequence
-block ``S_r`` of the ``S`` tokens between the layers (sequence parallelism)::
+The shard group of a rank is every rank with its tp index: the dp x cp x ulysses ranks, which hold the same tp
+shard ``W_t`` (``R`` rows) of every weight.  Rank ``s`` of the ``N`` of them stores rows
+``O_s = shard_rows(R, N, s)`` (``flashpar.rows``) of it and the optimizer state of those rows only, as
+torchtitan's FSDP over dp_shard x cp.  A block's linears run one of two schedules (``ParallelLlama``'s
+``zero_schedule``, per block):
 
-    ZeroColumnParallelLinear (qkv, gate_up)        W_t [R_t, in], dp rows = output features of the tp rank
-      forward    y[S, O_d]          = AG_tp(x_shard) @ w_d^T                 per arriving dp piece d
-      backward   grad_x_shard       = RS_tp( sum_d grad_y[:, O_d] @ w_d )
-                 grad_w_d           = RS_dp( grad_y[:, O_d]^T @ AG_tp(x_shard) )        (summed over dp)
-    ZeroRowParallelLinear (o_proj, down)           W_t [out, in_t], dp rows = output features
-      forward    y_shard[s_r, O_d]  = RS_tp( x @ w_d^T )                     per arriving dp piece d
-      backward   grad_x             = sum_d AG_tp(grad_y_shard)[:, O_d] @ w_d
-                 grad_w_d           = RS_dp( AG_tp(grad_y_shard)[:, O_d]^T @ x )
+* ``prefetch`` (``flashpar.overlap.prefetch``): the block's four weights are one unit, all-gathered over the
+  shard group ``depth`` blocks ahead while earlier blocks compute; the linear then runs the plain
+  tensor-parallel op on the whole ``W_t`` (its GEMMs undivided) and its gradient is reduce-scattered with the
+  unit's as the block's backward ends.  ``source`` hands the linear its whole weight.
+* ``fused`` (``flashpar.overlap.sharded``): the shard all-gather of the rows is fused with the GEMMs that use
+  them, one piece per peer, composed with the tp all-gather / reduce-scatter of the activations; the gradient
+  rows are reduce-scattered behind the backward GEMMs.  Nothing waits ahead of the block: what prefetching
+  cannot hide (the first block's gather, the last reduce-scatter) is hidden behind the block's own GEMMs.
 
-Three transfers in flight at once (flash; the column layer's forward: dp rank d, tp rank r)::
+Tp rank ``r`` holds the sequence block ``S_r`` of the ``S`` tokens between the layers (sequence parallelism)::
 
-    dp lane:  | w_d -> d+1, w_{d-1} <- d-1 ..................................... | w_{d-2} <- d-2 | ...
-    tp lane:  | x_r -> r+1, x_{r-1} <- r-1 | x_r -> r+2, x_{r-2} <- r-2 | ... |
-    main:     | y[S_r, O_d] | y[S_{r-1}, O_d]          | y[S_{r-2}, O_d] ...   | y[:, O_{d-1}] | y[:, O_{d-2}] ...
+    ZeroColumnParallelLinear (qkv, gate_up)        W_t [R_t, in], rows = output features of the tp rank
+      prefetch   y[S, :]            = AG_tp(x_shard) @ W_t^T                 W_t gathered ahead
+      fused      y[S, O_s]          = AG_tp(x_shard) @ w_s^T                 per arriving shard piece s
+      backward   grad_x_shard       = RS_tp( grad_y @ W_t )
+                 grad_w_s           = RS_shard( grad_y[:, O_s]^T @ AG_tp(x_shard) )    (summed over the group)
+    ZeroRowParallelLinear (o_proj, down)           W_t [out, in_t], rows = output features
+      prefetch   y_shard            = RS_tp( x @ W_t^T )
+      fused      y_shard[s_r, O_s]  = RS_tp( x @ w_s^T )                     per arriving shard piece s
+      backward   grad_x             = AG_tp(grad_y_shard) @ W_t
+                 grad_w_s           = RS_shard( AG_tp(grad_y_shard)[:, O_s]^T @ x )
 
-The first GEMM that needs the tp-gathered activation gathers it (the inner tp schedule, its GEMMs on
-the blocks as they arrive) while the dp lane brings the next weight rows; the later dp pieces reuse
-it.  The backward gathers the rows again (nothing gathered is kept from the forward: ZeRO-3 memory).
-Drawings of every direction are in ``flashpar.overlap.sharded``.  ``mode="none"`` runs the same
-decomposition with blocking collectives (the baseline).  A dp group of one runs the plain tensor-parallel
-op; a tp group of one is ``sharded_linear``'s path.
+The fused schedule's three transfers in flight at once (flash; the column layer's forward: shard rank s, tp
+rank r)::
 
-Gradients are summed over dp (the trainer's convention: the loss is normalised by the global target
-count), so ``ParallelLlama.reduce_grads`` sums the ZeRO-3 rows over cp only (``layout`` grad_sum ``zero``).
+    shard lane:  | w_s -> s+1, w_{s-1} <- s-1 ..................................... | w_{s-2} <- s-2 | ...
+    tp lane:     | x_r -> r+1, x_{r-1} <- r-1 | x_r -> r+2, x_{r-2} <- r-2 | ... |
+    main:        | y[S_r, O_s] | y[S_{r-1}, O_s]          | y[S_{r-2}, O_s] ...   | y[:, O_{s-1}] | ...
 
-``gather_rows`` (no autograd) assembles a tp shard from the dp rows for checkpoints
-(``ParallelLlama.to_full``); ``reduce_scatter_rows`` (the adjoint of an all-gather) and ``all_gather_rows``
-(the adjoint of a reduce-scatter) serve the vocabulary-parallel embedding and head (``flashpar.models.vocab``).
+Drawings of every direction are in ``flashpar.overlap.sharded`` and ``flashpar.overlap.prefetch``.
+``mode="none"`` runs both schedules blocking (the baseline: each unit gathered when it is needed, each
+reduce-scatter waited for).  A group of one runs the plain tensor-parallel op.
+
+Gradients are summed over the shard group (the trainer's convention: the loss is normalised by the global target
+count), which is every rank holding a copy of ``W_t``: nothing is left for ``ParallelLlama.reduce_grads`` to sum
+(``layout`` grad_sum ``zero``).
+
+``gather_rows`` (no autograd) assembles a tp shard from the rows for checkpoints (``ParallelLlama.to_full``);
+``reduce_scatter_rows`` (the adjoint of an all-gather) and ``all_gather_rows`` (the adjoint of a reduce-scatter)
+serve the vocabulary-parallel embedding and head (``flashpar.models.vocab``).
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ import torch.distributed as dist
 
 from flashpar.dist import all_gather_blocks, reduce_scatter_single
 from flashpar.overlap.modules import ColumnParallelLinear, RowParallelLinear
+from flashpar.overlap.ops import all_gather_matmul, matmul_reduce_scatter
 from flashpar.overlap.sharded import zero_all_gather_matmul, zero_matmul_reduce_scatter
 from flashpar.rows import row_sizes, shard_rows
 
@@ -106,33 +118,43 @@ def all_gather_rows(rows: torch.Tensor, group, total: int) -> torch.Tensor:
 
 
 def gather_rows(rows: torch.Tensor, group, total: int) -> torch.Tensor:
-    """The full ``[total, ...]`` tensor from every dp rank's rows (no autograd: checkpoints, ``--check``)."""
+    """The full ``[total, ...]`` tensor from every rank's rows (no autograd: checkpoints, ``--check``)."""
     if group is None or dist.get_world_size(group) == 1:
         return rows
     with torch.no_grad():
         return _all_gather_rows(rows.detach(), group, total)
 
 
+def keep_rows(module: torch.nn.Module, group) -> None:
+    """Make ``module.weight`` (and ``bias``, where it has one) this rank's rows ``shard_rows(R, n, rank)`` of the
+    group's; ``module.total_rows = R``, ``module.shard_size = n``."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    module.total_rows, module.shard_size = module.weight.shape[0], n
+    lo, hi = shard_rows(module.total_rows, n, r)
+    module.weight = torch.nn.Parameter(module.weight.data[lo:hi].clone())
+    if getattr(module, "bias", None) is not None:
+        module.bias = torch.nn.Parameter(module.bias.data[lo:hi].clone())
+
+
 class _ZeroRows:
-    """Mixin: ``weight`` (and ``bias``) keep this dp rank's rows of the tp shard (``total_rows`` rows in all)."""
+    """Mixin: ``weight`` (and ``bias``) keep this rank's rows of the tp shard (``total_rows`` rows in all) over the
+    shard group; ``source`` (set by the model for a prefetched block): a callable returning the whole ``W_t``,
+    gathered ahead, in the compute dtype."""
+
+    source = None
 
     def _keep_rows(self, dp_group) -> None:
         self.dp_group = dp_group
-        n, r = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-        self.dp_size, self.dp_rank = n, r
-        self.total_rows = self.weight.shape[0]
-        lo, hi = shard_rows(self.total_rows, n, r)
-        self.weight = torch.nn.Parameter(self.weight.data[lo:hi].clone())
-        if self.bias is not None:
-            self.bias = torch.nn.Parameter(self.bias.data[lo:hi].clone())
+        keep_rows(self, dp_group)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, rows of {self.total_rows}, dp={self.dp_size}"
+        how = "prefetched" if self.source is not None else "fused"
+        return f"{super().extra_repr()}, rows of {self.total_rows}, shard={self.shard_size}, {how}"
 
 
 class ZeroColumnParallelLinear(_ZeroRows, ColumnParallelLinear):
-    """``ColumnParallelLinear`` whose ``weight [o_d, in]`` (and bias ``[o_d]``) are this dp rank's rows of the
-    tp shard; ``forward(x_shard, *, split_sizes=None, check=True)`` as the parent's."""
+    """``ColumnParallelLinear`` whose ``weight [o_s, in]`` (and bias ``[o_s]``) are this rank's rows of the tp
+    shard; ``forward(x_shard, *, split_sizes=None, check=True)`` as the parent's."""
 
     def __init__(self, *args, dp_group, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -140,13 +162,17 @@ class ZeroColumnParallelLinear(_ZeroRows, ColumnParallelLinear):
 
     def forward(self, x_shard: torch.Tensor, *, split_sizes: list[int] | None = None,
                 check: bool = True) -> torch.Tensor:
+        if self.source is not None:  # the whole W_t, gathered ahead: the plain tensor-parallel op
+            return all_gather_matmul(x_shard, self.source(), None, group=self.group, mode=self.mode,
+                                     chunks=self.chunks, split_sizes=split_sizes, save_gathered=self.save_gathered,
+                                     check=check, timeout_s=self.timeout_s)
         return zero_all_gather_matmul(x_shard, self.weight, self.bias, group=self.group, dp_group=self.dp_group,
                                       total_rows=self.total_rows, mode=self.mode, chunks=self.chunks,
                                       split_sizes=split_sizes, check=check, timeout_s=self.timeout_s)
 
 
 class ZeroRowParallelLinear(_ZeroRows, RowParallelLinear):
-    """``RowParallelLinear`` whose ``weight [o_d, in_t]`` (and bias ``[o_d]``) are this dp rank's output rows;
+    """``RowParallelLinear`` whose ``weight [o_s, in_t]`` (and bias ``[o_s]``) are this rank's output rows;
     ``forward(x, *, split_sizes=None, check=True)`` as the parent's."""
 
     def __init__(self, *args, dp_group, **kwargs) -> None:
@@ -154,6 +180,9 @@ class ZeroRowParallelLinear(_ZeroRows, RowParallelLinear):
         self._keep_rows(dp_group)
 
     def forward(self, x: torch.Tensor, *, split_sizes: list[int] | None = None, check: bool = True) -> torch.Tensor:
+        if self.source is not None:
+            return matmul_reduce_scatter(x, self.source(), None, group=self.group, mode=self.mode, chunks=self.chunks,
+                                         split_sizes=split_sizes, check=check, timeout_s=self.timeout_s)
         return zero_matmul_reduce_scatter(x, self.weight, self.bias, group=self.group, dp_group=self.dp_group,
                                           total_rows=self.total_rows, mode=self.mode, chunks=self.chunks,
                                           split_sizes=split_sizes, check=check, timeout_s=self.timeout_s)

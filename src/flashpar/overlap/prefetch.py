@@ -267,21 +267,30 @@ class Prefetcher:
         while self._posting and self._next_post >= 0:
             self._post_scatter(self._next_post)
 
-    def _land_all(self) -> None:
-        scatters, self._scatters = self._scatters, []
+    def _land_all(self, leave: int = 0) -> None:
+        """Land the reduce-scatters in posting order, all but the last ``leave`` of them."""
+        keep = len(self._scatters) - leave
+        scatters, self._scatters = self._scatters[:keep], self._scatters[keep:]
         for unit, work, _, recv in scatters:
             wait_work(work, self.timeout_s, host=self._host[self.scatter_group])
             unit.land(recv, self.scale)
 
-    def finish(self) -> None:
+    def finish(self, *, leave_last: bool = False) -> list[torch.nn.Parameter]:
         """After backward: post what is left (units without gradients send zeros), wait for every
-        reduce-scatter and add each rank's rows into its parameters' ``.grad``."""
+        reduce-scatter and add each rank's rows into its parameters' ``.grad``.  ``leave_last``: the last one
+        posted (the tail of backward: the first unit's) stays in flight; returns its parameters, whose
+        gradients ``finish_tail`` lands (the caller works on the others meanwhile)."""
         self._post_remaining()
-        self._land_all()
+        self._land_all(leave=1 if leave_last else 0)
         self._bwd.clear()
         self._outs.clear()
         self._recomputed.clear()
         self._backward = False
+        return [p for unit, *_ in self._scatters for p in unit.params]
+
+    def finish_tail(self) -> None:
+        """Land what ``finish(leave_last=True)`` left in flight."""
+        self._land_all()
 
     def in_flight(self) -> int:
         """Reduce-scatters posted and not yet landed."""

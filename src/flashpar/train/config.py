@@ -29,6 +29,7 @@ from flashpar.overlap.ulysses import head_layout
 
 MODES = ("flash", "ring", "slice", "none", "auto")
 DP_MODES = ("zero3", "replicate")
+ZERO_SCHEDULES = ("prefetch", "fused")
 DEVICES = ("cpu", "cuda")
 MODEL_FLAGS = ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn")  # LlamaConfig fields that are flags
 
@@ -46,15 +47,20 @@ class TrainConfig:
     dp: int = _opt(1, "data-parallel size of the mesh")
     cp: int = _opt(2, "context-parallel size of the mesh")
     ulysses: int = _opt(1, "Ulysses size of the mesh: heads split over U ranks by all-to-alls fused with the QKV and "
-                           "output projections, inside each cp rank; needs --tp 1 (both split the heads); the "
-                           "attention projections stay whole on every rank (no ZeRO-3 for them)")
+                           "output projections, inside each cp rank; needs --tp 1 (both split the heads)")
     tp: int = _opt(2, "tensor-parallel size of the mesh (1 with --ulysses > 1)")
     steps: int = _opt(400, "optimizer steps of the run (a resumed run continues up to this step)")
     seq_len: int = _opt(2048, "tokens per packed sequence")
     strategy: str = _opt("flashcp", "context-parallel plan", choices=STRATEGIES)
     mode: str = _opt("flash", "TP overlap mode", choices=MODES)
-    dp_mode: str = _opt("zero3", "data parallelism: ZeRO-3 rows of the tp weights per dp rank (under --ulysses: "
-                                 "of the MLP weights), or whole copies", choices=DP_MODES)
+    dp_mode: str = _opt("zero3", "data parallelism: ZeRO-3 (every weight's rows split over the dp x cp x ulysses "
+                                 "ranks that hold its tp shard, with their gradients and AdamW state), or whole "
+                                 "copies", choices=DP_MODES)
+    zero_schedule: str = _opt("prefetch", "ZeRO-3 per block: prefetch (a block's weights gathered --prefetch blocks "
+                                          "ahead while earlier ones compute, its GEMMs undivided) or fused (the "
+                                          "gather fused with the block's GEMMs, one piece per peer)",
+                              choices=ZERO_SCHEDULES)
+    prefetch: int = _opt(1, "ZeRO-3 blocks gathered ahead of the one computing (--mode none: 0, blocking)")
     lr: float = _opt(3e-3, "AdamW learning rate: the peak of the schedule (--warmup, --lr-min)")
     seed: int = _opt(0, "seed of the weights and of the corpus order")
     max_docs: int | None = _opt(None, "use only this many corpus documents", type=int)
@@ -118,13 +124,13 @@ class TrainConfig:
                                  "each per step")
 
     def __post_init__(self) -> None:
-        for name in ("strategy", "mode", "dp_mode", "device"):
+        for name in ("strategy", "mode", "dp_mode", "zero_schedule", "device"):
             choices = _FIELDS[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         for name, least in (("nproc", 1), ("dp", 1), ("cp", 1), ("ulysses", 1), ("tp", 1), ("steps", 1),
                             ("threads", 1), ("workers", 0), ("save_every", 0), ("eval_every", 0), ("eval_docs", 1),
-                            ("micro_batches", 1)):
+                            ("micro_batches", 1), ("prefetch", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{_flag(name)} must be an integer >= {least}, got {value!r}")

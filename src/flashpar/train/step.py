@@ -64,6 +64,7 @@ def build(config: TrainConfig, mesh, device) -> tuple:
         torch.manual_seed(config.seed)
         full = Llama(cfg)
     model = ParallelLlama(cfg, mesh, mode=config.mode, timeout_s=config.timeout, dp_mode=config.dp_mode,
+                          zero_schedule=config.zero_schedule, prefetch=config.prefetch,
                           dtype=DTYPES[config.dtype], checkpoint_activations=config.checkpoint_activations,
                           save_gathered=not config.regather)
     if full is not None:
@@ -76,12 +77,14 @@ def build(config: TrainConfig, mesh, device) -> tuple:
 
 
 def forward_backward(model: ParallelLlama, tokens_cp: torch.Tensor, labels_cp: torch.Tensor, plan,
-                     count: float, *, sum_grads: bool = True, checked: bool = False) -> torch.Tensor:
+                     count: float, *, sum_grads: bool = True, checked: bool = False,
+                     leave_tail: bool = False) -> torch.Tensor:
     """This rank's share of the loss (``ParallelLlama.forward``: the cp rank's tokens / targets of ``plan``,
     ``count`` the global batch's targets), after backward, which adds its gradients to ``.grad``; with
     ``sum_grads`` (the last micro-batch) they are then summed over the ranks holding copies
     (``reduce_grads``, posted during backward).  ``checked``: the inputs were checked across ranks already
-    (``ParallelLlama.check_step``)."""
+    (``ParallelLlama.check_step``).  ``leave_tail``: the last gradient sum stays in flight
+    (``ParallelLlama.reduce_grads``), its ``GradTail`` kept in ``model.grad_tail`` for the norm."""
     where.enter("forward")
     loss = model(tokens_cp, plan, labels_cp, count, checked=checked)
     if sum_grads:
@@ -90,11 +93,12 @@ def forward_backward(model: ParallelLlama, tokens_cp: torch.Tensor, labels_cp: t
     loss.backward()
     if sum_grads:
         where.enter("gradient sums")
-        model.reduce_grads()
+        model.grad_tail = model.reduce_grads(leave_tail=leave_tail)
     return loss.detach()
 
 
-def accumulate(model: ParallelLlama, micro_batches: list[MicroBatch], count: float) -> torch.Tensor:
+def accumulate(model: ParallelLlama, micro_batches: list[MicroBatch], count: float, *,
+               leave_tail: bool = False) -> torch.Tensor:
     """Forward and backward of each micro-batch in turn, their gradients added up in ``.grad`` and summed over
     copies once, after the last (see the module docstring).  Returns this rank's share of the global
     batch's loss (the micro-batches' shares added: a device tensor)."""
@@ -103,7 +107,7 @@ def accumulate(model: ParallelLlama, micro_batches: list[MicroBatch], count: flo
     last = len(micro_batches) - 1
     where.enter("input check")
     model.check_step([(mb.tokens_cp, mb.labels_cp, mb.plan) for mb in micro_batches], count)  # one exchange a step
-    losses = [forward_backward(model, *mb, count, sum_grads=m == last, checked=True)
+    losses = [forward_backward(model, *mb, count, sum_grads=m == last, checked=True, leave_tail=leave_tail)
               for m, mb in enumerate(micro_batches)]
     return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
@@ -111,11 +115,14 @@ def accumulate(model: ParallelLlama, micro_batches: list[MicroBatch], count: flo
 def gradients(model: ParallelLlama, micro_batches: list[MicroBatch], count: float, *,
               clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``accumulate``, then the global gradient norm over every shard and, with ``clip > 0``, the gradients
-    scaled to at most that norm (``flashpar.models.grad_norm``: one all-reduce, no host wait).  Returns
+    scaled to at most that norm (``flashpar.models.grad_norm``: one all-reduce, no host wait).  The last
+    gradient sum of backward (ZeRO-3's reduce-scatter of the embedding, whose gradient is complete only at
+    the end) travels while the norm's squares of every other gradient are summed.  Returns
     ``(loss share, norm before clipping)``, both device tensors."""
-    loss = accumulate(model, micro_batches, count)
+    loss = accumulate(model, micro_batches, count, leave_tail=True)
     where.enter("gradient norm")
-    return loss, clip_grads_(model, clip)
+    tail, model.grad_tail = model.grad_tail, None
+    return loss, clip_grads_(model, clip, tail=tail)
 
 
 def optimizer_step(model: ParallelLlama, opt: torch.optim.Optimizer, micro_batches: list[MicroBatch], count: float,
