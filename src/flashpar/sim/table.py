@@ -52,7 +52,10 @@ def _grid(args) -> tuple[list[str], list[int], list[int], list[str]]:
         if not g.isdigit() or int(g) < 1:
             raise ValueError(f"--gpus: not a positive integer: {g!r}")
         gpus.append(int(g))
-    seqs = [parse_size(x) for x in items(args.seqs, "--seqs")]
+    try:
+        seqs = [parse_size(x) for x in items(args.seqs, "--seqs")]
+    except ValueError as err:
+        raise ValueError(f"--seqs: {err}") from None
     configs = items(args.configs, "--configs")
     if "flashpar" not in configs or any(c not in NAMES for c in configs) or len(set(configs)) != len(configs):
         raise ValueError(f"--configs: expected distinct names from {','.join(NAMES)} with flashpar, got "
