@@ -159,7 +159,7 @@ def run(args) -> int:
 
     clock = fit() if args.fit else H100_96GB_CLOCK
     out = rows(clock)
-    how = "fitted now" if args.fit else "the preset's"
+    how = "fitted by this run" if args.fit else "the preset's"
     print(table(out, COLUMNS, title=f"simulated, h100-96gb preset (clock factor {clock:.4f}, {how}: gemm_eff "
                                     f"{0.7 * clock:.3f}, attn_peak {0.6 * clock:.3f}), h100-ib between hosts of 8; "
                                     f"tokens/s per GPU, published (torchtitan) against simulated; within: "

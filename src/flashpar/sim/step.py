@@ -22,8 +22,8 @@ Per block (forward; backward mirrored), on the cp rank whose layer takes longest
     an ag_matmul's backward reads the x its forward gathered (the trainer's default; torch's DTensor linear),
     or gathers it again (``--regather``, and every fused ZeRO-3 linear): ``gathers_again``
 
-Backward adds what the run recomputes (``recompute``): every block's forward with activation checkpointing,
-or torchtitan's per-op selective checkpointing.
+Backward adds what the run recomputes (``block``): every block's forward with activation checkpointing, or
+what torchtitan's per-op selective checkpointing recomputes (``selective_recompute``).
 
 Once per step: the vocabulary-parallel embedding (reduce-scatter over tp, exposed) and head (ag_matmul over
 tp) with the loss, or, flashpar and baseline with a vocabulary smaller than T_u (``gathers_vocab``), the

@@ -11,7 +11,8 @@ their cp group is cp x U ranks)::
     heads   = H / tp or H / U           kv_heads = H_kv / tp or max(H_kv / U, 1)   (flashpar.overlap.ulysses)
 
 What the run recomputes in backward: nothing; every block's forward (``checkpoint``, full activation
-checkpointing); or torchtitan's per-op selective checkpointing (``selective``, ``flashpar.sim.step.recompute``).
+checkpointing); or what torchtitan's per-op selective checkpointing recomputes (``selective``,
+``flashpar.sim.step.selective_recompute``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Workload:
     packs: tuple[tuple[int, ...], ...]
     elem_bytes: int = 2  # activations and GEMMs (bf16); master weights, gradient sums and AdamW state fp32
     checkpoint: bool = False  # activation checkpointing: each block recomputed in backward
-    selective: bool = False  # torchtitan's per-op selective checkpointing instead (``step.recompute``)
+    selective: bool = False  # torchtitan's per-op selective checkpointing instead (``step.selective_recompute``)
     batch: int = 1  # sequences per dp rank and step (torchtitan's local batch size)
     eager: bool = False  # the torch peers' elementwise ops unfused (no torch.compile; ``step.elementwise``)
     zero_prefetch: int = 1  # flashpar's ZeRO-3: units gathered ahead (``--prefetch``; ``flashpar.sim.zero``)

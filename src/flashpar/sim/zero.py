@@ -58,7 +58,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashpar.sim import step
-from flashpar.sim.parts import Part
+from flashpar.sim.parts import Part, total
 from flashpar.sim.peers import Peer
 from flashpar.sim.workload import Workload
 
@@ -243,8 +243,6 @@ def _units(w: Workload, peer: Peer, schedule: tuple[str, ...], pieces: _Pieces) 
 
 
 def _run(w: Workload, peer: Peer, schedule: tuple[str, ...], pieces: _Pieces) -> DataParallel:
-    from flashpar.sim.parts import total
-
     torch_peer = step.is_torch(peer)
     units = _units(w, peer, schedule, pieces)
     if torch_peer:
@@ -252,13 +250,13 @@ def _run(w: Workload, peer: Peer, schedule: tuple[str, ...], pieces: _Pieces) ->
     else:
         ahead, blocking = (w.zero_prefetch if peer.mode != "none" else 0), peer.mode == "none"
     ln = lanes(units, ahead, blocking)
-    tail_end, tail = ln.scatter_end, 0.0
+    tail_end, overlap = ln.scatter_end, 0.0
     if not torch_peer:  # the norms' gradients, one fp32 message summed over the whole mesh after the last unit's
         all_n, all_hw = w.groups(peer)["all"][:2]
         tail_end = max(tail_end, ln.bwd_end) + step.small_all_reduce_s(norm_params(w) * 4, all_n, all_hw)
-    overlap = 0.0
-    if not torch_peer and not blocking:  # the squared norms of the gradients that have landed: all but the
-        landed = local_params(w, peer) - norm_params(w) - table_params(w, peer) / shard_size(w, peer)  # tail's
+    if not torch_peer and not blocking:
+        # the squared norms of the gradients that have landed: all but the embedding table's and the norms'
+        landed = local_params(w, peer) - norm_params(w) - table_params(w, peer) / shard_size(w, peer)
         overlap = w.cluster.device.memory_time(step.NORM_PASS_BYTES_PER_PARAM * max(landed, 0.0))
     tail = max(0.0, tail_end - ln.bwd_end - overlap)
     blocks = [pieces.blocks[k] for k in schedule]
