@@ -188,7 +188,8 @@ def test_the_simulator_shares_the_cores_as_the_run_did():
 
     from flashpar.sim import check_train
     from flashpar.sim.peers import PEERS
-    from flashpar.sim.step import block, simulate
+    from flashpar.sim.predict import simulate
+    from flashpar.sim.step import block
 
     report = json.loads((Path(__file__).parents[1] / "docs/bench/train-2026-12-03-stop25.json").read_text())
     report["setup"]["plan_burst"] = 2.0

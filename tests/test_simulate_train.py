@@ -11,7 +11,7 @@ import pytest
 from flashpar import cli
 from flashpar.cost import preset
 from flashpar.models.config import LlamaConfig
-from flashpar.sim import check_train, memory, step
+from flashpar.sim import check_train, memory, predict, step
 from flashpar.sim.model_configs import load_model
 from flashpar.sim.peers import PEERS
 from flashpar.sim.topology import Cluster, Layout
@@ -41,43 +41,53 @@ def test_llama3_8b_has_8_billion_parameters_and_6n_plus_attention_flops_per_toke
     assert cfg.flops_per_token(keys) == 6 * cfg.matmul_params + 12 * 32 * 32 * 128 * keys
     w = Workload(cfg, Layout(1, 1, 1, 8), H100, ((4096, 4096),))
     assert w.keys_per_token == keys
-    r = step.simulate(w, PEERS["flashpar"])
+    r = predict.simulate(w, PEERS["flashpar"])
     assert r["flops"] == 8192 * cfg.flops_per_token(keys)
     assert math.isclose(r["mfu"], r["flops"] / r["step_s"] / (989e12 * 8))
 
 
 def test_memory_per_gpu_by_hand_on_a_small_model():
-    """dp 2 x tp 2, ZeRO-3: a block's projections (16 x 16 q, 16 x 8 k and v, 16 x 16 o, 3 x 16 x 32 MLP =
-    2304) / tp / dp + its two norms (32); embedding and head 64 x 16 each / tp; the final norm."""
+    """dp 2 x tp 2, ZeRO-3 over the shard group S = dp x cp x U (2 ranks): a block's projections (16 x 16 q,
+    16 x 8 k and v, 16 x 16 o, 3 x 16 x 32 MLP = 2304) / tp and the two tables 64 x 16 / tp, all / |S|; the
+    norms (2 x 16 per block, 16 final) whole."""
     w = Workload(TINY, Layout(2, 1, 1, 2), H100, ((64,),), elem_bytes=2)
-    p = 2 * (2304 / 2 / 2 + 32) + 2 * 64 * 16 / 2 + 16
-    assert memory.local_params(w, PEERS["flashpar"]) == p
+    p = (2 * 2304 / 2 + 2 * 64 * 16 / 2) / 2 + (2 * 2 * 16 + 16)
+    assert memory.local_params(w, PEERS["flashpar"]) == p == 1744
     assert memory.local_params(w, PEERS["torch"]) == TINY.params / 2 / 2  # FSDP2 over dp x cp, then tp
-    # activations (bf16): per token of the cp rank (64) and block, 4 h / tp (32) rows, q k v (2 + 2 x 1) x 4
-    # (16), the attention output 2 x 4 (8), 4 ffn / tp (64): 120 elements (ZeRO-3's linears gather their input
-    # again); the head's gathered input 64 x 16 (never ZeRO-split: kept); the logits 64 x 32 x (2 + 8) bytes
-    acts = 2 * 64 * 120 * 2 + 64 * 16 * 2 + 64 * 32 * 10
+    # activations (bf16): per token of the cp rank (64) and block, 4 h / tp (32) rows, the gathered inputs of
+    # q/k/v and gate/up 2 h (tp - 1) / tp (16: a prefetched block runs the plain tp op, which keeps them), q k v
+    # (2 + 2 x 1) x 4 (16), the attention output 2 x 4 (8), 4 ffn / tp (64): 136 elements; the head's gathered
+    # input 64 x 16 (kept); the logits 64 x 32 x (2 + 8) bytes
+    acts = 2 * 64 * 136 * 2 + 64 * 16 * 2 + 64 * 32 * 10
     assert memory.activations(w, PEERS["flashpar"], 0.0) == acts
+    fused = ("fused", "fused")  # the fused ZeRO-3 linears gather their input again: 16 fewer per token
+    assert memory.activations(w, PEERS["flashpar"], 0.0, fused) == acts - 2 * 64 * 16 * 2
+    # buffers: K + 1 = 2 gathered units (2304 / 2 = 1152 elements, bf16) and one unit's fp32 gradient, plus the
+    # head's table (64 x 16 / 2) and the last block kept gathered; baseline (K = 0) one unit; every block fused:
+    # the largest tp-shard weight (gate / up, 16 x 64 / 2) bf16 + fp32 and the head's table
+    kept = (512 + 1152) * 2
+    assert memory.buffers(w, PEERS["flashpar"]) == 2 * 1152 * 2 + 1152 * 4 + kept
+    assert memory.buffers(w, PEERS["baseline"]) == 1152 * 2 + 1152 * 4 + kept
+    assert memory.buffers(w, PEERS["flashpar"], fused) == 512 * (2 + 4) + 512 * 2
     mem = memory.memory(w, PEERS["flashpar"], 0.0)
-    buffers = (16 * 64) / 2 * (2 + 4)  # the largest tp shard (gate / up: 16 x 64 / tp), bf16 + its fp32 gradient
-    assert mem["total"] == pytest.approx((16 * p + acts + buffers) / 1e9)
+    assert mem["total"] == pytest.approx((16 * p + acts + 2 * 1152 * 2 + 1152 * 4 + kept) / 1e9)
     ckpt = dataclasses.replace(w, checkpoint=True)  # block inputs (h / tp per token) + one block
-    assert memory.activations(ckpt, PEERS["flashpar"], 0.0) == 2 * 64 * 8 * 2 + 64 * 120 * 2 + 64 * 16 * 2 + \
+    assert memory.activations(ckpt, PEERS["flashpar"], 0.0) == 2 * 64 * 8 * 2 + 64 * 136 * 2 + 64 * 16 * 2 + \
         64 * 32 * 10
-    # dp 1: the q/k/v and gate/up linears keep their gathered input, 2 h (tp - 1) / tp = 16 more per token and
-    # block, and the head 64 x 16 / 2 more than its own rows; --regather keeps neither
-    kept = Workload(TINY, Layout(1, 1, 1, 2), H100, ((64,),), elem_bytes=2)
-    again = dataclasses.replace(kept, regather=True)
-    more = memory.activations(kept, PEERS["flashpar"], 0.0) - memory.activations(again, PEERS["flashpar"], 0.0)
+    # dp 1: the head keeps its gathered input, 64 x 16 / 2 more than its own rows, and the block linears theirs;
+    # --regather keeps neither
+    kept_w = Workload(TINY, Layout(1, 1, 1, 2), H100, ((64,),), elem_bytes=2)
+    again = dataclasses.replace(kept_w, regather=True)
+    more = memory.activations(kept_w, PEERS["flashpar"], 0.0) - memory.activations(again, PEERS["flashpar"], 0.0)
     assert more == (2 * 64 * 16 + 64 * 16 / 2) * 2
-    assert memory.activations(again, PEERS["torch"], 0.0) == memory.activations(kept, PEERS["torch"], 0.0)
+    assert memory.activations(again, PEERS["torch"], 0.0) == memory.activations(kept_w, PEERS["torch"], 0.0)
 
 
 def test_one_gpu_exposes_no_communication_and_every_configuration_takes_the_same_step():
     w = Workload(load_model("llama3-8b"), Layout(1, 1, 1, 1), H100, ((2048, 4096, 2048),))
     steps = set()
     for peer in PEERS.values():
-        r = step.simulate(w, peer)
+        r = predict.simulate(w, peer)
         assert all(v == 0.0 for v in r["exposed"].values()), r["exposed"]
         assert r["step_s"] == pytest.approx(r["no_comm_s"], rel=1e-12) and r["step_s"] > 0  # summed in another order
         steps.add(round(r["step_s"], 9))
@@ -86,7 +96,7 @@ def test_one_gpu_exposes_no_communication_and_every_configuration_takes_the_same
 
 def test_flashpar_hides_tensor_parallel_communication_that_the_baseline_exposes():
     w = Workload(load_model("llama3-8b"), Layout(1, 2, 1, 8), H100, ((8192, 8192, 16384),))
-    flash, none = (step.simulate(w, PEERS[n]) for n in ("flashpar", "baseline"))
+    flash, none = (predict.simulate(w, PEERS[n]) for n in ("flashpar", "baseline"))
     assert flash["exposed"]["tp"] < 0.5 * none["exposed"]["tp"]
     assert flash["exposed"]["cp"] <= none["exposed"]["cp"]  # flashcp sends only the K/V the mask needs
 
@@ -99,10 +109,10 @@ def test_regather_adds_an_all_gather_per_column_linear_to_the_backward():
     cfg = load_model("llama3-8b")
     w = Workload(cfg, Layout(1, 2, 1, 8), H100, ((8192, 8192, 16384),))
     again = dataclasses.replace(w, regather=True)
-    kept_s, again_s = (step.simulate(x, PEERS["baseline"])["exposed"]["tp"] for x in (w, again))
+    kept_s, again_s = (predict.simulate(x, PEERS["baseline"])["exposed"]["tp"] for x in (w, again))
     gather = 7 * H100.device.transfer_time(16384 / 8 * cfg.hidden * 2)  # 7 peers' rows of T_u = 16384, bf16
     assert 0 < again_s - kept_s < (2 * cfg.layers + 1) * gather
-    assert step.simulate(w, PEERS["torch"])["step_s"] == step.simulate(again, PEERS["torch"])["step_s"]
+    assert predict.simulate(w, PEERS["torch"])["step_s"] == predict.simulate(again, PEERS["torch"])["step_s"]
 
 
 def test_a_vocabulary_smaller_than_the_tokens_moves_its_weights_not_the_activations():
@@ -118,17 +128,23 @@ def test_a_vocabulary_smaller_than_the_tokens_moves_its_weights_not_the_activati
     assert not step.gathers_vocab(w, PEERS["torch"])
     hw = w.groups(PEERS["baseline"])["tp"][1]
     weights = 2 * hw.transfer_time(32 * 16 * 4)  # untied: embedding and head
-    (fwd, bwd), (fwd_moved, bwd_moved) = step.ends(w, PEERS["baseline"]), step.ends(moved, PEERS["baseline"])
+    (fwd, bwd), (fwd_moved, bwd_moved) = (_ends(x, PEERS["baseline"]) for x in (w, moved))
     assert fwd.exposed["tp"] == pytest.approx(weights) and bwd.exposed["tp"] == pytest.approx(weights)
     assert fwd.exposed["tp"] < fwd_moved.exposed["tp"] and bwd.exposed["tp"] < bwd_moved.exposed["tp"]
     acts, acts_moved = (memory.activations(x, PEERS["flashpar"], 0.0) for x in (w, moved))
     assert acts - acts_moved == pytest.approx(2 * 64 * 16 * 4 - 4096 * 16 / 2 * 2)  # + weights - gathered input
-    assert step.ends(w, PEERS["torch"])[0].total == step.ends(moved, PEERS["torch"])[0].total
+    assert _ends(w, PEERS["torch"])[0].total == _ends(moved, PEERS["torch"])[0].total
+
+
+def _ends(w, peer):
+    """(forward, backward) of the embedding and the head together."""
+    (ef, eb), (hf, hb) = step.ends(w, peer)
+    return ef.copy().add(hf), eb.copy().add(hb)
 
 
 def test_ulysses_all_to_alls_are_hidden_by_flashpar_and_the_torch_peer_runs_them_as_cp():
     w = Workload(load_model("llama3-8b"), Layout(1, 2, 4, 1), H100, ((16384, 16384),))
-    flash, none, peer = (step.simulate(w, PEERS[n]) for n in ("flashpar", "baseline", "torch"))
+    flash, none, peer = (predict.simulate(w, PEERS[n]) for n in ("flashpar", "baseline", "torch"))
     assert none["exposed"]["ulysses"] > 0 and flash["exposed"]["ulysses"] < 0.5 * none["exposed"]["ulysses"]
     assert peer["exposed"]["ulysses"] == 0 and peer["exposed"]["cp"] > 0  # torch: cp 2 x 4 = 8 ranks, no Ulysses
     assert w.sizes(PEERS["torch"])["cp_size"] == 8 and w.sizes(PEERS["flashpar"])["heads"] == 8
@@ -166,8 +182,12 @@ def test_search_prints_layouts_that_divide_the_gpus_and_fit_memory(tmp_path, cap
     fits = [r for r in rows if r["config"] == "flashpar" and r["fits"] == "yes"]
     fastest = max(fits, key=lambda r: r["tokens_per_s"])
     assert f"fastest flashpar layout: {fastest['layout']}" in text
-    # cp 8 x tp 1 does not fit 80 GB: without dp there is no ZeRO, every GPU holds the 8B weights' fp32 state
-    assert {r["layout"] for r in rows if r["fits"] == "no"} >= {"dp1 cp8 u1 tp1"}
+    # ZeRO-3 shards over dp x cp x U as FSDP2 does: cp 8 x tp 1 fits, each GPU holding an eighth of the 8B
+    # weights' fp32 state (16 bytes x 8.03e9 / 8 = 16 GB of the total), and flashpar fits wherever torch does
+    cp8 = next(r for r in rows if r["config"] == "flashpar" and r["layout"] == "dp1 cp8 u1 tp1")
+    assert cp8["fits"] == "yes" and cp8["mem_weights_gb"] + cp8["mem_grads_gb"] + cp8["mem_optimizer_gb"] < 16.1
+    fit = {c: {r["layout"] for r in rows if r["config"] == c and r["fits"] == "yes"} for c in ("flashpar", "torch")}
+    assert fit["flashpar"] >= fit["torch"]
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
@@ -210,12 +230,13 @@ def _report(**setup) -> dict:
 
 
 def test_check_of_a_perfect_report_is_within_and_of_a_perturbed_one_flagged():
+    from flashpar.bench import train as bench_train
     from flashpar.sim.check import finish, kind_of
 
     report = _report()
     assert kind_of(report) == "train"
     rows = [finish(r) for r in check_train.check(report)]
-    assert [r["row"] for r in rows] == ["flashpar vs baseline", "flashpar vs torch"] * 2 + list(PEERS)
+    assert [r["row"] for r in rows] == ["flashpar vs baseline", "flashpar vs torch"] * 2 + list(bench_train.CONFIGS)
     assert all(r["within"] == "yes" and abs(r["error"]) < 1e-9 for r in rows), rows
     slow = report["configs"][0]  # flashpar's communication 1.5 x the step longer than predicted
     slow.update(tokens_per_s=slow["tokens_per_s"] / 1.5, step_ms=slow["step_ms"] * 1.5,

@@ -5,7 +5,7 @@ trainer's MFU and the benchmarks.
   GEMM small-M curve, the attention-kernel efficiency curve, link bandwidth and latency, memory
   bandwidth, and the times they give.
 * :mod:`~flashpar.cost.presets`: named machines with their datasheet figures (``h100-nvlink``,
-  ``h100-ib``, ``h200``, ``a100``, ``b200``, ``cpu-calibrated``; aliases ``cpu``, ``cuda``).
+  ``h100-ib``, ``h100-96gb``, ``h200``, ``a100``, ``b200``, ``cpu-calibrated``; aliases ``cpu``, ``cuda``).
 * :mod:`~flashpar.cost.store`: the calibration file and :func:`load`, which ``mode="auto"`` asks.
 * :mod:`~flashpar.cost.calibrate`: measures a :class:`Hardware` on the running group (imports
   torch; the rest of this package is plain Python and imports neither torch nor

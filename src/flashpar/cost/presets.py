@@ -16,6 +16,14 @@ rest are estimates shared by every GPU preset, not datasheet figures:
   forward throughput (causal, head dim 128): half the long-sequence rate at 512 tokens, near
   the plateau beyond 8K, the plateau at about 60% of the device peak.
 
+``h100-96gb`` is the H100 of torchtitan's published runs (Meta's Grand Teton hosts: 96 GB HBM2e at
+2.4 TB/s, the 500 W power limit, NVLink inside a host, 400 Gb/s RDMA per GPU between hosts, which is
+``h100-ib``'s link).  Its peak stays the SXM datasheet's 989 TFLOP/s (the benchmark's own MFU divides by it;
+it says the capped part's real peak lies between the SXM's and the NVL's, value unknown), so the power cap
+shows in its efficiencies: ``gemm_eff = 0.7 c`` and ``attn_peak = 0.6 c`` with one clock factor ``c``
+(``H100_96GB_CLOCK``) fitted to one published run by ``flashpar.sim.anchors.fit`` (``flashpar simulate anchors
+--fit``); launch overhead and link latency keep the shared estimates.
+
 ``cpu`` and ``cuda`` are the names ``mode="auto"`` asks for (the tensor's device type).
 """
 
@@ -25,17 +33,26 @@ from dataclasses import replace
 
 from flashpar.cost.hardware import Hardware
 
-_GEMM_EFF = 0.7
-
-
-def _gpu(*, tflops: float, hbm_tb_s: float, link_gb_s: float, latency_s: float) -> Hardware:
-    flops, memory = tflops * 1e12, hbm_tb_s * 1e12
-    return Hardware(flops=flops, half_rows=round(flops * _GEMM_EFF / memory), gemm_overhead_s=8e-6,
-                    link_bytes_per_s=link_gb_s * 1e9, link_latency_s=latency_s, memory_bytes_per_s=memory,
-                    gemm_eff=_GEMM_EFF, attn_peak=0.6, attn_half=256.0)
-
-
+_GEMM_EFF, _ATTN_PEAK = 0.7, 0.6
 NVLINK_LATENCY_S, IB_LATENCY_S = 10e-6, 15e-6
+
+H100_96GB_CLOCK = 0.643
+"""The clock factor of ``h100-96gb`` (module docstring): ``flashpar.sim.anchors.fit``'s result, rounded to 3
+digits (a test checks that it still reproduces the fit's run)."""
+
+
+def _gpu(*, tflops: float, hbm_tb_s: float, link_gb_s: float, latency_s: float, clock: float = 1.0) -> Hardware:
+    flops, memory = tflops * 1e12, hbm_tb_s * 1e12
+    gemm_eff = _GEMM_EFF * clock
+    return Hardware(flops=flops, half_rows=round(flops * gemm_eff / memory), gemm_overhead_s=8e-6,
+                    link_bytes_per_s=link_gb_s * 1e9, link_latency_s=latency_s, memory_bytes_per_s=memory,
+                    gemm_eff=gemm_eff, attn_peak=_ATTN_PEAK * clock, attn_half=256.0)
+
+
+def h100_96gb(clock: float) -> Hardware:
+    """The ``h100-96gb`` preset at clock factor ``clock`` (what ``flashpar.sim.anchors.fit`` varies)."""
+    return _gpu(tflops=989, hbm_tb_s=2.4, link_gb_s=450, latency_s=NVLINK_LATENCY_S, clock=clock)
+
 
 PRESETS: dict[str, Hardware] = {
     # H100 SXM5: 989 TFLOP/s dense bf16, HBM3 3.35 TB/s, NVLink 4 900 GB/s (450 GB/s each way)
@@ -44,6 +61,9 @@ PRESETS: dict[str, Hardware] = {
     "h100-ib": _gpu(tflops=989, hbm_tb_s=3.35, link_gb_s=50, latency_s=IB_LATENCY_S),
     # H200 SXM: H100's 989 TFLOP/s dense bf16, HBM3e 4.8 TB/s, NVLink 4 900 GB/s (450 GB/s each way)
     "h200": _gpu(tflops=989, hbm_tb_s=4.8, link_gb_s=450, latency_s=NVLINK_LATENCY_S),
+    # H100 96 GB HBM2e at 500 W (torchtitan's benchmark hosts): 2.4 TB/s, NVLink 4 450 GB/s each way; the
+    # fitted clock factor (module docstring)
+    "h100-96gb": h100_96gb(H100_96GB_CLOCK),
     # A100 SXM4 80 GB: 312 TFLOP/s dense bf16, HBM2e 2.039 TB/s, NVLink 3 600 GB/s (300 GB/s each way)
     "a100": _gpu(tflops=312, hbm_tb_s=2.039, link_gb_s=300, latency_s=NVLINK_LATENCY_S),
     # B200 (HGX B200): 2.25 PFLOP/s dense bf16, HBM3e 8 TB/s, NVLink 5 1.8 TB/s (900 GB/s each way)

@@ -10,7 +10,9 @@ kernel's curves).  What the bench runs that a GPU cluster would not, the simulat
 * the torch peer's attention is SDPA with a document mask over the all-gathered K/V, which computes all
   ``S_loc x S`` scores (``torch_attention="dense"``; torch picks its CPU flash kernel for it, which the
   calibration's attention curve times), and its FSDP2 gathers a block when the block's forward starts
-  (``fsdp_prefetch=False``: an assumption, on CPU no stream lets the host run ahead and issue it earlier);
+  (``fsdp_prefetch=False``: an assumption, on CPU no stream lets the host run ahead and issue it earlier)
+  and gathers every block again for backward, the last one too (``fsdp_keep_last=False``:
+  ``flashpar.bench.torch_parallel`` reshards every block after forward);
 * gradient reduce-scatters are fp32 like everything else (the bench runs fp32).
 
 Compared (each predicted against measured, ``flashpar.sim.check.finish`` marks what is within 15%), two ways:
@@ -59,7 +61,8 @@ def workload(report: dict, name: str):
     burst = plan_burst(s)
     group = s["tp"] if name == "torch" else s["tp"] * s["ulysses"]  # a cp rank's processes (torch: no Ulysses)
     return Workload(cfg, layout, cluster, packs, elem_bytes=4, attn_bwd=bwd, zero_rs_elem_bytes=4,
-                    torch_attention="dense", fsdp_prefetch=False, regather=regather, gather_vocab=gather_vocab,
+                    torch_attention="dense", fsdp_prefetch=False, fsdp_keep_last=False, regather=regather,
+                    gather_vocab=gather_vocab,
                     plan_hardware=plan_hw, plan_per_step=per_step, plan_burst=burst,
                     shared_cores=run_burst(s, group))
 
@@ -111,8 +114,8 @@ def run_burst(setup: dict, group: int) -> float:
 
 
 def predict(report: dict) -> dict[str, dict]:
-    """``flashpar.sim.step.simulate`` of every configuration the report measured."""
-    from flashpar.sim.step import simulate
+    """``flashpar.sim.predict.simulate`` of every configuration the report measured."""
+    from flashpar.sim.predict import simulate
 
     names = [r["name"] for r in report["configs"]]
     unknown = [n for n in names if n not in PEERS]

@@ -9,6 +9,8 @@ SUBCOMMANDS = {
     "overlap": ("flashpar.sim.overlap", "an op, an MLP or an attention block: time per overlap mode, exposed comm"),
     "cp": ("flashpar.sim.cp", "every context-parallel strategy's plan at 8 to 1,024 ranks, 128K to 8M tokens"),
     "train": ("flashpar.sim.train", "one Llama training step on a (dp, cp, ulysses, tp) layout; fastest layouts"),
+    "table": ("flashpar.sim.table", "simulate train --search over (model, GPUs, seq): one markdown row each"),
+    "anchors": ("flashpar.sim.anchors", "published torchtitan H100 runs against the simulator (h100-96gb)"),
     "check": ("flashpar.sim.check", "a `flashpar bench overlap|cp|train` JSON: every row predicted vs measured"),
 }
 

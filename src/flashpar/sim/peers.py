@@ -1,17 +1,29 @@
-"""The three configurations of ``flashpar bench train``, as the simulator runs them: one table, read by
-``flashpar.sim.step`` (time), ``flashpar.sim.memory`` (bytes) and ``flashpar.sim.check_train``.
+"""The configurations the simulator runs: one table, read by ``flashpar.sim.step`` and ``flashpar.sim.zero``
+(time), ``flashpar.sim.memory`` (bytes) and ``flashpar.sim.check_train``.  The first three are ``flashpar
+bench train``'s; ``torch_async_tp`` is simulated only (it needs torch.compile and symmetric memory on GPUs).
 
-    name      linears (tp, ulysses)      data parallel                 context parallel
-    flashpar  FlashOverlap "flash"       ZeRO-3 over dp, fused (flash)  flashcp plans, K/V sharding-aware, p2p,
-                                                                        local first (cp.attention)
-    baseline  mode "none" (blocking)     ZeRO-3 over dp, blocking       per_doc plans (all K/V), same executor
-    torch     DTensor TP-SP: blocking    FSDP2 per block over dp x cp,  torch's per-document head-tail layout,
-              (= mode "none")            prefetched one block ahead     K/V all-gathered (blocking) over cp x U
+    name            linears (tp, ulysses)      data parallel                  context parallel
+    flashpar        FlashOverlap "flash"       ZeRO-3 over S, auto per block  flashcp plans, K/V sharding-aware,
+                                               (prefetch / fused)             p2p, local first (cp.attention)
+    baseline        mode "none" (blocking)     ZeRO-3 over S, blocking        per_doc plans (all K/V), same
+                                                                              executor
+    torch           DTensor TP-SP: blocking    FSDP2 per block over S,        torch's per-document head-tail
+                    (= mode "none")            prefetched one block ahead     layout, K/V all-gathered
+                                                                              (blocking) over cp x U
+    torch_async_tp  torch's async TP: "flash"  as torch                       as torch
 
-flashpar and baseline sum the gradients of what is not ZeRO-split (tp shards over dp x cp x U without ZeRO,
-ZeRO rows over cp x U, embedding / head over dp x cp x U) with all-reduces posted during backward
-(``flashpar.models.grad_sync``); torch's FSDP2 reduce-scatters every block's gradients over dp x cp x U.  The
-torch peer has no Ulysses: its context-parallel group is cp x U ranks.
+``S`` = dp x cp x U, the shard group (``flashpar.sim.zero``).  The torch peers have no Ulysses: their
+context-parallel group is cp x U ranks.
+
+torch_async_tp is torchtitan's ``enable_async_tensor_parallel`` (inductor's micro-pipeline TP:
+``torch.distributed._symmetric_memory``'s ``_fused_all_gather_matmul`` / ``_fused_matmul_reduce_scatter``).
+The all-gather + matmul copies the local shard first and consumes it, then pulls each peer's shard in turn
+(rank + 1, + 2, ...) with the copy engine and multiplies it as it lands; the matmul + reduce-scatter computes
+the chunk of each peer in turn, the local one last, and writes it into that peer's buffer, then sums what it
+received.  That is FlashOverlap's ``flash`` schedule (point-to-point per peer, local first for the gather,
+local last for the reduce-scatter, one GEMM piece per peer), not ``ring`` (neighbour forwarding) nor
+``slice`` (chunked collectives); so the peer runs mode flash with one chunk, forward and backward (the
+compiled backward graph holds the same patterns).
 """
 
 from __future__ import annotations
@@ -24,7 +36,7 @@ class Peer:
     name: str
     mode: str  # FlashOverlap mode of the tp / ulysses / ZeRO-3 ops ("flash" or "none")
     strategy: str  # CP planner strategy
-    data_parallel: str  # "zero3" (flashpar.models.zero, dp only) or "fsdp" (FSDP2 over dp x cp x U)
+    data_parallel: str  # "zero3" (flashpar's ZeRO-3) or "fsdp" (FSDP2); both over S (flashpar.sim.zero)
     kv: str  # "plan": cp.attention's exchange of the plan, overlapped; "allgather": blocking all-gather
     ulysses: bool  # whether the mesh's ulysses dim runs Ulysses (else it joins cp)
 
@@ -36,5 +48,6 @@ PEERS = {
     # document where lengths are multiples of 2 cp, as bench train packs them; the planner's torch_per_doc
     # reproduces torch's own class, whose import costs seconds)
     "torch": Peer("torch", "none", "per_doc", "fsdp", "allgather", False),
+    "torch_async_tp": Peer("torch_async_tp", "flash", "per_doc", "fsdp", "allgather", False),
 }
 NAMES = tuple(PEERS)

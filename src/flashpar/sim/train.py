@@ -1,18 +1,21 @@
 """``flashpar simulate train``: one training step of a Llama on a (dp, cp, ulysses, tp) layout of a cluster.
 
-For each configuration of ``flashpar bench train`` (``flashpar.sim.peers``: flashpar, baseline, torch) on the
-layout: step time, tokens/s, MFU, exposed communication per parallelism (tp, ulysses, cp, dp) and memory per
-GPU, from the runtime's schedules (``flashpar.overlap.simulate``), its plans (``flashpar.cp.plan``) and the
-one cost model (``flashpar.cost``): ``flashpar.sim.step`` (time), ``flashpar.sim.memory`` (bytes),
-``flashpar.sim.topology`` (which link each group rides).  ``--search`` tries every layout of ``--gpus``
-(``flashpar.sim.layouts``) and prints the fastest that fit the GPU's memory.
+For each configuration (``flashpar.sim.peers``: flashpar, baseline, torch, torch_async_tp) on the layout:
+step time, tokens/s, MFU, exposed communication per parallelism (tp, ulysses, cp, dp) and memory per GPU,
+from the runtime's schedules (``flashpar.overlap.simulate``), its plans (``flashpar.cp.plan``) and the one
+cost model (``flashpar.cost``): ``flashpar.sim.predict`` (time: ``flashpar.sim.step``'s pieces on
+``flashpar.sim.zero``'s data-parallel lanes), ``flashpar.sim.memory`` (bytes), ``flashpar.sim.topology``
+(which link each group rides).  ``--search`` tries every layout of ``--gpus`` (``flashpar.sim.layouts``) and
+prints the fastest that fit the GPU's memory; ``flashpar simulate table`` runs such searches over a grid.
 
     flashpar simulate train --model llama3-8b --gpus 64 --tp 8 --seq 8192
     flashpar simulate train --model llama3-70b --gpus 512 --seq 131072 --search --json out.json
     flashpar simulate train --model path/to/config.json --dp 2 --cp 4 --tp 8 --seq 32768
 
-Every dp rank trains on one packed sequence of ``--seq`` tokens per step: the first pack of ``--lengths``
-(``--packs K``: the first K, the slowest setting the step).  All figures are simulated.
+Every dp rank trains on ``--batch`` packed sequences of ``--seq`` tokens per step: the first pack of
+``--lengths`` stands for each (``--packs K``: the first K, the slowest setting the step).  flashpar's ZeRO-3
+gathers ``--prefetch`` units ahead; the ``zero`` column says how many blocks its auto schedule fuses.  All
+figures are simulated.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import sys
 
 from flashpar.sim.report import table, write_json
 
-COLUMNS = [("config", ""), ("layout", ""), ("ckpt", ""), ("step_ms", ".1f"), ("tokens_per_s", ",.0f"), ("mfu", ".1%"),
+COLUMNS = [("config", ""), ("layout", ""), ("ckpt", ""), ("tp_mode", ""), ("zero", ""), ("step_ms", ".1f"),
+           ("tokens_per_s", ",.0f"), ("mfu", ".1%"),
            ("exposed_ms", ".1f"), ("exposed_tp_ms", ".1f"), ("exposed_ulysses_ms", ".1f"), ("exposed_cp_ms", ".1f"),
            ("exposed_dp_ms", ".1f"), ("mem_gb", ".1f"), ("fits", "")]
 
@@ -39,7 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
     p.add_argument("--ulysses", type=int, default=1, help="Ulysses size (default 1; needs --tp 1)")
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default 8)")
-    p.add_argument("--seq", type=int, default=8192, help="tokens per packed sequence, one per dp rank (default 8192)")
+    p.add_argument("--seq", type=int, default=8192, help="tokens per packed sequence (default 8192)")
+    p.add_argument("--batch", type=int, default=1, help="packed sequences per dp rank and step (default 1)")
+    p.add_argument("--prefetch", type=int, default=1,
+                   help="flashpar's ZeRO-3: units all-gathered ahead of the one computing (default 1)")
     p.add_argument("--lengths", default="wlbllm", help=LENGTHS_HELP + " (default wlbllm)")
     p.add_argument("--packs", type=int, default=1, help="packs simulated, the slowest counts (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node, joined by NVLink (default 8)")
@@ -52,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-activations", choices=("auto", "on", "off"), default="auto",
                    help="recompute each block in backward: auto = only where the step does not fit without")
     p.add_argument("--configs", default=",".join(NAMES), help=f"subset of {','.join(NAMES)}")
+    p.add_argument("--flashpar-mode", choices=tuple(FLASHPAR_MODES), default="best",
+                   help="flashpar's tp / Ulysses mode: flash (the trainer's default), auto (--mode auto), or best: "
+                        "the faster of the two per layout (default)")
     p.add_argument("--search", action="store_true", help="try every layout of --gpus; print the fastest that fit")
     p.add_argument("--top", type=int, default=5, help="layouts printed per configuration with --search (default 5)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of a length distribution (default 0)")
@@ -71,7 +81,7 @@ def _setup(args: argparse.Namespace):
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if not configs or any(c not in NAMES for c in configs) or len(set(configs)) != len(configs):
         raise ValueError(f"--configs: expected distinct names from {','.join(NAMES)}, got {args.configs!r}")
-    for name in ("seq", "packs", "gpus_per_node", "top"):
+    for name in ("seq", "batch", "prefetch", "packs", "gpus_per_node", "top"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     cfg = load_model(args.model)
@@ -116,17 +126,33 @@ def _setup(args: argparse.Namespace):
     return cfg, cluster, tuple(tuple(p) for p in packs), layouts, capacity, configs
 
 
-def row(w, name: str, capacity: float) -> dict:
-    """One configuration on one workload, as a flat JSON row."""
+FLASHPAR_MODES = {"flash": ("flash",), "auto": ("auto",), "best": ("flash", "auto")}
+"""``--flashpar-mode``: the trainer's tp / Ulysses mode flashpar runs with, ``flash`` (its default) or ``auto``
+(``--mode auto``: each op's pick of the cost model, ``flashpar.overlap.simulate.choose_mode``), or ``best``: the
+faster of the two on each layout (as the torch configurations count DTensor's blocking TP and async TP)."""
+
+
+def row(w, name: str, capacity: float, flashpar_mode: str = "best") -> dict:
+    """One configuration on one workload, as a flat JSON row (flashpar: in ``flashpar_mode``)."""
+    import dataclasses
+
     from flashpar.sim.memory import USABLE
     from flashpar.sim.peers import PEERS
-    from flashpar.sim.step import simulate
+    from flashpar.sim.predict import simulate
+    from flashpar.sim.step import is_torch
+    from flashpar.sim.zero import FUSED
 
-    r = simulate(w, PEERS[name])
+    peer = PEERS[name]
+    modes = FLASHPAR_MODES[flashpar_mode] if name == "flashpar" else (peer.mode,)
+    runs = [(simulate(w, dataclasses.replace(peer, mode=m)), m) for m in modes]
+    r, mode = min(runs, key=lambda x: x[0]["step_s"])
     L, mem = w.layout, r["memory"]
-    links = {k: v[2] for k, v in w.groups(PEERS[name]).items() if k in ("tp", "ulysses", "cp", "dp") and v[0] > 1}
+    links = {k: v[2] for k, v in w.groups(peer).items() if k in ("tp", "ulysses", "cp", "dp") and v[0] > 1}
+    zero = "fsdp" if is_torch(peer) else f"{r['schedule'].count(FUSED)}/{len(r['schedule'])} fused"
     return {"config": name, "layout": L.label(), "dp": L.dp, "cp": L.cp, "ulysses": L.ulysses, "tp": L.tp,
-            "gpus": L.gpus, "seq": w.seq, "ckpt": "on" if w.checkpoint else "off",
+            "gpus": L.gpus, "seq": w.seq, "batch": w.batch, "ckpt": "on" if w.checkpoint else "off", "tp_mode": mode,
+            "zero": zero,
+            "schedule": list(r["schedule"]), "tail_ms": 1e3 * r["tail_s"],
             "step_ms": 1e3 * r["step_s"], "no_comm_ms": 1e3 * r["no_comm_s"],
             "exposed_ms": 1e3 * sum(r["exposed"].values()),
             **{f"exposed_{k}_ms": 1e3 * v for k, v in r["exposed"].items()},
@@ -136,7 +162,8 @@ def row(w, name: str, capacity: float) -> dict:
             "links": " ".join(f"{k}:{v}" for k, v in links.items())}
 
 
-def simulate_rows(cfg, cluster, packs, layouts, capacity, configs, *, elem_bytes: int, checkpoint: str) -> list[dict]:
+def simulate_rows(cfg, cluster, packs, layouts, capacity, configs, *, elem_bytes: int, checkpoint: str,
+                  batch: int = 1, prefetch: int = 1, flashpar_mode: str = "best") -> list[dict]:
     """Every configuration on every layout: with ``checkpoint`` "auto", without activation checkpointing where
     that fits, else with it."""
     from flashpar.sim.workload import Workload
@@ -146,11 +173,19 @@ def simulate_rows(cfg, cluster, packs, layouts, capacity, configs, *, elem_bytes
         for name in configs:
             modes = {"on": [True], "off": [False], "auto": [False, True]}[checkpoint]
             for ckpt in modes:
-                r = row(Workload(cfg, layout, cluster, packs, elem_bytes=elem_bytes, checkpoint=ckpt), name, capacity)
+                w = Workload(cfg, layout, cluster, packs, elem_bytes=elem_bytes, checkpoint=ckpt, batch=batch,
+                             zero_prefetch=prefetch)
+                r = row(w, name, capacity, flashpar_mode)
                 if r["fits"] == "yes" or ckpt == modes[-1]:
                     rows.append(r)
                     break
     return rows
+
+
+def fastest(rows: list[dict], configs) -> dict:
+    """Each configuration's fastest row that fits (None where none fits)."""
+    return {name: max((r for r in rows if r["config"] == name and r["fits"] == "yes"),
+                      key=lambda r: r["tokens_per_s"], default=None) for name in configs}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,10 +195,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"flashpar simulate train: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
     rows = simulate_rows(cfg, cluster, packs, layouts, capacity, configs,
-                         elem_bytes=2 if args.dtype == "bf16" else 4, checkpoint=args.checkpoint_activations)
+                         elem_bytes=2 if args.dtype == "bf16" else 4, checkpoint=args.checkpoint_activations,
+                         batch=args.batch, prefetch=args.prefetch, flashpar_mode=args.flashpar_mode)
     label = (f"simulated, {cluster.device_name}, {cluster.describe()}; {args.model} ({cfg.params / 1e9:.2f}B "
-             f"params), {args.seq} tokens per sequence ({args.lengths}: {len(packs[0])} documents), {args.dtype}, "
-             f"memory fits at {capacity:.0f} GB x 0.9")
+             f"params), {args.batch} x {args.seq} tokens per dp rank ({args.lengths}: {len(packs[0])} documents "
+             f"per sequence), {args.dtype}, memory fits at {capacity:.0f} GB x 0.9")
     if args.search:
         print(f"{label}\nsearch: {len(layouts)} layouts of {args.gpus} GPUs")
         for name in configs:
@@ -175,8 +211,7 @@ def run(args: argparse.Namespace) -> int:
             print()
             print(table(fit[: args.top], COLUMNS, title=f"{name}: the fastest {min(args.top, len(fit))} of "
                                                          f"{len(fit)} layouts that fit"))
-        best = {name: max((r for r in rows if r["config"] == name and r["fits"] == "yes"),
-                          key=lambda r: r["tokens_per_s"], default=None) for name in configs}
+        best = fastest(rows, configs)
         if best.get("flashpar"):
             f = best["flashpar"]
             others = ", ".join(f"{f['tokens_per_s'] / b['tokens_per_s']:.2f}x {n}'s best ({b['layout']})"
@@ -186,7 +221,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(table(rows, COLUMNS, title=label))
     setup = {"model": args.model, "params": cfg.params, "model_config": cfg.to_dict(), "gpus": layouts[0].gpus,
-             "seq": args.seq, "lengths": args.lengths, "documents": [len(p) for p in packs],
+             "seq": args.seq, "batch": args.batch, "prefetch": args.prefetch, "flashpar_mode": args.flashpar_mode,
+             "lengths": args.lengths,
+             "documents": [len(p) for p in packs],
              "hardware": cluster.device_name, "inter": cluster.inter_name, "gpus_per_node": cluster.gpus_per_node,
              "gpu_mem_gb": capacity, "dtype": args.dtype, "checkpoint_activations": args.checkpoint_activations,
              "search": bool(args.search), "simulated": True}

@@ -1,12 +1,18 @@
 """What one simulated training step is made of: the model, the layout on the cluster, the packed documents.
 
-Every dp rank trains on one packed sequence of ``seq`` tokens per step (``packs``: the document lengths of
-the sequences; dp rank ``d`` gets ``packs[d % len(packs)]``).  Sizes per rank, for one configuration
-(``flashpar.sim.peers``: the torch peer has no Ulysses, its cp group is cp x U ranks)::
+Every dp rank trains on ``batch`` packed sequences of ``seq`` tokens per step (``packs``: the document lengths
+of the sequences; each simulated pack stands for all ``batch`` sequences of a rank, and the slowest pack sets
+the step).  Sizes per rank, for one configuration (``flashpar.sim.peers``: the torch peers have no Ulysses,
+their cp group is cp x U ranks)::
 
-    cp_size = cp (x U for torch)        T_cp = seq / cp_size    tokens of a cp rank (the plan's, on average)
-    u       = U (1 for torch)           T_u  = T_cp / u         rows of a ulysses rank = the rows a tp op gathers
+    cp_size = cp (x U for torch)        T_cp = batch seq / cp_size   rows of a cp rank (the plan's, on average)
+    u       = U (1 for torch)           T_u  = T_cp / u              rows of a ulysses rank = the rows a tp op
+                                                                     gathers
     heads   = H / tp or H / U           kv_heads = H_kv / tp or max(H_kv / U, 1)   (flashpar.overlap.ulysses)
+
+What the run recomputes in backward: nothing; every block's forward (``checkpoint``, full activation
+checkpointing); or what torchtitan's per-op selective checkpointing recomputes (``selective``,
+``flashpar.sim.step.selective_recompute``).
 """
 
 from __future__ import annotations
@@ -30,10 +36,16 @@ class Workload:
     packs: tuple[tuple[int, ...], ...]
     elem_bytes: int = 2  # activations and GEMMs (bf16); master weights, gradient sums and AdamW state fp32
     checkpoint: bool = False  # activation checkpointing: each block recomputed in backward
+    selective: bool = False  # torchtitan's per-op selective checkpointing instead (``step.selective_recompute``)
+    batch: int = 1  # sequences per dp rank and step (torchtitan's local batch size)
+    eager: bool = False  # the torch peers' elementwise ops unfused (no torch.compile; ``step.elementwise``)
+    zero_prefetch: int = 1  # flashpar's ZeRO-3: units gathered ahead (``--prefetch``; ``flashpar.sim.zero``)
+    fsdp_root: bool = False  # torch's FSDP2 wraps the embedding, final norm and head as one root unit
     torch_attention: str = "flex"  # the torch peer's kernel: "flex" (document blocks only) or "dense" (S_loc x S)
     attn_bwd: tuple[float, float] | None = None  # (attn_peak, attn_half) of the backward kernel; None: BWD_ATTN_TIME
     zero_rs_elem_bytes: int = 4  # the ZeRO-3 / FSDP gradient reduce-scatter's element (fp32 sums)
     fsdp_prefetch: bool = True  # FSDP2 all-gathers the next block while this one computes
+    fsdp_keep_last: bool = True  # FSDP2 keeps the last block gathered for backward (torchtitan's default policy)
     regather: bool = False  # flashpar / baseline (`--regather`): ag_matmul gathers x again in backward
     gather_vocab: bool = True  # flashpar / baseline gather a vocabulary smaller than T_u (models.vocab.gathers_weight)
     plan_hardware: Hardware | None = None  # the device figures the trainer planned with; None: the cp group's
@@ -41,6 +53,14 @@ class Workload:
     plan_burst: float = 1.0  # CostModel.burst the trainer planned with (ranks sharing cores; a device per rank: 1)
     shared_cores: float = 1.0  # CostModel.burst of the run itself: > 1 where its ranks share a host's cores (the
     #                            bench's CPU box), and a block's compute ends as the cp ranks' computes share them
+
+    def __post_init__(self) -> None:
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+            raise ValueError(f"batch must be a positive integer, got {self.batch!r}")
+        if isinstance(self.zero_prefetch, bool) or not isinstance(self.zero_prefetch, int) or self.zero_prefetch < 1:
+            raise ValueError(f"--prefetch must be a positive integer, got {self.zero_prefetch!r}")
+        if self.checkpoint and self.selective:
+            raise ValueError("full and selective activation checkpointing exclude each other")
 
     @property
     def seq(self) -> int:
@@ -57,7 +77,7 @@ class Workload:
             heads, kv_heads = head_layout(cfg.heads, cfg.kv_heads, u)
         else:
             heads, kv_heads = cfg.heads // L.tp, max(cfg.kv_heads // L.tp, 1)
-        t_cp = self.seq / cp_size
+        t_cp = self.batch * self.seq / cp_size
         return {"u": u, "cp_size": cp_size, "tp": L.tp, "heads": heads, "kv_heads": kv_heads, "t_cp": t_cp,
                 "t_u": t_cp / u, "split": L.tp * u}
 
@@ -68,7 +88,7 @@ class Workload:
         cp_dims = ("cp",) if peer.ulysses else ("cp", "ulysses")
         return {"tp": g(L, ("tp",)), "ulysses": g(L, ("ulysses",)) if peer.ulysses else g(L, ()),
                 "cp": g(L, cp_dims), "dp": g(L, ("dp",)), "shard": g(L, ("dp", "cp", "ulysses")),
-                "zero": g(L, ("cp", "ulysses")), "all": g(L, ("dp", "cp", "ulysses", "tp"))}
+                "all": g(L, ("dp", "cp", "ulysses", "tp"))}
 
     def bwd_hardware(self, hw: Hardware) -> Hardware:
         """``hw`` with the backward attention kernel's curve."""

@@ -1,0 +1,295 @@
+"""Sharded data parallelism on two lanes: flashpar's ZeRO-3 and torch's FSDP2, and the schedule flashpar's
+``auto`` picks per block (``zero_schedule``, which the trainer calls too).
+
+Shard group ``S``: the dp x cp x U ranks with the same tp index (``Workload.groups(peer)["shard"]``).  Each
+unit's parameters (its tp shard; under Ulysses the attention projections whole) are split by rows over
+``S``; norms stay whole (flashpar: summed over the whole mesh once, at the end of backward).
+
+    units    [embedding, block 0, ..., block L-1, head]      (tied embeddings: one table unit, kept gathered
+             from the start of forward to the end of backward; torch's ``fsdp_root``: embedding, final norm
+             and head as one such unit)
+    gather   (|S| - 1) transfers of P_unit / |S| x e bytes     one all-gather per unit (ring), compute dtype
+    scatter  (|S| - 1) transfers of P_unit / |S| x 4 bytes     the gradient reduce-scatter, fp32 sums
+
+A block is ``prefetch`` or ``fused``:
+
+* ``prefetch`` (``K = Workload.zero_prefetch``): the gathers of units i+1 .. i+K are posted on the gather lane
+  when unit i starts computing (units 0 .. K at the start of forward, with nothing to hide behind); unit i
+  waits for its own; its linears run the plain tp op.  Backward: the head and the last block keep their
+  forward gather; when unit i's backward starts, the gathers of units i-1 .. i-K are posted again; unit i's
+  gradient reduce-scatter is posted on the scatter lane when its backward ends.
+* ``fused``: the block's linears run ZeRO-3's per-peer decomposition over ``S`` (``flashpar.sim.step.linears``
+  with ``fused``), their transfers inside the ops; nothing of the block rides the lanes.  Only with U = 1.
+
+Four units, K = 1 (the test's example: forward / backward seconds 1 / 1, 4 / 8, 4 / 8, 2 / 3; gathers 2, 3, 3,
+2; reduce-scatters 1, 2, 2, 1; units 2 and 3 kept), unit numbers on the lanes, forward then backward::
+
+    gather   | 0 |  1  |  2  | | 3 |             |  1  |         | 0 |
+    main         |0|   |   1   |   2   | 3 |  3  |       2       |       1       |0|
+    scatter                                      |3|             | 2 |           | 1 |0|
+    time     0                   10        15        20                  30        35
+
+    forward ends at 15 (waits 2 + 2), backward at 35, the scatter lane at 37: exposed 4 + tail 2
+
+A wait on either lane, and what of the scatter lane (with flashpar's norm all-reduce, one message of every
+norm's gradient: ``step.small_all_reduce_s``) outlasts backward, is exposed (dp).  flashpar's tail overlaps
+the clipping's squared-norm pass over the gradients that have landed (``NORM_PASS_BYTES_PER_PARAM`` per local
+parameter outside the embedding's table, at memory bandwidth):
+
+    exposed tail = max(0, scatter lane end - backward end - that pass)
+
+Configurations:
+
+    flashpar (flash, auto)  auto: per block the fastest of {every block prefetch, block 0 fused + the rest
+                            prefetch, every block fused} (``zero_schedule``: the whole step simulated for each)
+    baseline (mode none)    every block prefetch with K = 0: each gather blocking when the unit needs it,
+                            each reduce-scatter blocking right after the unit's backward, the tail blocking
+    torch (FSDP2)           torchtitan's ``apply_fsdp``: units [embedding, blocks, (norm, head)], one unit
+                            ahead (``Workload.fsdp_prefetch``), the last block and (norm, head) not resharded
+                            after forward (``Workload.fsdp_keep_last``: the bench's torch peer reshards the last
+                            block), the reduce-scatters on the scatter lane; the optimizer waits for them all
+
+The lanes run at the link's full rate each: an all-gather and a reduce-scatter in flight together do not
+share it here (both peers alike).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flashpar.sim import step
+from flashpar.sim.parts import Part, total
+from flashpar.sim.peers import Peer
+from flashpar.sim.workload import Workload
+
+PREFETCH, FUSED = "prefetch", "fused"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit on the lanes: its forward and backward seconds without the lanes, its all-gather and
+    reduce-scatter seconds (0: nothing on that lane), and whether backward reuses its forward gather."""
+
+    fwd: float
+    bwd: float
+    gather: float = 0.0
+    scatter: float = 0.0
+    kept: bool = False
+
+
+@dataclass(frozen=True)
+class Lanes:
+    fwd_end: float  # when forward ends
+    bwd_end: float  # when backward ends (blocking reduce-scatters included)
+    scatter_end: float  # when the scatter lane's last item ends (the tail's end)
+    exposed: float  # lane waits of forward and backward
+
+
+# ----------------------------------------------------------------------------------------------
+# sizes
+
+
+def shard_size(w: Workload, peer: Peer) -> int:
+    return w.groups(peer)["shard"][0]
+
+
+def table_params(w: Workload, peer: Peer) -> float:
+    """Elements of one vocabulary table's tp shard."""
+    return w.cfg.vocab_size * w.cfg.hidden / w.sizes(peer)["tp"]
+
+
+def block_params(w: Workload, peer: Peer) -> float:
+    """Elements of one block's unit: its projections' tp shard (Ulysses, tp = 1: every projection whole);
+    torch's FSDP2 units hold the block's two norms too."""
+    cfg, tp = w.cfg, w.sizes(peer)["tp"]
+    norms = 2 * cfg.hidden if step.is_torch(peer) else 0
+    return cfg.block_matmul_params / tp + norms
+
+
+def norm_params(w: Workload) -> float:
+    return (2 * w.cfg.layers + 1) * w.cfg.hidden
+
+
+def local_params(w: Workload, peer: Peer) -> float:
+    """Parameters a rank holds: flashpar and baseline ``(L P_block + tables) / |S| + norms``; torch everything
+    / tp / |S| (FSDP2 shards the norms too)."""
+    n = shard_size(w, peer)
+    tables = table_params(w, peer) * (1 if w.cfg.tie_embeddings else 2)
+    if step.is_torch(peer):
+        return w.cfg.params / w.sizes(peer)["tp"] / n
+    return (w.cfg.layers * block_params(w, peer) + tables) / n + norm_params(w)
+
+
+def gather_s(w: Workload, peer: Peer, params: float) -> float:
+    """Seconds of the ring all-gather of a unit of ``params`` elements over the shard group, compute dtype."""
+    n, hw = w.groups(peer)["shard"][:2]
+    return (n - 1) * hw.transfer_time(params / n * w.elem_bytes) if n > 1 else 0.0
+
+
+def scatter_s(w: Workload, peer: Peer, params: float) -> float:
+    """Seconds of the ring reduce-scatter of a unit's gradient over the shard group (``zero_rs_elem_bytes``)."""
+    n, hw = w.groups(peer)["shard"][:2]
+    return (n - 1) * hw.transfer_time(params / n * w.zero_rs_elem_bytes) if n > 1 else 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# the lanes
+
+
+def lanes(units: list[Unit], ahead: int, blocking: bool = False) -> Lanes:
+    """The two lanes and the main agent over ``units`` (forward in order, backward reversed), gathers posted
+    ``ahead`` units ahead (0: when the unit needs it); ``blocking``: each reduce-scatter waited for as soon
+    as it is posted (the module docstring)."""
+    n = len(units)
+    lane = 0.0
+    ready: dict[int, float] = {}
+
+    def post(i: int, at: float) -> None:
+        nonlocal lane
+        if units[i].gather > 0 and i not in ready:
+            lane = max(lane, at) + units[i].gather
+            ready[i] = lane
+
+    t = waits = 0.0
+    for i in range(min(ahead, n - 1) + 1):
+        post(i, 0.0)
+    for i in range(n):
+        post(i, t)
+        start = max(t, ready.get(i, 0.0))
+        waits += start - t
+        for j in range(i + 1, min(i + ahead, n - 1) + 1):
+            post(j, start)
+        t = start + units[i].fwd
+    fwd_end = t
+    order = list(reversed(range(n)))
+    ready = {i: 0.0 for i in range(n) if units[i].kept}
+    scatter = t
+    for k, i in enumerate(order):
+        post(i, t)
+        start = max(t, ready.get(i, 0.0))
+        waits += start - t
+        for j in order[k + 1: k + 1 + ahead]:
+            post(j, start)
+        t = start + units[i].bwd
+        if units[i].scatter > 0:
+            scatter = max(scatter, t) + units[i].scatter
+            if blocking:
+                waits += scatter - t
+                t = scatter
+    return Lanes(fwd_end, t, max(scatter, t), waits)
+
+
+# ----------------------------------------------------------------------------------------------
+# the schedules
+
+
+def candidates(w: Workload, peer: Peer) -> list[tuple[str, ...]]:
+    """flashpar's auto candidates: every block prefetch, block 0 fused + the rest prefetch, every block fused
+    (the fused ones only with U = 1 and a shard group of more than one rank)."""
+    layers = w.cfg.layers
+    every = (PREFETCH,) * layers
+    if w.sizes(peer)["u"] > 1 or shard_size(w, peer) == 1:
+        return [every]
+    return [every, (FUSED,) + (PREFETCH,) * (layers - 1), (FUSED,) * layers]
+
+
+@dataclass
+class DataParallel:
+    """One configuration's step without the optimizer, on the lanes."""
+
+    fwd: Part  # the units' forward (compute and tp / ulysses / cp exposures)
+    bwd: Part  # the units' backward
+    no_comm: float  # the same with every transfer skipped
+    exposed: float  # dp: lane waits and the exposed tail
+    tail: float  # of which the tail's
+    schedule: tuple[str, ...]
+
+    @property
+    def total(self) -> float:
+        return self.fwd.total + self.bwd.total + self.exposed
+
+
+class _Pieces:
+    """The block (per schedule kind) and the ends of one configuration, computed once."""
+
+    def __init__(self, w: Workload, peer: Peer) -> None:
+        self.blocks = {PREFETCH: step.block(w, peer)}
+        if peer.data_parallel == "zero3" and w.sizes(peer)["u"] == 1 and shard_size(w, peer) > 1:
+            self.blocks[FUSED] = step.block(w, peer, fused=True)
+        self.embed, self.head = step.ends(w, peer)
+
+
+def _units(w: Workload, peer: Peer, schedule: tuple[str, ...], pieces: _Pieces) -> list[Unit]:
+    torch_peer = step.is_torch(peer)
+    table, blk = table_params(w, peer), block_params(w, peer)
+    keep_last = w.fsdp_keep_last or not torch_peer
+    one_table = w.cfg.tie_embeddings or (torch_peer and w.fsdp_root)
+    first = 2 * table + w.cfg.hidden if torch_peer and w.fsdp_root else table
+    (ef, eb), (hf, hb) = pieces.embed, pieces.head
+    units = [Unit(ef.total, eb.total, gather_s(w, peer, first), scatter_s(w, peer, first), kept=one_table)]
+    for i, kind in enumerate(schedule):
+        bf, bb = pieces.blocks[kind][:2]
+        if kind == FUSED:
+            units.append(Unit(bf.total, bb.total))
+        else:
+            units.append(Unit(bf.total, bb.total, gather_s(w, peer, blk), scatter_s(w, peer, blk),
+                              kept=keep_last and i == len(schedule) - 1))
+    head = table + (w.cfg.hidden if torch_peer else 0)
+    if one_table:
+        units.append(Unit(hf.total, hb.total))
+    else:
+        units.append(Unit(hf.total, hb.total, gather_s(w, peer, head), scatter_s(w, peer, head), kept=True))
+    return units
+
+
+def _run(w: Workload, peer: Peer, schedule: tuple[str, ...], pieces: _Pieces) -> DataParallel:
+    torch_peer = step.is_torch(peer)
+    units = _units(w, peer, schedule, pieces)
+    if torch_peer:
+        ahead, blocking = (1 if w.fsdp_prefetch else 0), False
+    else:
+        ahead, blocking = (w.zero_prefetch if peer.mode != "none" else 0), peer.mode == "none"
+    ln = lanes(units, ahead, blocking)
+    tail_end, overlap = ln.scatter_end, 0.0
+    if not torch_peer:  # the norms' gradients, one fp32 message summed over the whole mesh after the last unit's
+        all_n, all_hw = w.groups(peer)["all"][:2]
+        tail_end = max(tail_end, ln.bwd_end) + step.small_all_reduce_s(norm_params(w) * 4, all_n, all_hw)
+    if not torch_peer and not blocking:
+        # the squared norms of the gradients that have landed: all but the embedding table's and the norms'
+        landed = local_params(w, peer) - norm_params(w) - table_params(w, peer) / shard_size(w, peer)
+        overlap = w.cluster.device.memory_time(step.NORM_PASS_BYTES_PER_PARAM * max(landed, 0.0))
+    tail = max(0.0, tail_end - ln.bwd_end - overlap)
+    blocks = [pieces.blocks[k] for k in schedule]
+    (ef, eb), (hf, hb) = pieces.embed, pieces.head
+    fwd = total([ef, *[b[0] for b in blocks], hf])
+    bwd = total([eb, *[b[1] for b in blocks], hb])
+    no_comm = ef.compute + eb.compute + hf.compute + hb.compute + sum(b[2].compute + b[3].compute for b in blocks)
+    return DataParallel(fwd, bwd, no_comm, ln.exposed + tail, tail, schedule)
+
+
+def data_parallel(w: Workload, peer: Peer, schedule: tuple[str, ...] | None = None) -> DataParallel:
+    """The step of ``peer`` on ``w`` without the optimizer, with ``schedule`` (flashpar and baseline; None:
+    the configuration's own, ``zero_schedule``)."""
+    pieces = _Pieces(w, peer)
+    if step.is_torch(peer):
+        return _run(w, peer, (PREFETCH,) * w.cfg.layers, pieces)
+    if schedule is None:
+        return _best(w, peer, pieces)
+    if len(schedule) != w.cfg.layers or any(k not in pieces.blocks for k in schedule):
+        raise ValueError(f"a ZeRO-3 schedule names one of {tuple(pieces.blocks)} per block ({w.cfg.layers}), got "
+                         f"{schedule!r}")
+    return _run(w, peer, tuple(schedule), pieces)
+
+
+def _best(w: Workload, peer: Peer, pieces: _Pieces) -> DataParallel:
+    if peer.mode == "none":
+        return _run(w, peer, (PREFETCH,) * w.cfg.layers, pieces)
+    return min((_run(w, peer, c, pieces) for c in candidates(w, peer)), key=lambda r: r.total)
+
+
+def zero_schedule(w: Workload, peer: Peer) -> tuple[str, ...]:
+    """flashpar's ZeRO-3 schedule per block on ``w``: ``"prefetch"`` or ``"fused"`` for each of the model's
+    blocks (mode flash: the fastest candidate of ``candidates``; baseline: every block prefetch)."""
+    if step.is_torch(peer):
+        raise ValueError(f"{peer.name} runs FSDP2, not flashpar's ZeRO-3")
+    return data_parallel(w, peer).schedule

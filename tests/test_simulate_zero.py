@@ -1,0 +1,179 @@
+"""The simulator's ZeRO-3 / FSDP2 lanes (``flashpar.sim.zero``), the run settings of ``flashpar.sim.step`` (batch,
+selective checkpointing, eager elementwise) and torch_async_tp: pure Python, checked by hand where possible."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from flashpar.cost import preset
+from flashpar.models.config import LlamaConfig
+from flashpar.sim import step, zero
+from flashpar.sim.model_configs import load_model
+from flashpar.sim.peers import PEERS
+from flashpar.sim.predict import simulate
+from flashpar.sim.topology import Cluster, Layout
+from flashpar.sim.workload import Workload
+
+H100 = Cluster(preset("h100-nvlink"), preset("h100-ib"))
+TINY = LlamaConfig(vocab_size=64, hidden=16, layers=2, heads=4, kv_heads=2, ffn=32, tie_embeddings=False)
+NORMS = 2 * 2 * 16 + 16  # two per block, the final one: whole on every rank
+
+
+def _w(layout: Layout, cfg: LlamaConfig = TINY, **kw) -> Workload:
+    return Workload(cfg, layout, H100, ((64,),), elem_bytes=2, **kw)
+
+
+def test_local_params_are_split_over_the_shard_group():
+    """S = dp x cp x U ranks of one tp index: (2 blocks x 2304 / tp + 2 tables x 64 x 16 / tp) / |S| + norms."""
+    fp = PEERS["flashpar"]
+    assert zero.local_params(_w(Layout(2, 2, 1, 2)), fp) == (2 * 1152 + 2 * 512) / 4 + NORMS == 912
+    # Ulysses: the projections whole (tp 1), split over the 2 ulysses ranks like dp
+    assert zero.local_params(_w(Layout(1, 1, 2, 1)), fp) == (2 * 2304 + 2 * 1024) / 2 + NORMS
+    # no dp, cp or Ulysses: nothing to split
+    assert zero.local_params(_w(Layout(1, 1, 1, 2)), fp) == 2 * 1152 + 2 * 512 + NORMS
+    # tied embeddings: one table
+    tied = dataclasses.replace(TINY, tie_embeddings=True)
+    assert zero.local_params(_w(Layout(2, 2, 1, 2), tied), fp) == (2 * 1152 + 512) / 4 + NORMS
+    # torch's FSDP2 shards everything, the norms too
+    assert zero.local_params(_w(Layout(2, 2, 1, 2)), PEERS["torch"]) == TINY.params / 2 / 4
+
+
+# the module docstring's example: embedding, two blocks, head (forward, backward, gather, scatter, kept)
+UNITS = [zero.Unit(1, 1, 2, 1), zero.Unit(4, 8, 3, 2), zero.Unit(4, 8, 3, 2, kept=True),
+         zero.Unit(2, 3, 2, 1, kept=True)]
+
+
+def test_prefetch_timeline_by_hand():
+    """K = 1.  Forward: gathers 0 [0, 2] and 1 [2, 5] posted at the start; unit 0 runs [2, 3]; unit 1 waits
+    for its gather, runs [5, 9] and posts 2 [5, 8]; unit 2 [9, 13] posts 3 [9, 11]; unit 3 [13, 15].  Backward
+    (3, 2, 1, 0; 3 and 2 kept): 3 [15, 18]; 2 [18, 26] posts 1 again [18, 21]; 1 [26, 34] posts 0 [26, 28];
+    0 [34, 35]; reduce-scatters 3 [18, 19], 2 [26, 28], 1 [34, 36], 0 [36, 37]."""
+    ln = zero.lanes(UNITS, ahead=1)
+    assert (ln.fwd_end, ln.bwd_end, ln.scatter_end, ln.exposed) == (15, 35, 37, 4)
+    # K = 0, blocking (baseline): every gather when the unit needs it, every reduce-scatter waited for
+    # forward: 0 [2, 3], gather 1 [3, 6] -> [6, 10], gather 2 [10, 13] -> [13, 17], gather 3 [17, 19] -> [19, 21]
+    # backward: 3 [21, 24] + rs 1 -> 25; 2 [25, 33] + 2 -> 35; gather 1 [35, 38], 1 [38, 46] + 2 -> 48;
+    # gather 0 [48, 50], 0 [50, 51] + 1 -> 52
+    ln = zero.lanes(UNITS, ahead=0, blocking=True)
+    assert (ln.fwd_end, ln.bwd_end, ln.scatter_end, ln.exposed) == (21, 52, 52, 52 - 31)
+    # K = 0, the reduce-scatters on their lane (torch's FSDP2 without prefetch): backward 3 [21, 24], 2 [24, 32],
+    # gather 1 [32, 35] -> 1 [35, 43], gather 0 [43, 45] -> 0 [45, 46]; the scatter lane ends at 47
+    ln = zero.lanes(UNITS, ahead=0)
+    assert (ln.fwd_end, ln.bwd_end, ln.scatter_end, ln.exposed) == (21, 46, 47, 10 + 3 + 2)
+
+
+def test_auto_is_never_slower_than_its_candidates():
+    """flashpar's auto schedule is the fastest of its three candidates, the whole step simulated for each; on
+    8B at dp 4 x tp 2 (4,096 tokens, a 50 GB/s link) fusing block 0 hides block 1's gather and wins."""
+    hw = dataclasses.replace(preset("h100-96gb"), link_bytes_per_s=50e9)
+    w = Workload(load_model("llama3-8b"), Layout(4, 1, 1, 2), Cluster(hw, hw), ((4096,),))
+    peer = PEERS["flashpar"]
+    cands = zero.candidates(w, peer)
+    assert [c.count(zero.FUSED) for c in cands] == [0, 1, 32] and cands[1][0] == zero.FUSED
+    steps = [simulate(w, peer, c)["step_s"] for c in cands]
+    auto = simulate(w, peer)
+    assert auto["step_s"] == min(steps) and all(auto["step_s"] <= s for s in steps)
+    assert zero.zero_schedule(w, peer) == auto["schedule"] == cands[steps.index(min(steps))] == cands[1]
+    assert zero.zero_schedule(w, PEERS["baseline"]) == (zero.PREFETCH,) * 32  # mode none: K = 0, no choice
+    with pytest.raises(ValueError, match="FSDP2"):
+        zero.zero_schedule(w, PEERS["torch"])
+    with pytest.raises(ValueError, match="one of"):
+        simulate(w, peer, (zero.PREFETCH,) * 3)
+    u = Workload(load_model("llama3-8b"), Layout(2, 1, 2, 1), H100, ((4096,),))  # Ulysses: prefetch only
+    assert zero.candidates(u, peer) == [(zero.PREFETCH,) * 32]
+
+
+def test_tied_embeddings_are_one_unit_kept_from_forward_to_the_end_of_backward():
+    tied = dataclasses.replace(TINY, tie_embeddings=True)
+    for cfg, first_kept in ((tied, True), (TINY, False)):
+        w = _w(Layout(2, 1, 1, 2), cfg)
+        peer = PEERS["flashpar"]
+        units = zero._units(w, peer, (zero.PREFETCH,) * 2, zero._Pieces(w, peer))
+        table = zero.gather_s(w, peer, 64 * 16 / 2)
+        assert units[0].kept == first_kept and units[0].gather == table > 0 and units[0].scatter > 0
+        assert units[2].kept and not units[1].kept  # the last block is kept, the first gathered again
+        if first_kept:  # the head computes on the one table: nothing of its own on the lanes
+            assert units[-1].gather == units[-1].scatter == 0
+        else:
+            assert units[-1].kept and units[-1].gather == table
+    # the table unit gathered once: forward waits for it, backward gathers only block 0 again
+    w = _w(Layout(2, 1, 1, 2), tied)
+    assert zero.data_parallel(w, PEERS["flashpar"]).exposed > 0
+
+
+def test_the_baseline_blocks_and_its_tail_is_the_norm_sum():
+    """Mode none: every reduce-scatter waited for inside backward, so the tail is the norms' all-reduce over the
+    whole mesh (80 fp32 gradients), not overlapped; flashpar's tail overlaps the squared-norm pass."""
+    w = _w(Layout(2, 2, 1, 2))
+    all_n, all_hw = w.groups(PEERS["baseline"])["all"][:2]
+    assert all_n == 8
+    assert simulate(w, PEERS["baseline"])["tail_s"] == pytest.approx(step.small_all_reduce_s(NORMS * 4, 8, all_hw))
+    slow_memory = dataclasses.replace(w, cluster=Cluster(dataclasses.replace(preset("h100-nvlink"),
+                                                                              memory_bytes_per_s=1e3), H100.inter))
+    assert simulate(slow_memory, PEERS["flashpar"])["tail_s"] == 0.0  # the norm pass outlasts the tail
+
+
+def test_small_all_reduce_is_the_faster_of_ring_and_tree():
+    hw = preset("h100-ib")  # 15 us, 50 GB/s
+    ring = 2 * 511 * (15e-6 + 1e6 / 512 / 50e9)
+    tree = 2 * 9 * 15e-6 + 2 * 1e6 / 50e9
+    assert step.small_all_reduce_s(1e6, 512, hw) == pytest.approx(min(ring, tree)) == pytest.approx(tree)
+    assert step.small_all_reduce_s(1e9, 2, hw) == pytest.approx(2 * (15e-6 + 1e9 / 2 / 50e9))  # ring
+    assert step.small_all_reduce_s(1e6, 1, hw) == 0.0
+
+
+def test_the_torch_peers_sum_each_norm_over_tp_and_flashpar_once():
+    w = _w(Layout(1, 1, 1, 2))
+    tp_hw = w.groups(PEERS["torch"])["tp"][1]
+    one = step.small_all_reduce_s(16 * 2, 2, tp_hw)
+    assert step.norm_sums(w, PEERS["torch"], 2).exposed["tp"] == pytest.approx(2 * one)
+    assert step.norm_sums(w, PEERS["flashpar"], 2).total == 0.0
+    assert step.norm_sums(_w(Layout(2, 1, 1, 1)), PEERS["torch"], 2).total == 0.0  # tp 1: nothing to sum
+
+
+def test_selective_recompute_by_hand():
+    """torchtitan's per-op policy: the k, w3 and (tp 1) o GEMMs again, and the block's forward elementwise work
+    (64 rows: k 16 -> 2 x 4, w3 16 -> 32, o 16 -> 16)."""
+    w = _w(Layout(1, 1, 1, 1), selective=True)
+    hw = w.cluster.device
+    by_hand = (hw.gemm_time(64, 16, 8) + hw.gemm_time(64, 16, 32) + hw.gemm_time(64, 16, 16)
+               + hw.memory_time(step.elementwise_bytes(w, PEERS["torch"])) + 16 * hw.gemm_overhead_s)
+    assert step.selective_recompute(w, PEERS["torch"]).total == pytest.approx(by_hand)
+    full, sac, none = (step.block(dataclasses.replace(w, checkpoint=c, selective=s), PEERS["torch"])[1].total
+                       for c, s in ((True, False), (False, True), (False, False)))
+    assert none < sac < full
+    with pytest.raises(ValueError, match="exclude"):
+        _w(Layout(1, 1, 1, 1), selective=True, checkpoint=True)
+
+
+def test_eager_elementwise_bytes_by_hand():
+    """Per token (bf16; h 16, 4 q and 2 kv heads of 4, ffn 32): fused 2 norms x 3 passes x 2 bytes x 16 (192),
+    2 residual adds (192), rope 3 x 2 x 24 (144), SwiGLU 5 x 2 x 32 (320); eager (torch without torch.compile)
+    norms 2 x 36 x 16 (1152), rope 20 x 24 (480), repeat_kv 2 x 2 x 24 (96), the attention output's copy
+    2 x 2 x 16 (64)."""
+    w = _w(Layout(1, 1, 1, 1))
+    eager = dataclasses.replace(w, eager=True)
+    assert step.elementwise_bytes(w, PEERS["torch"]) == 64 * (192 + 192 + 144 + 320)
+    assert step.elementwise_bytes(eager, PEERS["torch"]) == 64 * (1152 + 192 + 480 + 96 + 64 + 320)
+    assert step.elementwise_bytes(eager, PEERS["flashpar"]) == step.elementwise_bytes(w, PEERS["flashpar"])
+
+
+def test_a_batch_of_sequences_per_rank():
+    one, two = _w(Layout(2, 1, 1, 2)), _w(Layout(2, 1, 1, 2), batch=2)
+    assert two.sizes(PEERS["flashpar"])["t_cp"] == 2 * one.sizes(PEERS["flashpar"])["t_cp"] == 128
+    r = simulate(two, PEERS["flashpar"])
+    assert r["tokens_per_s"] == pytest.approx(2 * 2 * 64 / r["step_s"])
+    a1, a2 = step.attention(one, PEERS["flashpar"])[0], step.attention(two, PEERS["flashpar"])[0]
+    assert a2[1].total == pytest.approx(2 * a1[1].total)  # each sequence runs its own attention
+    with pytest.raises(ValueError, match="batch"):
+        _w(Layout(1, 1, 1, 1), batch=0)
+
+
+def test_torch_async_tp_hides_the_tensor_parallel_transfers_that_dtensor_exposes():
+    w = Workload(load_model("llama3-8b"), Layout(1, 1, 1, 8), H100, ((8192,),))
+    sync, asyn = simulate(w, PEERS["torch"]), simulate(w, PEERS["torch_async_tp"])
+    assert asyn["exposed"]["tp"] < 0.2 * sync["exposed"]["tp"]
+    assert asyn["no_comm_s"] > sync["no_comm_s"]  # one GEMM piece per peer costs compute
+    assert asyn["memory"] == sync["memory"]
