@@ -64,6 +64,18 @@ def test_prefetch_timeline_by_hand():
     assert (ln.fwd_end, ln.bwd_end, ln.scatter_end, ln.exposed) == (21, 46, 47, 10 + 3 + 2)
 
 
+def test_an_embedding_whose_backward_needs_no_weight_is_not_gathered_again():
+    """The docstring's example with unit 0 (flashpar's untied embedding: its lookup saves only indices) not
+    gathered again: unit 2's backward start posts only unit 1's gather [18, 21]; unit 1's posts nothing; unit
+    0 [34, 35] runs at once.  The same times as with its gather (that one was hidden), one message fewer; with
+    K = 0 blocking, unit 0's backward no longer waits 2 for it."""
+    units = [dataclasses.replace(UNITS[0], regather=False), *UNITS[1:]]
+    ln = zero.lanes(units, ahead=1)
+    assert (ln.fwd_end, ln.bwd_end, ln.scatter_end, ln.exposed) == (15, 35, 37, 4)
+    ln = zero.lanes(units, ahead=0, blocking=True)
+    assert (ln.fwd_end, ln.bwd_end, ln.exposed) == (21, 50, 50 - 31)
+
+
 def test_auto_is_never_slower_than_its_candidates():
     """flashpar's auto schedule is the fastest of its three candidates, the whole step simulated for each; on
     8B at dp 4 x tp 2 (4,096 tokens, a 50 GB/s link) fusing block 0 hides block 1's gather and wins."""

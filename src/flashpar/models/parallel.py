@@ -411,10 +411,11 @@ class ParallelLlama(nn.Module):
         pf, units = self.prefetcher, self.units
         if pf is not None:
             pf.begin()
-        embed_t = pf.enter(units["embed"])[0] if pf is not None else self.embed.weight  # this tp rank's rows, fp32
+        # this tp rank's vocabulary rows: the parameter (fp32), or under ZeRO-3 the gathered unit (compute dtype)
+        embed_t = pf.enter(units["embed"])[0] if pf is not None else self.embed.weight
         whole = self.gather_vocab_weight and gathers_weight(vocab, tokens_u.shape[0], self.tp)
         if whole:  # a small vocabulary: the weight moves, not the activations (flashpar.models.vocab)
-            embed = all_gather_rows(embed_t, self.tp_group, vocab)  # fp32: gradients sum in fp32
+            embed = all_gather_rows(embed_t.float(), self.tp_group, vocab)  # fp32: gradients sum in fp32
             x = F.embedding(tokens_u[rows], embed).to(dtype)
         else:
             x = embed_rows(tokens_u, embed_t, self.vocab_lo, self.tp_group, dtype=dtype)
@@ -435,7 +436,7 @@ class ParallelLlama(nn.Module):
         if self.head is not None:
             head_t = pf.enter(units["head"])[0] if pf is not None else self.head.weight
         if whole:
-            head = embed if self.head is None else all_gather_rows(head_t, self.tp_group, vocab)
+            head = embed if self.head is None else all_gather_rows(head_t.float(), self.tp_group, vocab)
             loss = own_rows_loss(self.norm(x).to(dtype), head.to(dtype), labels_u[rows], count)
         else:
             logits = all_gather_matmul(self.norm(x).to(dtype), head_t.to(dtype), None, group=self.tp_group,

@@ -7,16 +7,14 @@ the per-peer decomposition fused with their GEMMs (``flashpar.overlap.sharded``)
 always units (a lookup and the head's GEMM run on the whole table)::
 
     units, in forward order:   embed | block i (prefetched ones) ... | head (untied)
-    gathered in:               fp32  | compute dtype                   | fp32
     kept for backward:         tied  |                 the last block  | yes
     gathered again:            tied  | yes (but kept)                  | kept
 
-The embedding's lookup saves only indices, so its backward needs no weight and its unit is not gathered again
-(tied, the head's GEMM needs it: the unit is kept from the start of forward to the end of backward).  The
-vocabulary units travel in fp32: a row of the embedding's gradient sums many tokens' terms, and the vocabulary
-path that gathers the tables over tp (``flashpar.models.vocab``) reduces their gradients in fp32.  The last
-block and the head are the first units of backward: kept, backward starts without a gather (as FSDP2 leaves
-the last block unsharded after forward).
+Every unit travels in the compute dtype (bf16 under mixed precision, as FSDP2's ``param_dtype``); gradients are
+reduce-scattered in the master dtype (fp32).  The embedding's lookup saves only indices, so its backward needs
+no weight and its unit is not gathered again (tied, the head's GEMM needs it: the unit is kept from the start
+of forward to the end of backward).  The last block and the head are the first units of backward: kept,
+backward starts without a gather (as FSDP2 leaves the last block unsharded after forward).
 
 Groups: the unit gathers and reduce-scatters ride two groups of their own (``zero_groups``: every rank creates
 every group, in the same order), and the fused blocks' transfers a third, so no lane's collectives interleave
@@ -70,7 +68,7 @@ def build_prefetcher(model, schedules: list[str], groups: dict, depth: int, time
     "head": k or None}``)."""
     gather = groups["gather"]
     n, rank = dist.get_world_size(gather), dist.get_rank(gather)
-    master = model.embed.weight.dtype
+    dtype = model.compute_dtype
     units: list[ShardedUnit] = []
     keep, again = set(), []
 
@@ -80,7 +78,7 @@ def build_prefetcher(model, schedules: list[str], groups: dict, depth: int, time
         return len(units) - 1
 
     tied = model.head is None
-    where = {"embed": add("embed", [Member(model.embed.weight, model.embed.total_rows)], master, tied),
+    where = {"embed": add("embed", [Member(model.embed.weight, model.embed.total_rows)], dtype, tied),
              "blocks": [], "head": None}
     if tied:
         keep.add(where["embed"])
@@ -91,12 +89,12 @@ def build_prefetcher(model, schedules: list[str], groups: dict, depth: int, time
         projections = (block.qkv, block.o_proj, block.gate_up, block.down)
         regroup = getattr(block, "qkv_rows", None) if block.ulysses_group is not None else None
         members = [Member(p.weight, p.total_rows, regroup if p is block.qkv else None) for p in projections]
-        where["blocks"].append(add(f"block {i}", members, model.compute_dtype, True))
+        where["blocks"].append(add(f"block {i}", members, dtype, True))
     last = where["blocks"][-1] if where["blocks"] else None
     if last is not None:
         keep.add(last)
     if not tied:
-        where["head"] = add("head", [Member(model.head.weight, model.head.total_rows)], master, True)
+        where["head"] = add("head", [Member(model.head.weight, model.head.total_rows)], dtype, True)
         keep.add(where["head"])
     pf = Prefetcher(units, gather_group=gather, scatter_group=groups["scatter"], depth=depth, keep=keep,
                     regather=again, timeout_s=timeout_s)

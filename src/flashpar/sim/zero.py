@@ -16,7 +16,8 @@ A block is ``prefetch`` or ``fused``:
 * ``prefetch`` (``K = Workload.zero_prefetch``): the gathers of units i+1 .. i+K are posted on the gather lane
   when unit i starts computing (units 0 .. K at the start of forward, with nothing to hide behind); unit i
   waits for its own; its linears run the plain tp op.  Backward: the head and the last block keep their
-  forward gather; when unit i's backward starts, the gathers of units i-1 .. i-K are posted again; unit i's
+  forward gather, the untied embedding (its lookup saves only indices) is not gathered again; when unit i's
+  backward starts, the gathers of the next K units that need one are posted again; unit i's
   gradient reduce-scatter is posted on the scatter lane when its backward ends.
 * ``fused``: the block's linears run ZeRO-3's per-peer decomposition over ``S`` (``flashpar.sim.step.linears``
   with ``fused``), their transfers inside the ops; nothing of the block rides the lanes.  Only with U = 1.
@@ -68,13 +69,15 @@ PREFETCH, FUSED = "prefetch", "fused"
 @dataclass(frozen=True)
 class Unit:
     """One unit on the lanes: its forward and backward seconds without the lanes, its all-gather and
-    reduce-scatter seconds (0: nothing on that lane), and whether backward reuses its forward gather."""
+    reduce-scatter seconds (0: nothing on that lane), whether backward reuses its forward gather (``kept``)
+    and whether its backward reads the weight at all (``regather``: flashpar's embedding lookup does not)."""
 
     fwd: float
     bwd: float
     gather: float = 0.0
     scatter: float = 0.0
     kept: bool = False
+    regather: bool = True
 
 
 @dataclass(frozen=True)
@@ -162,13 +165,13 @@ def lanes(units: list[Unit], ahead: int, blocking: bool = False) -> Lanes:
         t = start + units[i].fwd
     fwd_end = t
     order = list(reversed(range(n)))
-    ready = {i: 0.0 for i in range(n) if units[i].kept}
+    ready = {i: 0.0 for i in range(n) if units[i].kept or not units[i].regather}
     scatter = t
     for k, i in enumerate(order):
         post(i, t)
         start = max(t, ready.get(i, 0.0))
         waits += start - t
-        for j in order[k + 1: k + 1 + ahead]:
+        for j in [j for j in order[k + 1:] if j not in ready][:ahead]:  # the next units that gather again
             post(j, start)
         t = start + units[i].bwd
         if units[i].scatter > 0:
@@ -226,7 +229,9 @@ def _units(w: Workload, peer: Peer, schedule: tuple[str, ...], pieces: _Pieces) 
     one_table = w.cfg.tie_embeddings or (torch_peer and w.fsdp_root)
     first = 2 * table + w.cfg.hidden if torch_peer and w.fsdp_root else table
     (ef, eb), (hf, hb) = pieces.embed, pieces.head
-    units = [Unit(ef.total, eb.total, gather_s(w, peer, first), scatter_s(w, peer, first), kept=one_table)]
+    # flashpar's embedding lookup saves only indices: its backward gathers nothing (FSDP2 unshards every unit)
+    units = [Unit(ef.total, eb.total, gather_s(w, peer, first), scatter_s(w, peer, first), kept=one_table,
+                  regather=torch_peer or one_table)]
     for i, kind in enumerate(schedule):
         bf, bb = pieces.blocks[kind][:2]
         if kind == FUSED:
