@@ -29,7 +29,7 @@ from flashpar.overlap.ulysses import head_layout
 
 MODES = ("flash", "ring", "slice", "none", "auto")
 DP_MODES = ("zero3", "replicate")
-ZERO_SCHEDULES = ("prefetch", "fused")
+ZERO_SCHEDULES = ("auto", "prefetch", "fused")
 DEVICES = ("cpu", "cuda")
 MODEL_FLAGS = ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn")  # LlamaConfig fields that are flags
 
@@ -56,10 +56,11 @@ class TrainConfig:
     dp_mode: str = _opt("zero3", "data parallelism: ZeRO-3 (every weight's rows split over the dp x cp x ulysses "
                                  "ranks that hold its tp shard, with their gradients and AdamW state), or whole "
                                  "copies", choices=DP_MODES)
-    zero_schedule: str = _opt("prefetch", "ZeRO-3 per block: prefetch (a block's weights gathered --prefetch blocks "
-                                          "ahead while earlier ones compute, its GEMMs undivided) or fused (the "
-                                          "gather fused with the block's GEMMs, one piece per peer)",
-                              choices=ZERO_SCHEDULES)
+    zero_schedule: str = _opt("auto", "ZeRO-3 per block: prefetch (a block's weights gathered --prefetch blocks "
+                                      "ahead while earlier ones compute, its GEMMs undivided), fused (the gather "
+                                      "fused with the block's GEMMs, one piece per peer), or auto (the cost "
+                                      "model's choice per block: every block prefetched, block 0 fused, or every "
+                                      "block fused, whichever it predicts fastest)", choices=ZERO_SCHEDULES)
     prefetch: int = _opt(1, "ZeRO-3 blocks gathered ahead of the one computing (--mode none: 0, blocking)")
     lr: float = _opt(3e-3, "AdamW learning rate: the peak of the schedule (--warmup, --lr-min)")
     seed: int = _opt(0, "seed of the weights and of the corpus order")

@@ -129,3 +129,33 @@ def planning_device(device_type: str, group: int = 1) -> tuple[Hardware, float]:
     if isinstance(figures, str):
         raise ValueError(f"planning figures of rank 0: {figures}")
     return figures
+
+
+def zero_schedules(config, device_type: str) -> list[str]:
+    """ZeRO-3's schedule per block for ``config`` (``--zero-schedule``): as given, or for ``auto`` the cost
+    model's choice (``flashpar.sim.zero.zero_schedule``: the whole step simulated with every block prefetched,
+    block 0 fused and the rest prefetched, and every block fused; the fastest).  It is simulated on rank 0's
+    planning figures (``planning_device``: a collective), with the run's mesh, model, dtype, activation
+    checkpointing, prefetch depth and ranks sharing cores, on one sequence of ``--seq-len`` tokens of one
+    document (the trainer chooses before it has read any data), so every rank chooses the same."""
+    import dataclasses
+
+    from flashpar.sim.peers import PEERS
+    from flashpar.sim.topology import Cluster, Layout
+    from flashpar.sim.workload import Workload
+    from flashpar.sim.zero import zero_schedule
+
+    layers = config.model.layers
+    if config.zero_schedule != "auto":
+        return [config.zero_schedule] * layers
+    hw, burst = planning_device(device_type, config.tp * config.ulysses)
+    world = config.dp * config.cp * config.ulysses * config.tp
+    per_node = world if device_type != "cuda" or not _spans_nodes() else max(_local_world_size(), 1)
+    inter = gpu_hardware(torch.cuda.get_device_name(), across_nodes=True) if device_type == "cuda" else hw
+    layout = Layout(config.dp, config.cp, config.ulysses, config.tp)
+    elem = torch.finfo(torch.bfloat16 if config.dtype == "bf16" else torch.float32).bits // 8
+    w = Workload(config.model, layout, Cluster(hw, inter, per_node), ((config.seq_len,),), elem_bytes=elem,
+                 checkpoint=config.checkpoint_activations, zero_prefetch=config.prefetch, plan_hardware=hw,
+                 plan_burst=burst, shared_cores=burst, regather=config.regather)
+    peer = dataclasses.replace(PEERS["flashpar" if config.mode != "none" else "baseline"], mode=config.mode)
+    return list(zero_schedule(w, peer))
