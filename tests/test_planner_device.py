@@ -164,3 +164,25 @@ def test_a_report_says_what_its_trainer_planned_with():
     for bad in (0.5, "2", None):
         with pytest.raises(ValueError, match=r"^the report's setup.plan_burst: CostModel.burst must be"):
             check_train.plan_burst({"plan_burst": bad})
+
+
+def test_the_trainers_zero3_schedule_is_the_fastest_simulated_candidate():
+    """``--zero-schedule auto``: the per-block schedule the trainer builds is the candidate whose simulated step
+    is the shortest on the trainer's own workload (``zero_workload``); explicit schedules pass through; the
+    baseline (``--mode none``) prefetches every block (blocking)."""
+    from flashpar.models import LlamaConfig
+    from flashpar.sim import zero
+    from flashpar.sim.predict import simulate
+    from flashpar.train.config import TrainConfig
+    from flashpar.train.planning import zero_schedules, zero_workload
+
+    model = LlamaConfig(hidden=512, heads=8, kv_heads=4, ffn=1408, layers=4)
+    for kw in ({"dp": 2, "cp": 1, "tp": 2}, {"dp": 1, "cp": 2, "tp": 2}, {"dp": 2, "cp": 2, "tp": 1}):
+        config = TrainConfig(**kw, model=model, seq_len=4096)
+        w, peer = zero_workload(config, "cpu")
+        times = {c: simulate(w, peer, c)["step_s"] for c in zero.candidates(w, peer)}
+        assert len(times) == 3  # every candidate exists here (no Ulysses, a shard group of 2)
+        assert tuple(zero_schedules(config, "cpu")) == min(times, key=times.get), (kw, times)
+    fused = TrainConfig(dp=2, cp=1, tp=2, model=model, zero_schedule="fused")
+    assert zero_schedules(fused, "cpu") == ["fused"] * 4
+    assert zero_schedules(TrainConfig(dp=2, cp=1, tp=2, model=model, mode="none"), "cpu") == ["prefetch"] * 4

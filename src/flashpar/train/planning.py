@@ -134,20 +134,25 @@ def planning_device(device_type: str, group: int = 1) -> tuple[Hardware, float]:
 def zero_schedules(config, device_type: str) -> list[str]:
     """ZeRO-3's schedule per block for ``config`` (``--zero-schedule``): as given, or for ``auto`` the cost
     model's choice (``flashpar.sim.zero.zero_schedule``: the whole step simulated with every block prefetched,
-    block 0 fused and the rest prefetched, and every block fused; the fastest).  It is simulated on rank 0's
-    planning figures (``planning_device``: a collective), with the run's mesh, model, dtype, activation
-    checkpointing, prefetch depth and ranks sharing cores, on one sequence of ``--seq-len`` tokens of one
-    document (the trainer chooses before it has read any data), so every rank chooses the same."""
+    block 0 fused and the rest prefetched, and every block fused; the fastest) on ``zero_workload``."""
+    from flashpar.sim.zero import zero_schedule
+
+    if config.zero_schedule != "auto":
+        return [config.zero_schedule] * config.model.layers
+    return list(zero_schedule(*zero_workload(config, device_type)))
+
+
+def zero_workload(config, device_type: str):
+    """``(Workload, Peer)`` the trainer's ZeRO-3 choice is simulated on: rank 0's planning figures
+    (``planning_device``: a collective), the run's mesh, model, dtype, activation checkpointing, prefetch depth
+    and ranks sharing cores, one sequence of ``--seq-len`` tokens of one document (the trainer chooses before
+    it has read any data), the configuration of its ``--mode``; so every rank chooses the same."""
     import dataclasses
 
     from flashpar.sim.peers import PEERS
     from flashpar.sim.topology import Cluster, Layout
     from flashpar.sim.workload import Workload
-    from flashpar.sim.zero import zero_schedule
 
-    layers = config.model.layers
-    if config.zero_schedule != "auto":
-        return [config.zero_schedule] * layers
     hw, burst = planning_device(device_type, config.tp * config.ulysses)
     world = config.dp * config.cp * config.ulysses * config.tp
     per_node = world if device_type != "cuda" or not _spans_nodes() else max(_local_world_size(), 1)
@@ -158,4 +163,4 @@ def zero_schedules(config, device_type: str) -> list[str]:
                  checkpoint=config.checkpoint_activations, zero_prefetch=config.prefetch, plan_hardware=hw,
                  plan_burst=burst, shared_cores=burst, regather=config.regather)
     peer = dataclasses.replace(PEERS["flashpar" if config.mode != "none" else "baseline"], mode=config.mode)
-    return list(zero_schedule(w, peer))
+    return w, peer
