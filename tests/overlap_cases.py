@@ -29,7 +29,9 @@ MODES = [("flash", 1), ("flash", 2), ("ring", 1), ("ring", 2), ("slice", 2), ("s
          ("auto", None)]
 UNEVEN = {1: [5], 2: [3, 6], 3: [4, 1, 3], 4: [3, 0, 5, 2]}
 # Merged pieces: at N = 3 both peers in one piece (it wraps past rank 0 on ranks 1 and 2: two GEMMs); at
-# N = 4, g = 2 pieces of 1 and 2 peers (uneven merges), g = 3 one piece of every peer.
+# N = 4, g = 2 pieces of 1 and 2 peers (uneven merges), g = 3 one piece of every peer.  They do the products
+# of one piece per peer, grouped into fewer GEMMs (a GEMM's sums over the reduced dim are unchanged; only the
+# order of the summands of a reduce-scatter and of grad_W differs): the same FP32_TOL and BF16_TOL hold.
 MERGES = (2, 3)
 
 
