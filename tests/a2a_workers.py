@@ -32,13 +32,14 @@ class A2ACase:
     dtype: str = "float32"
     pass_split: bool = True
     train_weight: bool = True
+    peers: int | None = None  # peers_per_piece
 
     @property
     def id(self) -> str:
         return "-".join([self.op, self.mode, f"k{self.chunks}", "uneven" if self.uneven else "even",
                          "bias" if self.bias else "nobias", f"mid{'x'.join(map(str, self.mid)) or '-'}",
                          "reduce" if self.reduce else "local", self.dtype] + ([] if self.pass_split else ["exch"])
-                        + ([] if self.train_weight else ["frozen"]))
+                        + ([] if self.train_weight else ["frozen"]) + ([f"g{self.peers}"] if self.peers else []))
 
 
 MODES = [("flash", 1), ("flash", 2), ("slice", 2), ("slice", 1), ("none", None), ("auto", None)]
@@ -52,6 +53,14 @@ def a2a_cases() -> list[A2ACase]:
             cases.append(A2ACase(op, mode, k, uneven=True, bias=i % 2 == 1, mid=(2,), pass_split=op == "out" or i % 2))
         cases.append(A2ACase(op, "flash", 2, uneven=True, dtype="bfloat16"))
         cases.append(A2ACase(op, "flash", 2, uneven=True, reduce=True, train_weight=False))  # input grad only
+        # merged head groups (see overlap_cases.MERGES): N = 3 one piece of both peers, N = 4 pieces of 1 and 2
+        # (g = 2) or one of all three (g = 3); a run of head groups is one batched GEMM of the same products, so
+        # FP32_TOL / BF16_TOL hold as for one piece per peer
+        for i, g in enumerate((2, 3)):
+            cases.append(A2ACase(op, "flash", None, reduce=True, peers=g))
+            cases.append(A2ACase(op, "flash", 1, uneven=True, bias=i % 2 == 1, mid=(2,), pass_split=op == "out" or i,
+                                 peers=g))
+        cases.append(A2ACase(op, "flash", None, uneven=True, dtype="bfloat16", peers=2))
     return cases
 
 
@@ -87,7 +96,8 @@ def _one(rank: int, n: int, case: A2ACase) -> str | None:
     w = w_full.to(dtype).requires_grad_(case.train_weight)
     b = b_full.to(dtype).requires_grad_(case.train_weight) if case.bias else None
     split_arg = split if case.pass_split else None
-    kw = {"mode": case.mode, "chunks": case.chunks, "split_sizes": split_arg, "reduce_weight_grad": case.reduce}
+    kw = {"mode": case.mode, "chunks": case.chunks, "split_sizes": split_arg, "reduce_weight_grad": case.reduce,
+          "peers_per_piece": case.peers}
     if case.op == "qkv":
         x = x_full[lo:hi].to(dtype).requires_grad_()
         y = matmul_all_to_all(x, w, b, **kw)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flashpar.cost import Hardware
 from flashpar.overlap import all_gather_matmul, matmul_reduce_scatter
 
 # fp32: unit roundoff 6e-8; the reductions here are at most a few hundred terms long, so
@@ -27,6 +28,11 @@ BF16_TOL = 3e-2
 MODES = [("flash", 1), ("flash", 2), ("ring", 1), ("ring", 2), ("slice", 2), ("slice", 3), ("none", None),
          ("auto", None)]
 UNEVEN = {1: [5], 2: [3, 6], 3: [4, 1, 3], 4: [3, 0, 5, 2]}
+# Merged pieces: at N = 3 both peers in one piece (it wraps past rank 0 on ranks 1 and 2: two GEMMs); at
+# N = 4, g = 2 pieces of 1 and 2 peers (uneven merges), g = 3 one piece of every peer.  They do the products
+# of one piece per peer, grouped into fewer GEMMs (a GEMM's sums over the reduced dim are unchanged; only the
+# order of the summands of a reduce-scatter and of grad_W differs): the same FP32_TOL and BF16_TOL hold.
+MERGES = (2, 3)
 
 
 @dataclass(frozen=True)
@@ -40,11 +46,14 @@ class Case:
     dtype: str = "float32"
     save_gathered: bool = False
     pass_split: bool = True
+    peers: int | None = None  # peers_per_piece
 
     @property
     def id(self) -> str:
         parts = [self.op, self.mode, f"k{self.chunks}", "uneven" if self.uneven else "even",
                  "bias" if self.bias else "nobias", f"mid{'x'.join(map(str, self.mid)) or '-'}", self.dtype]
+        if self.peers is not None:
+            parts.append(f"g{self.peers}")
         if self.save_gathered:
             parts.append("saved")
         if self.uneven and not self.pass_split:
@@ -60,8 +69,14 @@ def all_cases() -> list[Case]:
             cases.append(Case(op, mode, k, uneven=True, bias=i % 2 == 0, mid=(2,), pass_split=op == "rs" or i % 2 == 0))
         for mode, k in (("flash", 1), ("none", None)):
             cases.append(Case(op, mode, k, uneven=False, bias=True, mid=(), dtype="bfloat16"))
+        for i, g in enumerate(MERGES):
+            cases.append(Case(op, "flash", None, uneven=False, bias=True, mid=(), peers=g))
+            cases.append(Case(op, "flash", 1, uneven=True, bias=i % 2 == 0, mid=(2,), peers=g,
+                              pass_split=op == "rs" or i % 2 == 0))
+        cases.append(Case(op, "flash", None, uneven=True, bias=True, mid=(), dtype="bfloat16", peers=2))
     for mode, k in (("flash", 2), ("ring", 1), ("slice", 2), ("none", None)):
         cases.append(Case("ag", mode, k, uneven=False, bias=True, mid=(2,), save_gathered=True))
+    cases.append(Case("ag", "flash", None, uneven=True, bias=False, mid=(2,), save_gathered=True, peers=2))
     return cases
 
 
@@ -96,7 +111,7 @@ def run_case(case: Case, rank: int, n: int, *, group=None) -> str | None:
         b = b_full[cols].clone().requires_grad_() if case.bias else None
         split = sizes if (case.uneven and case.pass_split) else None
         y = all_gather_matmul(x, w, b, group=group, mode=case.mode, chunks=case.chunks, split_sizes=split,
-                              save_gathered=case.save_gathered)
+                              save_gathered=case.save_gathered, peers_per_piece=case.peers)
         y.backward(gy_full[..., cols])
         expect_y = lambda ref: ref[..., cols]  # noqa: E731
         expect_x = lambda g: g[off : off + sizes[rank]]  # noqa: E731
@@ -111,7 +126,8 @@ def run_case(case: Case, rank: int, n: int, *, group=None) -> str | None:
         w = w_full[:, cols].clone().requires_grad_()
         b = b_full.clone().requires_grad_() if case.bias else None
         split = sizes if case.uneven else None
-        y = matmul_reduce_scatter(x, w, b, group=group, mode=case.mode, chunks=case.chunks, split_sizes=split)
+        y = matmul_reduce_scatter(x, w, b, group=group, mode=case.mode, chunks=case.chunks, split_sizes=split,
+                                  peers_per_piece=case.peers)
         y.backward(gy_full[off : off + sizes[rank]])
         expect_y = lambda ref: ref[off : off + sizes[rank]]  # noqa: E731
         expect_x = lambda g: g[..., cols]  # noqa: E731
@@ -152,4 +168,50 @@ def run_all(rank: int, n: int, cases: list[Case]) -> dict[str, str | None]:
             out[c.id] = run_case(c, rank, n)
         except Exception as err:  # noqa: BLE001 - reported as this case's failure
             out[c.id] = f"raised {type(err).__name__}: {err}"
+    return out
+
+
+# A machine on which only GEMM launches and message latencies cost anything (1 ms each).  From N = 3 on,
+# ``auto`` merges every peer into one piece there: one latency and two GEMMs a direction, where one piece per
+# peer pays N - 1 latencies (hidden) behind N GEMMs and ``none`` N - 1 latencies before its GEMMs.
+LATENCY_BOUND = Hardware(flops=1e15, half_rows=0, gemm_overhead_s=1e-3, link_bytes_per_s=1e15, link_latency_s=1e-3,
+                         memory_bytes_per_s=1e15)
+
+
+def auto_cases() -> list:
+    from a2a_workers import A2ACase
+
+    return [Case("ag", "auto", None, uneven=True, bias=True, mid=(2,)), Case("rs", "auto", None, uneven=True,
+                                                                             bias=True, mid=()),
+            A2ACase("qkv", "auto", None, uneven=True), A2ACase("out", "auto", None, uneven=True, reduce=True)]
+
+
+def auto_merges(rank: int, n: int) -> dict[str, tuple[str | None, list[tuple[str, str, int]]]]:
+    """``mode="auto"`` through the four public ops with :data:`LATENCY_BOUND` as the cost model: per case, the
+    mismatch against the float64 reference (None: exact) and the (op, mode, peers_per_piece) of every schedule
+    it ran."""
+    from a2a_workers import A2ACase, _one
+    from flashpar import cost
+    from flashpar.overlap import ops
+
+    ran: list[tuple[str, str, int]] = []
+    real = ops.run_schedule
+
+    def spy(schedule, *args, **kwargs):
+        ran.append((schedule.op, schedule.mode, schedule.peers_per_piece))
+        return real(schedule, *args, **kwargs)
+
+    out = {}
+    ops.run_schedule = spy
+    try:
+        with cost.use(LATENCY_BOUND):
+            for case in auto_cases():
+                ran.clear()
+                try:
+                    problem = _one(rank, n, case) if isinstance(case, A2ACase) else run_case(case, rank, n)
+                except Exception as err:  # noqa: BLE001 - reported as this case's failure
+                    problem = f"raised {type(err).__name__}: {err}"
+                out[case.id] = (problem, list(ran))
+    finally:
+        ops.run_schedule = real
     return out

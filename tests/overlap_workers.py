@@ -33,6 +33,11 @@ def error_cases(rank: int, n: int) -> dict[str, str]:
         "not_divisible": _outcome(lambda: matmul_reduce_scatter(torch.randn(4 * n + 1, 8), torch.randn(5, 8))),
         "devices": _outcome(lambda: all_gather_matmul(x, torch.randn(6, 8, device="meta"))),
         "dtypes": _outcome(lambda: all_gather_matmul(x, w.double())),
+        "bad_peers_per_piece": _outcome(lambda: all_gather_matmul(x, w, peers_per_piece=0)),
+        "peers_per_piece_ring": _outcome(lambda: all_gather_matmul(x, w, mode="ring", peers_per_piece=2)),
+        "peers_per_piece_chunks": _outcome(
+            lambda: matmul_reduce_scatter(torch.randn(4 * n, 8), w.t().contiguous(), chunks=2, peers_per_piece=2)),
+        "peers_per_piece_auto": _outcome(lambda: all_gather_matmul(x, w, mode="auto", peers_per_piece=2)),
     }
     if n > 1:
         bad_w = torch.randn(6, 7) if rank == 1 else w  # rank 1 alone has a weight that does not fit x

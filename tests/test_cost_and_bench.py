@@ -11,7 +11,7 @@ import pytest
 from flashpar import cost
 from flashpar.cost import Hardware
 from flashpar.overlap.schedule import build_schedule
-from flashpar.overlap.simulate import choose_mode, op_shapes, predict, simulate
+from flashpar.overlap.simulate import AUTO_MARGIN, CANDIDATES, candidates, choose_mode, op_shapes, predict, simulate
 
 # A clean machine for the simulator: 1 TFLOP/s, no small-M penalty, 1 GB/s link, no latency.
 HW = Hardware(flops=1e12, half_rows=0, gemm_overhead_s=0, link_bytes_per_s=1e9, link_latency_s=0,
@@ -50,11 +50,69 @@ def test_reduce_scatter_local_last_covers_the_last_send():
     assert f.total == pytest.approx(f.compute, rel=1e-3)  # + the adds of the received partials
 
 
-def test_auto_prefers_none_at_small_m_and_flash_at_large_m():
+def _fwd_bwd(op, mode, chunks, n, rows, n_in, n_out, hw, g=1):
+    return sum(t.total for t in predict(op, mode, chunks, n, rows, n_in, n_out, 4, hw, peers_per_piece=g).values())
+
+
+def test_auto_at_small_m_keeps_none_or_merges_every_peer_and_at_large_m_picks_flash():
     cpu = cost.preset("cpu")
-    assert choose_mode("ag_matmul", 4, 16, 512, 512, 4, "cpu", cpu) == ("none", 1)
-    mode, _ = choose_mode("ag_matmul", 4, 8192, 1024, 1024, 4, "cpu", cpu)
+    # 16 rows over 4 ranks: one piece per peer pays 3 latencies behind 4 small GEMMs, none's ring all-gather
+    # 3 latencies before one GEMM; one piece of all 3 peers pays one latency (its 3 messages go together)
+    # beside the local GEMM, then one GEMM of 12 rows: predicted 27% below none, the only win over it
+    assert choose_mode("ag_matmul", 4, 16, 512, 512, 4, "cpu", cpu) == ("flash", 1, 3)
+    none = _fwd_bwd("ag_matmul", "none", 1, 4, 16, 512, 512, cpu)
+    merged = _fwd_bwd("ag_matmul", "flash", 1, 4, 16, 512, 512, cpu, g=3)
+    assert merged < AUTO_MARGIN * none < _fwd_bwd("ag_matmul", "flash", 1, 4, 16, 512, 512, cpu)
+    # a caller that runs one piece per peer only (merged=False) and a pair of ranks (nothing to merge) keep none
+    assert choose_mode("ag_matmul", 4, 16, 512, 512, 4, "cpu", cpu, merged=False) == ("none", 1, 1)
+    assert choose_mode("ag_matmul", 2, 16, 512, 512, 4, "cpu", cpu) == ("none", 1, 1)
+    mode, _, _ = choose_mode("ag_matmul", 4, 8192, 1024, 1024, 4, "cpu", cpu)
     assert mode == "flash"
+
+
+def test_candidates_add_one_merge_per_piece_count_and_none_for_the_sharded_op():
+    assert candidates("ag_matmul", 8) == [*CANDIDATES, ("flash", 1, 2), ("flash", 1, 3), ("flash", 1, 4),
+                                          ("flash", 1, 7)]  # 4, 3, 2 and 1 pieces of the 7 peers
+    assert candidates("a2a_matmul", 4) == [*CANDIDATES, ("flash", 1, 2), ("flash", 1, 3)]
+    assert candidates("ag_matmul", 2) == candidates("sharded", 8) == candidates("matmul_rs", 8, merged=False) == \
+        list(CANDIDATES)
+
+
+@pytest.mark.parametrize("preset", ["h100-nvlink", "h100-ib", "cpu"])
+def test_auto_is_never_predicted_slower_than_none(preset):
+    """Over ops, group sizes and rows from decode-sized to long: auto's pick is none, or predicted below
+    AUTO_MARGIN of none and no slower than any candidate by more than that margin."""
+    hw = cost.preset(preset)
+    for op, n_in, n_out in (("ag_matmul", 4096, 768), ("matmul_rs", 512, 4096), ("matmul_a2a", 4096, 384),
+                            ("a2a_matmul", 512, 4096)):
+        for n in (2, 3, 4, 8):
+            for rows in (8 * n, 1024, 32768):
+                pick = choose_mode(op, n, rows, n_in, n_out, 4, "cpu", hw)
+                none = _fwd_bwd(op, "none", 1, n, rows, n_in, n_out, hw)
+                best = min(_fwd_bwd(op, m, k, n, rows, n_in, n_out, hw, g) for m, k, g in candidates(op, n))
+                t = _fwd_bwd(op, pick[0], pick[1], n, rows, n_in, n_out, hw, pick[2])
+                assert pick == ("none", 1, 1) or t < AUTO_MARGIN * none, (op, n, rows, pick)
+                assert t <= none and (pick[0] == "none" or t == best), (op, n, rows, pick)
+
+
+def test_a_merged_piece_pays_one_latency_and_one_launch_per_run():
+    # only the latency and the launch cost: times count messages and GEMM calls
+    hw = replace(HW, flops=1e30, link_bytes_per_s=1e30, link_latency_s=1.0, gemm_overhead_s=1e-3)
+    n = 5
+    for g, items, gemms in ((1, 4, 5), (2, 2, 3), (3, 2, 3), (4, 1, 2)):
+        t = predict("ag_matmul", "flash", 1, n, 64, 8, 8, 4, hw, peers_per_piece=g)["ag_matmul"]
+        assert t.comm == pytest.approx(items) and t.compute == pytest.approx(gemms * 1e-3), g
+    # rank 2's piece of all 4 peers holds blocks 0, 1 and 3, 4: it wraps past rank 0, two GEMMs
+    shape = op_shapes("ag_matmul", n, 64, 8, 8, 4)["ag_matmul"]
+    wrapped = simulate(build_schedule("ag_matmul", "flash", n, 2, peers_per_piece=4), shape, hw)
+    assert wrapped.compute == pytest.approx(3e-3) and wrapped.comm == pytest.approx(1.0)
+    # all-to-all: a run of head groups is one GEMM as wide as the run, the gather side one GEMM per group
+    flops = replace(hw, flops=1e12, gemm_overhead_s=0.0, half_rows=0)
+    one, merged = (predict("matmul_a2a", "flash", 1, n, 64, 8, 8, 4, flops, peers_per_piece=g) for g in (1, 4))
+    assert merged["matmul_a2a"].compute == pytest.approx(one["matmul_a2a"].compute)  # the same FLOPs
+    a2a = {g: predict("a2a_matmul", "flash", 1, n, 64, 8, 8, 4, hw, peers_per_piece=g) for g in (1, 4)}
+    assert a2a[4]["a2a_matmul"].compute == a2a[1]["a2a_matmul"].compute == pytest.approx(5e-3)
+    assert a2a[4]["a2a_matmul_bwd"].compute == pytest.approx(2e-3 + 5e-3)  # run + own piece; 5 weight terms
 
 
 @pytest.mark.parametrize("op", ["sharded", "matmul_a2a", "a2a_matmul"])

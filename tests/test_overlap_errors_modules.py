@@ -15,6 +15,10 @@ LOCAL_ERRORS = {  # raised on the rank itself before any communication, with the
     "not_divisible": ("ValueError", "not divisible by the group size"),
     "devices": ("ValueError", "different devices"),
     "dtypes": ("ValueError", "different dtypes"),
+    "bad_peers_per_piece": ("ValueError", "all_gather_matmul: peers_per_piece must be an integer >= 1, got 0"),
+    "peers_per_piece_ring": ("ValueError", "merges the pieces of mode 'flash' only, not of mode 'ring'"),
+    "peers_per_piece_chunks": ("ValueError", "takes whole blocks: chunks must be 1, got 2"),
+    "peers_per_piece_auto": ("ValueError", "mode 'auto' chooses peers_per_piece itself"),
 }
 
 
@@ -45,6 +49,7 @@ def test_local_errors_are_clear_on_every_rank(errors):
                 assert out[name] == "ok", "any length splits over one rank"
                 continue
             assert out[name].startswith(etype) and words in out[name], f"N={n} rank {r} {name}: {out[name]}"
+            assert "\n" not in out[name], f"{name}: one line"
         assert out["healthy_after"] == "ok", out["healthy_after"]
 
 

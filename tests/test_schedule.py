@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import re
 
 import pytest
 
@@ -20,6 +21,8 @@ from flashpar.overlap.schedule import (
     Wait,
     build_schedule,
     peer_order,
+    peer_pieces,
+    runs,
 )
 from flashpar.overlap.simulate import op_shapes
 
@@ -143,10 +146,14 @@ def _read_before_arrival(s):
                 arrives[key(t.buffer, t.piece, t.peer)] = st.id
         elif isinstance(st, Wait):
             waited = max(waited, st.id)
-        elif isinstance(st, (Compute, Add)):
-            item = arrives.get(key(st.src, st.piece, st.peer))
-            if item is not None and item > waited:
-                bad.append(st)
+        elif isinstance(st, (Compute, Add)):  # each block of a merged piece, each head group of a run
+            peers = range(st.peer, st.peer + st.peers) if isinstance(st, Compute) else [st.peer]
+            for j in range(st.piece.block, st.piece.block + st.piece.span):
+                for peer in peers:
+                    piece = Piece(j, st.piece.chunk, st.piece.chunks) if st.piece.span > 1 else st.piece
+                    item = arrives.get(key(st.src, piece, peer))
+                    if item is not None and item > waited:
+                        bad.append(st)
     return bad
 
 
@@ -330,3 +337,169 @@ def test_the_simulator_imports_without_torch_distributed():
             "print(sorted(m for m in sys.modules if m == 'torch.distributed' or m.endswith(('executor', 'lane'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+# ---- merged pieces (peers_per_piece) ----------------------------------------------------------
+
+MERGED = ("ag_matmul", "matmul_rs", "ag_matmul_bwd", "matmul_rs_bwd", *A2A_OPS)
+GATHERED = {"x", "g", "in"}  # buffers a schedule all-gathers / all-to-all-gathers (local block first)
+
+
+def test_peer_pieces_are_the_shifts_in_order_balanced_and_small_next_to_the_local_block():
+    assert peer_pieces(8, 3, local_first=True) == [(1, 2), (3, 4), (5, 6, 7)]
+    assert peer_pieces(4, 2, local_first=False) == [(1, 2), (3,)]
+    assert peer_pieces(5, 1, local_first=True) == [(1,), (2,), (3,), (4,)]
+    assert peer_pieces(1, 3, local_first=True) == []
+    for n in range(2, 11):
+        for g in range(1, n + 2):
+            for local_first in (True, False):
+                pieces = peer_pieces(n, g, local_first=local_first)
+                sizes = [len(p) for p in pieces]
+                assert [t for p in pieces for t in p] == list(range(1, n)), "every shift once, in exchange order"
+                assert len(pieces) == -(-(n - 1) // min(g, n - 1)) and max(sizes) <= g
+                assert max(sizes) - min(sizes) <= 1, "as equal as possible"
+                assert sizes == sorted(sizes, reverse=not local_first), "the smaller pieces next to the local block"
+    assert runs([3, 0]) == [(0, 1), (3, 1)] and runs([5, 6, 7, 0, 1]) == [(0, 2), (5, 3)] and runs([2]) == [(2, 1)]
+
+
+def _units(s):
+    """Every compute as single (gemm, block, chunk, chunks, src, dst, head group) terms: a merged piece's
+    blocks and a run of head groups expanded.  Merging must change how terms are grouped, never the terms."""
+    out = collections.Counter()
+    for c in s.computes():
+        for j in range(c.piece.block, c.piece.block + c.piece.span):
+            for p in range(c.peer, c.peer + c.peers):
+                out[(c.gemm, j, c.piece.chunk, c.piece.chunks, c.src, c.dst, p)] += 1
+    return out
+
+
+def _exchange_shifts(s):
+    """Per phase (gathered buffers / the rest), the shift sets of this rank's exchanges in lane order."""
+    phases = collections.defaultdict(list)
+    for item in s.lane_items():
+        if isinstance(item, Exchange):
+            sent = {(t.peer - s.rank) % s.world_size for t in item.sends}
+            got = {(s.rank - t.peer) % s.world_size for t in item.recvs}
+            assert sent == got, f"{s.op}: exchange #{item.id} sends to r+t and receives from r-t for the same t"
+            phases[item.sends[0].buffer in GATHERED].append(tuple(sorted(sent)))
+    return phases
+
+
+def _merged_cases():
+    for op in MERGED:
+        for n in (1, 2, 3, 4, 5, 6):
+            for g in range(2, n + 1):
+                for flags in FLAGS:
+                    yield op, n, g, flags
+
+
+@pytest.mark.parametrize("op", MERGED)
+def test_merged_pieces_move_and_compute_the_same_terms_grouped_per_piece(op):
+    for op_, n, g, flags in _merged_cases():
+        if op_ != op:
+            continue
+        for r in range(n):
+            one = build_schedule(op, "flash", n, r, **flags)
+            s = build_schedule(op, "flash", n, r, peers_per_piece=g, **flags)
+            what = f"{op} N={n} r={r} g={g} {flags}"
+            assert s.peers_per_piece == min(g, max(n - 1, 1)), what
+            assert _units(s) == _units(one), f"{what}: merged computes differ from one piece per peer"
+            adds = [collections.Counter(st for st in x.steps if isinstance(st, Add)) for x in (s, one)]
+            assert adds[0] == adds[1], f"{what}: merged adds of received partials differ"
+            assert not _read_before_arrival(s), f"{what}: reads a piece before its transfer completed"
+            for phase, shifts in _exchange_shifts(s).items():
+                assert shifts == peer_pieces(n, g, local_first=phase), f"{what}: exchanges are not the pieces"
+            for c in s.computes():
+                span = range(c.piece.block, c.piece.block + c.piece.span)
+                assert c.piece.span == 1 or (span.stop <= n and r not in span), f"{what}: {c} wraps or holds r"
+                assert c.peers == 1 or (c.peer + c.peers <= n and r not in range(c.peer, c.peer + c.peers)), what
+        sends, recvs = _p2p_messages([build_schedule(op, "flash", n, r, peers_per_piece=g, **flags) for r in range(n)],
+                                     tags=True)
+        assert sends == recvs and all(v == 1 for v in sends.values()), f"{op} N={n} g={g}: unmatched messages"
+        assert sends == _p2p_messages([build_schedule(op, "flash", n, r, **flags) for r in range(n)], tags=True)[0]
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 6])
+def test_merged_all_gather_is_local_first_and_one_gemm_per_run_of_each_piece(n):
+    for g in range(2, n):
+        for r in range(n):
+            s = build_schedule("ag_matmul", "flash", n, r, peers_per_piece=g)
+            steps = list(s.steps)
+            first = steps.index(s.computes()[0])
+            assert s.computes()[0].piece == Piece(r) and not any(isinstance(st, Wait) for st in steps[:first])
+            items = s.lane_items()
+            assert len(items) == len(peer_pieces(n, g, local_first=True)), "one lane item per merged piece"
+            wrapped = 0
+            for item in items:  # after each piece's one wait: one GEMM per run of its blocks
+                after = steps[steps.index(Wait(item.id)) + 1:]
+                after = after[: next((i for i, st in enumerate(after) if isinstance(st, Wait)), len(after))]
+                blocks = sorted(t.peer for t in item.recvs)
+                assert [c.piece for c in after] == [Piece(j, 0, 1, k) if k > 1 else Piece(j) for j, k in runs(blocks)]
+                wrapped += len(after) > 1
+            assert wrapped <= 1, "at most one piece wraps past rank 0"
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 6])
+def test_merged_reduce_scatter_is_local_last_and_sends_each_piece_as_computed(n):
+    for op in ("matmul_rs", "ag_matmul_bwd"):
+        for g in range(2, n):
+            for r in range(n):
+                s = build_schedule(op, "flash", n, r, peers_per_piece=g)
+                partials = [c for c in s.computes() if c.gemm == "p"]
+                assert partials[-1].piece == Piece(r) and partials[-1].dst in ("y", "gx"), "the local block last"
+                steps = list(s.steps)
+                scatter = [i for i in s.lane_items() if i.sends[0].buffer == "send"]
+                assert [tuple(sorted((t.peer - r) % n for t in i.sends)) for i in scatter] == \
+                    peer_pieces(n, g, local_first=False)
+                for item in scatter:  # the piece's runs are computed right before its exchange
+                    runs_before = []
+                    for st in reversed(steps[: steps.index(item)]):
+                        if not (isinstance(st, Compute) and st.dst == "send"):
+                            break
+                        runs_before.insert(0, st.piece)
+                    blocks = sorted(t.peer for t in item.sends)
+                    assert runs_before == [Piece(j, 0, 1, k) if k > 1 else Piece(j) for j, k in runs(blocks)]
+
+
+@pytest.mark.parametrize("n", [3, 4, 5])
+def test_merged_a2a_scatter_runs_head_groups_in_one_gemm_and_the_gather_side_one_per_group(n):
+    for g in range(2, n):
+        for r in range(n):
+            s = build_schedule("matmul_a2a", "flash", n, r, peers_per_piece=g)
+            p = [c for c in s.computes() if c.gemm == "p"]
+            assert p[-1].peer == r and p[-1].peers == 1 and p[-1].dst == "out", "the own head group last"
+            items = s.lane_items()
+            assert len(items) == len(peer_pieces(n, g, local_first=False))
+            sent = [runs([t.peer for t in i.sends]) for i in items]
+            assert [(c.peer, c.peers) for c in p[:-1]] == [run for piece in sent for run in piece]
+            s = build_schedule("a2a_matmul", "flash", n, r, peers_per_piece=g)
+            y = s.computes()
+            assert y[0].peer == r and all(c.peers == 1 for c in y), "a sum over head groups: one GEMM per group"
+            assert len([st for st in s.steps if isinstance(st, Wait)]) == len(peer_pieces(n, g, local_first=True))
+
+
+def test_merged_pieces_clamp_to_every_peer_and_name_their_blocks():
+    for op in MERGED:
+        assert build_schedule(op, "flash", 4, 1, peers_per_piece=3).describe() == \
+            build_schedule(op, "flash", 4, 1, peers_per_piece=9).describe()
+        assert build_schedule(op, "flash", 2, 0, peers_per_piece=5).describe() == \
+            build_schedule(op, "flash", 2, 0).describe(), "one peer: nothing to merge"
+    assert "compute y[b2-3]" in build_schedule("ag_matmul", "flash", 4, 1, peers_per_piece=2).describe()
+    assert "compute p[b1.0/1 g2-3]" in build_schedule("matmul_a2a", "flash", 4, 1, peers_per_piece=2).describe()
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(peers_per_piece=0), "peers_per_piece must be an integer >= 1, got 0"),
+    (dict(peers_per_piece=1.5), "peers_per_piece must be an integer >= 1, got 1.5"),
+    (dict(peers_per_piece=True), "peers_per_piece must be an integer >= 1, got True"),
+    (dict(peers_per_piece=2, mode="ring"), "merges the pieces of mode 'flash' only, not of mode 'ring'"),
+    (dict(peers_per_piece=2, mode="none"), "merges the pieces of mode 'flash' only, not of mode 'none'"),
+    (dict(peers_per_piece=2, chunks=2), "peers_per_piece=2 takes whole blocks: chunks must be 1, got 2"),
+    (dict(peers_per_piece=2, op="sharded"), "does not apply to op 'sharded'"),
+    (dict(peers_per_piece=2, op="sharded_bwd"), "does not apply to op 'sharded_bwd'"),
+])
+def test_bad_peers_per_piece_is_named_in_one_line(kw, message):
+    kw = dict(op="ag_matmul", mode="flash", chunks=1) | kw
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        build_schedule(kw.pop("op"), kw.pop("mode"), 4, 0, **kw)
+    assert "\n" not in str(err.value)

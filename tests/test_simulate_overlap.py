@@ -54,6 +54,18 @@ def test_none_exposes_all_of_its_forward_communication_and_flash_hides_it(tmp_pa
     assert "simulated, h100-nvlink preset" in capsys.readouterr().out
 
 
+def test_auto_merges_pieces_at_tp8_on_short_sequences(tmp_path):
+    # Llama-3-8B's MLP at tp 8, 1024 tokens per rank: one piece per peer pays 7 latencies and 7 small-M GEMMs
+    setup, rows = _rows(["--block", "mlp", "--tp", "8", "--seq", "8192", "--hidden", "4096", "--ffn", "14336"],
+                        tmp_path)
+    auto = rows[-1]
+    assert auto["mode"] == "auto" and auto["picked"] == "gate_up:flash(k=1,g=4) down:flash(k=1,g=4)"
+    gu = setup["linears"][0]
+    merged = predict("ag_matmul", "flash", 1, 8, 8192, 4096, gu["n_out"], 2, H100, peers_per_piece=4)
+    assert auto["gate_up_fwd_ms"] == pytest.approx(merged["ag_matmul"].total * 1e3, rel=1e-12)
+    assert auto["vs_none"] < 0.9 and auto["vs_none"] < min(r["vs_none"] for r in rows[:-1])
+
+
 def test_json_layout_and_modes(tmp_path):
     setup, rows = _rows(["--block", "attention", "--ulysses", "2", "--seq", "1024", "--hidden", "512",
                          "--heads", "8", "--kv-heads", "2", "--chunks", "1,2", "--hardware", "h100-ib"], tmp_path)

@@ -164,7 +164,7 @@ def worker(config: dict) -> None:
 
     from flashpar import cost
     from flashpar.cost.calibrate import calibrate, measure_comm_cpu
-    from flashpar.overlap.simulate import choose_mode, predict
+    from flashpar.overlap.simulate import choose_mode, pick_label, predict
 
     flushed = _flush_denormals()  # before gloo starts its threads, so they inherit it
     dist.init_process_group("gloo")
@@ -214,7 +214,7 @@ def worker(config: dict) -> None:
             for mode, chunks in modes_for(shape.op, variants):
                 row = {"mode": mode, "chunks": chunks}
                 if mode == "auto":
-                    row["picked"] = f"{auto_pick[0]}(k={auto_pick[1]})"
+                    row["picked"] = pick_label(*auto_pick)
                 for d, direction in enumerate(("forward", "backward")):
                     med, per_round = {}, {}
                     for kind in ("overlapped", "compute", "comm"):
@@ -222,8 +222,8 @@ def worker(config: dict) -> None:
                                            for i in range(rounds[shape.name])]
                         med[kind] = statistics.median(per_round[kind])
                     row[direction] = {**_figures(med, n, mode, chunks), "samples": per_round}
-                pm, pk = auto_pick if mode == "auto" else (mode, chunks or 1)
-                pred = predict(sim_op, pm, pk, n, *dims, elem, hw)
+                pm, pk, pg = auto_pick if mode == "auto" else (mode, chunks or 1, 1)
+                pred = predict(sim_op, pm, pk, n, *dims, elem, hw, peers_per_piece=pg)
                 row["predicted"] = {k: v.total for k, v in pred.items()}
                 entry["modes"].append(row)
             none = next((m for m in entry["modes"] if m["mode"] == "none"), None)

@@ -39,6 +39,12 @@ Weight gradients are this rank's terms (its tokens), as for any replicated param
 data parallelism; ``reduce_weight_grad=True`` all-reduces them (sum) over the group inside the
 backward, so every rank holds the gradient of the whole sequence.
 
+Merged pieces (``peers_per_piece=g``, flash): ``g`` head groups' messages in one lane item.  The
+GEMM-then-all-to-all side computes a run of consecutive head groups ``j .. j+g-1`` in one batched
+GEMM, ``p_{j..j+g-1} = x_r @ [W_j; ...; W_{j+g-1}]^T`` written as ``[g, s_r, w]`` (one contiguous send
+per peer); the all-to-all-then-GEMM side sums over head groups, one GEMM per arriving group (see
+``flashpar.overlap.schedule``, *Merged pieces*).
+
 Modes: flash | slice | none | auto (``ring`` does not apply to an all-to-all).
 """
 
@@ -60,21 +66,22 @@ A2A_MODE_CHOICES = (*A2A_MODES, "auto")
 def matmul_all_to_all(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group=None,
                       mode: str = "flash", chunks: int | None = None, split_sizes: list[int] | None = None,
                       reduce_weight_grad: bool = False, check: bool = True,
-                      timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
+                      timeout_s: float = DEFAULT_TIMEOUT_S, peers_per_piece: int | None = None) -> torch.Tensor:
     """``all_to_all(F.linear(x, weight, bias))`` from sequence to head-group sharding, overlapped.
 
     x ``[s_r, ..., in]`` (this rank's tokens), weight ``[N w, in]`` (rows grouped by head group),
-    bias ``[N w]``; returns ``[S, ..., w]``: every token, this rank's head group.
+    bias ``[N w]``; returns ``[S, ..., w]``: every token, this rank's head group.  ``peers_per_piece``:
+    flash merges up to this many head groups into one piece (default 1; ``auto`` chooses).
     """
     call = _a2a_call("matmul_all_to_all", x, weight, bias, group, mode, chunks, split_sizes, reduce_weight_grad,
-                     check, timeout_s)
+                     check, timeout_s, peers_per_piece)
     return _MatmulAllToAll.apply(x, weight, bias, call)
 
 
 def all_to_all_matmul(o: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group=None,
                       mode: str = "flash", chunks: int | None = None, split_sizes: list[int] | None = None,
                       reduce_weight_grad: bool = False, check: bool = True,
-                      timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
+                      timeout_s: float = DEFAULT_TIMEOUT_S, peers_per_piece: int | None = None) -> torch.Tensor:
     """``F.linear(all_to_all(o), weight, bias)`` from head-group to sequence sharding, overlapped.
 
     o ``[S, ..., u]`` (every token, this rank's head group), weight ``[out, N u]`` (columns grouped by
@@ -82,12 +89,12 @@ def all_to_all_matmul(o: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     (equal blocks when omitted).
     """
     call = _a2a_call("all_to_all_matmul", o, weight, bias, group, mode, chunks, split_sizes, reduce_weight_grad,
-                     check, timeout_s)
+                     check, timeout_s, peers_per_piece)
     return _AllToAllMatmul.apply(o, weight, bias, call)
 
 
 def _a2a_call(op_name, x, weight, bias, group, mode, chunks, split_sizes, reduce_weight_grad, check,
-              timeout_s) -> Call:
+              timeout_s, peers_per_piece) -> Call:
     scatter_side = op_name == "matmul_all_to_all"  # tokens per rank come from x; otherwise from split_sizes
 
     def describe(info) -> Local:
@@ -113,7 +120,8 @@ def _a2a_call(op_name, x, weight, bias, group, mode, chunks, split_sizes, reduce
 
     return prepare(op_name, group, {"x": x, "weight": weight, "bias": bias}, describe, mode=mode, chunks=chunks,
                    split_sizes=split_sizes, check=check, timeout_s=timeout_s, local_sizes=scatter_side,
-                   modes=A2A_MODE_CHOICES, reduce_weight=reduce_weight_grad)
+                   modes=A2A_MODE_CHOICES, reduce_weight=reduce_weight_grad, peers_per_piece=peers_per_piece,
+                   merged=True)
 
 
 def _check_shapes(op_name, n, x, weight, bias, scatter_side) -> None:
@@ -146,9 +154,9 @@ def _weight_grad(rows: int, cols: int, with_bias: bool, wanted: bool, like: torc
     return torch.zeros(rows, cols + int(with_bias), dtype=like.dtype, device=like.device)
 
 
-def _cols(group: int, width: int) -> slice:
-    """Columns (or rows) of head group ``group`` in a layout of ``width`` per group."""
-    return slice(group * width, (group + 1) * width)
+def _cols(group: int, width: int, groups: int = 1) -> slice:
+    """Columns (or rows) of head groups ``group .. group + groups - 1`` in a layout of ``width`` per group."""
+    return slice(group * width, (group + groups) * width)
 
 
 class _MatmulAllToAll(torch.autograd.Function):
@@ -159,10 +167,17 @@ class _MatmulAllToAll(torch.autograd.Function):
         x2 = flat(x)
 
         def kernels(buffers: Buffers):
-            def gemm_p(step: Compute) -> None:  # this rank's tokens for head group step.peer
-                g = _cols(step.peer, w)
-                dst, src = buffers.view(step.dst, step.piece, step.peer), buffers.view("a", step.piece)
-                if bias is None:
+            def gemm_p(step: Compute) -> None:  # this rank's tokens for head group(s) step.peer (..)
+                g, src = _cols(step.peer, w, step.peers), buffers.view("a", step.piece)
+                dst = buffers.view(step.dst, step.piece, step.peer, step.peers)
+                if step.peers > 1:  # [peers, rows, w] = x @ W_j^T for each group j of the run, one batched GEMM
+                    w_t = weight[g].reshape(step.peers, w, -1).transpose(1, 2)
+                    x_b = src.expand(step.peers, *src.shape)
+                    if bias is None:
+                        torch.bmm(x_b, w_t, out=dst)
+                    else:
+                        torch.baddbmm(bias[g].view(step.peers, 1, w), x_b, w_t, out=dst)
+                elif bias is None:
                     torch.mm(src, weight[g].t(), out=dst)
                 else:
                     torch.addmm(bias[g], src, weight[g].t(), out=dst)
@@ -246,9 +261,13 @@ class _AllToAllMatmul(torch.autograd.Function):
             torch.sum(g2, dim=0, out=grad_w[:, n * u])
 
         def kernels(buffers: Buffers):
-            def gemm_p(step: Compute) -> None:  # grad_o of head group step.peer for this rank's tokens
-                torch.mm(buffers.view("a", step.piece), weight[:, _cols(step.peer, u)],
-                         out=buffers.view(step.dst, step.piece, step.peer))
+            def gemm_p(step: Compute) -> None:  # grad_o of head group(s) step.peer (..) for this rank's tokens
+                a, dst = buffers.view("a", step.piece), buffers.view(step.dst, step.piece, step.peer, step.peers)
+                cols = weight[:, _cols(step.peer, u, step.peers)]
+                if step.peers > 1:  # [peers, rows, u] = grad_y @ Wo_j for each group j of the run, one batched GEMM
+                    torch.bmm(a.expand(step.peers, *a.shape), cols.reshape(-1, step.peers, u).transpose(0, 1), out=dst)
+                else:
+                    torch.mm(a, cols, out=dst)
 
             def gemm_gw(step: Compute) -> None:
                 torch.mm(g2.t(), pieces[step.peer], out=grad_w[:, _cols(step.peer, u)])

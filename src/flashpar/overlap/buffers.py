@@ -3,7 +3,10 @@ as tensors over a :class:`~flashpar.overlap.row_space.RowSpace`.
 
 ``Buffers(schedule, rows, dims=..., bind=...)`` allocates every declared buffer the op did not
 bind (lazily where the kind says so) and resolves ``view(name, piece, peer)`` to rows; the kinds
-are :data:`~flashpar.overlap.schedule.BUFFER_KINDS`.  A buffer's feature count is its bound
+are :data:`~flashpar.overlap.schedule.BUFFER_KINDS`.  A merged piece's rows are one tensor: a ``span``
+of consecutive blocks of a global-order buffer is a row range already; a lazily allocated buffer
+(``per_block``, ``per_peer``) allocates a merged piece's blocks, or its run of ``peers``, as one tensor
+the first time the piece is asked for, and the single blocks are views into it.  A buffer's feature count is its bound
 tensor's, else ``dims[decl.width]``; its dtype ``dtypes[name]``, else ``dtype`` (mixed precision: the
 ZeRO-3 backward re-gathers bf16 weight rows and reduce-scatters fp32 gradient rows).  Collectives may
 land a piece elsewhere (a padded slab): ``land`` overrides the lookup.
@@ -30,8 +33,9 @@ class Buffers:
         self._t: dict[str, object] = {}
         self._local: dict[str, torch.Tensor] = {}
         self._width: dict[str, int] = {}
-        self._landed: dict[tuple[str, int, int, int, int], torch.Tensor] = {}
+        self._landed: dict[tuple[str, Piece, int], torch.Tensor] = {}
         self._slabs: dict[tuple[str, int], torch.Tensor] = {}
+        self._runs: dict[tuple[str, int, int], torch.Tensor] = {}  # (name, first block / peer, count): merged rows
         for decl in schedule.buffers:
             if decl.kind == "kernel":
                 continue
@@ -102,6 +106,23 @@ class Buffers:
                     full[lo:hi].copy_(src)
         return full
 
+    def _run(self, name: str, store: dict, keys: range, lengths: list[int]) -> torch.Tensor:
+        """One tensor for the blocks (or peers) ``keys`` of a merged piece, allocated on its first use; each
+        key's rows are a view into it."""
+        run = self._runs.get((name, keys.start, len(keys)))
+        if run is not None:
+            return run
+        apart = [key for key in keys if key in store]
+        if apart:
+            raise AssertionError(f"buffer {name!r}: {list(keys)} form one merged piece, but {apart} were allocated "
+                                 "apart before it")
+        run = self._runs[(name, keys.start, len(keys))] = self.empty(sum(lengths), self._width[name], name)
+        lo = 0
+        for key, length in zip(keys, lengths, strict=True):
+            store[key] = run[lo : lo + length]
+            lo += length
+        return run
+
     def tensor(self, name: str) -> torch.Tensor:
         return self._t[name]  # type: ignore[return-value]
 
@@ -109,7 +130,7 @@ class Buffers:
         return self._width[name]
 
     def land(self, name: str, piece: Piece, view: torch.Tensor, peer: int = -1) -> None:
-        self._landed[(name, piece.block, piece.chunk, piece.chunks, peer)] = view
+        self._landed[(name, piece, peer)] = view
 
     def nonempty(self, piece: Piece) -> bool:
         lo, hi = self.rows.rows(piece)
@@ -119,12 +140,16 @@ class Buffers:
         """``dst[piece] += src[piece]`` (``src`` of the step's peer where it is per peer)."""
         self.view(step.dst, step.piece).add_(self.view(step.src, step.piece, step.peer))
 
-    def view(self, name: str, piece: Piece, peer: int = -1) -> torch.Tensor:
+    def view(self, name: str, piece: Piece, peer: int = -1, peers: int = 1) -> torch.Tensor:
+        """The rows of ``piece`` in buffer ``name`` (of ``peer`` where it is per peer); ``peers > 1``: those of
+        the consecutive peers ``peer .. peer + peers - 1``, ``[peers, rows, F]`` in one tensor."""
         kind, t = self._kind.get(name), self._t.get(name)
-        landed = self._landed.get((name, piece.block, piece.chunk, piece.chunks, peer if kind == "per_peer" else -1))
+        landed = self._landed.get((name, piece, peer if kind == "per_peer" else -1))
         if landed is not None:
             return landed
         if kind in ("full", "gathered"):
+            if name in self._local and piece.span > 1 and piece.block <= self.rank < piece.block + piece.span:
+                raise AssertionError(f"buffer {name!r}: merged piece {piece} covers the local block, which lives apart")
             if piece.block == self.rank and name in self._local:
                 lo, hi = self.rows.rel(piece)
                 return self._local[name][lo:hi]
@@ -137,6 +162,13 @@ class Buffers:
             return t[lo:hi]  # type: ignore[index]
         key = {"per_peer": peer, "per_block": piece.block, "scratch": 0}[kind]
         store: dict = t  # type: ignore[assignment]
+        if kind == "per_block" and piece.span > 1:
+            blocks = range(piece.block, piece.block + piece.span)
+            return self._run(name, store, blocks, [self.rows.block_len(j) for j in blocks])
+        if kind == "per_peer" and peers > 1:
+            n = self.rows.block_len(self.rank)
+            run = self._run(name, store, range(peer, peer + peers), [n] * peers)
+            return run.view(peers, n, run.shape[1])[:, lo:hi]
         if key not in store:
             n = self.rows.block_len(self.rank if kind == "per_peer" else piece.block)
             if kind == "scratch":

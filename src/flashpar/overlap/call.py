@@ -22,7 +22,7 @@ import torch
 
 from flashpar.dist import GroupInfo, exchange_metadata, resolve_group
 from flashpar.overlap.row_space import RowSpace
-from flashpar.overlap.schedule import MODES
+from flashpar.overlap.schedule import MODES, check_peers_per_piece
 
 MODE_CHOICES = (*MODES, "auto")
 DEFAULT_CHUNKS = {"flash": 1, "ring": 1, "slice": 4, "none": 1}
@@ -41,6 +41,7 @@ class Call:
     timeout_s: float
     save_gathered: bool = False
     reduce_weight: bool = False
+    peers_per_piece: int = 1
 
 
 @dataclass(frozen=True)
@@ -57,41 +58,56 @@ class Local:
 
 def prepare(op_name: str, group, tensors: dict[str, torch.Tensor | None], describe: Callable[[GroupInfo], Local], *,
             mode, chunks, split_sizes, check: bool, timeout_s: float, local_sizes: bool,
-            modes: tuple[str, ...] = MODE_CHOICES, reduce_weight: bool = False) -> Call:
+            modes: tuple[str, ...] = MODE_CHOICES, reduce_weight: bool = False, peers_per_piece=None,
+            merged: bool = False) -> Call:
     """Validate one op call and agree on it across ranks; returns its :class:`Call`.
 
     ``tensors``: the call's tensors by name, the first being the activation (its dtype and device
     choose ``auto``'s cost model).  ``describe(info)`` raises ``ValueError`` / ``TypeError`` on bad
     local input (caught here, so the rank still joins the cross-rank check and every rank raises)
-    and returns :class:`Local`.  ``local_sizes``: see :func:`settle`.
+    and returns :class:`Local`.  ``local_sizes``: see :func:`settle`.  ``peers_per_piece``: the
+    caller's merged pieces (flash; ``None``: one piece per peer).  ``merged``: the op runs
+    ``Call.peers_per_piece`` (``auto`` considers merged pieces only then).
     """
     info = resolve_group(group)
     x = next(iter(tensors.values()))
     error: BaseException | None = None
-    local, chosen = Local(0, ("", 0, 0, 0)), ("none", 1)
+    local, chosen = Local(0, ("", 0, 0, 0)), ("none", 1, 1)
     try:
-        check_mode(op_name, mode, chunks, modes)
+        check_mode(op_name, mode, chunks, modes, peers_per_piece, merged)
         check_tensors(op_name, tensors)
         local = describe(info)
-        chosen = pick_mode(mode, chunks, info.world_size, *local.sim, x)
+        chosen = pick_mode(mode, chunks, info.world_size, *local.sim, x, peers_per_piece=peers_per_piece,
+                           merged=merged)
     except (ValueError, TypeError) as err:
         error = err
     named = [] if error is not None else [*local.named, ("mode", modes.index(mode)), *mid_named(local.mid_shape)]
     device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-    sizes, chosen_mode, k = settle(op_name, info, error=error, local_len=local.local_len, named=named, chosen=chosen,
-                                   split_sizes=split_sizes, local_sizes=local_sizes, check=check, device=device,
-                                   timeout_s=timeout_s)
+    sizes, chosen_mode, k, g = settle(op_name, info, error=error, local_len=local.local_len, named=named,
+                                      chosen=chosen, split_sizes=split_sizes, local_sizes=local_sizes, check=check,
+                                      device=device, timeout_s=timeout_s)
     return Call(op_name, info, chosen_mode, k, RowSpace(sizes, math.prod(local.mid_shape)), local.mid_shape,
-                timeout_s, reduce_weight=reduce_weight)
+                timeout_s, reduce_weight=reduce_weight, peers_per_piece=g)
 
 
-def check_mode(op_name: str, mode, chunks, choices: tuple[str, ...] = MODE_CHOICES) -> None:
+def check_mode(op_name: str, mode, chunks, choices: tuple[str, ...] = MODE_CHOICES, peers_per_piece=None,
+               merged: bool = False) -> None:
     if mode not in choices:
         hint = " ('ring' forwards every block around the ring: not meaningful for all-to-all)" \
             if mode == "ring" else ""
         raise ValueError(f"{op_name}: unknown mode {mode!r}; expected one of {choices}{hint}")
     if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
         raise ValueError(f"{op_name}: chunks must be a positive int, got {chunks!r}")
+    if peers_per_piece is None:
+        return
+    if not merged:
+        raise ValueError(f"{op_name}: takes no peers_per_piece (its schedules keep one piece per peer)")
+    if mode == "auto":
+        raise ValueError(f"{op_name}: mode 'auto' chooses peers_per_piece itself; pass it with mode 'flash'")
+    try:
+        check_peers_per_piece(peers_per_piece, mode=mode, chunks=chunks)
+    except ValueError as err:
+        raise ValueError(f"{op_name}: {err}") from None
 
 
 def check_tensors(op_name: str, tensors: dict[str, torch.Tensor | None]) -> None:
@@ -125,12 +141,12 @@ def check_split(op_name: str, split_sizes, n: int, r: int, *, local: int | None 
 
 
 def settle(op_name: str, info: GroupInfo, *, error: BaseException | None, local_len: int,
-           named: list[tuple[str, int]], chosen: tuple[str, int], split_sizes, local_sizes: bool,
-           check: bool, device, timeout_s: float) -> tuple[tuple[int, ...], str, int]:
-    """Agree on the call across ranks; returns (block lengths, mode, chunks).
+           named: list[tuple[str, int]], chosen: tuple[str, int, int], split_sizes, local_sizes: bool,
+           check: bool, device, timeout_s: float) -> tuple[tuple[int, ...], str, int, int]:
+    """Agree on the call across ranks; returns (block lengths, mode, chunks, peers per piece).
 
-    ``named``: (what, value) pairs every rank must share.  ``chosen``: this rank's (mode, chunks)
-    pick; rank 0's binds.  ``local_len``: this rank's block length.  ``local_sizes=True``: the
+    ``named``: (what, value) pairs every rank must share.  ``chosen``: this rank's (mode, chunks,
+    peers_per_piece) pick; rank 0's binds.  ``local_len``: this rank's block length.  ``local_sizes=True``: the
     block lengths are the ranks' own lengths (exchanged when ``split_sizes`` is omitted, checked
     against it otherwise); ``False``: ``split_sizes`` (or equal blocks of ``local_len``) was given
     to every rank and must be the same list everywhere.  ``check=False`` skips the exchange: no
@@ -142,13 +158,13 @@ def settle(op_name: str, info: GroupInfo, *, error: BaseException | None, local_
     n = info.world_size
     if error is not None and (not check or n == 1):
         raise error
-    mode_name, k = chosen
+    mode_name, k, g = chosen
     sizes = list(split_sizes) if split_sizes is not None else None
     if check and n > 1:
-        values = [] if error is not None else [local_len, MODES.index(mode_name), k, *(v for _, v in named)]
+        values = [] if error is not None else [local_len, MODES.index(mode_name), k, g, *(v for _, v in named)]
         table = exchange_metadata(info, values, device=device, op_name=op_name, local_error=error,
                                   timeout_s=timeout_s)
-        for col, (what, _) in enumerate(named, start=3):
+        for col, (what, _) in enumerate(named, start=4):
             column = table[:, col].tolist()
             if len(set(column)) > 1:
                 raise RuntimeError(f"{op_name}: ranks disagree on {what}: {column} (rank order)")
@@ -156,25 +172,27 @@ def settle(op_name: str, info: GroupInfo, *, error: BaseException | None, local_
         if sizes is not None and lengths != sizes:
             whose = "the ranks' actual lengths" if local_sizes else "the split the ranks were given"
             raise RuntimeError(f"{op_name}: split_sizes {sizes} differ from {whose} {lengths}")
-        mode_name, k = MODES[int(table[0, 1])], int(table[0, 2])  # 'auto': rank 0's pick binds every rank
+        # 'auto': rank 0's pick binds every rank
+        mode_name, k, g = MODES[int(table[0, 1])], int(table[0, 2]), int(table[0, 3])
         if sizes is None and local_sizes:
             sizes = lengths
     if sizes is None:
         sizes = [local_len] * n
-    return tuple(sizes), mode_name, k
+    return tuple(sizes), mode_name, k, g
 
 
 def pick_mode(mode: str, chunks: int | None, n: int, sim_op: str, rows: int, n_in: int, n_out: int,
-              x: torch.Tensor) -> tuple[str, int]:
-    """This rank's (mode, chunks): a group of one runs ``none``; ``auto`` asks the cost model for
-    ``sim_op`` on ``rows`` x (``n_in`` -> ``n_out``) (see :func:`flashpar.overlap.simulate.op_shapes`)."""
+              x: torch.Tensor, *, peers_per_piece: int | None = None, merged: bool = False) -> tuple[str, int, int]:
+    """This rank's (mode, chunks, peers_per_piece): a group of one runs ``none``; ``auto`` asks the cost
+    model for ``sim_op`` on ``rows`` x (``n_in`` -> ``n_out``) (see :func:`flashpar.overlap.simulate.op_shapes`),
+    among merged pieces too where the op runs them (``merged``)."""
     if n == 1:
-        return "none", 1
+        return "none", 1, 1
     if mode != "auto":
-        return mode, chunks or DEFAULT_CHUNKS[mode]
+        return mode, chunks or DEFAULT_CHUNKS[mode], peers_per_piece or 1
     from flashpar.overlap.simulate import choose_mode  # cost model: only needed for 'auto'
 
-    return choose_mode(sim_op, n, rows, n_in, n_out, x.element_size(), x.device.type)
+    return choose_mode(sim_op, n, rows, n_in, n_out, x.element_size(), x.device.type, merged=merged)
 
 
 def mid_named(mid_shape: tuple[int, ...]) -> list[tuple[str, int]]:

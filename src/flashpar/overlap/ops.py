@@ -35,6 +35,14 @@ The bias is replicated, so its gradient is all-reduced (async, first on the
 lane, hidden by the local GEMMs) and every rank ends with the same, full value.
 Both backward GEMMs read each arriving block of ``grad_y`` once.
 
+Merged pieces: ``peers_per_piece=g`` (flash, ``chunks=1``) moves ``g`` peers' blocks in one lane
+item and runs one GEMM on their rows together (``flashpar.overlap.schedule``, *Merged pieces*)::
+
+    N = 4, g = 2, all-gather side, rank 1:   lane:  | x_1 -> 2; x_0 <- 0 | x_1 -> 3, 0; x_3, x_2 <- |
+                                             main:  | y[1]  (local)     | y[0]              | y[2 .. 3]
+
+``mode="auto"`` weighs them against one piece per peer and ``none`` with the cost model.
+
 Exactness: every mode does the same products as the collective version; only
 the order of the summands of a reduce-scatter and of ``grad_W`` differs.
 
@@ -43,8 +51,8 @@ Extra memory beyond inputs and outputs (rows x features, per call)
 all-gather side: every mode receives straight into the gathered buffer
 (``S - s_r`` rows; ``none`` and ``slice`` also gather the local rows, padded
 to the largest block where shards are uneven).  Reduce-scatter side:
-``flash``: partials for all peers (``S - s_r`` rows) + one received partial per
-peer (``(N-1) s_r`` rows), direct sends, no forwarding.  ``ring``:
+``flash``: partials for all peers (``S - s_r`` rows; a merged piece's in one tensor) + one received
+partial per peer (``(N-1) s_r`` rows), direct sends, no forwarding.  ``ring``:
 accumulate-and-forward with two accumulators and two receive buffers of one
 block each (``4 max s_j`` rows).  ``slice``: one slab per slice (``S`` rows in
 all).  ``none``: the full partial product (``S`` rows).
@@ -72,28 +80,33 @@ from flashpar.overlap.schedule import Compute, Schedule, build_schedule
 
 def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group=None,
                       mode: str = "flash", chunks: int | None = None, split_sizes: list[int] | None = None,
-                      save_gathered: bool = False, check: bool = True,
-                      timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
+                      save_gathered: bool = False, check: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
+                      peers_per_piece: int | None = None) -> torch.Tensor:
     """``F.linear(all_gather(x, dim=0), weight, bias)`` with the all-gather hidden behind the GEMM.
 
     x ``[s_r, ..., in]`` (this rank's sequence block), weight ``[out_r, in]``, bias ``[out_r]``;
     returns ``[S, ..., out_r]``.  ``mode``: flash | ring | slice | none | auto.  ``chunks``: sub-blocks
-    per peer (flash, ring) or slices (slice).  ``check``: cross-rank shape check (one tiny
+    per peer (flash, ring) or slices (slice).  ``peers_per_piece``: flash merges up to this many peers
+    into one piece (default 1; ``auto`` chooses).  ``check``: cross-rank shape check (one tiny
     all-gather); switch it off only where shapes are known to agree.
     """
-    call = _linear_call("all_gather_matmul", x, weight, bias, group, mode, chunks, split_sizes, check, timeout_s)
+    call = _linear_call("all_gather_matmul", x, weight, bias, group, mode, chunks, split_sizes, check, timeout_s,
+                        peers_per_piece)
     return _AllGatherMatmul.apply(x, weight, bias, dataclasses.replace(call, save_gathered=save_gathered))
 
 
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group=None,
                           mode: str = "flash", chunks: int | None = None, split_sizes: list[int] | None = None,
-                          check: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
+                          check: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
+                          peers_per_piece: int | None = None) -> torch.Tensor:
     """``reduce_scatter(F.linear(x, weight), dim=0) + bias`` with the reduce-scatter hidden behind the GEMM.
 
     x ``[S, ..., in_r]`` (full sequence, this rank's input features), weight ``[out, in_r]``, bias
-    ``[out]`` (replicated); returns this rank's block ``[s_r, ..., out]``.
+    ``[out]`` (replicated); returns this rank's block ``[s_r, ..., out]``.  The options are
+    :func:`all_gather_matmul`'s.
     """
-    call = _linear_call("matmul_reduce_scatter", x, weight, bias, group, mode, chunks, split_sizes, check, timeout_s)
+    call = _linear_call("matmul_reduce_scatter", x, weight, bias, group, mode, chunks, split_sizes, check, timeout_s,
+                        peers_per_piece)
     return _MatmulReduceScatter.apply(x, weight, bias, call)
 
 
@@ -101,7 +114,7 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 # validation and the cross-rank check
 
 
-def _linear_call(op_name, x, weight, bias, group, mode, chunks, split_sizes, check, timeout_s) -> Call:
+def _linear_call(op_name, x, weight, bias, group, mode, chunks, split_sizes, check, timeout_s, peers_per_piece) -> Call:
     gather_side = op_name == "all_gather_matmul"
 
     def describe(info) -> Local:
@@ -133,7 +146,8 @@ def _linear_call(op_name, x, weight, bias, group, mode, chunks, split_sizes, che
         return Local(local_len, sim, named, mid_shape)
 
     return prepare(op_name, group, {"x": x, "weight": weight, "bias": bias}, describe, mode=mode, chunks=chunks,
-                   split_sizes=split_sizes, check=check, timeout_s=timeout_s, local_sizes=gather_side)
+                   split_sizes=split_sizes, check=check, timeout_s=timeout_s, local_sizes=gather_side,
+                   peers_per_piece=peers_per_piece, merged=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,10 +170,12 @@ def flat(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=1024)
-def _schedule(op: str, mode: str, n: int, r: int, chunks: int, reduce_weight: bool, flags: tuple) -> Schedule:
+def _schedule(op: str, mode: str, n: int, r: int, chunks: int, peers_per_piece: int, reduce_weight: bool,
+              flags: tuple) -> Schedule:
     """``build_schedule`` once per distinct call: a schedule is immutable, and every layer of a model
     (and every step) runs the same few."""
-    return build_schedule(op, mode, n, r, chunks=chunks, reduce_weight=reduce_weight, **dict(flags))
+    return build_schedule(op, mode, n, r, chunks=chunks, peers_per_piece=peers_per_piece,
+                          reduce_weight=reduce_weight, **dict(flags))
 
 
 def run(call: Call, op: str, kernels, *, dims: dict[str, int], bind: dict[str, torch.Tensor | None],
@@ -167,8 +183,8 @@ def run(call: Call, op: str, kernels, *, dims: dict[str, int], bind: dict[str, t
     """Build ``op``'s schedule for this call, its buffers (``bind``: the op's tensors by buffer name,
     ``dims``: the widths of the rest) and run it; returns the buffers."""
     info = call.info
-    schedule = _schedule(op, call.mode, info.world_size, info.rank, call.chunks, call.reduce_weight,
-                         tuple(sorted(flags.items())))
+    schedule = _schedule(op, call.mode, info.world_size, info.rank, call.chunks, call.peers_per_piece,
+                         call.reduce_weight, tuple(sorted(flags.items())))
     buffers = Buffers(schedule, call.rows, dims=dims, bind=bind, dtype=like.dtype, device=like.device)
     run_schedule(schedule, buffers, kernels(buffers), info, op_name=call.op_name, timeout_s=call.timeout_s)
     return buffers

@@ -35,7 +35,9 @@ class RowSpace:
         return self.split_sizes[j] * self.row_width
 
     def rel(self, piece: Piece) -> tuple[int, int]:
-        """Rows of ``piece`` relative to the start of its block."""
+        """Rows of ``piece`` relative to the start of its (first) block."""
+        if piece.span > 1:  # merged blocks: whole blocks only (schedule.check_peers_per_piece)
+            return 0, sum(self.split_sizes[piece.block : piece.block + piece.span]) * self.row_width
         s = self.split_sizes[piece.block]
         lo = s * piece.chunk // piece.chunks
         hi = s * (piece.chunk + 1) // piece.chunks

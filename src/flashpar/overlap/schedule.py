@@ -8,8 +8,8 @@ properties of the lists for every (N, r) in one process.
 Vocabulary
 ----------
 Rows are addressed by :class:`Piece`: chunk ``c`` of ``k`` of the sequence block
-owned by rank ``block`` (``block == ALL`` means every row).  Two agents run the
-list:
+owned by rank ``block`` (``block == ALL`` means every row), or the ``span`` consecutive
+blocks ``block .. block + span - 1`` of a merged piece.  Two agents run the list:
 
 * the *main* agent runs :class:`Compute`, :class:`Wait` and :class:`Add` steps
   in order;
@@ -64,9 +64,34 @@ Every name a step mentions is declared once, in :attr:`Schedule.buffers` (a
 resolves buffers from it, the simulator sizes transfers from it, the ops bind their
 tensors to it by name; adding a buffer is one ``declare`` in the builder below.
 
+Merged pieces
+-------------
+``peers_per_piece = g`` (flash only, ``chunks = 1``): the ``N - 1`` peers are cut, in exchange
+order ``t = 1 .. N-1``, into ``p = ceil((N-1) / g)`` pieces of ``floor`` or ``ceil((N-1) / p)``
+peers (:func:`peer_pieces`).  A piece is one lane item (one :class:`Exchange` with a send and a
+receive per peer of it) and one GEMM on its blocks together, so it pays one message latency, one
+launch and a GEMM of ``g`` blocks' rows instead of ``g`` of each.  The smaller pieces sit next to the
+local block (first on the all-gather side, last on the reduce-scatter side): the local GEMM alone
+hides the transfer of the piece beside it.  Rank ``r``'s piece of shifts ``{t}`` holds blocks
+``r - t`` (gather) or ``r + t`` (scatter), consecutive modulo ``N``; where they wrap past rank 0
+the piece computes as two GEMMs, one per run of consecutive rows: at most one piece of an op
+wraps, so that costs one launch, where a merged buffer would copy every row of the piece in (and,
+for an output in global row order, out again).  In flight, all-gather at N = 8, g = 3 (pieces of
+2, 2 and 3 peers), rank r::
+
+    lane:  | x_r -> r+1, r+2         | x_r -> r+3, r+4         | x_r -> r+5 .. r+7         |
+           | x_{r-1}, x_{r-2} <-     | x_{r-3}, x_{r-4} <-     | x_{r-5} .. x_{r-7} <-     |
+    main:  | y[r] (local)            | y[r-2 .. r-1]           | y[r-4 .. r-3]             | y[r-7 .. r-5]
+
+All-to-all pieces merge head groups, not rows: the scatter side (``matmul_a2a``, the ``p`` gemm of
+``a2a_matmul_bwd``) computes a run of consecutive head groups in one batched GEMM
+(``Compute.peers``); the gather side sums over head groups (a contraction along features of
+separately received buffers), so it keeps one GEMM per head group after the piece's one wait.
+
 Modes
 -----
-``flash``  point-to-point per peer, local-first (all-gather) / local-last (reduce-scatter).
+``flash``  point-to-point per peer (or per merged piece), local-first (all-gather) / local-last
+           (reduce-scatter).
 ``ring``   neighbour ring: all-gather forwards blocks, reduce-scatter accumulates and forwards.
 ``slice``  ``chunks`` slices, each slice one async collective; first (AG) or last (RS) exposed.
 ``none``   one blocking collective and one GEMM.
@@ -96,11 +121,13 @@ A2A_MODES = ("flash", "slice", "none")
 
 @dataclass(frozen=True)
 class Piece:
-    """Chunk ``chunk`` of ``chunks`` of the sequence block of rank ``block`` (or ``ALL``)."""
+    """Chunk ``chunk`` of ``chunks`` of the sequence block of rank ``block`` (or ``ALL``); with ``span > 1``
+    (merged pieces, whole blocks only) the consecutive blocks ``block .. block + span - 1``."""
 
     block: int
     chunk: int = 0
     chunks: int = 1
+    span: int = 1
 
 
 WHOLE = Piece(ALL)
@@ -154,13 +181,15 @@ class Collective:
 class Compute:
     """Main: gemm ``gemm`` on the rows of ``piece``, reading ``src``, writing ``dst``.
 
-    ``peer``: the head group of an all-to-all piece (-1 elsewhere)."""
+    ``peer``: the head group of an all-to-all piece (-1 elsewhere); ``peers > 1``: the head groups
+    ``peer .. peer + peers - 1`` in one (batched) GEMM, ``peers`` times as wide."""
 
     gemm: str
     piece: Piece
     src: str
     dst: str
     peer: int = -1
+    peers: int = 1
 
 
 @dataclass(frozen=True)
@@ -193,8 +222,8 @@ BUFFER_KINDS = {
     "gathered": "[S, F] in global row order; the local block is the op's own tensor (never copied)",
     "full": "[S, F] in global row order (bound by the op, else allocated)",
     "local": "[s_r, F]: this rank's block (bound by the op)",
-    "per_peer": "one [s_r, F] tensor per peer, allocated on first use",
-    "per_block": "one [s_j, F] tensor per block j, allocated on first use",
+    "per_peer": "one [s_r, F] tensor per peer, allocated on first use (a run of peers in one compute: one tensor)",
+    "per_block": "one [s_j, F] tensor per block j, allocated on first use (a merged piece's blocks: one tensor)",
     "scratch": "[max s_j, F]; pieces at block-relative rows (ring accumulators)",
     "slabs": "slice-mode reduce-scatter sends: one [N pad_c, F] slab per slice c, blocks padded",
     "peer_slabs": "per_peer, slice c of every peer in one [N rows_c, F] slab (all-to-all collectives)",
@@ -225,6 +254,7 @@ class Schedule:
     chunks: int
     steps: tuple[Step, ...] = field(repr=False)
     buffers: tuple[BufferDecl, ...] = field(default=(), repr=False)
+    peers_per_piece: int = 1
 
     def lane_items(self) -> list[Exchange | Collective]:
         return [s for s in self.steps if isinstance(s, (Exchange, Collective))]
@@ -256,6 +286,8 @@ class Schedule:
 
 def _describe(step: Step) -> str:
     def pc(p: Piece) -> str:
+        if p.span > 1:
+            return f"b{p.block}-{p.block + p.span - 1}"
         return "all" if p.block == ALL else f"b{p.block}.{p.chunk}/{p.chunks}"
 
     if isinstance(step, Exchange):
@@ -266,6 +298,7 @@ def _describe(step: Step) -> str:
         return f"lane#{step.id} {step.kind} {step.src}->{step.dst} slice {step.chunk}/{step.chunks}"
     if isinstance(step, Compute):
         group = f" g{step.peer}" if step.peer >= 0 else ""
+        group += f"-{step.peer + step.peers - 1}" if step.peers > 1 else ""
         return f"compute {step.gemm}[{pc(step.piece)}{group}] {step.src}->{step.dst}"
     if isinstance(step, Wait):
         return f"wait lane#{step.id}"
@@ -285,8 +318,8 @@ class ScheduleBuilder:
         if self.decls.setdefault(name, decl) != decl:
             raise AssertionError(f"buffer {name!r} declared twice: {self.decls[name]} and {decl}")
 
-    def schedule(self, op: str, mode: str, n: int, r: int, chunks: int) -> Schedule:
-        return Schedule(op, mode, n, r, chunks, tuple(self.steps), tuple(self.decls.values()))
+    def schedule(self, op: str, mode: str, n: int, r: int, chunks: int, peers_per_piece: int = 1) -> Schedule:
+        return Schedule(op, mode, n, r, chunks, tuple(self.steps), tuple(self.decls.values()), peers_per_piece)
 
     def exchange(self, sends: list[Transfer], recvs: list[Transfer], sequenced: str = "both") -> int:
         self.steps.append(Exchange(self.next_id, tuple(sends), tuple(recvs), sequenced))
@@ -299,10 +332,10 @@ class ScheduleBuilder:
         return self.next_id - 1
 
     def compute(self, gemms: tuple[str, ...], piece: Piece, src: str, dst: str | None = None,
-                peer: int = -1) -> None:
+                peer: int = -1, peers: int = 1) -> None:
         """``dst=None``: each gemm writes its own output buffer, named like the gemm."""
         for g in gemms:
-            self.steps.append(Compute(g, piece, src, dst or g, peer))
+            self.steps.append(Compute(g, piece, src, dst or g, peer, peers))
 
     def wait(self, item: int) -> None:
         self.steps.append(Wait(item))
@@ -315,6 +348,7 @@ def build_schedule(
     rank: int,
     *,
     chunks: int = 1,
+    peers_per_piece: int = 1,
     grad_input: bool = True,
     grad_weight: bool = True,
     grad_bias: bool = False,
@@ -324,6 +358,8 @@ def build_schedule(
     """The step list of ``rank`` for ``op`` in ``mode``, with the buffers it names.
 
     ``chunks``: sub-blocks per peer block (flash, ring) or slices (slice).
+    ``peers_per_piece``: flash: at most this many peers per merged piece (see *Merged pieces*; 1: one
+    piece per peer; more than ``N - 1``: one piece of every peer).
     ``grad_input`` / ``grad_weight`` / ``grad_bias``: which gradients a backward op computes
     (``sharded_bwd``: ``grad_weight`` is the reduce-scattered gemm ``gw``, ``grad_input`` the gemm
     ``gx`` on the gathered shards).
@@ -333,18 +369,21 @@ def build_schedule(
     """
     _check_flags(grad_input=grad_input, grad_weight=grad_weight, grad_bias=grad_bias, regather=regather,
                  reduce_weight=reduce_weight)
-    if op in A2A_OPS:
-        return _a2a_schedule(op, mode, world_size, rank, chunks, grad_input, grad_weight, reduce_weight)
-    if op not in OPS:
+    if op not in OPS + A2A_OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS + A2A_OPS}")
+    check_peers_per_piece(peers_per_piece, op=op, mode=mode, chunks=chunks)
+    if op in A2A_OPS:
+        return _a2a_schedule(op, mode, world_size, rank, chunks, peers_per_piece, grad_input, grad_weight,
+                             reduce_weight)
     _check(mode, MODES, world_size, rank, chunks)
     n, r = world_size, rank
+    g = min(peers_per_piece, max(n - 1, 1))  # more than N - 1: one piece of every peer
     b = ScheduleBuilder()
     if op in ("ag_matmul", "sharded"):  # the gathered operand: activations x, or the weight shards w
         src = "x" if op == "ag_matmul" else "w"
         b.declare(src, "gathered", "in", TAG_GATHER)
         b.declare("y", "full" if op == "ag_matmul" else "kernel", "out")
-        _all_gather(b, mode, n, r, chunks, ("y",), src=src)
+        _all_gather(b, mode, n, r, chunks, ("y",), src=src, g=g)
     elif op == "matmul_rs_bwd":
         gb = None
         if grad_bias and n > 1:
@@ -356,24 +395,24 @@ def build_schedule(
             b.declare("gx", "full", "in")
         if grad_weight:
             b.declare("gw", "kernel", "in")
-        _all_gather(b, mode, n, r, chunks, gemms, src="g")
+        _all_gather(b, mode, n, r, chunks, gemms, src="g", g=g)
         if gb is not None:
             b.wait(gb)
     elif op == "matmul_rs":
         b.declare("a", "full", "in")
-        _reduce_scatter(b, mode, n, r, chunks, Scatter("p", "a", "y", "out"))
+        _reduce_scatter(b, mode, n, r, chunks, Scatter("p", "a", "y", "out"), g=g)
     elif op == "ag_matmul_bwd":
         # grad_x [s_r, in] = ReduceScatter(grad_y @ W) (gemm p on a = grad_y); grad_W on the gathered x
         if grad_input:
             b.declare("a", "full", "out")
         _gather_scatter(b, mode, n, r, chunks, Scatter("p", "a", "gx", "in") if grad_input else None,
-                        "gw" if grad_weight else None, "x", regather)
+                        "gw" if grad_weight else None, "x", regather, g=g)
     else:  # sharded_bwd: grad_W of shard j [o_j, in] reduce-scattered to j; grad_x terms on the gathered shards
         if grad_weight:
             b.declare("g", "kernel", "out")
         _gather_scatter(b, mode, n, r, chunks, Scatter("gw", "g", "gw", "in") if grad_weight else None,
                         "gx" if grad_input else None, "w", True)
-    return b.schedule(op, mode, n, r, chunks if mode in ("flash", "ring", "slice") else 1)
+    return b.schedule(op, mode, n, r, chunks if mode in ("flash", "ring", "slice") else 1, g)
 
 
 @dataclass(frozen=True)
@@ -388,7 +427,7 @@ class Scatter:
 
 
 def _gather_scatter(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, scatter: Scatter | None,
-                    gathered_gemm: str | None, gathered: str, regather: bool) -> None:
+                    gathered_gemm: str | None, gathered: str, regather: bool, g: int = 1) -> None:
     """A GEMM+reduce-scatter (``scatter``) and/or a gemm on every block of ``gathered`` (all-gathered
     again when ``regather``, else the op's saved copy), sharing one lane: the gather goes first."""
     if gathered_gemm is not None:
@@ -397,9 +436,9 @@ def _gather_scatter(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, scatt
     if scatter is not None:
         extra = (gathered_gemm,) if gathered_gemm is not None else ()
         _reduce_scatter(b, mode, n, r, k, scatter, extra=extra, gathered=gathered,
-                        gather_x=gathered_gemm is not None and regather)
+                        gather_x=gathered_gemm is not None and regather, g=g)
     elif gathered_gemm is not None and regather:
-        _all_gather(b, mode, n, r, k, (gathered_gemm,), src=gathered)
+        _all_gather(b, mode, n, r, k, (gathered_gemm,), src=gathered, g=g)
     elif gathered_gemm is not None:
         b.compute((gathered_gemm,), WHOLE, gathered)
 
@@ -408,6 +447,27 @@ def _check_flags(**flags) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+MERGED_OPS = ("ag_matmul", "matmul_rs", "ag_matmul_bwd", "matmul_rs_bwd", *A2A_OPS)
+"""Ops whose flash schedules take ``peers_per_piece``; the sharded-DP ones keep one piece per peer."""
+
+
+def check_peers_per_piece(peers_per_piece, *, op: str | None = None, mode: str = "flash", chunks=1) -> None:
+    """``peers_per_piece``: an int >= 1; above 1 only with flash, ``chunks = 1`` and an op of
+    :data:`MERGED_OPS` (``op=None``: any of them).  ``ValueError`` with one line naming the problem."""
+    g = peers_per_piece
+    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+        raise ValueError(f"peers_per_piece must be an integer >= 1, got {g!r}")
+    if g == 1:
+        return
+    if mode != "flash":
+        raise ValueError(f"peers_per_piece={g} merges the pieces of mode 'flash' only, not of mode {mode!r}")
+    if chunks not in (None, 1):
+        raise ValueError(f"peers_per_piece={g} takes whole blocks: chunks must be 1, got {chunks!r} "
+                         "(merging peers and cutting blocks pull opposite ways)")
+    if op is not None and op not in MERGED_OPS:
+        raise ValueError(f"peers_per_piece={g} does not apply to op {op!r} (its schedules keep one piece per peer)")
 
 
 def _check(mode: str, modes: tuple[str, ...], world_size: int, rank: int, chunks: int) -> None:
@@ -422,8 +482,9 @@ def _check(mode: str, modes: tuple[str, ...], world_size: int, rank: int, chunks
         raise ValueError(f"chunks must be >= 1, got {chunks}")
 
 
-def _a2a_schedule(op, mode, n, r, k, grad_input, grad_weight, reduce_weight) -> Schedule:
+def _a2a_schedule(op, mode, n, r, k, g, grad_input, grad_weight, reduce_weight) -> Schedule:
     _check(mode, A2A_MODES, n, r, k)
+    g = min(g, max(n - 1, 1))
     k = k if mode in ("flash", "slice") else 1
     b = ScheduleBuilder()
     reduce = reduce_weight and grad_weight and n > 1
@@ -432,36 +493,37 @@ def _a2a_schedule(op, mode, n, r, k, grad_input, grad_weight, reduce_weight) -> 
         b.declare("gw", "local" if reduce else "kernel", "-")
     if op == "matmul_a2a":
         b.declare("a", "local", "in")
-        _a2a_scatter(b, mode, n, r, k, extra=False, reduce=False, width="out", peer_kind=peer_kind)
+        _a2a_scatter(b, mode, n, r, k, g, extra=False, reduce=False, width="out", peer_kind=peer_kind)
     elif op == "a2a_matmul":
         b.declare("y", "kernel", "out")
-        _a2a_gather(b, mode, n, r, k, ("y",), width="in", peer_kind=peer_kind)
+        _a2a_gather(b, mode, n, r, k, g, ("y",), width="in", peer_kind=peer_kind)
     elif op == "matmul_a2a_bwd":
         gemms = tuple(g for g, need in (("gx", grad_input), ("gw", grad_weight)) if need)
         if grad_input:
             b.declare("gx", "kernel", "in")
         if gemms:
-            _a2a_gather(b, mode, n, r, k, gemms, width="out", peer_kind=peer_kind)
+            _a2a_gather(b, mode, n, r, k, g, gemms, width="out", peer_kind=peer_kind)
         if reduce:
             b.wait(b.collective("all_reduce", "gw", "gw"))
     elif grad_input:  # a2a_matmul_bwd
         b.declare("a", "local", "out")
-        _a2a_scatter(b, mode, n, r, k, extra=grad_weight, reduce=reduce, width="in", peer_kind=peer_kind)
+        _a2a_scatter(b, mode, n, r, k, g, extra=grad_weight, reduce=reduce, width="in", peer_kind=peer_kind)
     elif grad_weight:
         b.declare("saved", "kernel", "in")
         for j in range(n):
             b.compute(("gw",), Piece(r), "saved", peer=j)
         if reduce:
             b.wait(b.collective("all_reduce", "gw", "gw"))
-    return b.schedule(op, mode, n, r, k)
+    return b.schedule(op, mode, n, r, k, g)
 
 
-def _a2a_scatter(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, *, extra: bool, reduce: bool, width: str,
-                 peer_kind: str) -> None:
+def _a2a_scatter(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, g: int, *, extra: bool, reduce: bool,
+                 width: str, peer_kind: str) -> None:
     """GEMM then all-to-all (local block last).  Piece ``(r, c)`` of head group ``j`` goes to rank ``j``
     (buffer ``send`` of peer ``j``) and lands there in ``out[block r]``.  ``extra``: gemm ``gw`` on the
     forward's received pieces (``saved``, one per group) before the local block; ``reduce``: then an
-    all-reduce of ``gw``, hidden behind the local block."""
+    all-reduce of ``gw``, hidden behind the local block.  Merged pieces (``g > 1``): one batched gemm
+    ``p`` per run of consecutive head groups, one exchange per piece."""
     others = [to for to, _ in peer_order(n, r)]
     items = []
     b.declare("out", "full", width, TAG_DIRECT)
@@ -481,11 +543,14 @@ def _a2a_scatter(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, *, extra
         return
     b.declare("send", peer_kind, width, TAG_DIRECT)
     if mode == "flash":
-        for to, frm in peer_order(n, r):
+        for shifts in peer_pieces(n, g, local_first=False):
+            tos, frms = [(r + t) % n for t in shifts], [(r - t) % n for t in shifts]
             for c in range(k):
-                b.compute(("p",), Piece(r, c, k), "a", "send", peer=to)
-                sends = [Transfer(to, "send", Piece(r, c, k))]
-                items.append(b.exchange(sends, [Transfer(frm, "out", Piece(frm, c, k))], sequenced=SCATTER_SEQUENCE))
+                for first, count in runs(tos):
+                    b.compute(("p",), Piece(r, c, k), "a", "send", peer=first, peers=count)
+                sends = [Transfer(to, "send", Piece(r, c, k)) for to in tos]
+                recvs = [Transfer(frm, "out", Piece(frm, c, k)) for frm in frms]
+                items.append(b.exchange(sends, recvs, sequenced=SCATTER_SEQUENCE))
         weight_terms()
         b.compute(("p",), Piece(r), "a", "out", peer=r)  # local last: covers the last sends
     else:  # slice / none: every group's slice c (this rank's own included) in one collective
@@ -498,10 +563,11 @@ def _a2a_scatter(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, *, extra
         b.wait(item)
 
 
-def _a2a_gather(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, gemms: tuple[str, ...], *, width: str,
-                peer_kind: str) -> None:
+def _a2a_gather(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, g: int, gemms: tuple[str, ...], *,
+                width: str, peer_kind: str) -> None:
     """All-to-all then GEMM (local block first): ``in[block j]`` goes to rank ``j``; head group ``j``'s
-    piece of this rank's tokens arrives in ``recv`` of peer ``j`` and feeds ``gemms``."""
+    piece of this rank's tokens arrives in ``recv`` of peer ``j`` and feeds ``gemms``.  Merged pieces
+    (``g > 1``): one exchange per piece, then ``gemms`` per head group of it (they sum over head groups)."""
     b.declare("in", "full", width, TAG_DIRECT)
     if n == 1:
         b.compute(gemms, WHOLE, "in", peer=r)
@@ -509,15 +575,17 @@ def _a2a_gather(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, gemms: tu
     b.declare("recv", peer_kind, width, TAG_DIRECT)
     if mode == "flash":
         items = []
-        for to, frm in peer_order(n, r):
+        for shifts in peer_pieces(n, g, local_first=True):
+            tos, frms = [(r + t) % n for t in shifts], [(r - t) % n for t in shifts]
             for c in range(k):
-                sends = [Transfer(to, "in", Piece(to, c, k))]
-                item = b.exchange(sends, [Transfer(frm, "recv", Piece(r, c, k))], sequenced=GATHER_SEQUENCE)
-                items.append((item, frm, c))
+                sends = [Transfer(to, "in", Piece(to, c, k)) for to in tos]
+                recvs = [Transfer(frm, "recv", Piece(r, c, k)) for frm in frms]
+                items.append((b.exchange(sends, recvs, sequenced=GATHER_SEQUENCE), frms, c))
         b.compute(gemms, Piece(r), "in", peer=r)  # local first: needs no communication
-        for item, frm, c in items:
+        for item, frms, c in items:
             b.wait(item)
-            b.compute(gemms, Piece(r, c, k), "recv", peer=frm)
+            for frm in frms:
+                b.compute(gemms, Piece(r, c, k), "recv", peer=frm)
         return
     items = [b.collective("all_to_all", "in", "recv", c, k) for c in range(k)]
     for c, item in enumerate(items):
@@ -532,26 +600,73 @@ def peer_order(world_size: int, rank: int) -> list[tuple[int, int]]:
     return [((rank + t) % n, (rank - t) % n) for t in range(1, n)]
 
 
-def _gather_exchanges(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, buf: str) -> list[tuple[int, Piece]]:
-    """The exchanges of a point-to-point all-gather of ``buf``; returns (lane item, arriving piece).
+def peer_pieces(world_size: int, peers_per_piece: int = 1, *, local_first: bool) -> list[tuple[int, ...]]:
+    """The shifts ``t = 1 .. N-1`` (exchange ``t`` of :func:`peer_order`) cut, in order, into merged pieces.
 
-    Exchange ``(t, c)`` brings chunk ``c`` of block ``r - t``: flash sends its own block straight to
-    ``r + t``; ring forwards to ``r + 1`` the block it received in the previous exchange.
+    ``p = ceil((N-1) / g)`` pieces (``g = min(peers_per_piece, N - 1)``) of ``floor`` or ``ceil((N-1) / p)``
+    shifts; the smaller ones next to the local block (first when ``local_first``, last otherwise).
+    ``g = 1``: one piece per shift, ``[(1,), (2,), ..., (N-1,)]``."""
+    peers = world_size - 1
+    if peers < 1:
+        return []
+    pieces = -(-peers // min(peers_per_piece, peers))
+    small, bigger = divmod(peers, pieces)
+    sizes = [small] * (pieces - bigger) + [small + 1] * bigger
+    if not local_first:
+        sizes.reverse()
+    out, t = [], 1
+    for size in sizes:
+        out.append(tuple(range(t, t + size)))
+        t += size
+    return out
+
+
+def runs(blocks: list[int]) -> list[tuple[int, int]]:
+    """``(first, count)`` of each run of consecutive indices in ``blocks`` (distinct), in ascending order:
+    the blocks (or head groups) of a merged piece split where they wrap past 0."""
+    out: list[tuple[int, int]] = []
+    for j in sorted(blocks):
+        if out and out[-1][0] + out[-1][1] == j:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((j, 1))
+    return out
+
+
+def _run_pieces(blocks: list[int], c: int, k: int) -> list[Piece]:
+    """The pieces that compute chunk ``c`` of ``k`` of ``blocks``: one per block when ``k > 1`` (merged pieces
+    take whole blocks), else one per run of consecutive blocks."""
+    if k > 1 or len(blocks) == 1:
+        return [Piece(j, c, k) for j in blocks]
+    return [Piece(first, 0, 1, count) for first, count in runs(blocks)]
+
+
+def _gather_exchanges(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, buf: str,
+                      g: int = 1) -> list[tuple[int, list[Piece]]]:
+    """The exchanges of a point-to-point all-gather of ``buf``; returns (lane item, arriving pieces).
+
+    Flash exchange ``(t, c)`` brings chunk ``c`` of block ``r - t`` (sending its own block straight to
+    ``r + t``); a merged exchange does that for every shift of its piece and returns the piece's runs of
+    blocks.  Ring forwards to ``r + 1`` the block it received in the previous exchange.
     """
     items = []
-    for t, (to, frm) in enumerate(peer_order(n, r), start=1):
+    if mode == "flash":
+        for shifts in peer_pieces(n, g, local_first=True):
+            frms = [(r - t) % n for t in shifts]
+            for c in range(k):
+                sends = [Transfer((r + t) % n, buf, Piece(r, c, k)) for t in shifts]
+                recvs = [Transfer(frm, buf, Piece(frm, c, k)) for frm in frms]
+                items.append((b.exchange(sends, recvs, sequenced=GATHER_SEQUENCE), _run_pieces(frms, c, k)))
+        return items
+    for t in range(1, n):
         for c in range(k):
-            if mode == "flash":
-                sends, seq = [Transfer(to, buf, Piece(r, c, k))], GATHER_SEQUENCE
-            else:
-                sends, seq = [Transfer((r + 1) % n, buf, Piece((r - t + 1) % n, c, k))], "both"
-                frm = (r - 1) % n
+            sends = [Transfer((r + 1) % n, buf, Piece((r - t + 1) % n, c, k))]
             piece = Piece((r - t) % n, c, k)
-            items.append((b.exchange(sends, [Transfer(frm, buf, piece)], sequenced=seq), piece))
+            items.append((b.exchange(sends, [Transfer((r - 1) % n, buf, piece)], sequenced="both"), [piece]))
     return items
 
 
-def _all_gather(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, gemms, *, src: str) -> None:
+def _all_gather(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, gemms, *, src: str, g: int = 1) -> None:
     """All-gather of ``src`` feeding ``gemms`` per arriving piece (local piece first)."""
     if n == 1 or mode == "none":
         if n > 1:
@@ -565,32 +680,34 @@ def _all_gather(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, gemms, *,
             for j in [r] + [frm for _, frm in peer_order(n, r)]:
                 b.compute(gemms, Piece(j, c, k), src)
         return
-    items = _gather_exchanges(b, mode, n, r, k, src)
+    items = _gather_exchanges(b, mode, n, r, k, src, g)
     b.compute(gemms, Piece(r), src)  # local first: needs no communication
-    for item, piece in items:
+    for item, pieces in items:
         b.wait(item)
-        b.compute(gemms, piece, src)
+        for piece in pieces:
+            b.compute(gemms, piece, src)
 
 
 def _reduce_scatter(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, sc: Scatter, *, extra=(),
-                    gathered: str = "x", gather_x: bool = False) -> None:
+                    gathered: str = "x", gather_x: bool = False, g: int = 1) -> None:
     """GEMM+reduce-scatter of gemm ``sc.gemm`` into ``sc.out`` (local block last).
 
     ``extra``: gemms computed per piece besides it, reading ``gathered`` (``gw`` of
     ``ag_matmul_bwd``); ``gather_x``: ``gathered`` is all-gathered first on the lane.
+    ``g``: flash peers per merged piece (the gather of ``gathered`` merges the same way).
     """
-    g, w = sc.gemm, sc.width
+    gemm, w = sc.gemm, sc.width
     b.declare(sc.out, "local", w)
     if n == 1:
-        b.compute((g,), WHOLE, sc.src, sc.out)
+        b.compute((gemm,), WHOLE, sc.src, sc.out)
         b.compute(extra, WHOLE, gathered)
         return
-    x_items: list[tuple[int, Piece]] = []
+    x_items: list[tuple[int, list[Piece]]] = []
     if gather_x and mode in ("flash", "ring"):
-        x_items = _gather_exchanges(b, mode, n, r, k, gathered)
+        x_items = _gather_exchanges(b, mode, n, r, k, gathered, g)
     elif gather_x:  # slice / none: collectives of x first
         slices = k if mode == "slice" else 1
-        x_items = [(b.collective("all_gather", gathered, gathered, c, slices), Piece(ALL, c, slices))
+        x_items = [(b.collective("all_gather", gathered, gathered, c, slices), [Piece(ALL, c, slices)])
                    for c in range(slices)]
 
     def extra_terms() -> None:
@@ -602,17 +719,18 @@ def _reduce_scatter(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, sc: S
             return
         if mode in ("flash", "ring"):
             b.compute(extra, Piece(r), gathered)
-        for item, piece in x_items:
+        for item, pieces in x_items:
             b.wait(item)
-            if piece.block == ALL:  # a gathered slice: one term per block
-                for j in range(n):
-                    b.compute(extra, Piece(j, piece.chunk, piece.chunks), gathered)
-            else:
-                b.compute(extra, piece, gathered)
+            for piece in pieces:
+                if piece.block == ALL:  # a gathered slice: one term per block
+                    for j in range(n):
+                        b.compute(extra, Piece(j, piece.chunk, piece.chunks), gathered)
+                else:
+                    b.compute(extra, piece, gathered)
 
     if mode == "none":
         b.declare("full", "full", w)
-        b.compute((g,), WHOLE, sc.src, "full")
+        b.compute((gemm,), WHOLE, sc.src, "full")
         item = b.collective("reduce_scatter", "full", sc.out)
         extra_terms()
         b.wait(item)
@@ -622,7 +740,7 @@ def _reduce_scatter(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, sc: S
         items = []
         for c in range(k):
             for j in [to for to, _ in peer_order(n, r)] + [r]:
-                b.compute((g,), Piece(j, c, k), sc.src, "slab")
+                b.compute((gemm,), Piece(j, c, k), sc.src, "slab")
             items.append(b.collective("reduce_scatter", "slab", sc.out, c, k))
         extra_terms()
         for item in items:
@@ -631,18 +749,21 @@ def _reduce_scatter(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, sc: S
     if mode == "flash":
         b.declare("send", "per_block", w, TAG_DIRECT)
         b.declare("recv", "per_peer", w, TAG_DIRECT)
-        recvs: list[tuple[int, Piece, int]] = []
-        for to, frm in peer_order(n, r):
+        recvs: list[tuple[int, Piece, list[int]]] = []
+        for shifts in peer_pieces(n, g, local_first=False):
+            tos, frms = [(r + t) % n for t in shifts], [(r - t) % n for t in shifts]
             for c in range(k):
-                b.compute((g,), Piece(to, c, k), sc.src, "send")
-                sends = [Transfer(to, "send", Piece(to, c, k))]
-                item = b.exchange(sends, [Transfer(frm, "recv", Piece(r, c, k))], sequenced=SCATTER_SEQUENCE)
-                recvs.append((item, Piece(r, c, k), frm))
+                for piece in _run_pieces(tos, c, k):
+                    b.compute((gemm,), piece, sc.src, "send")
+                sends = [Transfer(to, "send", Piece(to, c, k)) for to in tos]
+                recv = [Transfer(frm, "recv", Piece(r, c, k)) for frm in frms]
+                recvs.append((b.exchange(sends, recv, sequenced=SCATTER_SEQUENCE), Piece(r, c, k), frms))
         extra_terms()
-        b.compute((g,), Piece(r), sc.src, sc.out)  # local last: covers the last sends
-        for item, piece, frm in recvs:
+        b.compute((gemm,), Piece(r), sc.src, sc.out)  # local last: covers the last sends
+        for item, piece, frms in recvs:
             b.wait(item)
-            b.steps.append(Add(sc.out, "recv", piece, frm))
+            for frm in frms:
+                b.steps.append(Add(sc.out, "recv", piece, frm))
         return
     # ring: the block for rank d starts at d + 1, gathers one partial per hop, ends at d.
     last: dict[int, int] = {}
@@ -652,14 +773,14 @@ def _reduce_scatter(b: ScheduleBuilder, mode: str, n: int, r: int, k: int, sc: S
             b.declare(name, "scratch", w, TAG_RING)
         for c in range(k):
             piece = Piece((r - t) % n, c, k)
-            b.compute((g,), piece, sc.src, acc)
+            b.compute((gemm,), piece, sc.src, acc)
             if t >= 2:
                 b.wait(last[c])
                 b.steps.append(Add(acc, acc_in, piece, (r - 1) % n))
             nxt = Piece((r - t - 1) % n, c, k)
             last[c] = b.exchange([Transfer((r + 1) % n, acc, piece)], [Transfer((r - 1) % n, nxt_in, nxt)])
     extra_terms()
-    b.compute((g,), Piece(r), sc.src, sc.out)
+    b.compute((gemm,), Piece(r), sc.src, sc.out)
     for c in range(k):
         b.wait(last[c])
         b.steps.append(Add(sc.out, f"accin{(n - 1) % 2}", Piece(r, c, k), (r - 1) % n))

@@ -21,6 +21,11 @@ waits for, cost nothing extra::
 
 The compute-only time (``Timing.compute``) is the computes alone, without that charge.
 
+A compute's time is ``Hardware.gemm_time(rows of its piece, k, n)`` with the gemm's ``(k, n)`` from the
+op's shape; a merged all-to-all compute over ``peers`` head groups is one GEMM ``peers`` times as wide
+(``k peers``), a merged piece of consecutive blocks one GEMM of their rows.  An exchange of a merged
+piece pays one latency for all of its messages (they are posted together, one per peer).
+
 A transfer's bytes are its piece's rows times the width its buffer declares
 (``Schedule.buffers``: the width rule names one of the shape's ``dims``).  Importable
 without torch.distributed: it reads schedules and row spaces only.
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 from flashpar.cost import Hardware, load
 from flashpar.overlap.row_space import RowSpace
 from flashpar.overlap.schedule import (
+    MERGED_OPS,
     Add,
     Collective,
     Compute,
@@ -80,7 +86,7 @@ def simulate(schedule: Schedule, shape: Shape, hw: Hardware) -> Timing:
         if isinstance(step, Compute):
             lo, hi = rows.rows(step.piece)
             k, m = shape.gemm_dims[step.gemm]
-            dt = hw.gemm_time(hi - lo, k, m)
+            dt = hw.gemm_time(hi - lo, k * step.peers, m)
             t_main = in_flight.run(t_main, dt)
             compute += dt
         elif isinstance(step, Add):
@@ -178,15 +184,38 @@ _GEMMS = {  # op -> (forward gemms, backward gemms): gemm -> (k, n) named by the
 }
 
 
-CANDIDATES = (("none", 1), ("flash", 1), ("flash", 2), ("flash", 4))
+CANDIDATES = (("none", 1, 1), ("flash", 1, 1), ("flash", 2, 1), ("flash", 4, 1))
+"""(mode, chunks, peers_per_piece) that ``auto`` scores for every op; :func:`candidates` adds merged pieces."""
 AUTO_MARGIN = 0.9
 """``auto`` leaves ``none`` only for a predicted gain of more than 10%: the model is rough,
 and a wrong switch to a decomposed schedule at small M is the costly mistake."""
 
 
+def candidates(op: str, n: int, *, merged: bool = True) -> list[tuple[str, int, int]]:
+    """What ``auto`` scores for ``op`` on ``n`` ranks: :data:`CANDIDATES`, and (``merged``, ops of
+    ``MERGED_OPS``) flash with ``g = 2 .. N-1`` peers per piece, one ``g`` per distinct piece count
+    ``ceil((N-1) / g)`` (``g = N - 1``: one piece of every peer)."""
+    out = list(CANDIDATES)
+    if merged and op in MERGED_OPS:
+        counts = {n - 1}  # one piece per peer: already a candidate
+        for g in range(2, n):
+            if -(-(n - 1) // g) not in counts:
+                counts.add(-(-(n - 1) // g))
+                out.append(("flash", 1, g))
+    return out
+
+
+def pick_label(mode: str, chunks: int, peers_per_piece: int = 1) -> str:
+    """``mode(k=chunks)``, with ``,g=peers_per_piece`` for merged pieces: how reports name a pick."""
+    return f"{mode}(k={chunks}" + (f",g={peers_per_piece})" if peers_per_piece > 1 else ")")
+
+
 def predict(op: str, mode: str, chunks: int, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int,
-            hw: Hardware, *, grad_bias: bool = False, regather: bool = True) -> dict[str, Timing]:
+            hw: Hardware, *, grad_bias: bool = False, regather: bool = True,
+            peers_per_piece: int = 1) -> dict[str, Timing]:
     """Predicted forward and backward timings of ``op`` in ``mode`` (rank 0's schedule; equal blocks).
+
+    ``peers_per_piece``: flash merged pieces (:func:`flashpar.overlap.schedule.peer_pieces`).
 
     ``grad_bias``: the op has a bias, whose gradient ``matmul_rs_bwd`` all-reduces first (item ``gb``); the
     runtime builds that item only for a bias (``flashpar.overlap.ops``), and neither ``flashpar bench
@@ -198,24 +227,28 @@ def predict(op: str, mode: str, chunks: int, n: int, rows: int, n_in: int, n_out
         extra = {"grad_bias": True} if name == "matmul_rs_bwd" and grad_bias else {}
         if name == "ag_matmul_bwd" and not regather:
             extra = {"regather": False}
-        out[name] = simulate(build_schedule(name, mode, n, 0, chunks=chunks, **extra), shape, hw)
+        schedule = build_schedule(name, mode, n, 0, chunks=chunks, peers_per_piece=peers_per_piece, **extra)
+        out[name] = simulate(schedule, shape, hw)
     return out
 
 
 def choose_mode(op: str, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int, device_type: str,
-                hw: Hardware | None = None) -> tuple[str, int]:
-    """The (mode, chunks) with the least predicted forward + backward time (memoised per shape)."""
-    return _choose(op, n, rows, n_in, n_out, elem_bytes, hw or load(device_type))
+                hw: Hardware | None = None, *, merged: bool = True) -> tuple[str, int, int]:
+    """The (mode, chunks, peers_per_piece) of :func:`candidates` with the least predicted forward + backward
+    time, ``("none", 1, 1)`` unless that beats none's by :data:`AUTO_MARGIN` (memoised per shape).
+    ``merged=False``: for a caller whose schedules take no ``peers_per_piece``."""
+    return _choose(op, n, rows, n_in, n_out, elem_bytes, hw or load(device_type), merged)
 
 
 @functools.lru_cache(maxsize=4096)
-def _choose(op: str, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int, hw: Hardware) -> tuple[str, int]:
+def _choose(op: str, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int, hw: Hardware,
+            merged: bool) -> tuple[str, int, int]:
     scored = []
-    for mode, chunks in CANDIDATES:
-        t = sum(v.total for v in predict(op, mode, chunks, n, rows, n_in, n_out, elem_bytes, hw).values())
-        scored.append((t, mode, chunks))
+    for mode, chunks, g in candidates(op, n, merged=merged):
+        t = predict(op, mode, chunks, n, rows, n_in, n_out, elem_bytes, hw, peers_per_piece=g)
+        scored.append((sum(v.total for v in t.values()), mode, chunks, g))
     base = scored[0][0]
     best = min(scored)
     if best[1] != "none" and best[0] < AUTO_MARGIN * base:
-        return best[1], best[2]
-    return "none", 1
+        return best[1], best[2], best[3]
+    return "none", 1, 1

@@ -149,7 +149,7 @@ class OpTime:
     comm_bwd: float
 
 
-def time_linear(lin: Linear, mode: str, chunks: int, elem: int, hw) -> OpTime:
+def time_linear(lin: Linear, mode: str, chunks: int, elem: int, hw, peers_per_piece: int = 1) -> OpTime:
     """Forward and backward of one linear in ``mode`` (a local GEMM: forward one GEMM, backward two)."""
     from flashpar.overlap.simulate import predict
 
@@ -157,7 +157,7 @@ def time_linear(lin: Linear, mode: str, chunks: int, elem: int, hw) -> OpTime:
         f = hw.gemm_time(lin.rows, lin.n_in, lin.n_out)
         b = hw.gemm_time(lin.rows, lin.n_out, lin.n_in) + hw.gemm_time(lin.n_in, lin.rows, lin.n_out)
         return OpTime(f, b, f, b, 0.0, 0.0)
-    t = predict(lin.op, mode, chunks, lin.n, lin.rows, lin.n_in, lin.n_out, elem, hw)
+    t = predict(lin.op, mode, chunks, lin.n, lin.rows, lin.n_in, lin.n_out, elem, hw, peers_per_piece=peers_per_piece)
     fwd, bwd = t[lin.op], t[f"{lin.op}_bwd"]
     return OpTime(fwd.total, bwd.total, fwd.compute, bwd.compute, fwd.comm, bwd.comm)
 
@@ -176,18 +176,19 @@ def variants(linears: list[Linear], chunk_list: list[int]) -> list[tuple[str, in
 
 def simulate_block(linears: list[Linear], chunk_list: list[int], elem: int, hw, device_type: str = "cuda",
                    ) -> list[dict]:
-    """One row per (mode, chunks), and one for ``auto`` (each op's :func:`choose_mode` pick on ``hw``)."""
-    from flashpar.overlap.simulate import choose_mode
+    """One row per (mode, chunks), and one for ``auto`` (each op's :func:`choose_mode` pick on ``hw``, merged
+    pieces included)."""
+    from flashpar.overlap.simulate import choose_mode, pick_label
 
     comms = any(lin.op != "local" and lin.n > 1 for lin in linears)
     rows = []
     for mode, k in (variants(linears, chunk_list) if comms else [("none", 1)]):
-        rows.append(_row(mode, k, [(lin, mode, k) for lin in linears], elem, hw))
+        rows.append(_row(mode, k, [(lin, mode, k, 1) for lin in linears], elem, hw))
     if comms:
         picks = [(lin, *choose_mode(lin.op, lin.n, lin.rows, lin.n_in, lin.n_out, elem, device_type, hw))
-                 if lin.op != "local" else (lin, "none", 1) for lin in linears]
+                 if lin.op != "local" else (lin, "none", 1, 1) for lin in linears]
         row = _row("auto", None, picks, elem, hw)
-        row["picked"] = " ".join(f"{lin.name}:{m}(k={k})" for lin, m, k in picks)
+        row["picked"] = " ".join(f"{lin.name}:{pick_label(m, k, g)}" for lin, m, k, g in picks)
         rows.append(row)
     none = rows[0]
     for r in rows:
@@ -197,8 +198,8 @@ def simulate_block(linears: list[Linear], chunk_list: list[int], elem: int, hw, 
     return rows
 
 
-def _row(mode: str, chunks: int | None, plan: list[tuple[Linear, str, int]], elem: int, hw) -> dict:
-    times = [(lin, time_linear(lin, m, k, elem, hw)) for lin, m, k in plan]
+def _row(mode: str, chunks: int | None, plan: list[tuple[Linear, str, int, int]], elem: int, hw) -> dict:
+    times = [(lin, time_linear(lin, m, k, elem, hw, g)) for lin, m, k, g in plan]
     row = {"mode": mode, "chunks": chunks}
     for key in ("fwd", "bwd"):
         total = sum(getattr(t, key) for _, t in times)
@@ -249,7 +250,7 @@ def implied_link(linears: list[Linear], elem: int, hw, exposed_ms: float, which:
     from dataclasses import replace
 
     def exposed(bw: float) -> float:
-        row = _row("none", 1, [(lin, "none", 1) for lin in linears], elem, replace(hw, link_bytes_per_s=bw))
+        row = _row("none", 1, [(lin, "none", 1, 1) for lin in linears], elem, replace(hw, link_bytes_per_s=bw))
         return row["exposed_fwd_ms"] + (row["exposed_bwd_ms"] if which == "both" else 0.0)
 
     lo, hi = 1e8, 1e14
