@@ -234,3 +234,21 @@ def test_a_miss_inside_its_own_rounds_spread_is_noise_and_one_whose_rounds_agree
     slice4["samples"]["comm"] = slice4["samples"]["comm"][:7]  # a malformed file: one clear error
     with pytest.raises(ValueError, match="per-round samples have different lengths"):
         check_overlap.check(report)
+
+
+def test_simulate_check_reads_a_merged_pick_and_times_its_schedule():
+    """A ``bench overlap`` row of ``auto`` that picked merged pieces (``flash(k=1,g=3)``) is rebuilt as that
+    schedule: at N = 4 the 3 peers in one piece, one exchange (one latency) instead of three."""
+    from flashpar.cost import preset
+    from flashpar.overlap.schedule import Exchange, build_schedule
+    from flashpar.sim import check_overlap
+
+    assert check_overlap._run_mode({"mode": "auto", "picked": "flash(k=1,g=3)"}) == ("flash", 1, 3)
+    assert check_overlap._run_mode({"mode": "auto", "picked": "none(k=1)"}) == ("none", 1, 1)
+    assert check_overlap._run_mode({"mode": "flash", "chunks": 2}) == ("flash", 2, 1)
+    merged = check_overlap._predict("ag_matmul", {"mode": "auto", "picked": "flash(k=1,g=3)"}, 4, (64, 32, 32), 4,
+                                    preset("h100-nvlink"))
+    per_peer = check_overlap._predict("ag_matmul", {"mode": "flash", "chunks": 1}, 4, (64, 32, 32), 4,
+                                      preset("h100-nvlink"))
+    one_item = sum(isinstance(s, Exchange) for s in build_schedule("ag_matmul", "flash", 4, 0, peers_per_piece=3).steps)
+    assert one_item == 1 and merged.comm < per_peer.comm  # one latency instead of three

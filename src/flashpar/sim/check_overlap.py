@@ -136,9 +136,10 @@ def _predict(op: str, m: dict, n: int, dims, elem: int, hw: Hardware):
     from flashpar.overlap.schedule import build_schedule
     from flashpar.overlap.simulate import op_shapes, simulate
 
-    mode, k = _run_mode(m)
+    mode, k, g = _run_mode(m)
     shape = op_shapes(op.removesuffix("_bwd"), n, *dims, elem)[op]
-    return simulate(build_schedule(op, mode, n, 0, chunks=k), shape, hw)
+    extra = {"peers_per_piece": g} if g > 1 else {}
+    return simulate(build_schedule(op, mode, n, 0, chunks=k, **extra), shape, hw)
 
 
 def _rescaled(hw: Hardware, pred, meas: dict) -> Hardware:
@@ -170,8 +171,8 @@ def _spread(modes: list[dict], direction: str) -> tuple[str, float] | None:
                                                          - 1.0)))
     for i, a in enumerate(modes):
         for b in modes[i + 1:]:
-            (ma, ka), (mb, kb) = _run_mode(a), _run_mode(b)
-            if ka == kb and (ma == mb or {ma, mb} == {"flash", "ring"}):
+            (ma, ka, ga), (mb, kb, gb) = _run_mode(a), _run_mode(b)
+            if ka == kb and ga == gb and (ma == mb or {ma, mb} == {"flash", "ring"}):
                 gap = abs(a[direction]["compute"] / b[direction]["compute"] - 1.0)
                 found.append((f"compute-only {_label(a)} vs {_label(b)}", gap))
     for m in modes:
@@ -181,13 +182,15 @@ def _spread(modes: list[dict], direction: str) -> tuple[str, float] | None:
     return max(found, key=lambda f: f[1], default=None)
 
 
-def _run_mode(m: dict) -> tuple[str, int]:
-    """The (mode, chunks) the run executed for row ``m`` (``auto``: the pick it recorded)."""
+def _run_mode(m: dict) -> tuple[str, int, int]:
+    """The (mode, chunks, peers per piece) the run executed for row ``m`` (``auto``: the pick it recorded, as
+    ``flashpar.overlap.simulate.pick_label`` names it: ``mode(k=K)`` or ``mode(k=K,g=G)``)."""
     if m["mode"] == "auto":
         picked = m.get("picked", "none(k=1)")
         mode, _, rest = picked.partition("(k=")
-        return mode, int(rest.rstrip(")") or 1)
-    return m["mode"], int(m["chunks"] or 1)
+        k, _, g = rest.rstrip(")").partition(",g=")
+        return mode, int(k or 1), int(g or 1)
+    return m["mode"], int(m["chunks"] or 1), 1
 
 
 def _label(m: dict) -> str:
