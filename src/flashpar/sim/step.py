@@ -95,19 +95,19 @@ def _op(op: str, mode: str, n: int, rows: float, n_in: int, n_out: int, elem: in
     if n == 1:
         fwd = hw.gemm_time(rows, n_in, n_out)
         return Part.of(fwd), Part.of(2 * fwd)
-    chunks = 1
-    if mode == "auto":
+    chunks = pieces = 1
+    if mode == "auto":  # (merged pieces where the op's schedules take them: flashpar.overlap.simulate.candidates)
         from flashpar.overlap.simulate import choose_mode
 
-        mode, chunks = choose_mode(op, n, rows, n_in, n_out, elem, "cuda", hw)
-    return _predicted(op, mode, chunks, n, rows, n_in, n_out, elem, hw, key, regather)
+        mode, chunks, pieces = choose_mode(op, n, rows, n_in, n_out, elem, "cuda", hw)
+    return _predicted(op, mode, chunks, n, rows, n_in, n_out, elem, hw, key, regather, pieces)
 
 
 @functools.lru_cache(maxsize=4096)
-def _predicted(op, mode, chunks, n, rows, n_in, n_out, elem, hw, key, regather) -> tuple[Part, Part]:
+def _predicted(op, mode, chunks, n, rows, n_in, n_out, elem, hw, key, regather, pieces=1) -> tuple[Part, Part]:
     from flashpar.overlap.simulate import predict
 
-    t = predict(op, mode, chunks, n, rows, n_in, n_out, elem, hw, regather=regather)
+    t = predict(op, mode, chunks, n, rows, n_in, n_out, elem, hw, regather=regather, peers_per_piece=pieces)
     f, b = t[op], t[f"{op}_bwd"]
     return (Part.of(f.compute, **{key: f.total - f.compute}), Part.of(b.compute, **{key: b.total - b.compute}))
 
