@@ -201,7 +201,7 @@ def test_planning_and_benchmark_commands_run(in_tmp, capsys):
     assert "fastest flashpar layout:" in out and "bench train: bench-train.json (predicted" in out
     rows = json.loads((in_tmp / "simulate-train.json").read_text())["rows"]
     assert [(r["config"], r["layout"]) for r in rows] == [(c, "dp2 cp4 u1 tp8") for c in ("flashpar", "baseline",
-                                                                                          "torch")]
+                                                                                          "torch", "torch_async_tp")]
 
 
 def test_simulate_cp_commands_run(in_tmp, capsys):
