@@ -187,8 +187,10 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
             if not late:
                 raise
             traceback.print_exc()
-            print(f"flashpar train: rank {os.environ['RANK']}: {late}", file=sys.stderr)
-            return 1
+            print(f"flashpar train: rank {os.environ['RANK']}: {late}", file=sys.stderr, flush=True)
+            # at once, as a spawned rank does: the peers still waiting on this rank then fail after it (their
+            # connections close as it exits), so a launcher sees the rank that timed out end first
+            os._exit(1)
     import torch.multiprocessing as mp
 
     from flashpar import ranks
