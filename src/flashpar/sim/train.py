@@ -50,11 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default="wlbllm", help=LENGTHS_HELP + " (default wlbllm)")
     p.add_argument("--packs", type=int, default=1, help="packs simulated, the slowest counts (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node, joined by NVLink (default 8)")
-    p.add_argument("--hardware", default="h100-nvlink",
-                   help="the GPU and its link inside a node: a flashpar.cost preset (default h100-nvlink)")
+    p.add_argument("--hardware", default="h100-96gb",
+                   help="the GPU and its link inside a node: a flashpar.cost preset (default h100-96gb: the H100 "
+                        "whose efficiency figures are fitted to torchtitan's published runs, simulate anchors)")
     p.add_argument("--inter", default="h100-ib",
                    help="the preset whose link joins the nodes, one port per GPU (default h100-ib)")
-    p.add_argument("--gpu-mem-gb", type=float, default=None, help="memory per GPU (default: the preset's, 80 for H100)")
+    p.add_argument("--gpu-mem-gb", type=float, default=None,
+                   help="memory per GPU (default: the preset's, 96 for h100-96gb)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="compute dtype (default bf16)")
     p.add_argument("--checkpoint-activations", choices=("auto", "on", "off"), default="auto",
                    help="recompute each block in backward: auto = only where the step does not fit without")
