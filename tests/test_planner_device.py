@@ -168,8 +168,9 @@ def test_a_report_says_what_its_trainer_planned_with():
 
 def test_the_trainers_zero3_schedule_is_the_fastest_simulated_candidate():
     """``--zero-schedule auto``: the per-block schedule the trainer builds is the candidate whose simulated step
-    is the shortest on the trainer's own workload (``zero_workload``); explicit schedules pass through; the
-    baseline (``--mode none``) prefetches every block (blocking)."""
+    is the shortest on the trainer's own workload (``zero_workload``), every block prefetched unless another
+    wins by more than the margin; explicit schedules pass through; the baseline (``--mode none``) prefetches
+    every block (blocking)."""
     from flashpar.models import LlamaConfig
     from flashpar.sim import zero
     from flashpar.sim.predict import simulate
@@ -182,7 +183,9 @@ def test_the_trainers_zero3_schedule_is_the_fastest_simulated_candidate():
         w, peer = zero_workload(config, "cpu")
         times = {c: simulate(w, peer, c)["step_s"] for c in zero.candidates(w, peer)}
         assert len(times) == 3  # every candidate exists here (no Ulysses, a shard group of 2)
-        assert tuple(zero_schedules(config, "cpu")) == min(times, key=times.get), (kw, times)
+        every, best = next(iter(times)), min(times, key=times.get)
+        want = best if times[best] < zero.ZERO_AUTO_MARGIN * times[every] else every
+        assert tuple(zero_schedules(config, "cpu")) == want, (kw, times)
     fused = TrainConfig(dp=2, cp=1, tp=2, model=model, zero_schedule="fused")
     assert zero_schedules(fused, "cpu") == ["fused"] * 4
     assert zero_schedules(TrainConfig(dp=2, cp=1, tp=2, model=model, mode="none"), "cpu") == ["prefetch"] * 4

@@ -77,17 +77,21 @@ def test_an_embedding_whose_backward_needs_no_weight_is_not_gathered_again():
 
 
 def test_auto_is_never_slower_than_its_candidates():
-    """flashpar's auto schedule is the fastest of its three candidates, the whole step simulated for each; on
-    8B at dp 4 x tp 2 (4,096 tokens, a 50 GB/s link) fusing block 0 hides block 1's gather and wins."""
-    hw = dataclasses.replace(preset("h100-96gb"), link_bytes_per_s=50e9)
-    w = Workload(load_model("llama3-8b"), Layout(4, 1, 1, 2), Cluster(hw, hw), ((4096,),))
+    """flashpar's auto schedule: the fastest of its three candidates (the whole step simulated for each) where it
+    beats every block prefetched by more than ``ZERO_AUTO_MARGIN``, else every block prefetched.  8B at dp 4 x
+    tp 2 (4,096 tokens): on a 10 GB/s link fusing block 0 hides the gather nothing runs ahead of and wins by
+    2.2%; on 50 GB/s by 1.9%, inside the margin."""
     peer = PEERS["flashpar"]
-    cands = zero.candidates(w, peer)
-    assert [c.count(zero.FUSED) for c in cands] == [0, 1, 32] and cands[1][0] == zero.FUSED
-    steps = [simulate(w, peer, c)["step_s"] for c in cands]
-    auto = simulate(w, peer)
-    assert auto["step_s"] == min(steps) and all(auto["step_s"] <= s for s in steps)
-    assert zero.zero_schedule(w, peer) == auto["schedule"] == cands[steps.index(min(steps))] == cands[1]
+    for rate, fused in ((10e9, True), (50e9, False)):
+        hw = dataclasses.replace(preset("h100-96gb"), link_bytes_per_s=rate)
+        w = Workload(load_model("llama3-8b"), Layout(4, 1, 1, 2), Cluster(hw, hw), ((4096,),))
+        cands = zero.candidates(w, peer)
+        assert [c.count(zero.FUSED) for c in cands] == [0, 1, 32] and cands[1][0] == zero.FUSED
+        steps = [simulate(w, peer, c)["step_s"] for c in cands]
+        auto = simulate(w, peer)
+        assert min(steps) == steps[1] and (steps[1] < zero.ZERO_AUTO_MARGIN * steps[0]) == fused, (rate, steps)
+        assert auto["step_s"] == (steps[1] if fused else steps[0])
+        assert zero.zero_schedule(w, peer) == auto["schedule"] == (cands[1] if fused else cands[0])
     assert zero.zero_schedule(w, PEERS["baseline"]) == (zero.PREFETCH,) * 32  # mode none: K = 0, no choice
     with pytest.raises(ValueError, match="FSDP2"):
         zero.zero_schedule(w, PEERS["torch"])

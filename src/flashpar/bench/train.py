@@ -79,7 +79,8 @@ def train_config(config: dict, name: str):
           "model": model_config(config), "threads": config["threads"], "timeout": config["rank_timeout"],
           "dp_mode": "zero3", "workers": 0}
     if name == "flashpar":
-        return TrainConfig(**kw, mode="flash", strategy="flashcp")
+        return TrainConfig(**kw, mode="flash", strategy="flashcp", zero_schedule=config.get("zero_schedule", "auto"),
+                           prefetch=config.get("prefetch", 1))
     return TrainConfig(**kw, mode="none", strategy="per_doc")
 
 
@@ -413,6 +414,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration first (default 2)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--zero-schedule", default="auto", choices=("auto", "prefetch", "fused"),
+                   help="flashpar's ZeRO-3 schedule per block, as flashpar train's (default auto)")
+    p.add_argument("--prefetch", type=int, default=1, help="flashpar's ZeRO-3 blocks gathered ahead (default 1)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (the trainer's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the report to this JSON file")
@@ -425,7 +429,8 @@ def config_of(args: argparse.Namespace) -> dict:
             "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads, "ffn": args.ffn,
             "seq_len": args.seq_len, "lengths": args.lengths, "scale": args.scale, "steps": args.steps,
             "rounds": args.rounds, "warmup": args.warmup, "configs": configs, "threads": args.threads,
-            "lr": args.lr, "seed": args.seed, "rank_timeout": min(args.timeout, 600.0)}
+            "lr": args.lr, "seed": args.seed, "rank_timeout": min(args.timeout, 600.0),
+            "zero_schedule": args.zero_schedule, "prefetch": args.prefetch}
 
 
 def check_arguments(config: dict) -> str | None:

@@ -60,7 +60,8 @@ class TrainConfig:
                                       "ahead while earlier ones compute, its GEMMs undivided), fused (the gather "
                                       "fused with the block's GEMMs, one piece per peer), or auto (the cost "
                                       "model's choice per block: every block prefetched, block 0 fused, or every "
-                                      "block fused, whichever it predicts fastest)", choices=ZERO_SCHEDULES)
+                                      "block fused, the fastest where it beats prefetching every block by more "
+                                      "than 2 percent)", choices=ZERO_SCHEDULES)
     prefetch: int = _opt(1, "ZeRO-3 blocks gathered ahead of the one computing (--mode none: 0, blocking)")
     lr: float = _opt(3e-3, "AdamW learning rate: the peak of the schedule (--warmup, --lr-min)")
     seed: int = _opt(0, "seed of the weights and of the corpus order")

@@ -134,7 +134,8 @@ def planning_device(device_type: str, group: int = 1) -> tuple[Hardware, float]:
 def zero_schedules(config, device_type: str) -> list[str]:
     """ZeRO-3's schedule per block for ``config`` (``--zero-schedule``): as given, or for ``auto`` the cost
     model's choice (``flashpar.sim.zero.zero_schedule``: the whole step simulated with every block prefetched,
-    block 0 fused and the rest prefetched, and every block fused; the fastest) on ``zero_workload``."""
+    block 0 fused and the rest prefetched, and every block fused; the fastest where it beats every block
+    prefetched by more than ``ZERO_AUTO_MARGIN``) on ``zero_workload``."""
     from flashpar.sim.zero import zero_schedule
 
     if config.zero_schedule != "auto":
