@@ -44,7 +44,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from flashpar.dist import DEFAULT_TIMEOUT_S, stream_waits, wait_work
-from flashpar.overlap.unit import Gathered, ShardedUnit
+from flashpar.overlap.unit import ShardedUnit
 
 
 class _Unsharded(torch.autograd.Function):
@@ -54,7 +54,7 @@ class _Unsharded(torch.autograd.Function):
     @staticmethod
     def forward(ctx, owner, k, *params):
         ctx.owner, ctx.k = owner, k
-        return tuple(owner.units[k].views_of(owner._staged.flat))  # the buffer is staged by the caller
+        return tuple(owner.units[k].views_of(owner._staged))  # the buffer is staged by the caller
 
     @staticmethod
     def backward(ctx, *grads):
@@ -115,11 +115,12 @@ class Prefetcher:
     def _reset(self) -> None:
         u = len(self.units)
         self._pending: dict[int, tuple] = {}  # unit -> (work, send, recv) of a gather in flight
-        self._fwd: dict[int, Gathered] = {}  # forward buffers alive
+        # the gathered buffers (flat, every member a view: ShardedUnit.views_of) of forward and of backward
+        self._fwd: dict[int, torch.Tensor] = {}
         self._outs: dict[int, tuple[torch.Tensor, ...]] = {}  # the _Unsharded outputs of this forward
         self._recomputed: dict[int, tuple[torch.Tensor, ...]] = {}  # the same of a forward recomputed in backward
-        self._staged: Gathered | None = None
-        self._bwd: dict[int, Gathered] = {}  # buffers for backward
+        self._staged: torch.Tensor | None = None
+        self._bwd: dict[int, torch.Tensor] = {}
         self._next_fwd = 0  # the next unit whose forward gather is posted
         self._grads: dict[int, list] = {}  # unit -> gradients arrived, not yet posted
         self._next_post = u - 1  # reduce-scatters are posted in this order
@@ -143,7 +144,7 @@ class Prefetcher:
             self.trace.append(("gather", k))
         self._pending[k] = self.units[k].post_gather(self.gather_group) if self.n > 1 else None
 
-    def _complete(self, k: int) -> Gathered:
+    def _complete(self, k: int) -> torch.Tensor:
         """Unit ``k``'s gathered buffer (waits for its gather; without a group: assembled locally)."""
         if k not in self._pending:
             self._post_gather(k)
@@ -155,7 +156,7 @@ class Prefetcher:
             wait_work(work, self.timeout_s, host=self._host[self.gather_group])
             gathered = self.units[k].assemble(recv)
         if self.trace is not None:
-            self.buffers.append((k, weakref.ref(gathered.flat)))
+            self.buffers.append((k, weakref.ref(gathered)))
         return gathered
 
     def enter(self, k: int) -> tuple[torch.Tensor, ...]:
@@ -169,7 +170,7 @@ class Prefetcher:
         self._outs[k] = self._apply(k, gathered)
         return self._outs[k]
 
-    def _apply(self, k: int, gathered: Gathered) -> tuple[torch.Tensor, ...]:
+    def _apply(self, k: int, gathered: torch.Tensor) -> tuple[torch.Tensor, ...]:
         self._staged = gathered
         try:
             return _Unsharded.apply(self, k, *self.units[k].params)
@@ -206,22 +207,22 @@ class Prefetcher:
         if not self._training or k in self.keep:
             yield
             return
-        storage = self._fwd[k].flat.untyped_storage().data_ptr()
-        owner = self
+        # the closures hold the buffer's address, never the buffer (autograd may keep them as long as it saves)
+        device, storage = self._fwd[k].device, self._fwd[k].untyped_storage().data_ptr()
 
         def pack(t: torch.Tensor):
-            if t.device == self._fwd[k].flat.device and t.untyped_storage().data_ptr() == storage:
+            if t.device == device and t.untyped_storage().data_ptr() == storage:
                 return ("unit", k, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
             return t
 
         def unpack(obj):
             if isinstance(obj, tuple) and len(obj) == 5 and obj[0] == "unit":
                 _, unit, offset, shape, stride = obj
-                gathered = owner._bwd.get(unit)
+                gathered = self._bwd.get(unit)
                 if gathered is None:
-                    raise RuntimeError(f"prefetch: unit {owner.units[unit].name!r}'s weight is read in backward "
+                    raise RuntimeError(f"prefetch: unit {self.units[unit].name!r}'s weight is read in backward "
                                        "before its backward started")
-                return gathered.flat.as_strided(shape, stride, offset)
+                return gathered.as_strided(shape, stride, offset)
             return obj
 
         with saved_tensors_hooks(pack, unpack):

@@ -28,6 +28,7 @@ code plus two posted collectives; which group and when is the caller's.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -51,21 +52,6 @@ class Member:
         return self.total if self.regroup is None else int(self.regroup.numel())
 
 
-def _prod(shape) -> int:
-    out = 1
-    for d in shape:
-        out *= int(d)
-    return out
-
-
-@dataclass
-class Gathered:
-    """A unit's whole tensors: ``flat`` (the buffer) and ``views`` (one per member, presented shape)."""
-
-    flat: torch.Tensor
-    views: list[torch.Tensor]
-
-
 class ShardedUnit:
     """``members`` split over a group of ``n`` ranks (this one ``rank``), gathered in ``dtype``."""
 
@@ -80,7 +66,7 @@ class ShardedUnit:
                                  f"should hold {hi - lo} of {m.total}")
         self.sizes = [row_sizes(m.total, n) for m in members]  # rows of every rank, per member
         self.trails = [tuple(m.param.shape[1:]) for m in members]
-        self.widths = [_prod(t) for t in self.trails]
+        self.widths = [math.prod(t) for t in self.trails]
         packed = [sum(s[p] * w for s, w in zip(self.sizes, self.widths, strict=True)) for p in range(n)]
         self.chunk = max(packed)  # elements per rank's chunk, padded to the largest
         self.offsets = []  # where each member's rows of rank p start in p's chunk: offsets[m][p]
@@ -90,7 +76,7 @@ class ShardedUnit:
         self.reduce_dtype = members[0].param.dtype  # the master rows' dtype: gradients are summed in it
         if any(m.param.dtype != self.reduce_dtype for m in members):
             raise ValueError(f"sharded unit {name!r}: members of different dtypes")
-        self.flat_sizes = [_prod(s) for s in self.shapes]
+        self.flat_sizes = [math.prod(s) for s in self.shapes]
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -119,27 +105,23 @@ class ShardedUnit:
         work = all_gather_single(recv, send, group=group, async_op=True)
         return work, send, recv
 
-    def assemble(self, recv: torch.Tensor) -> Gathered:
-        """The whole members from the gathered chunks: one flat buffer, a view per member."""
+    def assemble(self, recv: torch.Tensor) -> torch.Tensor:
+        """The whole members from the gathered chunks: one flat buffer (``views_of`` it: a view per member)."""
         with torch.no_grad():
             flat = torch.empty(self.whole_elements(), dtype=recv.dtype, device=recv.device)
             chunks = recv.view(self.n, self.chunk)
-            views, at = [], 0
-            for m, member in enumerate(self.members):
+            for m, (member, view) in enumerate(zip(self.members, self.views_of(flat), strict=True)):
                 w = self.widths[m]
                 parts = [chunks[p, self.offsets[m][p] : self.offsets[m][p] + self.sizes[m][p] * w]
                          for p in range(self.n)]
-                view = flat[at : at + self.flat_sizes[m]]
                 if member.regroup is None:
-                    torch.cat(parts, out=view)
+                    torch.cat(parts, out=view.view(-1))
                 else:
                     whole = torch.cat(parts).view(member.total, w)
                     torch.index_select(whole, 0, member.regroup.to(whole.device), out=view.view(-1, w))
-                views.append(view.view(self.shapes[m]))
-                at += self.flat_sizes[m]
-        return Gathered(flat, views)
+        return flat
 
-    def gather_local(self) -> Gathered:
+    def gather_local(self) -> torch.Tensor:
         """The whole members without a group (``n == 1``): this rank's rows are all of them."""
         recv = torch.cat([m.param.detach().reshape(-1).to(self.dtype) for m in self.members])
         if recv.numel() < self.chunk:
@@ -197,7 +179,6 @@ class ShardedUnit:
                 g = recv[o : o + p.numel()].view(p.shape)
                 if scale != 1.0:
                     g = g * scale
-                g = g.to(p.dtype)
                 if p.grad is None:
                     p.grad = g  # a view of recv, which nothing else reuses
                 else:
