@@ -68,11 +68,22 @@ def size_label(tokens: int) -> str:
     return f"{tokens >> 10}K" if tokens % (1 << 10) == 0 else str(tokens)
 
 
-def _list(text: str, what: str) -> list[str]:
+def parse_list(text: str, what: str) -> list[str]:
+    """The comma-separated items of flag ``what``'s ``text``; ValueError (one line) when there are none."""
     items = [x.strip() for x in text.split(",") if x.strip()]
     if not items:
         raise ValueError(f"{what} is empty")
     return items
+
+
+def parse_counts(text: str, what: str) -> list[int]:
+    """The comma-separated positive integers of flag ``what``'s ``text``; ValueError (one line) otherwise."""
+    out = []
+    for item in parse_list(text, what):
+        if not item.isdigit() or int(item) < 1:
+            raise ValueError(f"{what}: not a positive integer: {item!r}")
+        out.append(int(item))
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,19 +118,15 @@ def _setup(args: argparse.Namespace):
     from flashpar.cp.cost import CostModel
     from flashpar.cp.lengths import resolve_lengths
 
-    ranks = []
-    for r in _list(args.ranks, "--ranks"):
-        if not r.isdigit() or int(r) < 1:
-            raise ValueError(f"--ranks: not a positive integer: {r!r}")
-        ranks.append(int(r))
+    ranks = parse_counts(args.ranks, "--ranks")
     try:
-        tokens = [parse_size(t) for t in _list(args.tokens, "--tokens")]
+        tokens = [parse_size(t) for t in parse_list(args.tokens, "--tokens")]
     except ValueError as err:
         raise ValueError(f"--tokens: {err}") from None
     grid = [(n, t) for t in tokens for n in ranks]
     if args.grid is not None:
         grid = []
-        for cell in _list(args.grid, "--grid"):
+        for cell in parse_list(args.grid, "--grid"):
             n, _, t = cell.partition(":")
             if not n.strip().isdigit() or int(n) < 1 or not t:
                 raise ValueError(f"--grid: {cell!r} is not RANKS:TOKENS (example 32:512K)")
@@ -131,7 +138,7 @@ def _setup(args: argparse.Namespace):
     if bad:
         n, t = bad[0]
         raise ValueError(f"--ranks {n} > --tokens {size_label(t)}: a rank needs at least one token")
-    strategies = list(STRATEGIES) if args.strategies == "all" else _list(args.strategies, "--strategies")
+    strategies = list(STRATEGIES) if args.strategies == "all" else parse_list(args.strategies, "--strategies")
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ValueError(f"--strategies: unknown {unknown[0]!r}; expected names from {STRATEGIES} or 'all'")
@@ -143,7 +150,7 @@ def _setup(args: argparse.Namespace):
         if getattr(args, key) < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
     sources = {}
-    for name in _list(args.lengths, "--lengths"):
+    for name in parse_list(args.lengths, "--lengths"):
         try:
             sources[name] = resolve_lengths(name)
         except (OSError, ValueError) as err:

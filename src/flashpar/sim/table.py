@@ -38,31 +38,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _grid(args) -> tuple[list[str], list[int], list[int], list[str]]:
-    from flashpar.sim.cp import parse_size
+    from flashpar.sim.cp import parse_counts, parse_list, parse_size
     from flashpar.sim.peers import NAMES
 
-    def items(text: str, what: str) -> list[str]:
-        out = [x.strip() for x in text.split(",") if x.strip()]
-        if not out:
-            raise ValueError(f"{what} is empty")
-        return out
-
-    gpus = []
-    for g in items(args.gpus, "--gpus"):
-        if not g.isdigit() or int(g) < 1:
-            raise ValueError(f"--gpus: not a positive integer: {g!r}")
-        gpus.append(int(g))
+    gpus = parse_counts(args.gpus, "--gpus")
     try:
-        seqs = [parse_size(x) for x in items(args.seqs, "--seqs")]
+        seqs = [parse_size(x) for x in parse_list(args.seqs, "--seqs")]
     except ValueError as err:
         raise ValueError(f"--seqs: {err}") from None
-    configs = items(args.configs, "--configs")
+    configs = parse_list(args.configs, "--configs")
     if "flashpar" not in configs or any(c not in NAMES for c in configs) or len(set(configs)) != len(configs):
         raise ValueError(f"--configs: expected distinct names from {','.join(NAMES)} with flashpar, got "
                          f"{args.configs!r}")
     if args.gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
-    return items(args.models, "--models"), gpus, seqs, configs
+    return parse_list(args.models, "--models"), gpus, seqs, configs
 
 
 def cell(model: str, gpus: int, seq: int, configs: list[str], hardware: str, inter: str, lengths: str,
