@@ -77,6 +77,14 @@ class ShardedUnit:
         if any(m.param.dtype != self.reduce_dtype for m in members):
             raise ValueError(f"sharded unit {name!r}: members of different dtypes")
         self.flat_sizes = [math.prod(s) for s in self.shapes]
+        self._regroups: dict[tuple[int, str], torch.Tensor] = {}
+
+    def _regroup(self, m: int, device: torch.device) -> torch.Tensor:
+        """Member ``m``'s row index on ``device``, copied there once (not in every step)."""
+        key = (m, str(device))
+        if key not in self._regroups:
+            self._regroups[key] = self.members[m].regroup.to(device)
+        return self._regroups[key]
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -118,7 +126,7 @@ class ShardedUnit:
                     torch.cat(parts, out=view.view(-1))
                 else:
                     whole = torch.cat(parts).view(member.total, w)
-                    torch.index_select(whole, 0, member.regroup.to(whole.device), out=view.view(-1, w))
+                    torch.index_select(whole, 0, self._regroup(m, whole.device), out=view.view(-1, w))
         return flat
 
     def gather_local(self) -> torch.Tensor:
@@ -153,7 +161,7 @@ class ShardedUnit:
                 whole = g.to(self.reduce_dtype)
             else:
                 whole = torch.zeros(member.total, w, dtype=self.reduce_dtype, device=device)
-                whole.index_add_(0, member.regroup.to(device), g.to(self.reduce_dtype))
+                whole.index_add_(0, self._regroup(m, device), g.to(self.reduce_dtype))
             lo = 0
             for p in range(self.n):
                 k = self.sizes[m][p]
