@@ -32,9 +32,10 @@ LAYERS, H, F = 3, 5, 3  # f = F * tp: W1_t has 3 rows, uneven over dp = 2 and 4;
 # float64 throughout: the mesh only reorders sums of < 50 terms, ~1e-15 relative; 1e-10 leaves margin while a
 # missing, doubled or misplaced block is O(1)
 TOL = 1e-10
-# (depth, keep the last unit, activation checkpointing)
-SCHEDULES = [(0, False, False), (1, False, False), (1, True, False), (2, True, False), (1, True, True),
-             (0, False, True)]
+# (depth, keep the last unit, activation checkpointing, collective: half of the schedules move the units by the
+# backend's ring collectives, half by flashpar.overlap.doubling's point-to-point steps)
+SCHEDULES = [(0, False, False, "ring"), (1, False, False, "doubling"), (1, True, False, "ring"),
+             (2, True, False, "doubling"), (1, True, True, "ring"), (0, False, True, "doubling")]
 
 
 def mesh_groups(rank: int, dp: int, tp: int):
@@ -97,7 +98,7 @@ def _w2_for(w2: torch.Tensor, layer: int, tp: int) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
-def run_case(rank: int, world: int, dp: int, tp: int, depth: int, keep_last: bool, ckpt: bool,
+def run_case(rank: int, world: int, dp: int, tp: int, depth: int, keep_last: bool, ckpt: bool, collective: str,
              groups) -> tuple[str | None, list, list]:
     """One training step of the model on the mesh; returns (errors or None, the gather / scatter trace, the
     units whose gathered buffers were alive after forward)."""
@@ -112,7 +113,7 @@ def run_case(rank: int, world: int, dp: int, tp: int, depth: int, keep_last: boo
         p1 = torch.nn.Parameter(w1_t[slice(*shard_rows(f_t, dp, d))].clone())
         p2 = torch.nn.Parameter(w2_t[slice(*shard_rows(H, dp, d))].clone())
         m1 = Member(p1, f_t, _regroup(f_t) if layer == 0 else None)
-        units.append(ShardedUnit(f"layer{layer}", [m1, Member(p2, H)], dp, d, torch.float64))
+        units.append(ShardedUnit(f"layer{layer}", [m1, Member(p2, H)], dp, d, torch.float64, collective))
         params.append((p1, p2))
     pf = Prefetcher(units, gather_group=gather_g, scatter_group=scatter_g, depth=depth,
                     keep={LAYERS - 1} if keep_last else set(), trace=True)
@@ -168,7 +169,7 @@ def reference_cases(rank: int, world: int) -> dict[str, tuple]:
     out = {}
     for dp, tp in MESHES[world]:
         groups = mesh_groups(rank, dp, tp)
-        for depth, keep_last, ckpt in SCHEDULES:
-            out[f"dp{dp}-tp{tp}-depth{depth}-keep{int(keep_last)}-ckpt{int(ckpt)}"] = run_case(
-                rank, world, dp, tp, depth, keep_last, ckpt, groups)
+        for depth, keep_last, ckpt, collective in SCHEDULES:
+            out[f"dp{dp}-tp{tp}-depth{depth}-keep{int(keep_last)}-ckpt{int(ckpt)}-{collective}"] = run_case(
+                rank, world, dp, tp, depth, keep_last, ckpt, collective, groups)
     return out

@@ -22,7 +22,7 @@ from train_workers import (
 )
 
 # (dp, cp, ulysses, tp), dp mode, model (train_workers.MODELS)[, strategy, mode, save_gathered, zero_schedule,
-# prefetch] -> world size
+# prefetch, zero_collective] -> world size
 MESH_CASES = {
     4: [((1, 2, 1, 2), "zero3", "base"), ((2, 2, 1, 1), "zero3", "base"), ((2, 1, 1, 2), "zero3", "base"),
         ((4, 1, 1, 1), "zero3", "base"), ((1, 4, 1, 1), "zero3", "base"), ((2, 2, 1, 1), "replicate", "base"),
@@ -39,10 +39,13 @@ MESH_CASES = {
         ((2, 1, 1, 2), "zero3", "base", "flashcp", "flash", True, "fused"),
         ((1, 2, 1, 2), "zero3", "untied", "flashcp", "flash", True, ("fused", "prefetch")),
         ((2, 2, 1, 1), "zero3", "untied", "flashcp", "flash", True, "prefetch", 2),
-        ((1, 4, 1, 1), "zero3", "base", "per_doc", "none", True, ("prefetch", "fused"))],
+        ((1, 4, 1, 1), "zero3", "base", "per_doc", "none", True, ("prefetch", "fused")),
+        # the units moved by the doubling steps (flashpar.overlap.doubling) over a shard group of 4, and of 3
+        ((4, 1, 1, 1), "zero3", "untied", "flashcp", "flash", True, "prefetch", 1, "doubling")],
     3: [((1, 1, 3, 1), "zero3", "heads6"), ((1, 1, 3, 1), "zero3", "heads6-mqa"),
         ((1, 1, 1, 3), "zero3", "heads6-vocab12"),
-        ((1, 3, 1, 1), "zero3", "untied", "flashcp", "flash", True, "fused")],
+        ((1, 3, 1, 1), "zero3", "untied", "flashcp", "flash", True, "fused"),
+        ((3, 1, 1, 1), "zero3", "base", "flashcp", "flash", True, "prefetch", 2, "doubling")],
     2: [((1, 1, 2, 1), "zero3", "base"), ((1, 1, 2, 1), "replicate", "untied")],
 }
 CASE_IDS = [(n, case) for n, cases in MESH_CASES.items() for case in cases]

@@ -193,3 +193,35 @@ def test_torch_async_tp_hides_the_tensor_parallel_transfers_that_dtensor_exposes
     assert asyn["exposed"]["tp"] < 0.2 * sync["exposed"]["tp"]
     assert asyn["no_comm_s"] > sync["no_comm_s"]  # one GEMM piece per peer costs compute
     assert asyn["memory"] == sync["memory"]
+
+
+def test_the_doubling_collective_by_hand():
+    """n = 5: steps at distances 1, 2, 4 carry 1, 2, 1 chunks: 3 latencies and 4 chunks, where the ring pays 4
+    latencies for the same 4 chunks; n = 1 moves nothing; n = 2 is one step either way."""
+    hw = preset("h100-ib")
+    lat, per_byte = hw.link_latency_s, 1 / hw.link_bytes_per_s
+    c = 1e6
+    assert zero.collective_s(zero.DOUBLING, 5, hw, c) == pytest.approx(3 * lat + 4 * c * per_byte)
+    assert zero.collective_s(zero.RING, 5, hw, c) == pytest.approx(4 * lat + 4 * c * per_byte)
+    assert zero.collective_s(zero.DOUBLING, 1, hw, c) == zero.collective_s(zero.RING, 1, hw, c) == 0.0
+    assert zero.collective_s(zero.DOUBLING, 2, hw, c) == zero.collective_s(zero.RING, 2, hw, c)
+
+
+def test_auto_moves_units_by_doubling_where_the_ring_pays_many_latencies():
+    """llama3-8b, dp 128 x tp 4 on 512 GPUs (shard group of 128 across nodes): a block's chunk is under 1 MB,
+    and 127 latencies are about half the ring's time: flashpar auto takes doubling; the baseline and the torch
+    peers ride the ring.  A shard group of 2 (one step either way): ring.  Doubling is never slower than the
+    ring in the whole step, and an explicit choice is kept."""
+    cfg = load_model("llama3-8b")
+    big = Workload(cfg, Layout(128, 1, 1, 4), H100, ((8192,),), elem_bytes=2)
+    assert zero.zero_collective(big, PEERS["flashpar"]) == zero.DOUBLING
+    assert zero.zero_collective(big, PEERS["baseline"]) == zero.RING
+    assert zero.zero_collective(big, PEERS["torch"]) == zero.RING
+    small = Workload(cfg, Layout(2, 1, 1, 8), H100, ((8192,),), elem_bytes=2)
+    assert zero.zero_collective(small, PEERS["flashpar"]) == zero.RING
+    ring = dataclasses.replace(big, zero_collective="ring")
+    assert zero.zero_collective(ring, PEERS["flashpar"]) == zero.RING
+    fp = PEERS["flashpar"]
+    assert zero.data_parallel(big, fp).total < 0.9 * zero.data_parallel(ring, fp).total
+    with pytest.raises(ValueError, match="zero_collective"):
+        dataclasses.replace(big, zero_collective="tree")

@@ -229,13 +229,15 @@ class ParallelLlama(nn.Module):
 
     ZeRO-3 (``dp_mode="zero3"`` over a shard group of more than one rank: ``flashpar.models.zero_units``):
     ``zero_schedule`` is ``"prefetch"`` or ``"fused"`` for every block, or one per block; ``prefetch``: the units
-    gathered ahead of the one computing (``mode="none"``: 0, blocking)."""
+    gathered ahead of the one computing (``mode="none"``: 0, blocking); ``zero_collective``: how the units travel,
+    ``"ring"`` (the backend's all-gather / reduce-scatter) or ``"doubling"`` (``ceil(log2 n)`` point-to-point
+    steps, ``flashpar.overlap.doubling``)."""
 
     def __init__(self, cfg: LlamaConfig, mesh, *, mode: str = "flash", timeout_s: float = DEFAULT_TIMEOUT_S,
                  dp_mode: str = "zero3", dtype: torch.dtype = torch.float32,
                  checkpoint_activations: bool = False, save_gathered: bool = True,
                  gather_vocab_weight: bool = True, zero_schedule: str | Sequence[str] = "prefetch",
-                 prefetch: int = 1) -> None:
+                 prefetch: int = 1, zero_collective: str = "ring") -> None:
         super().__init__()
         self.save_gathered, self.gather_vocab_weight = bool(save_gathered), bool(gather_vocab_weight)
         self.compute_dtype = compute_dtype(dtype)  # ValueError (one line) on another dtype
@@ -287,13 +289,14 @@ class ParallelLlama(nn.Module):
             keep_rows(self.embed, groups["gather"])
             if self.head is not None:
                 keep_rows(self.head, groups["gather"])
-            self.prefetcher = build_prefetcher(self, schedules, groups, 0 if mode == "none" else prefetch, timeout_s)
+            self.prefetcher = build_prefetcher(self, schedules, groups, 0 if mode == "none" else prefetch, timeout_s,
+                                               zero_collective)
         self._sum_groups = _sum_groups(mesh)
         self.grad_sync = GradSync([(p, self._sum_groups[kind]) for name, p in reversed(list(self.named_parameters()))
                                    if (kind := layout_of(name)[0].grad_sum(self.zero)) != "zero"], timeout_s=timeout_s)
         signature = (cfg, mode, dp_mode, tuple(mesh.mesh.shape), mesh.mesh_dim_names, self.compute_dtype,
                      self.checkpoint_activations, self.save_gathered, self.gather_vocab_weight, tuple(schedules),
-                     prefetch)
+                     prefetch, zero_collective)
         self.step_check = StepCheck(mesh, signature, timeout_s=timeout_s)  # the cross-rank check of each step's inputs
         self.kv_counter = cp.CommCounter()  # bytes this rank's attention sent and received, all layers
         self.kv_recompute = cp.CommCounter()  # the same, of the recomputed forwards (checkpoint_activations)

@@ -62,10 +62,11 @@ def zero_groups(ranks: torch.Tensor, *, fused: bool) -> dict[str, dist.ProcessGr
     return out
 
 
-def build_prefetcher(model, schedules: list[str], groups: dict, depth: int, timeout_s: float) -> Prefetcher:
+def build_prefetcher(model, schedules: list[str], groups: dict, depth: int, timeout_s: float,
+                     collective: str = "ring") -> Prefetcher:
     """The units of ``model`` (a ``ParallelLlama`` whose tp-split parameters hold their rows), their prefetcher,
     and each prefetched projection's ``source``; sets ``model.units`` (``{"embed": k, "blocks": [k or None],
-    "head": k or None}``)."""
+    "head": k or None}``).  ``collective``: how every unit travels (``flashpar.overlap.unit.COLLECTIVES``)."""
     gather = groups["gather"]
     n, rank = dist.get_world_size(gather), dist.get_rank(gather)
     dtype = model.compute_dtype
@@ -73,7 +74,7 @@ def build_prefetcher(model, schedules: list[str], groups: dict, depth: int, time
     keep, again = set(), []
 
     def add(name: str, members: list[Member], dtype: torch.dtype, regather: bool) -> int:
-        units.append(ShardedUnit(name, members, n, rank, dtype))
+        units.append(ShardedUnit(name, members, n, rank, dtype, collective))
         again.append(regather)
         return len(units) - 1
 

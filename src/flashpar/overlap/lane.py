@@ -150,8 +150,11 @@ def _worker_for(group) -> _Worker:
 
 
 class Lane:
-    def __init__(self, op_name: str, rank: int, *, timeout_s: float, threaded: bool, group=None) -> None:
-        """``group``: the process group the items run on; its worker thread serves this lane."""
+    def __init__(self, op_name: str, rank: int, *, timeout_s: float, threaded: bool, group=None,
+                 hold: bool = True) -> None:
+        """``group``: the process group the items run on; its worker thread serves this lane.  ``hold=False``:
+        every item goes to the worker, none is posted by the submitting thread (lanes of one group that run
+        at the same time then post in the order they were submitted, on every rank alike)."""
         self.op_name = op_name
         self.rank = rank
         self.timeout_s = timeout_s
@@ -168,6 +171,7 @@ class Lane:
         self._held: tuple[int, list] | None = None  # (item, handles): posted by the submitting thread, not yet waited
         self._group = weakref.ref(group) if group is not None else None  # never keeps a group alive
         self._host_waits = not stream_waits(group)  # NCCL: the stream waits, not the host (dist.wait_work)
+        self._hold = hold
 
     def _fail_message(self, item: int, what: str) -> str:
         return f"{self.op_name}: rank {self.rank}: lane item #{item} ({what}) failed"
@@ -203,7 +207,7 @@ class Lane:
             except BaseException as err:
                 raise LaneError(self._fail_message(item, what) + f": {err}") from err
             return
-        if self._held is None and self._worker_idle():
+        if self._hold and self._held is None and self._worker_idle():
             # nothing of this lane in flight: post here, and let whoever needs the handles first wait for them
             try:
                 self._held = (item, fn())

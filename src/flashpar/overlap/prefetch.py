@@ -142,7 +142,7 @@ class Prefetcher:
             return
         if self.trace is not None:
             self.trace.append(("gather", k))
-        self._pending[k] = self.units[k].post_gather(self.gather_group) if self.n > 1 else None
+        self._pending[k] = self.units[k].post_gather(self.gather_group, self.timeout_s) if self.n > 1 else None
 
     def _complete(self, k: int) -> torch.Tensor:
         """Unit ``k``'s gathered buffer (waits for its gather; without a group: assembled locally)."""
@@ -259,7 +259,7 @@ class Prefetcher:
         if self.n == 1:
             unit.land(unit.pack_grads(grads), self.scale)
             return
-        work, send, recv = unit.post_scatter(grads, self.scatter_group)
+        work, send, recv = unit.post_scatter(grads, self.scatter_group, self.timeout_s)
         self._scatters.append((unit, work, send, recv))
         if self.depth == 0:
             self._land_all()

@@ -22,8 +22,12 @@ gradient is cut by the same rows, rank ``p``'s section packed like its chunk, an
     send:   | rows_0 of every member | rows_1 of every member | ... |      n C elements (fp32)
     recv:   | this rank's rows of every member, summed over the group |  C elements -> each parameter's .grad
 
-Bytes per rank and direction: ``(n - 1) C`` elements, the ring all-gather / reduce-scatter's.  Pure tensor
-code plus two posted collectives; which group and when is the caller's.
+Bytes per rank and direction: ``(n - 1) C`` elements, the ring all-gather / reduce-scatter's.  ``collective``
+says how they travel: ``ring`` (the backend's all-gather and reduce-scatter, ``n - 1`` steps) or ``doubling``
+(``flashpar.overlap.doubling``: the same bytes in ``ceil(log2 n)`` point-to-point steps, the chunks in rotated
+order: rank ``r``'s buffers hold rank ``p``'s chunk at position ``(p - r) mod n``, which the packing and the
+copy-out read directly, no extra copy).  Pure tensor code plus two posted transfers; which group and when is
+the caller's.
 """
 
 from __future__ import annotations
@@ -34,8 +38,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flashpar.dist import all_gather_single, reduce_scatter_single
+from flashpar.dist import DEFAULT_TIMEOUT_S, all_gather_single, reduce_scatter_single
+from flashpar.overlap import doubling
 from flashpar.rows import row_sizes, shard_rows
+
+COLLECTIVES = ("ring", "doubling")
 
 
 @dataclass
@@ -53,12 +60,18 @@ class Member:
 
 
 class ShardedUnit:
-    """``members`` split over a group of ``n`` ranks (this one ``rank``), gathered in ``dtype``."""
+    """``members`` split over a group of ``n`` ranks (this one ``rank``), gathered in ``dtype``, moved by
+    ``collective`` (``COLLECTIVES``: the module docstring)."""
 
-    def __init__(self, name: str, members: list[Member], n: int, rank: int, dtype: torch.dtype) -> None:
+    def __init__(self, name: str, members: list[Member], n: int, rank: int, dtype: torch.dtype,
+                 collective: str = "ring") -> None:
         if not members:
             raise ValueError(f"sharded unit {name!r}: no members")
+        if collective not in COLLECTIVES:
+            raise ValueError(f"sharded unit {name!r}: collective must be one of {COLLECTIVES}, got {collective!r}")
         self.name, self.members, self.n, self.rank, self.dtype = name, members, n, rank, dtype
+        self.collective = collective
+        self.first = rank if collective == "doubling" else 0  # the rank whose chunk sits at position 0
         for m in members:
             lo, hi = shard_rows(m.total, n, rank)
             if m.param.shape[0] != hi - lo:
@@ -96,12 +109,19 @@ class ShardedUnit:
 
     # ---- gather ----------------------------------------------------------------------------------------
 
-    def post_gather(self, group) -> tuple[object, torch.Tensor, torch.Tensor]:
+    def position(self, p: int) -> int:
+        """Where rank ``p``'s chunk sits in the gathered buffer and rank ``p``'s section in the gradients'."""
+        return (p - self.first) % self.n
+
+    def post_gather(self, group, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[object, torch.Tensor, torch.Tensor]:
         """Post the all-gather of this rank's rows (cast to ``dtype``): ``(work, send, recv)``; ``assemble(recv)``
         once the work is complete.  No autograd."""
         device = self.members[0].param.device
         with torch.no_grad():
-            send = torch.empty(self.chunk, dtype=self.dtype, device=device)
+            recv = torch.empty(self.n * self.chunk, dtype=self.dtype, device=device)
+            # doubling: this rank's chunk is position 0 of the gathered buffer, packed there in place
+            send = recv[: self.chunk] if self.collective == "doubling" else torch.empty(self.chunk, dtype=self.dtype,
+                                                                                          device=device)
             at = 0
             for m in self.members:
                 k = m.param.numel()
@@ -109,9 +129,9 @@ class ShardedUnit:
                 at += k
             if at < self.chunk:
                 send[at:].zero_()
-            recv = torch.empty(self.n * self.chunk, dtype=self.dtype, device=device)
-        work = all_gather_single(recv, send, group=group, async_op=True)
-        return work, send, recv
+        if self.collective == "doubling":
+            return doubling.post_all_gather(recv, self.chunk, group, timeout_s=timeout_s), send, recv
+        return all_gather_single(recv, send, group=group, async_op=True), send, recv
 
     def assemble(self, recv: torch.Tensor) -> torch.Tensor:
         """The whole members from the gathered chunks: one flat buffer (``views_of`` it: a view per member)."""
@@ -120,7 +140,7 @@ class ShardedUnit:
             chunks = recv.view(self.n, self.chunk)
             for m, (member, view) in enumerate(zip(self.members, self.views_of(flat), strict=True)):
                 w = self.widths[m]
-                parts = [chunks[p, self.offsets[m][p] : self.offsets[m][p] + self.sizes[m][p] * w]
+                parts = [chunks[self.position(p), self.offsets[m][p] : self.offsets[m][p] + self.sizes[m][p] * w]
                          for p in range(self.n)]
                 if member.regroup is None:
                     torch.cat(parts, out=view.view(-1))
@@ -167,14 +187,17 @@ class ShardedUnit:
                 k = self.sizes[m][p]
                 if k:
                     o = self.offsets[m][p]
-                    chunks[p, o : o + k * w].copy_(whole[lo : lo + k].reshape(-1))
+                    chunks[self.position(p), o : o + k * w].copy_(whole[lo : lo + k].reshape(-1))
                 lo += k
         return send
 
-    def post_scatter(self, grads: list[torch.Tensor | None], group) -> tuple[object, torch.Tensor, torch.Tensor]:
+    def post_scatter(self, grads: list[torch.Tensor | None], group,
+                     timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[object, torch.Tensor, torch.Tensor]:
         """Post the reduce-scatter of the members' gradients: ``(work, send, recv)``; ``land(recv)`` once complete."""
         send = self.pack_grads(grads)
         recv = torch.empty(self.chunk, dtype=self.reduce_dtype, device=send.device)
+        if self.collective == "doubling":
+            return doubling.post_reduce_scatter(send, recv, group, timeout_s=timeout_s), send, recv
         work = reduce_scatter_single(recv, send, group=group, async_op=True)
         return work, send, recv
 

@@ -14,8 +14,8 @@ prints the fastest that fit the GPU's memory; ``flashpar simulate table`` runs s
 
 Every dp rank trains on ``--batch`` packed sequences of ``--seq`` tokens per step: the first pack of
 ``--lengths`` stands for each (``--packs K``: the first K, the slowest setting the step).  flashpar's ZeRO-3
-gathers ``--prefetch`` units ahead; the ``zero`` column says how many blocks its auto schedule fuses.  All
-figures are simulated.
+gathers ``--prefetch`` units ahead; the ``zero`` column says how many blocks its auto schedule fuses and how
+its units travel (``--zero-collective``: ring or doubling, ``flashpar.sim.zero``).  All figures are simulated.
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=1, help="packed sequences per dp rank and step (default 1)")
     p.add_argument("--prefetch", type=int, default=1,
                    help="flashpar's ZeRO-3: units all-gathered ahead of the one computing (default 1)")
+    p.add_argument("--zero-collective", default="auto", choices=("auto", "ring", "doubling"),
+                   help="flashpar's ZeRO-3 units: the ring collectives, the doubling steps, or the cost model's "
+                        "choice (default auto)")
     p.add_argument("--lengths", default="wlbllm", help=LENGTHS_HELP + " (default wlbllm)")
     p.add_argument("--packs", type=int, default=1, help="packs simulated, the slowest counts (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node, joined by NVLink (default 8)")
@@ -142,7 +145,7 @@ def row(w, name: str, capacity: float, flashpar_mode: str = "best") -> dict:
     from flashpar.sim.peers import PEERS
     from flashpar.sim.predict import simulate
     from flashpar.sim.step import is_torch
-    from flashpar.sim.zero import FUSED
+    from flashpar.sim.zero import FUSED, zero_collective
 
     peer = PEERS[name]
     modes = FLASHPAR_MODES[flashpar_mode] if name == "flashpar" else (peer.mode,)
@@ -150,10 +153,11 @@ def row(w, name: str, capacity: float, flashpar_mode: str = "best") -> dict:
     r, mode = min(runs, key=lambda x: x[0]["step_s"])
     L, mem = w.layout, r["memory"]
     links = {k: v[2] for k, v in w.groups(peer).items() if k in ("tp", "ulysses", "cp", "dp") and v[0] > 1}
-    zero = "fsdp" if is_torch(peer) else f"{r['schedule'].count(FUSED)}/{len(r['schedule'])} fused"
+    collective = zero_collective(w, dataclasses.replace(peer, mode=mode))
+    zero = "fsdp" if is_torch(peer) else f"{r['schedule'].count(FUSED)}/{len(r['schedule'])} fused, {collective}"
     return {"config": name, "layout": L.label(), "dp": L.dp, "cp": L.cp, "ulysses": L.ulysses, "tp": L.tp,
             "gpus": L.gpus, "seq": w.seq, "batch": w.batch, "ckpt": "on" if w.checkpoint else "off", "tp_mode": mode,
-            "zero": zero,
+            "zero": zero, "zero_collective": collective,
             "schedule": list(r["schedule"]), "tail_ms": 1e3 * r["tail_s"],
             "step_ms": 1e3 * r["step_s"], "no_comm_ms": 1e3 * r["no_comm_s"],
             "exposed_ms": 1e3 * sum(r["exposed"].values()),
@@ -165,7 +169,8 @@ def row(w, name: str, capacity: float, flashpar_mode: str = "best") -> dict:
 
 
 def simulate_rows(cfg, cluster, packs, layouts, capacity, configs, *, elem_bytes: int, checkpoint: str,
-                  batch: int = 1, prefetch: int = 1, flashpar_mode: str = "best") -> list[dict]:
+                  batch: int = 1, prefetch: int = 1, flashpar_mode: str = "best",
+                  zero_collective: str = "auto") -> list[dict]:
     """Every configuration on every layout: with ``checkpoint`` "auto", without activation checkpointing where
     that fits, else with it."""
     from flashpar.sim.workload import Workload
@@ -176,7 +181,7 @@ def simulate_rows(cfg, cluster, packs, layouts, capacity, configs, *, elem_bytes
             modes = {"on": [True], "off": [False], "auto": [False, True]}[checkpoint]
             for ckpt in modes:
                 w = Workload(cfg, layout, cluster, packs, elem_bytes=elem_bytes, checkpoint=ckpt, batch=batch,
-                             zero_prefetch=prefetch)
+                             zero_prefetch=prefetch, zero_collective=zero_collective)
                 r = row(w, name, capacity, flashpar_mode)
                 if r["fits"] == "yes" or ckpt == modes[-1]:
                     rows.append(r)
@@ -198,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     rows = simulate_rows(cfg, cluster, packs, layouts, capacity, configs,
                          elem_bytes=2 if args.dtype == "bf16" else 4, checkpoint=args.checkpoint_activations,
-                         batch=args.batch, prefetch=args.prefetch, flashpar_mode=args.flashpar_mode)
+                         batch=args.batch, prefetch=args.prefetch, flashpar_mode=args.flashpar_mode,
+                         zero_collective=args.zero_collective)
     label = (f"simulated, {cluster.device_name}, {cluster.describe()}; {args.model} ({cfg.params / 1e9:.2f}B "
              f"params), {args.batch} x {args.seq} tokens per dp rank ({args.lengths}: {len(packs[0])} documents "
              f"per sequence), {args.dtype}, memory fits at {capacity:.0f} GB x 0.9")
@@ -224,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
         print(table(rows, COLUMNS, title=label))
     setup = {"model": args.model, "params": cfg.params, "model_config": cfg.to_dict(), "gpus": layouts[0].gpus,
              "seq": args.seq, "batch": args.batch, "prefetch": args.prefetch, "flashpar_mode": args.flashpar_mode,
+             "zero_collective": args.zero_collective,
              "lengths": args.lengths,
              "documents": [len(p) for p in packs],
              "hardware": cluster.device_name, "inter": cluster.inter_name, "gpus_per_node": cluster.gpus_per_node,

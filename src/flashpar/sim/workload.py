@@ -40,6 +40,7 @@ class Workload:
     batch: int = 1  # sequences per dp rank and step (torchtitan's local batch size)
     eager: bool = False  # the torch peers' elementwise ops unfused (no torch.compile; ``step.elementwise``)
     zero_prefetch: int = 1  # flashpar's ZeRO-3: units gathered ahead (``--prefetch``; ``flashpar.sim.zero``)
+    zero_collective: str = "auto"  # flashpar's ZeRO-3 units: "ring", "doubling" or "auto" (``zero.zero_collective``)
     fsdp_root: bool = False  # torch's FSDP2 wraps the embedding, final norm and head as one root unit
     torch_attention: str = "flex"  # the torch peer's kernel: "flex" (document blocks only) or "dense" (S_loc x S)
     attn_bwd: tuple[float, float] | None = None  # (attn_peak, attn_half) of the backward kernel; None: BWD_ATTN_TIME
@@ -59,6 +60,8 @@ class Workload:
             raise ValueError(f"batch must be a positive integer, got {self.batch!r}")
         if isinstance(self.zero_prefetch, bool) or not isinstance(self.zero_prefetch, int) or self.zero_prefetch < 1:
             raise ValueError(f"--prefetch must be a positive integer, got {self.zero_prefetch!r}")
+        if self.zero_collective not in ("auto", "ring", "doubling"):
+            raise ValueError(f"zero_collective must be auto, ring or doubling, got {self.zero_collective!r}")
         if self.checkpoint and self.selective:
             raise ValueError("full and selective activation checkpointing exclude each other")
 

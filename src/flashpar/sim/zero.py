@@ -11,6 +11,11 @@ unit's parameters (its tp shard; under Ulysses the attention projections whole) 
     gather   (|S| - 1) transfers of P_unit / |S| x e bytes     one all-gather per unit (ring), compute dtype
     scatter  (|S| - 1) transfers of P_unit / |S| x 4 bytes     the gradient reduce-scatter, fp32 sums
 
+flashpar's units may travel by ``doubling`` instead (``flashpar.overlap.doubling``): the same bytes in
+``ceil(log2 |S|)`` steps, the step at distance ``d`` carrying ``min(d, |S| - d)`` chunks, so each step pays one
+message latency where the ring pays ``|S| - 1``; ``zero_collective`` chooses (``COLLECTIVE_MARGIN``).  The
+baseline and the torch peers ride the ring (NCCL's all-gather and reduce-scatter between multi-GPU nodes).
+
 A block is ``prefetch`` or ``fused``:
 
 * ``prefetch`` (``K = Workload.zero_prefetch``): the gathers of units i+1 .. i+K are posted on the gather lane
@@ -59,12 +64,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flashpar.cost import Hardware
+from flashpar.overlap.doubling import distances
 from flashpar.sim import step
 from flashpar.sim.parts import Part, total
 from flashpar.sim.peers import Peer
 from flashpar.sim.workload import Workload
 
 PREFETCH, FUSED = "prefetch", "fused"
+RING, DOUBLING = "ring", "doubling"
 
 
 @dataclass(frozen=True)
@@ -124,16 +132,46 @@ def local_params(w: Workload, peer: Peer) -> float:
     return (w.cfg.layers * block_params(w, peer) + tables) / n + norm_params(w)
 
 
-def gather_s(w: Workload, peer: Peer, params: float) -> float:
-    """Seconds of the ring all-gather of a unit of ``params`` elements over the shard group, compute dtype."""
+def collective_s(kind: str, n: int, hw: Hardware, chunk_bytes: float) -> float:
+    """Seconds of an all-gather (or reduce-scatter) of ``n`` chunks of ``chunk_bytes`` over ``n`` ranks on
+    ``hw``'s link: ``n - 1`` ring steps of one chunk, or the doubling steps (``min(d, n - d)`` chunks each)."""
+    if n <= 1:
+        return 0.0
+    if kind == RING:
+        return (n - 1) * hw.transfer_time(chunk_bytes)
+    return sum(hw.transfer_time(min(d, n - d) * chunk_bytes) for d in distances(n))
+
+
+COLLECTIVE_MARGIN = 0.98
+"""``auto`` moves the units by doubling only where a block's gather and reduce-scatter are predicted more than 2%
+faster than the ring's (small groups, large chunks: the backend's collective)."""
+
+
+def zero_collective(w: Workload, peer: Peer) -> str:
+    """How ``peer``'s ZeRO-3 units travel on ``w``: the torch peers and the baseline by ring; flashpar by
+    ``w.zero_collective``, or for ``auto`` by doubling where a block unit's all-gather and reduce-scatter are
+    predicted faster by more than ``COLLECTIVE_MARGIN``."""
+    if step.is_torch(peer) or peer.mode == "none":
+        return RING
+    if w.zero_collective != "auto":
+        return w.zero_collective
     n, hw = w.groups(peer)["shard"][:2]
-    return (n - 1) * hw.transfer_time(params / n * w.elem_bytes) if n > 1 else 0.0
+    blk = block_params(w, peer) / max(n, 1)
+    ring, doubling = ((collective_s(k, n, hw, blk * w.elem_bytes) + collective_s(k, n, hw, blk * w.zero_rs_elem_bytes))
+                      for k in (RING, DOUBLING))
+    return DOUBLING if doubling < COLLECTIVE_MARGIN * ring else RING
+
+
+def gather_s(w: Workload, peer: Peer, params: float) -> float:
+    """Seconds of the all-gather of a unit of ``params`` elements over the shard group, compute dtype."""
+    n, hw = w.groups(peer)["shard"][:2]
+    return collective_s(zero_collective(w, peer), n, hw, params / n * w.elem_bytes)
 
 
 def scatter_s(w: Workload, peer: Peer, params: float) -> float:
-    """Seconds of the ring reduce-scatter of a unit's gradient over the shard group (``zero_rs_elem_bytes``)."""
+    """Seconds of the reduce-scatter of a unit's gradient over the shard group (``zero_rs_elem_bytes``)."""
     n, hw = w.groups(peer)["shard"][:2]
-    return (n - 1) * hw.transfer_time(params / n * w.zero_rs_elem_bytes) if n > 1 else 0.0
+    return collective_s(zero_collective(w, peer), n, hw, params / n * w.zero_rs_elem_bytes)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, see
              clip_ratio: float | None = None, init_from: str | None = None, dtype: str = "fp32",
              checkpoint_activations: bool = False, save_gathered: bool = True,
              device: torch.device | None = None, zero_schedule: str = "prefetch",
-             prefetch: int = 1) -> dict[str, float]:
+             prefetch: int = 1, zero_collective: str = "ring") -> dict[str, float]:
     """Relative errors of the loss, of the gradient norm (with ``clip_ratio``) and of every parameter's
     gradient after clipping (names of the single-process model).  ``sequences``: ``micro_batches x dp``
     ``(tokens, labels, doc_lens)``, dp rank ``d``'s micro-batch ``m`` at ``m * dp + d``.  ``init_from``:
@@ -52,7 +52,7 @@ def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, see
     ``save_gathered``: the mesh model's (``--dtype``, ``--checkpoint-activations``, not ``--regather``); the
     reference stays the fp32 single-process model, on the CPU.  ``device``: the mesh model's (its mesh's
     device type: NCCL reduces device tensors only; None: the CPU).  ``zero_schedule`` / ``prefetch``: ZeRO-3's
-    (``ParallelLlama``)."""
+    (``ParallelLlama``), and ``zero_collective``."""
     dp = mesh["dp"].size()
     if len(sequences) != micro_batches * dp:
         raise ValueError(f"one_step: {len(sequences)} sequences for {micro_batches} micro-batches x dp = {dp}")
@@ -62,7 +62,7 @@ def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, see
     got = _mesh_step(ref, cfg, mesh, sequences, strategy=strategy, mode=mode, timeout_s=timeout_s, dp_mode=dp_mode,
                      micro_batches=micro_batches, clip=want["clip"], init_from=init_from, dtype=dtype,
                      checkpoint_activations=checkpoint_activations, save_gathered=save_gathered, device=device,
-                     zero_schedule=zero_schedule, prefetch=prefetch)
+                     zero_schedule=zero_schedule, prefetch=prefetch, zero_collective=zero_collective)
     return _errors(got, want, ref, clipped=clip_ratio is not None)
 
 
@@ -83,12 +83,13 @@ def _reference(ref: Llama, sequences, clip_ratio: float | None) -> dict:
 def _mesh_step(ref: Llama, cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, timeout_s: float,
                dp_mode: str, micro_batches: int, clip: float, init_from: str | None = None, dtype: str = "fp32",
                checkpoint_activations: bool = False, save_gathered: bool = True,
-               device: torch.device | None = None, zero_schedule: str = "prefetch", prefetch: int = 1) -> dict:
+               device: torch.device | None = None, zero_schedule: str = "prefetch", prefetch: int = 1,
+               zero_collective: str = "ring") -> dict:
     """The mesh model with ``ref``'s weights, through ``gradients`` on this rank's micro-batches: the loss
     summed over ranks, the global norm and the full gradients (collective)."""
     model = ParallelLlama(cfg, mesh, mode=mode, timeout_s=timeout_s, dp_mode=dp_mode, dtype=DTYPES[dtype],
                           checkpoint_activations=checkpoint_activations, save_gathered=save_gathered,
-                          zero_schedule=zero_schedule, prefetch=prefetch)
+                          zero_schedule=zero_schedule, prefetch=prefetch, zero_collective=zero_collective)
     if init_from:
         model.load_hf_slices(init_from)  # the same weights as ref, read by this rank's slices
     else:

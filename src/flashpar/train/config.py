@@ -30,6 +30,7 @@ from flashpar.overlap.ulysses import head_layout
 MODES = ("flash", "ring", "slice", "none", "auto")
 DP_MODES = ("zero3", "replicate")
 ZERO_SCHEDULES = ("auto", "prefetch", "fused")
+ZERO_COLLECTIVES = ("auto", "ring", "doubling")
 DEVICES = ("cpu", "cuda")
 MODEL_FLAGS = ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn")  # LlamaConfig fields that are flags
 
@@ -63,6 +64,11 @@ class TrainConfig:
                                       "block fused, the fastest where it beats prefetching every block by more "
                                       "than 2 percent)", choices=ZERO_SCHEDULES)
     prefetch: int = _opt(1, "ZeRO-3 blocks gathered ahead of the one computing (--mode none: 0, blocking)")
+    zero_collective: str = _opt("auto", "how ZeRO-3's prefetched units travel: ring (the backend's all-gather and "
+                                        "reduce-scatter, n - 1 steps), doubling (the same bytes in ceil(log2 n) "
+                                        "point-to-point steps), or auto (the cost model's choice: doubling where it "
+                                        "is predicted more than 2 percent faster; --mode none: ring)",
+                                choices=ZERO_COLLECTIVES)
     lr: float = _opt(3e-3, "AdamW learning rate: the peak of the schedule (--warmup, --lr-min)")
     seed: int = _opt(0, "seed of the weights and of the corpus order")
     max_docs: int | None = _opt(None, "use only this many corpus documents", type=int)
@@ -126,7 +132,7 @@ class TrainConfig:
                                  "each per step")
 
     def __post_init__(self) -> None:
-        for name in ("strategy", "mode", "dp_mode", "zero_schedule", "device"):
+        for name in ("strategy", "mode", "dp_mode", "zero_schedule", "zero_collective", "device"):
             choices = _FIELDS[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")

@@ -143,6 +143,16 @@ def zero_schedules(config, device_type: str) -> list[str]:
     return list(zero_schedule(*zero_workload(config, device_type)))
 
 
+def zero_collective(config, device_type: str) -> str:
+    """How ZeRO-3's units travel for ``config`` (``--zero-collective``): as given, ``ring`` in mode none, or for
+    ``auto`` the cost model's choice on ``zero_workload`` (``flashpar.sim.zero.zero_collective``)."""
+    from flashpar.sim.zero import zero_collective as choose
+
+    if config.zero_collective != "auto" or config.mode == "none":
+        return "ring" if config.zero_collective == "auto" else config.zero_collective
+    return choose(*zero_workload(config, device_type))
+
+
 def zero_workload(config, device_type: str):
     """``(Workload, Peer)`` the trainer's ZeRO-3 choice is simulated on: rank 0's planning figures
     (``planning_device``: a collective), the run's mesh, model, dtype, activation checkpointing, prefetch depth
@@ -161,7 +171,8 @@ def zero_workload(config, device_type: str):
     layout = Layout(config.dp, config.cp, config.ulysses, config.tp)
     elem = torch.finfo(torch.bfloat16 if config.dtype == "bf16" else torch.float32).bits // 8
     w = Workload(config.model, layout, Cluster(hw, inter, per_node), ((config.seq_len,),), elem_bytes=elem,
-                 checkpoint=config.checkpoint_activations, zero_prefetch=config.prefetch, plan_hardware=hw,
+                 checkpoint=config.checkpoint_activations, zero_prefetch=config.prefetch,
+                 zero_collective=config.zero_collective, plan_hardware=hw,
                  plan_burst=burst, shared_cores=burst, regather=config.regather)
     peer = dataclasses.replace(PEERS["flashpar" if config.mode != "none" else "baseline"], mode=config.mode)
     return w, peer

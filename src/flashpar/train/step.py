@@ -41,7 +41,7 @@ from flashpar.models.precision import DTYPES
 from flashpar.train import where
 from flashpar.train.config import TrainConfig
 from flashpar.train.optimizer import adamw, set_lr
-from flashpar.train.planning import zero_schedules
+from flashpar.train.planning import zero_collective, zero_schedules
 
 
 class MicroBatch(NamedTuple):
@@ -65,8 +65,9 @@ def build(config: TrainConfig, mesh, device) -> tuple:
         torch.manual_seed(config.seed)
         full = Llama(cfg)
     zero = zero_schedules(config, device.type) if config.dp_mode == "zero3" else "prefetch"
+    collective = zero_collective(config, device.type) if config.dp_mode == "zero3" else "ring"
     model = ParallelLlama(cfg, mesh, mode=config.mode, timeout_s=config.timeout, dp_mode=config.dp_mode,
-                          zero_schedule=zero, prefetch=config.prefetch,
+                          zero_schedule=zero, prefetch=config.prefetch, zero_collective=collective,
                           dtype=DTYPES[config.dtype], checkpoint_activations=config.checkpoint_activations,
                           save_gathered=not config.regather)
     if full is not None:
