@@ -7,12 +7,12 @@ PY := $(VENV)/bin/python
 TORCH_INDEX ?=
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup test lint run bench soak gpu-check clean
+.PHONY: setup test lint docs run bench soak gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e '.[dev,plot]'
+	$(PY) -m pip install -q -e '.[dev,plot,docs]'
 	touch $@
 
 setup: $(VENV)/.installed
@@ -20,7 +20,12 @@ setup: $(VENV)/.installed
 lint: setup
 	$(VENV)/bin/ruff check src tests
 
-test: lint
+# The documentation site (mkdocs.yml: docs/ and the API reference from the docstrings) into site/; --strict: a
+# broken link, anchor or reference fails the build.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q
+
+test: lint docs
 	$(PY) -m pytest
 
 # The main job, on its tiny default: the Llama-style model trained with TP-SP + CP on real packed
@@ -49,4 +54,4 @@ gpu-check:
 	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m flashpar.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site

@@ -1,7 +1,9 @@
-"""The README's Python snippets are the files of docs/examples, and every one of them runs.
+"""The Python snippets of the README and the docs pages are the files of docs/examples, and every one of
+them runs.
 
-Each ```python block of the README is preceded by a link to its file and equals that file's text, so the
-docs cannot drift from what this test runs: the multi-rank examples' ``main(rank, world)`` at N=2 (one
+Each ```python block is preceded by a link to its file and equals that file's text, or is an excerpt of it
+(every line of the block is a line of the file: the README's short version), and every file is shown whole on
+some page, so the docs cannot drift from what this test runs: the multi-rank examples' ``main(rank, world)`` at N=2 (one
 spawn for all of them, as ``torchrun --nproc-per-node 2`` would), the single-process ones as scripts.
 """
 
@@ -17,27 +19,40 @@ from dist_harness import run_ranks
 from examples_workers import EXAMPLES, run_examples
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+PAGES = [README, *sorted((README.parent / "docs").glob("*.md"))]
 MULTI_RANK = ("tp_mlp", "sharded_dp", "ulysses", "cp_attention")  # main(rank, world)
 SINGLE = ("plan", "hf_roundtrip")  # scripts
 
 
-def readme_snippets() -> list[tuple[str, str]]:
-    """``(linked example file name, code)`` of every ```python block of the README."""
-    text = README.read_text()
+def readme_snippets() -> list[tuple[str, str, str]]:
+    """``(page, linked example file name, code)`` of every ```python block of the README and the docs pages (the
+    link: in the paragraph before the block)."""
     out = []
-    for m in re.finditer(r"```python\n(.*?)```", text, flags=re.S):
-        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
-        link = re.search(r"docs/examples/(\w+\.py)", before)
-        out.append((link.group(1) if link else f"<no docs/examples link before: {before!r}>", m.group(1)))
+    for page in PAGES:
+        text = page.read_text()
+        for m in re.finditer(r"```python\n(.*?)```", text, flags=re.S):
+            before = text[: m.start()].rstrip("\n").rsplit("\n\n", 1)[-1]
+            link = re.search(r"examples/(\w+\.py)", before)
+            name = link.group(1) if link else f"<no docs/examples link before: {before!r}>"
+            out.append((page.name, name, m.group(1)))
     return out
 
 
-def test_readme_python_blocks_are_the_example_files():
+def test_python_blocks_are_the_example_files_or_excerpts_of_them():
     snippets = readme_snippets()
     files = sorted(p.name for p in EXAMPLES.glob("*.py"))
-    assert sorted(name for name, _ in snippets) == files == sorted(f"{n}.py" for n in (*MULTI_RANK, *SINGLE))
-    for name, code in snippets:
-        assert code == (EXAMPLES / name).read_text(), f"README block linked to docs/examples/{name} differs from it"
+    assert files == sorted(f"{n}.py" for n in (*MULTI_RANK, *SINGLE))
+    whole = set()
+    for page, name, code in snippets:
+        assert name in files, f"{page}: a python block without a link to its docs/examples file ({name})"
+        text = (EXAMPLES / name).read_text()
+        if code == text:
+            whole.add(name)
+            continue
+        lines = {line.strip() for line in text.splitlines()}
+        strays = [line for line in code.splitlines() if line.strip() and line.strip() not in lines]
+        assert not strays, f"{page}: the block linked to docs/examples/{name} has lines the file does not: {strays}"
+    assert sorted(whole) == files, f"example files shown whole on no page: {sorted(set(files) - whole)}"
 
 
 def test_multi_rank_examples_run_at_two_ranks():

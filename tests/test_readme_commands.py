@@ -1,5 +1,5 @@
-"""Every command the README shows in a ```bash block runs (shortened: few steps, one round, loopback, small
-packs), so a documented command cannot break silently.
+"""Every command the README and the docs pages show in a ```bash block runs (shortened: few steps, one round,
+loopback, small packs), so a documented command cannot break silently.
 
 ``RUNS`` is the table: each README command maps to the run that exercises it.  Commands that a run
 shares (``flashpar train`` with ``--save-every``, ``--trace --plot``) are grouped into one invocation, and
@@ -25,6 +25,7 @@ from flashpar.cli import main
 from train_runs import RUNS as TRAIN_RUNS
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+PAGES = [README, *sorted((README.parent / "docs").glob("*.md"))]  # the front page and the docs site's pages
 OVERLAP = ["--link-rate", "none", "--rounds", "1", "--shapes", "small-M", "--modes", "none,ring:1,flash:2,auto",
            "--seq-local", "16", "--width", "32"]
 CP = ["--nproc", "2", "--link-rate", "none", "--tokens", "1024", "--packs", "1", "--rounds", "1", "--heads", "2",
@@ -58,11 +59,11 @@ RUNS = {
     # simulate cp (every option of the README's commands, a tiny grid) and simulate check of the README's bench cp
     "simulate-cp": ["simulate", "cp", "--grid", "8:16K", "--lengths", "sotu,long-context", "--packs", "1",
                     "--json", "sim-cp.json"],
-    "simulate-check-cp": ["simulate", "check", str(README.parent / "docs/bench/cp.json")],
+    "simulate-check-cp": ["simulate", "check", str(README.parent / "docs/benchmarks/cp.json")],
     # simulate: pure Python, the README's own arguments (a bench overlap JSON from the repository)
     "simulate-overlap": ["simulate", "overlap", "--block", "mlp", "--tp", "4", "--batch", "32", "--seq", "4096",
                          "--hidden", "4096", "--hardware", "h100-nvlink", "--paper", "--json", "out.json"],
-    "simulate-check-overlap": ["simulate", "check", str(README.parent / "docs" / "bench" / "overlap.json")],
+    "simulate-check-overlap": ["simulate", "check", str(README.parent / "docs" / "benchmarks" / "overlap.json")],
 }
 COMMANDS = {  # README command -> the run that exercises it
     "flashpar train": "train",
@@ -86,7 +87,7 @@ COMMANDS = {  # README command -> the run that exercises it
         "bench-overlap",
     "flashpar bench overlap --nproc 4 --link-rate 300mbit --rounds 3 --shapes comm-heavy,small-M --ops fsdp,qkv,out":
         "bench-overlap",
-    "flashpar bench cp --nproc 4 --link-rate 300mbit --packs 2 --rounds 5 --json docs/bench/cp.json": "bench-cp",
+    "flashpar bench cp --nproc 4 --link-rate 300mbit --packs 2 --rounds 5 --json docs/benchmarks/cp.json": "bench-cp",
     "flashpar bench cp --nproc 4 --link-rate 300mbit --lengths prolong": "bench-cp",
     "flashpar bench train": "bench-train",
     "flashpar bench train --link-rate 800mbit": "bench-train",
@@ -102,18 +103,19 @@ COMMANDS = {  # README command -> the run that exercises it
     "flashpar simulate train --model llama3-70b --gpus 512 --seq 131072 --search": "simulate-search",
     "flashpar simulate train --model path/to/config.json --dp 2 --cp 4 --tp 8 --seq 32768 --json out.json":
         "simulate-config",
-    "flashpar simulate check docs/bench/train.json": "simulate-check",
+    "flashpar simulate check docs/benchmarks/train-default.json": "simulate-check",
     "flashpar simulate cp": "simulate-cp",
     "flashpar simulate cp --grid 8:128K,32:512K,128:2M --json sim-cp.json": "simulate-cp",
     "flashpar simulate cp --grid 1024:8M --lengths wlbllm,prolong,spamassassin,long-context --packs 1": "simulate-cp",
-    "flashpar simulate check docs/bench/cp.json": "simulate-check-cp",
+    "flashpar simulate check docs/benchmarks/cp.json": "simulate-check-cp",
     "flashpar simulate overlap --block mlp --tp 4 --batch 32 --seq 4096 --hidden 4096 --hardware h100-nvlink "
     "--paper --json out.json": "simulate-overlap",
-    "flashpar simulate check docs/bench/overlap.json": "simulate-check-overlap",
+    "flashpar simulate check docs/benchmarks/overlap.json": "simulate-check-overlap",
 }
 SKIPPED = {
     "make run": "sets up .venv and trains 400 steps (minutes); its `flashpar train` is run here shortened",
     "make test": "is this test suite (ruff + pytest, what CI runs)",
+    "make setup": "creates .venv: every test runs in it",
     "make bench": "runs the benchmarks at full size (about 6 minutes); their commands are run here shortened",
     "make gpu-check": "needs a CUDA GPU; its CPU rehearsal (--dry-run) runs in tests/test_gpu_check.py",
     "python -m flashpar.gpu_check --dry-run": "runs in tests/test_gpu_check.py (in process: --in-process)",
@@ -122,9 +124,9 @@ OVERRIDDEN = {"--ops"}  # options whose value a run may change (it runs other op
 
 
 def readme_commands() -> list[str]:
-    """Each command line of the README's ```bash blocks, comments stripped."""
+    """Each command line of the ```bash blocks of the README and the docs pages, comments stripped."""
     lines = []
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
+    for block in (b for page in PAGES for b in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S)):
         for line in block.splitlines():
             command = line.split(" #", 1)[0].strip()
             if command and not command.startswith("#"):

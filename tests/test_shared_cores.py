@@ -191,7 +191,7 @@ def test_the_simulator_shares_the_cores_as_the_run_did():
     from flashpar.sim.predict import simulate
     from flashpar.sim.step import block
 
-    report = json.loads((Path(__file__).parents[1] / "docs/bench/train-2026-12-03-stop25.json").read_text())
+    report = json.loads((Path(__file__).parents[1] / "tests/data/bench_train_report.json").read_text())
     report["setup"]["plan_burst"] = 2.0
     assert check_train.run_burst(report["setup"], 2) == 2.0 and check_train.run_burst({}, 2) == 1.0
     with pytest.raises(ValueError, match=r"^the report's setup \(world_size, threads, cores\): .*threads"):
