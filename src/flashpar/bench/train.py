@@ -84,8 +84,15 @@ def train_config(config: dict, name: str):
     return TrainConfig(**kw, mode="none", strategy="per_doc")
 
 
+def dims(config: dict):
+    """The flashpar mesh's sizes (``flashpar.dims.ParallelDims``: its rules, the mesh it builds)."""
+    from flashpar.dims import ParallelDims
+
+    return ParallelDims(config["dp"], config["cp"], config["ulysses"], config["tp"])
+
+
 def world_size(config: dict) -> int:
-    return config["dp"] * config["cp"] * config["ulysses"] * config["tp"]
+    return dims(config).world_size
 
 
 def torch_cp(config: dict) -> int:
@@ -452,7 +459,7 @@ def check_arguments(config: dict) -> str | None:
                 train_config(config, name)
     except ValueError as err:
         return str(err).splitlines()[0]
-    unit = 2 * torch_cp(config) * config["tp"]
+    unit = 2 * dims(config).seq_ranks  # (cp x ulysses x tp: torch_cp x tp)
     if config["seq_len"] % unit:
         return (f"--seq-len {config['seq_len']} must be a multiple of 2 x cp x ulysses x tp = {unit} (torch's "
                 "per-document head-tail chunks, then tp's sequence shards)")
