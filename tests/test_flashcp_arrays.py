@@ -295,3 +295,24 @@ def test_per_length_values_gathered_equal_per_document_values():
     for values, want in (([3.0, 2.0, 2.0, 0.0], True), ([3.0, 2.0, 2.5, 1.0], False), ([2.0, -1.0], False),
                          ([float("nan"), 1.0], False), ([1.0], True)):
         assert falls_to_nonnegative(np.asarray(values)) == want, values
+
+
+def test_pair_balance_on_arrays_equals_the_pairs_counted_piece_by_piece():
+    """The attention-alone filter's figures (``pick.pair_balance``): each rank's causal pairs added piece by piece in
+    Python (``causal_pairs`` from the piece's document start), max / mean, and the most tokens of a rank, on the
+    candidates of random packs (whole, split and cut documents; ranks that hold nothing)."""
+    from flashpar.cp.flashcp.pick import pair_balance
+    from flashpar.cp.strategies import ArrayPlacement, headtail, per_doc_arrays, torch_per_doc
+
+    rng = random.Random(11)
+    for _ in range(40):
+        n = rng.choice((1, 2, 3, 8, 17))
+        lens = [rng.choice((1, 2, rng.randint(1, 300), rng.randint(1, 40000))) for _ in range(rng.randint(1, 30))]
+        g = Greedy(lens, n, CostModel(linear=False), int(1.05 * sum(lens) / n) + 1)
+        starts = g.starts_np.tolist()
+        for p in (g.run(0.0, 0), g.run(0.02, 1, 0.25), per_doc_arrays(lens, n), headtail(lens, n, g.starts_np),
+                  ArrayPlacement.of(torch_per_doc(lens, n, False)), ArrayPlacement(n, *(np.zeros(0, np.int64),) * 3)):
+            pairs = [sum(causal_pairs(a, b, max(s for s in starts if s <= a)) for a, b in segs) for segs in p.frozen()]
+            mean = sum(pairs) / n
+            want = (max(pairs) / mean if mean > 0 else 1.0), max(sum(b - a for a, b in segs) for segs in p.frozen())
+            assert pair_balance(p, g.starts_np) == want
