@@ -316,3 +316,32 @@ def test_pair_balance_on_arrays_equals_the_pairs_counted_piece_by_piece():
             mean = sum(pairs) / n
             want = (max(pairs) / mean if mean > 0 else 1.0), max(sum(b - a for a, b in segs) for segs in p.frozen())
             assert pair_balance(p, g.starts_np) == want
+
+
+def test_force_one_is_skipped_only_where_its_passes_equal_force_zeros():
+    """``Greedy.forcing_changes_nothing``: where it says the passes of force 1 change nothing, each of them gives the
+    placement of force 0 with the same tolerance and share (fresh greedies, both cost models); it says so on some
+    packs (a long document over the work bound) and not on others (the longest fits whole)."""
+    from flashpar.cp.flashcp.policy import Policy
+
+    grid = Policy.for_ranks(8)
+    rng = random.Random(13)
+    said = {True: 0, False: 0}
+    for trial in range(30):
+        n = rng.choice((2, 3, 4, 8))
+        lens = [rng.randint(1, 3000) for _ in range(rng.randint(2, 40))]
+        if trial % 2:
+            lens.insert(rng.randrange(len(lens)), rng.randint(3000, 40000))  # (over the mean work of a rank)
+        cost = rng.choice((CostModel(), CostModel(linear=False).with_hardware(attn_half=0.0)))
+        cap = int(1.05 * sum(lens) / n) + 1
+        if max(lens) > cap:
+            continue
+        g = Greedy(lens, n, cost, cap)
+        skip = g.forcing_changes_nothing(grid.tolerances, grid.shares)
+        said[skip] += 1
+        if skip:
+            for tol in grid.tolerances:
+                for share in grid.shares:
+                    got = Greedy(lens, n, cost, cap).run(tol, 1, share)
+                    assert got.key() == Greedy(lens, n, cost, cap).run(tol, 0, share).key(), (trial, tol, share)
+    assert said[True] >= 3 and said[False] >= 3, said

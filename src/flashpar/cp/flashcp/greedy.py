@@ -52,6 +52,24 @@ class Greedy(GroupSearch, WholeDocStep):
         self.mean = sum(fig.compute) / self.n
         return None
 
+    def forcing_changes_nothing(self, tolerances, shares) -> bool:
+        """Whether a pass of force 1 places every document as the pass of force 0 with the same ``tol`` and ``share``
+        does, for every pair of the grid: where the longest document fits whole on no empty rank (over the token cap,
+        or its work over ``(1 + tol) W``) and the group search finds it a group among the empty ranks.  Force only
+        decides the first document's step: force 0 tries it whole first (it fits nowhere: the same as force 1, which
+        skips that), then both ask :meth:`_group` the same question; only where that finds nothing do they part
+        (force 0 then puts it whole over the bound).  From the second document on the two passes run alike."""
+        d = self.order[0]
+        length, w = self.lens[d], self.whole(self.lens[d])
+        for tol in tolerances:
+            limit = (1 + tol) * self.mean
+            if length <= self.cap and limit - w >= 0.0:  # (the step's own test: it fits whole on an empty rank)
+                return False
+            for share in shares:
+                if self._group(length, Ranked(self.n, arrays=self.policy.ranked_arrays), limit, share) is None:
+                    return False
+        return True
+
     def _cut_by_room(self, p: Placement, by_load: list[int], load, toks, start: int, length: int) -> list[int]:
         """Last resort: consecutive pieces of the document, each as large as a rank's token room (least-loaded
         ranks first), so the token cap holds; the rank of a later piece receives the earlier ones' K/V."""

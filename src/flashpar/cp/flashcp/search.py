@@ -104,7 +104,9 @@ def plan(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_
         if sum(fig.recv_tokens) == 0 and fig.step <= lower * (1 + PERFECT):  # nothing left to gain
             return best
     forced, tolerances, shares = policy.forced, policy.tolerances, policy.shares  # the grid (see Policy)
-    if int(greedy.lens_np.max()) > cap:  # the longest document fits whole nowhere: forcing it to split changes nothing
+    # the longest document fits whole nowhere: forcing it to split changes nothing (past the token cap, by assumption;
+    # over the work bound, where the group search places it among the empty ranks, exactly: the same passes twice)
+    if int(greedy.lens_np.max()) > cap or (len(forced) > 1 and greedy.forcing_changes_nothing(tolerances, shares)):
         forced = forced[:1]
     candidates, peak = [], {}
     for share in shares:  # a pass whose splits all stayed under a smaller share equals that share's pass
