@@ -384,16 +384,18 @@ def test_flashcp_holds_the_token_cap(doc_lens, n, slack):
 def test_exchange_keeps_every_ranks_tokens_and_moves_work_to_the_rank_under_the_mean():
     """Rank 2 is at the token cap, a third of it a light document, and under the mean compute: it trades light
     tokens for heavy ones with ranks 0 and 1, token counts unchanged, until the three are about level."""
-    from flashpar.cp.flashcp import _Greedy, _Split
+    from flashpar.cp.flashcp.splits import Split
+    from flashpar.cp.flashcp.trade import exchange
+    from flashpar.cp.flashcp.work import DocWork
 
-    g = _Greedy([30000, 3000], 3, CostModel(), cap=11000)
-    heavy = _Split(0, 30000, {0: 11000, 1: 11000, 2: 8000}, True)
-    light = _Split(30000, 3000, {2: 3000}, False)
+    g = DocWork([30000, 3000], 3, CostModel(), cap=11000)
+    heavy = Split(0, 30000, {0: 11000, 1: 11000, 2: 8000}, True)
+    light = Split(30000, 3000, {2: 3000}, False)
     rate_h, rate_l = g.whole(30000) / 30000, g.whole(3000) / 3000
     load = [11000 * rate_h, 11000 * rate_h, 8000 * rate_h + 3000 * rate_l]
     g.mean = sum(load) / 3
     toks = [11000, 11000, 11000]
-    g._exchange([heavy, light], load, toks)
+    exchange(g, [heavy, light], load, toks)
     for r in range(3):
         assert heavy.parts.get(r, 0) + light.parts.get(r, 0) == 11000
         assert load[r] == pytest.approx(heavy.parts.get(r, 0) * rate_h + light.parts.get(r, 0) * rate_l)

@@ -11,14 +11,20 @@ import numpy as np
 
 from flashpar.cp import CostModel
 from flashpar.cp.cp_plan import causal_pairs
-from flashpar.cp.flashcp import _falls_to_nonnegative, _fits, _Greedy, _headtail_arrays, _Ranked, _sized_arrays, _Split
+from flashpar.cp.flashcp import greedy as greedy_module
+from flashpar.cp.flashcp.arrays import falls_to_nonnegative
+from flashpar.cp.flashcp.greedy import Greedy
+from flashpar.cp.flashcp.groups import members_fit
+from flashpar.cp.flashcp.ranks import Ranked
+from flashpar.cp.flashcp.splits import Split, headtail_arrays, sized_arrays
+from flashpar.cp.flashcp.trade import next_trade, scan_pairs, scan_pairs_arrays
 from flashpar.cp.strategies import Placement, sized_pieces
 
 
-def greedy(n: int, seed: int = 0) -> _Greedy:
+def greedy(n: int, seed: int = 0) -> Greedy:
     rng = random.Random(seed)
     lens = [rng.randint(1, 40000) for _ in range(3 * n)]
-    return _Greedy(lens, n, CostModel(), int(1.05 * sum(lens) / n))
+    return Greedy(lens, n, CostModel(), int(1.05 * sum(lens) / n))
 
 
 def test_level_and_sized_work_on_arrays_equal_python():
@@ -30,7 +36,7 @@ def test_level_and_sized_work_on_arrays_equal_python():
         toks = [rng.randint(0, g.cap) for _ in range(m)]
         rates = [g.whole(length) / length * rng.uniform(0.9, 1.3) for _ in range(m)]
         top = rng.choice([g.cap, rng.uniform(1, g.cap)])
-        want = _Greedy._level(g, length, load[:32], toks[:32], rates[:32], top)  # (Python below 33 members)
+        want = Greedy._level(g, length, load[:32], toks[:32], rates[:32], top)  # (Python below 33 members)
         assert g._level_arrays(length, load[:32], toks[:32], rates[:32], top) == want
         got, want = g._level_arrays(length, load, toks, rates, top), python_level(g, length, load, toks, rates, top)
         assert got == want
@@ -73,7 +79,7 @@ def test_layouts_on_arrays_equal_placement():
                   - length * (2 * g - 1 - i) // (2 * g) for i in range(g)] if equal else
                  np.diff(np.sort(rng.sample(range(1, length), min(g - 1, length - 1))), prepend=0,
                          append=length).tolist())
-        splits.append(_Split(start, length, dict(zip(ranks, parts, strict=False)), equal))
+        splits.append(Split(start, length, dict(zip(ranks, parts, strict=False)), equal))
     p = Placement(300)
     for sp in splits:
         if sp.equal:
@@ -83,8 +89,8 @@ def test_layouts_on_arrays_equal_placement():
             p.headtail_sized(members, [sp.parts[r] for r in members], sp.start, sp.length)
     want = sorted((r, a, b) for r, segs in enumerate(p.segments) for a, b in segs)
     got = []
-    for arrays in (_headtail_arrays([sp for sp in splits if sp.equal]),
-                   _sized_arrays([sp for sp in splits if not sp.equal])):
+    for arrays in (headtail_arrays([sp for sp in splits if sp.equal]),
+                   sized_arrays([sp for sp in splits if not sp.equal])):
         got += [(r, a, b) for r, a, b in zip(*(x.tolist() for x in arrays), strict=True) if b > a]
     assert sorted(got) == want
 
@@ -94,7 +100,7 @@ def test_ranked_order_and_group_search_equal_a_sort_and_every_size():
     _group's answer equals the search over every size member by member (its filters pass no fitting size over)."""
     g, rng = greedy(256, 3), random.Random(4)
     g.peak_share = 0.0  # (what a pass starts from)
-    n, ranked = g.n, _Ranked(g.n)
+    n, ranked = g.n, Ranked(g.n)
     load, toks = [0.0] * n, [0] * n
     found = 0
     for step in range(300):
@@ -128,16 +134,16 @@ def every_size(g, length, keys, limit, share):
         work, tok = g.shares(length, size)
         if max(work) > share * g.mean and size < g.n:
             continue
-        if _fits(keys, work, tok, limit, g.cap):
+        if members_fit(keys, work, tok, limit, g.cap):
             return [key[2] for key in keys[:size]]
     return None
 
 
 def test_next_trade_by_rate_equals_the_pair_by_pair_scan():
-    """_Greedy._next_trade: the first pair that trades, pair by pair (the scan's conditions written out), equals the
+    """trade.next_trade: the first pair that trades, pair by pair (the scan's conditions written out), equals the
     windowed scan and the look at the pairs by rate alone, rates tied, parts and excesses at the bounds, and pairs
     whose quotient ``room / gain`` is exactly EXCHANGE_MIN."""
-    from flashpar.cp.flashcp import EXCHANGE_MIN
+    from flashpar.cp.flashcp.trade import EXCHANGE_MIN
 
     rng = np.random.default_rng(5)
     hits = 0
@@ -161,9 +167,9 @@ def test_next_trade_by_rate_equals_the_pair_by_pair_scan():
                 break
         order = np.argsort(prate, kind="stable")
         with np.errstate(divide="ignore", invalid="ignore"):
-            assert _Greedy._next_trade(pos, prate, rate_b, ppart, excess, room) == want
+            assert next_trade(pos, prate, rate_b, ppart, excess, room) == want
             by_rate = order, prate[order], ppart[order], excess[order]
-            assert _Greedy._next_trade(pos, prate, rate_b, ppart, excess, room, by_rate) == want
+            assert next_trade(pos, prate, rate_b, ppart, excess, room, by_rate) == want
         hits += want >= 0
     assert 20 < hits < 140  # (both answers met)
 
@@ -174,12 +180,12 @@ def test_whole_doc_step_in_runs_and_in_short_equals_the_plain_greedy(monkeypatch
     first, on the rank of least ``(max(load / limit, tokens / cap), load, rank)`` among those it fits (loads added one
     by one).  Packs of long runs of a few lengths (equal loads and tokens: ties) between single documents, all
     fitting, where loads decide (a loose cap) and where tokens do (no work bound); the refinement off."""
-    monkeypatch.setattr(_Greedy, "_refine", lambda self, *args: None)
+    monkeypatch.setattr(greedy_module, "refine", lambda *args: None)
     rng = random.Random(5)
     for n, docs in ((3, 300), (8, 600), (64, 700), (100, 500)):
         lens = [rng.choice((3, 40, 300)) if rng.random() < 0.6 else rng.randint(1, 400) for _ in range(docs)]
         for cap_over, tol in ((2.0, 0.15), (1.1, math.inf)):
-            g = _Greedy(lens, n, CostModel(), int(cap_over * sum(lens) / n) + 400)
+            g = Greedy(lens, n, CostModel(), int(cap_over * sum(lens) / n) + 400)
             limit = (1 + tol) * g.mean
             load, toks, want = [0.0] * n, [0] * n, [0] * len(lens)
             for d in sorted(range(len(lens)), key=lambda i: -lens[i]):
@@ -198,9 +204,9 @@ def test_whole_doc_step_in_runs_and_in_short_equals_the_plain_greedy(monkeypatch
 
 
 def test_exchange_pairs_on_arrays_equal_the_python_pairs():
-    """_Greedy._pairs_arrays (many ranks) gives what _Greedy._pairs gives: the pairs in scan order, their rates, parts
-    and excesses, the rows per (v, X) and per v, and the sets of the ranks under the mean, iterated in the same order;
-    None where two splits of one rank over the mean have equal rates (their order is then that rank's set's)."""
+    """trade.scan_pairs_arrays (many ranks) gives what trade.scan_pairs gives: the pairs in scan order, their rates,
+    parts and excesses, the rows per (v, X) and per v, and the sets of the ranks under the mean, iterated in the same
+    order; None where two splits of one rank over the mean have equal rates (their order is then that rank's set's)."""
     g, rng = greedy(100), random.Random(7)
     compared = 0
     for trial in range(30):
@@ -213,9 +219,9 @@ def test_exchange_pairs_on_arrays_equal_the_python_pairs():
         splits = []
         for i, length in enumerate(lengths):
             members = rng.sample(pool, rng.randint(2, 40))
-            splits.append(_Split(i * 100000, length, {r: rng.randint(1, 3000) for r in members}, False))
+            splits.append(Split(i * 100000, length, {r: rng.randint(1, 3000) for r in members}, False))
         rate = [g.whole(sp.length) / sp.length for sp in splits]
-        got, want = g._pairs_arrays(splits, over, under, rate, load), g._pairs(splits, over, rate, load)
+        got, want = scan_pairs_arrays(g, splits, over, under, rate, load), scan_pairs(g, splits, over, rate, load)
         if got is None:  # (no pairs at all, or equal rates on one rank)
             pv, px = want[1:3] if want is not None else ([], [])
             assert want is None or any(v == w and rate[x] == rate[y]
@@ -255,37 +261,87 @@ def test_passes_started_where_the_first_stopped_keying_by_tokens_equal_passes_fr
     inside = 0
     for lens, n in packs:
         cap = int(1.05 * sum(lens) / n)
-        g = _Greedy(lens, n, CostModel(), cap)
+        g = Greedy(lens, n, CostModel(), cap)
         g.run(0.0, 0)
         inside += 0 < g._prefix.k < len(lens)
         for tol, share, subgroups in ((math.inf, 1.0, False), (0.02, 1.0, True), (0.0, 0.45, True), (0.05, 0.7, True),
                                       (0.0, 1.0, True)):
             got = g.run(tol, 0, share, subgroups)
-            want = _Greedy(lens, n, CostModel(), cap).run(tol, 0, share, subgroups)
+            want = Greedy(lens, n, CostModel(), cap).run(tol, 0, share, subgroups)
             assert got.key() == want.key(), (n, tol, share, subgroups)
     assert inside >= 2  # (the passes after the first did start inside the pass)
 
 
 def test_per_length_values_gathered_equal_per_document_values():
-    """Formulas elementwise in the length, run once per distinct length and gathered per document (``_Greedy.distinct``,
+    """Formulas elementwise in the length, run once per distinct length and gathered per document (``Greedy.distinct``,
     ``doc_run``), give every document's own floats: whole compute, whole attention times, the cut bound's attention;
     and ``works_rise`` says whether compute rises with length over all lengths (the refinement's shortcut)."""
     from flashpar.cp.cp_plan import whole_doc_times
-    from flashpar.cp.flashcp import _cut_attn
+    from flashpar.cp.flashcp.bounds import cut_attn
 
     rng = random.Random(9)
     for n, cost in ((8, CostModel()), (3, CostModel(linear=False).with_hardware(attn_half=0.0)), (64, CostModel())):
         lens = [rng.choice((1, 2, 7, 300, 4096)) if rng.random() < 0.7 else rng.randint(1, 9000) for _ in range(700)]
-        g = _Greedy(lens, n, cost, int(1.05 * sum(lens) / n))
+        g = Greedy(lens, n, cost, int(1.05 * sum(lens) / n))
         lens_np = np.asarray(lens, dtype=np.int64)
         assert g.distinct[g.doc_run].tolist() == lens
         q = lens_np.astype(np.float64)
         assert g.whole_times()[1].tolist() == whole_doc_times(lens_np, cost).tolist()
         assert [g.whole(x) for x in lens] == (q * cost.flops_per_token / cost.hardware.gemm_flops + cost.attn_times(
             lens_np * (lens_np + 1) // 2, q, q)).tolist()
-        assert _cut_attn(lens_np, n, cost, (g.distinct, g.doc_run)).tolist() == _cut_attn(lens_np, n, cost).tolist()
+        assert cut_attn(lens_np, n, cost, (g.distinct, g.doc_run)).tolist() == cut_attn(lens_np, n, cost).tolist()
         works = [g.whole(x) for x in sorted(set(lens))]
         assert g.works_rise == (works == sorted(works) and works[0] >= 0)
     for values, want in (([3.0, 2.0, 2.0, 0.0], True), ([3.0, 2.0, 2.5, 1.0], False), ([2.0, -1.0], False),
                          ([float("nan"), 1.0], False), ([1.0], True)):
-        assert _falls_to_nonnegative(np.asarray(values)) == want, values
+        assert falls_to_nonnegative(np.asarray(values)) == want, values
+
+
+def test_pair_balance_on_arrays_equals_the_pairs_counted_piece_by_piece():
+    """The attention-alone filter's figures (``pick.pair_balance``): each rank's causal pairs added piece by piece in
+    Python (``causal_pairs`` from the piece's document start), max / mean, and the most tokens of a rank, on the
+    candidates of random packs (whole, split and cut documents; ranks that hold nothing)."""
+    from flashpar.cp.flashcp.pick import pair_balance
+    from flashpar.cp.strategies import ArrayPlacement, headtail, per_doc_arrays, torch_per_doc
+
+    rng = random.Random(11)
+    for _ in range(40):
+        n = rng.choice((1, 2, 3, 8, 17))
+        lens = [rng.choice((1, 2, rng.randint(1, 300), rng.randint(1, 40000))) for _ in range(rng.randint(1, 30))]
+        g = Greedy(lens, n, CostModel(linear=False), int(1.05 * sum(lens) / n) + 1)
+        starts = g.starts_np.tolist()
+        for p in (g.run(0.0, 0), g.run(0.02, 1, 0.25), per_doc_arrays(lens, n), headtail(lens, n, g.starts_np),
+                  ArrayPlacement.of(torch_per_doc(lens, n, False)), ArrayPlacement(n, *(np.zeros(0, np.int64),) * 3)):
+            pairs = [sum(causal_pairs(a, b, max(s for s in starts if s <= a)) for a, b in segs) for segs in p.frozen()]
+            mean = sum(pairs) / n
+            want = (max(pairs) / mean if mean > 0 else 1.0), max(sum(b - a for a, b in segs) for segs in p.frozen())
+            assert pair_balance(p, g.starts_np) == want
+
+
+def test_force_one_is_skipped_only_where_its_passes_equal_force_zeros():
+    """``Greedy.forcing_changes_nothing``: where it says the passes of force 1 change nothing, each of them gives the
+    placement of force 0 with the same tolerance and share (fresh greedies, both cost models); it says so on some
+    packs (a long document over the work bound) and not on others (the longest fits whole)."""
+    from flashpar.cp.flashcp.policy import Policy
+
+    grid = Policy.for_ranks(8)
+    rng = random.Random(13)
+    said = {True: 0, False: 0}
+    for trial in range(30):
+        n = rng.choice((2, 3, 4, 8))
+        lens = [rng.randint(1, 3000) for _ in range(rng.randint(2, 40))]
+        if trial % 2:
+            lens.insert(rng.randrange(len(lens)), rng.randint(3000, 40000))  # (over the mean work of a rank)
+        cost = rng.choice((CostModel(), CostModel(linear=False).with_hardware(attn_half=0.0)))
+        cap = int(1.05 * sum(lens) / n) + 1
+        if max(lens) > cap:
+            continue
+        g = Greedy(lens, n, cost, cap)
+        skip = g.forcing_changes_nothing(grid.tolerances, grid.shares)
+        said[skip] += 1
+        if skip:
+            for tol in grid.tolerances:
+                for share in grid.shares:
+                    got = Greedy(lens, n, cost, cap).run(tol, 1, share)
+                    assert got.key() == Greedy(lens, n, cost, cap).run(tol, 0, share).key(), (trial, tol, share)
+    assert said[True] >= 3 and said[False] >= 3, said

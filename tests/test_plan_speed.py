@@ -124,16 +124,18 @@ def test_planning_time_grows_no_worse_than_n_log_n_in_documents():
 
 
 def test_refine_move_search_on_few_options_per_row_equals_all_pairs():
-    """``_Greedy._best_move`` on a large table takes at most two options per row (``_best_move_rows``): the same move
+    """``refine.best_move`` on a large table takes at most two options per row (``_best_move_rows``): the same move
     as scoring all pairs, on random tables; with coarse compute values (many equal peaks) it must say it is unsure
     rather than answer differently, and some tables must take that path.  All pairs: the peak of every feasible
     pair, the least below ``h (1 - 1e-12)``, ties by (the busiest rank's place, then nothing, then the other's)."""
     import random
 
-    from flashpar.cp.flashcp import _UNSURE, _Greedy, _RankDocs
+    from flashpar.cp.flashcp.rankdocs import RankDocs
+    from flashpar.cp.flashcp.refine import _UNSURE, _best_move_rows, best_move
+    from flashpar.cp.flashcp.work import DocWork
 
     rng = random.Random(0)
-    greedy = _Greedy(list(range(1, 400)), 8, CostModel(), 20000)
+    greedy = DocWork(list(range(1, 400)), 8, CostModel(), 20000)
 
     def all_pairs(la, wa, sa, lb, wb, sb, h, low, tok_hi, tok_lo):
         best, best_key = None, None
@@ -156,10 +158,10 @@ def test_refine_move_search_on_few_options_per_row_equals_all_pairs():
         h = low + rng.choice([1e-3, 1e-4, 1e-5]) * rng.random()
         tok_hi, tok_lo = rng.randint(12000, 20000), rng.randint(12000, 20000)
         want = all_pairs(la, [work[x] for x in la], sa, lb, [work[x] for x in lb], sb, h, low, tok_hi, tok_lo)
-        hi = _RankDocs([], la, sa, list(range(len(la))), work)
-        lo = _RankDocs([], lb, sb, list(range(len(lb))), work)
-        assert greedy._best_move(hi, lo, h, low, tok_hi, tok_lo) == want, t
-        rows = greedy._best_move_rows(*hi.arrays(), *lo.other_arrays(), h, low, tok_hi, tok_lo)
+        hi = RankDocs([], la, sa, list(range(len(la))), work)
+        lo = RankDocs([], lb, sb, list(range(len(lb))), work)
+        assert best_move(greedy, hi, lo, h, low, tok_hi, tok_lo) == want, t
+        rows = _best_move_rows(greedy, *hi.arrays(), *lo.other_arrays(), h, low, tok_hi, tok_lo)
         if rows is _UNSURE:
             unsure += 1
         else:
@@ -174,15 +176,16 @@ def test_figures_from_whole_document_times_equal_the_formulas():
     with and without split documents and the ring baselines, both K/V modes, with and without linear work."""
     import dataclasses
 
-    from flashpar.cp import flashcp as fc
     from flashpar.cp.cp_plan import figures_of_arrays, whole_doc_times
+    from flashpar.cp.flashcp import token_cap
+    from flashpar.cp.flashcp.greedy import Greedy
     from flashpar.cp.strategies import contiguous, headtail
 
     kinds = set()  # (both kinds met: placements of whole documents alone, and with cut ones)
     for doc_lens, n in ((short_docs(131072, 2000), 8), (resolve_lengths("wlbllm").packs(131072, 1)[0], 8),
                         (resolve_lengths("prolong").packs(65536, 1)[0], 3)):
         for cost in (CostModel(), CostModel(linear=False)):
-            greedy = fc._Greedy(doc_lens, n, cost, fc.token_cap(doc_lens, n, 0.05))
+            greedy = Greedy(doc_lens, n, cost, token_cap(doc_lens, n, 0.05))
             times = (greedy.lens_np, whole_doc_times(greedy.lens_np, cost))
             placements = [greedy.run(0.0, 0), greedy.run(float("inf"), 0, subgroups=False), greedy.run(0.05, 1, 0.45),
                           headtail(doc_lens, n), contiguous(doc_lens, n)]
@@ -196,12 +199,14 @@ def test_figures_from_whole_document_times_equal_the_formulas():
 
 
 def test_whole_doc_bound_is_below_the_whole_doc_plans_step_and_binds_where_documents_pass_the_cap():
-    """``_whole_doc_bound`` lets flashcp skip its whole_doc baseline pass: it must never exceed that pass's estimated
+    """``whole_doc_bound`` lets flashcp skip its whole_doc baseline pass: it must never exceed that pass's estimated
     step (else the skip could drop the pick), and it must be well above the mean of every document whole where some
     documents are longer than the token cap (else it would skip nothing: at 8M / N=1,024 it saves about a fifth)."""
     from flashpar.cp.cost import CostModel
     from flashpar.cp.cp_plan import whole_doc_times
-    from flashpar.cp.flashcp import _Greedy, _whole_doc_bound, token_cap, whole_doc
+    from flashpar.cp.flashcp import token_cap, whole_doc
+    from flashpar.cp.flashcp.bounds import whole_doc_bound
+    from flashpar.cp.flashcp.work import DocWork
     from flashpar.cp.lengths import resolve_lengths
 
     cost, binding = CostModel(), 0
@@ -210,8 +215,8 @@ def test_whole_doc_bound_is_below_the_whole_doc_plans_step_and_binds_where_docum
             for doc_lens in resolve_lengths(name).packs(tokens, 2, seed=0):
                 cap = token_cap(doc_lens, n, 0.05)
                 lens = np.asarray(doc_lens, dtype=np.int64)
-                bound = _whole_doc_bound(lens, n, cost, cap, whole_doc_times(lens, cost))
+                bound = whole_doc_bound(lens, n, cost, cap, whole_doc_times(lens, cost))
                 step = max(whole_doc(doc_lens, n, cost, 0.05).figures(doc_lens, np.cumsum(lens) - lens, cost).time)
                 assert bound <= step, (name, tokens, n, bound, step)
-                binding += bound > 1.05 * _Greedy(doc_lens, n, cost, cap).mean
+                binding += bound > 1.05 * DocWork(doc_lens, n, cost, cap).mean
     assert binding >= 8, binding  # (of 24 packs; 12 today)

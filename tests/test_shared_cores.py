@@ -21,7 +21,8 @@ from flashpar.train import planning
 from flashpar.train.planning import core_burst, host_cores
 
 BASELINES = ("whole_doc", "per_doc", "headtail", "contiguous", "torch_per_doc")
-"""The placements flashcp scores beside its own candidates (flashcp.py, ``scored``): never estimated faster."""
+"""The placements flashcp scores beside its own candidates (``flashcp.search.plan``, ``scored``): never estimated
+faster."""
 
 
 def test_burst_1_is_the_slowest_ranks_time():

@@ -19,7 +19,7 @@ when not root), as ``bench cp`` and ``bench overlap`` do.  Every rank, for every
    same step with its communication skipped); every step starts after a barrier;
 2. memory and first loss: each configuration built fresh again, two optimizer steps on the same
    packed sequences; the first step's loss (summed over the ranks) and the rank's peak memory
-   (see ``peak_memory``).
+   (``flashpar.peak_memory``).
 
 Figures per configuration: ``step_ms`` the median over the timed steps of the slowest rank's step;
 ``exposed_ms`` = step - the median no-communication step (the communication the step does not hide);
@@ -44,14 +44,13 @@ document's last token without a target.  Every step trains on the same sequences
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import gc
 import json
 import statistics
 import sys
 import time
 import warnings
+
+from flashpar.peak_memory import peak_memory, reset_peak_memory
 
 CONFIGS = ("flashpar", "baseline", "torch")
 LOSS_RTOL = 1e-4  # fp32 on every path; the sums differ in order only (observed ~1e-7 relative)
@@ -84,8 +83,15 @@ def train_config(config: dict, name: str):
     return TrainConfig(**kw, mode="none", strategy="per_doc")
 
 
+def dims(config: dict):
+    """The flashpar mesh's sizes (``flashpar.dims.ParallelDims``: its rules, the mesh it builds)."""
+    from flashpar.dims import ParallelDims
+
+    return ParallelDims(config["dp"], config["cp"], config["ulysses"], config["tp"])
+
+
 def world_size(config: dict) -> int:
-    return config["dp"] * config["cp"] * config["ulysses"] * config["tp"]
+    return dims(config).world_size
 
 
 def torch_cp(config: dict) -> int:
@@ -194,30 +200,6 @@ def make_meshes(config: dict) -> dict:
 
 # ----------------------------------------------------------------------------------------------
 # measuring
-
-
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-def reset_peak_memory() -> int:
-    """Free what can be freed (garbage, malloc's free pages), reset the peak resident size (``VmHWM``) to the
-    current one (``/proc/self/clear_refs`` "5") and return the current resident size in kB."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: the peak may include memory malloc kept
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_kb("VmRSS")
-
-
-def peak_memory(before_kb: int) -> float:
-    """MB the peak resident size rose above ``before_kb`` (CPU: torch has no allocator statistics there)."""
-    return (_status_kb("VmHWM") - before_kb) / 1024.0
 
 
 def _timed(step, barrier) -> tuple[float, float]:
@@ -452,7 +434,7 @@ def check_arguments(config: dict) -> str | None:
                 train_config(config, name)
     except ValueError as err:
         return str(err).splitlines()[0]
-    unit = 2 * torch_cp(config) * config["tp"]
+    unit = 2 * dims(config).seq_ranks  # (cp x ulysses x tp: torch_cp x tp)
     if config["seq_len"] % unit:
         return (f"--seq-len {config['seq_len']} must be a multiple of 2 x cp x ulysses x tp = {unit} (torch's "
                 "per-document head-tail chunks, then tp's sequence shards)")

@@ -35,7 +35,7 @@ def plan(doc_lens, cp_size: int, *, strategy: str = "flashcp", cost: CostModel |
     cost = cost or CostModel()
     t0 = time.perf_counter()
     if strategy == "flashcp":
-        placement = _flashcp.flashcp(lens, cp_size, cost, token_slack, lens_np)
+        placement = _flashcp.plan(lens, cp_size, cost, token_slack, lens_np)
     elif strategy == "whole_doc":
         placement = _flashcp.whole_doc(lens, cp_size, cost, token_slack, lens_np)
     elif strategy == "megatron_dynamic":

@@ -85,6 +85,7 @@ from torch import nn
 
 from flashpar import cp
 from flashpar.cp.layout import to_device
+from flashpar.dims import DIMS, ParallelDims
 from flashpar.dist import DEFAULT_TIMEOUT_S
 from flashpar.models.config import LlamaConfig
 from flashpar.models.fused import rope_qkv, rope_tables, swiglu
@@ -102,7 +103,7 @@ from flashpar.overlap.ops import all_gather_matmul
 from flashpar.overlap.ulysses import head_layout
 from flashpar.rows import row_sizes
 
-MESH_DIMS = ("dp", "cp", "ulysses", "tp")  # the mesh's dims, outermost first (a mesh without "ulysses": U = 1)
+MESH_DIMS = DIMS  # the mesh's dims, outermost first (a mesh without "ulysses": U = 1; flashpar.dims)
 
 
 class GradTail(NamedTuple):
@@ -245,29 +246,17 @@ class ParallelLlama(nn.Module):
         if dp_mode not in ("zero3", "replicate"):
             raise ValueError(f"ParallelLlama: dp_mode must be 'zero3' or 'replicate', got {dp_mode!r}")
         self.cfg, self.mesh = cfg, mesh
-        self.dp, self.dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+        self.dims = dims = ParallelDims.of_mesh(mesh)  # (a mesh without "ulysses": U = 1)
+        dims.check(cfg, mode, where="ParallelLlama: ")
+        self.dp, self.dp_rank = dims.dp, mesh["dp"].get_local_rank()
         self.tp_group, self.cp_group = mesh["tp"].get_group(), mesh["cp"].get_group()
-        self.tp, self.tp_rank = mesh["tp"].size(), mesh["tp"].get_local_rank()
+        self.tp, self.tp_rank = dims.tp, mesh["tp"].get_local_rank()
         self.cp_rank = mesh["cp"].get_local_rank()
         has_u = "ulysses" in (mesh.mesh_dim_names or ())
-        self.ulysses, self.u_rank = (mesh["ulysses"].size(), mesh["ulysses"].get_local_rank()) if has_u else (1, 0)
+        self.ulysses, self.u_rank = dims.ulysses, (mesh["ulysses"].get_local_rank() if has_u else 0)
         ulysses_group = mesh["ulysses"].get_group() if self.ulysses > 1 else None
-        if self.ulysses > 1 and self.tp > 1:
-            raise ValueError(f"ParallelLlama: ulysses = {self.ulysses} and tp = {self.tp} both > 1 is not supported "
-                             "(both split the attention heads)")
-        if self.ulysses > 1 and mode == "ring":
-            raise ValueError("ParallelLlama: mode 'ring' does not apply to the Ulysses all-to-alls")
-        for name, size in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads), ("ffn", cfg.ffn),
-                           ("vocab_size", cfg.vocab_size)):
-            if size % self.tp:
-                raise ValueError(f"ParallelLlama: {name} = {size} is not divisible by tp = {self.tp}")
-        if self.ulysses > 1:
-            try:
-                head_layout(cfg.heads, cfg.kv_heads, self.ulysses)
-            except ValueError as err:
-                raise ValueError(f"ParallelLlama: ulysses = {self.ulysses}: {err}") from None
         # ZeRO-3 over the shard group: the dp x cp x ulysses ranks of this tp index (flashpar.models.zero_units)
-        self.shard_size = self.dp * mesh["cp"].size() * self.ulysses
+        self.shard_size = dims.shard_size
         self.zero = dp_mode == "zero3" and self.shard_size > 1
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise ValueError(f"ParallelLlama: prefetch must be an integer >= 0, got {prefetch!r}")

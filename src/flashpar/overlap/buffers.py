@@ -1,9 +1,9 @@
-"""The overlap ops' buffers: a schedule's declared buffers (:class:`~flashpar.overlap.schedule.BufferDecl`)
+"""The overlap ops' buffers: a schedule's declared buffers (:class:`~flashpar.overlap.steps.BufferDecl`)
 as tensors over a :class:`~flashpar.overlap.row_space.RowSpace`.
 
 ``Buffers(schedule, rows, dims=..., bind=...)`` allocates every declared buffer the op did not
 bind (lazily where the kind says so) and resolves ``view(name, piece, peer)`` to rows; the kinds
-are :data:`~flashpar.overlap.schedule.BUFFER_KINDS`.  A merged piece's rows are one tensor: a ``span``
+are :data:`~flashpar.overlap.steps.BUFFER_KINDS`.  A merged piece's rows are one tensor: a ``span``
 of consecutive blocks of a global-order buffer is a row range already; a lazily allocated buffer
 (``per_block``, ``per_peer``) allocates a merged piece's blocks, or its run of ``peers``, as one tensor
 the first time the piece is asked for, and the single blocks are views into it.  A buffer's feature count is its bound

@@ -1,8 +1,8 @@
 """Which (dp, cp, ulysses, tp) layouts a model can run on N GPUs, and the search over them.
 
-A layout is valid (``problem`` is ``None``) when dp x cp x ulysses x tp = N; tp divides the heads, the kv
-heads, the FFN and the vocabulary (``flashpar.models.parallel.ParallelLlama``) and fits in a node; ulysses > 1
-only with tp = 1, the heads splitting over it (``flashpar.overlap.ulysses.head_layout``); and the sequence
+A layout is valid (``problem`` is ``None``) when dp x cp x ulysses x tp = N; tp fits in a node; the mesh's rules
+hold (``flashpar.dims.ParallelDims.problem``: tp divides the heads, the kv heads, the FFN and the vocabulary; ulysses
+> 1 only with tp = 1, the heads splitting over it); and the sequence
 has at least one token per rank of a cp rank's group (``seq >= cp x ulysses x tp``; ``seq`` divisible by it).
 The search tries every valid layout with tp and ulysses powers of two, each configuration with and without
 activation checkpointing (without when it fits), and ranks the layouts that fit the GPU's memory by
@@ -17,26 +17,16 @@ from flashpar.sim.topology import Layout
 
 def problem(cfg: LlamaConfig, layout: Layout, gpus: int, seq: int, gpus_per_node: int) -> str | None:
     """The first reason ``layout`` cannot run ``cfg`` on ``gpus`` GPUs with ``seq`` tokens per sample, or None."""
-    from flashpar.overlap.ulysses import head_layout
-
     L = layout
     if L.gpus != gpus:
         return (f"the layout dp {L.dp} x cp {L.cp} x ulysses {L.ulysses} x tp {L.tp} = {L.gpus} GPUs does not "
                 f"match --gpus {gpus}")
-    for name, size in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads), ("ffn", cfg.ffn),
-                       ("vocab_size", cfg.vocab_size)):
-        if size % L.tp:
-            return f"{name} = {size} is not divisible by tp = {L.tp}"
     if L.tp > gpus_per_node:
         return f"tp = {L.tp} does not fit in a node of --gpus-per-node {gpus_per_node} (tp runs on NVLink)"
-    if L.ulysses > 1 and L.tp > 1:
-        return f"ulysses = {L.ulysses} and tp = {L.tp} both > 1 is not supported (both split the attention heads)"
-    if L.ulysses > 1:
-        try:
-            head_layout(cfg.heads, cfg.kv_heads, L.ulysses)
-        except ValueError as err:
-            return f"ulysses = {L.ulysses}: {err}"
-    group = L.cp * L.ulysses * L.tp
+    bad = L.problem(cfg)  # the mesh's rules (flashpar.dims): Ulysses with tp, tp and Ulysses against the model
+    if bad:
+        return bad
+    group = L.seq_ranks
     if seq % group:
         return f"--seq {seq} is not divisible by cp x ulysses x tp = {group}"
     return None

@@ -21,38 +21,16 @@ import dataclasses
 from dataclasses import dataclass
 
 from flashpar.cost import Hardware
+from flashpar.dims import DIMS, ParallelDims
 
-DIMS = ("dp", "cp", "ulysses", "tp")  # outermost first, as flashpar.models.parallel.MESH_DIMS
+__all__ = ["DIMS", "Cluster", "Layout"]
 
-
-@dataclass(frozen=True)
-class Layout:
-    dp: int = 1
-    cp: int = 1
-    ulysses: int = 1
-    tp: int = 1
-
-    def __post_init__(self) -> None:
-        for name in DIMS:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"--{name} must be a positive integer, got {v!r}")
+class Layout(ParallelDims):
+    """The mesh's sizes (``flashpar.dims.ParallelDims``: its rules), with the simulator's name for its size."""
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.cp * self.ulysses * self.tp
-
-    def stride(self, dim: str) -> int:
-        """Ranks between two neighbours of a ``dim`` group: the product of the dims inside it."""
-        out = 1
-        for name in reversed(DIMS):
-            if name == dim:
-                return out
-            out *= getattr(self, name)
-        raise ValueError(f"unknown mesh dim {dim!r}")
-
-    def label(self) -> str:
-        return f"dp{self.dp} cp{self.cp} u{self.ulysses} tp{self.tp}"
+        return self.world_size
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -54,8 +55,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from flashpar.models import LlamaConfig
 from flashpar.train import atomic
-from flashpar.train.config import TrainConfig
 from flashpar.train.stop import JobStop
+
+if TYPE_CHECKING:  # (the config's ready() reads checkpoints: the arrow runs from config to here)
+    from flashpar.train.config import TrainConfig
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 PRE_ISSUE_13 = {"data": None, "tokenizer": None, "held_out": 0}  # what a checkpoint without these keys was made with

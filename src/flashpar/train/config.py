@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashpar.cp import STRATEGIES
+from flashpar.dims import ParallelDims
 from flashpar.models import LlamaConfig
 from flashpar.models.precision import DTYPES
-from flashpar.overlap.ulysses import head_layout
 
 MODES = ("flash", "ring", "slice", "none", "auto")
 DP_MODES = ("zero3", "replicate")
@@ -146,27 +146,10 @@ class TrainConfig:
             raise ValueError(f"timeout and lr must be positive, got timeout {self.timeout}, lr {self.lr}")
         if self.max_docs is not None and self.max_docs < 1:
             raise ValueError(f"max-docs must be None or >= 1, got {self.max_docs}")
-        if self.ulysses > 1 and self.tp > 1:
-            raise ValueError(f"--ulysses and --tp both > 1 is not supported: Ulysses and tensor parallelism both split "
-                             f"the attention heads (got ulysses = {self.ulysses}, tp = {self.tp}); compose Ulysses "
-                             "with --dp and --cp and pass --tp 1")
-        if self.ulysses > 1 and self.mode == "ring":
-            raise ValueError("mode ring does not apply to the Ulysses all-to-alls; with --ulysses use flash, slice, "
-                             "none or auto")
-        m = self.model
-        for name, size in (("heads", m.heads), ("kv heads", m.kv_heads), ("FFN size", m.ffn),
-                           ("vocabulary size", m.vocab_size)):
-            if size % self.tp:
-                raise ValueError(f"{name} = {size} is not divisible by tp = {self.tp}")
-        if self.ulysses > 1:
-            try:
-                head_layout(m.heads, m.kv_heads, self.ulysses)
-            except ValueError as err:
-                raise ValueError(f"ulysses = {self.ulysses}: {err}") from None
-        seq_ranks = self.cp * self.ulysses * self.tp
-        if self.seq_len < 2 * seq_ranks:
-            raise ValueError(f"seq-len {self.seq_len} is too short for cp = {self.cp} x ulysses = {self.ulysses} x "
-                             f"tp = {self.tp} (at least {2 * seq_ranks} tokens)")
+        dims = self.dims  # the mesh's rules, with the model and the overlap mode, then the sequence length
+        bad = dims.problem(self.model, self.mode) or dims.seq_problem(self.seq_len)
+        if bad:
+            raise ValueError(bad)
         # tokens, data and the validation loss (helper "data")
         if self.data is not None:
             if isinstance(self.data, (str, Path)) or not self.data:
@@ -207,8 +190,13 @@ class TrainConfig:
         return 0.1 * self.lr if self.lr_min is None else self.lr_min
 
     @property
+    def dims(self) -> ParallelDims:
+        """The mesh's sizes (``flashpar.dims``: its rules, the mesh it builds)."""
+        return ParallelDims(self.dp, self.cp, self.ulysses, self.tp)
+
+    @property
     def world_size(self) -> int:
-        return self.dp * self.cp * self.ulysses * self.tp
+        return self.dims.world_size
 
     def kept(self) -> dict:
         """What a resumed run must share with the checkpoint's run (model, data and seed), as JSON values."""

@@ -42,7 +42,6 @@ import torch.distributed as dist
 
 from flashpar import cp
 from flashpar.cost.calibrate import peak_flops
-from flashpar.models.parallel import MESH_DIMS
 from flashpar.models.precision import DTYPES
 from flashpar.train import checkpoint, where
 from flashpar.train.config import TrainConfig
@@ -67,8 +66,6 @@ class Hooks:
 
 def setup(config: TrainConfig):
     """Process group, device and mesh of this rank."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     cuda = config.device == "cuda"
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=config.timeout))
@@ -78,7 +75,7 @@ def setup(config: TrainConfig):
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(config.threads)
-    mesh = init_device_mesh(device.type, (config.dp, config.cp, config.ulysses, config.tp), mesh_dim_names=MESH_DIMS)
+    mesh = config.dims.mesh(device.type)  # dims named flashpar.dims.DIMS
     return device, mesh
 
 

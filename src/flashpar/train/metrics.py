@@ -55,7 +55,7 @@ def reset_peak(device) -> int:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device)
-    from flashpar.bench.train import reset_peak_memory
+    from flashpar.peak_memory import reset_peak_memory
 
     return reset_peak_memory()
 
@@ -66,7 +66,7 @@ def peak_since(device, before: int) -> float:
 
     if device.type == "cuda":
         return (torch.cuda.max_memory_allocated(device) - before) / 2**20
-    from flashpar.bench.train import peak_memory
+    from flashpar.peak_memory import peak_memory
 
     return peak_memory(before)
 

@@ -1,0 +1,176 @@
+"""What a document costs: its compute whole (linear work plus attention over its causal pairs), the compute and tokens
+of each member of a head-tail group over it, and of each member of an unequal split; the documents in the order a
+greedy pass takes them (longest first), and the mean compute per rank ``W``.
+
+A document of ``L`` tokens whole: ``L`` tokens of linear work and ``L (L + 1) / 2`` causal pairs; a piece ``[x, y)``
+of it: ``y - x`` tokens and ``(y - x)(x + y + 1) / 2`` pairs, at the efficiency of ``y - x`` queries over ``y`` keys
+(``CostModel.attn_time``)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from flashpar.cp.cost import CostModel
+from flashpar.cp.cp_plan import causal_pairs, whole_doc_times
+from flashpar.cp.flashcp.arrays import falls_to_nonnegative, floats, ints
+from flashpar.cp.flashcp.policy import Policy
+from flashpar.cp.strategies import chunk_bounds, sized_pieces
+
+
+def token_cap(doc_lens: list[int], n: int, token_slack: float, total: int | None = None) -> int:
+    """``max(ceil(T / N), (1 + token_slack) T / N)``; ``total``: ``T``, where the caller has it."""
+    total = sum(doc_lens) if total is None else total
+    return max(-(-total // n), int((1 + token_slack) * total / n))
+
+
+
+class DocWork:
+    """The documents of one pack over ``n`` ranks under one cost model and token cap, with their costs per length
+    (and per (length, group size)) cached.  ``policy``: the planner's choices at ``n`` ranks (by default
+    :meth:`Policy.for_ranks`)."""
+
+    def __init__(self, doc_lens: list[int], n: int, cost: CostModel, cap: int, lens_np=None,
+                 policy: Policy | None = None) -> None:
+        """``lens_np``: ``doc_lens`` as an int64 array, where the caller has it."""
+        self.policy = Policy.for_ranks(n) if policy is None else policy
+        self.lens, self.n, self.cost, self.cap = doc_lens, n, cost, cap
+        if lens_np is None:
+            lens_np = np.fromiter(doc_lens, dtype=np.int64, count=len(doc_lens))
+        self.lens_np = lens = lens_np
+        self.starts_np = np.cumsum(lens) - lens
+        # by (-length, index): a stable sort (of 16-bit keys, a radix sort, where the lengths allow)
+        neg = -lens if int(lens.max()) >= 1 << 15 else (-lens).astype(np.int16)
+        order = np.argsort(neg, kind="stable")
+        self.order_np, self.order = order, order.tolist()
+        # run_end[k]: where the run of documents of order[k]'s length ends (in pass order)
+        sl = lens[order]
+        ends = np.append(np.flatnonzero(sl[1:] != sl[:-1]) + 1, len(sl))
+        run_end, lo = [], 0
+        for e in ends.tolist():  # (a list of few runs, each repeated: cheaper than an array's tolist)
+            run_end += [e] * (e - lo)
+            lo = e
+        self.run_end = run_end
+        run_starts = np.concatenate(([0], ends[:-1]))
+        # the distinct lengths (longest first) and each document's place among them: formulas that are elementwise in
+        # the length run once per length, each document's value gathered from its length's (the same floats)
+        self.distinct = distinct = sl[run_starts]
+        self.doc_run = np.empty(len(lens), dtype=np.int64)
+        self.doc_run[order] = np.repeat(np.arange(len(ends), dtype=np.int64), ends - run_starts)
+        self._shares: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
+        self._whole: dict[int, float] = {}
+        self._big: dict[tuple[int, int], tuple] = {}  # per (length, g): _share_arrays
+        self._tok_arrays: dict[tuple[int, int], np.ndarray] = {}  # per (length, g): _share_tokens
+        self._whole_times = None
+        whole_runs = self._whole_arrays(distinct, keep=True)
+        self.doc_work = whole_all = whole_runs[self.doc_run]  # (each document's whole compute: whole(length))
+        self.works_rise = falls_to_nonnegative(whole_runs)  # (longest first: rising with the length)
+        self._whole = dict(zip(distinct.tolist(), whole_runs.tolist(), strict=True))
+        # (added in document order, as always: cumsum adds in order, as sum() of floats does)
+        self.mean = float(np.cumsum(whole_all)[-1]) / n
+
+    @functools.cached_property
+    def starts(self) -> list[int]:
+        """The documents' starts (a list: where a pass needs one at a time)."""
+        return self.starts_np.tolist()
+
+    def whole_times(self) -> tuple[np.ndarray, np.ndarray]:
+        """(lengths, ``whole_doc_times``) of the documents under this pass's cost model (placements of whole
+        documents are scored from them): each length's (elementwise), gathered per document."""
+        if self._whole_times is None:
+            times = whole_doc_times(self.distinct, self.cost, self._run_attn)
+            self._whole_times = (self.lens_np, times[self.doc_run])
+        return self._whole_times
+
+    def _whole_arrays(self, lens, keep: bool = False):
+        """:meth:`whole` of each of ``lens`` (an int64 array), on arrays: the same floats (the linear time, then the
+        attention time as ``CostModel.attn_time`` rounds it, added).  ``keep``: the attention times are kept for
+        :meth:`whole_times` (``lens``: the distinct lengths)."""
+        cost = self.cost
+        q = lens.astype(np.float64)
+        attn = cost.attn_times(lens * (lens + 1) // 2, q, q)
+        if keep:
+            self._run_attn = attn
+        return q * cost.flops_per_token / cost.hardware.gemm_flops + attn
+
+    def whole(self, length: int) -> float:
+        if length not in self._whole:
+            self._whole[length] = self.cost.linear_time(length) + self.cost.attn_time(
+                causal_pairs(0, length, 0), length, length)
+        return self._whole[length]
+
+    def shares(self, length: int, g: int) -> tuple[list[float], list[int]]:
+        """Compute and tokens of each member of a head-tail group of ``g`` over one document."""
+        key = (length, g)
+        if g == 1:
+            return [self.whole(length)], [length]
+        if key not in self._shares and g >= 16:
+            work, tok = self._share_arrays(length, g)
+            self._shares[key] = (work.tolist(), tok.tolist())
+        if key not in self._shares:
+            b = chunk_bounds(0, length, 2 * g)
+            work, toks = [], []
+            for i in range(g):
+                pieces = ((b[i], b[i + 1]), (b[2 * g - 1 - i], b[2 * g - i]))
+                t = sum(self.cost.attn_time(causal_pairs(x, y, 0), y - x, y) for x, y in pieces if y > x)
+                n_tok = sum(y - x for x, y in pieces)
+                work.append(t + self.cost.linear_time(n_tok))
+                toks.append(n_tok)
+            self._shares[key] = (work, toks)
+        return self._shares[key]
+
+    def _share_arrays(self, length: int, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`shares` on arrays (the same floats: each piece's time as ``CostModel.attn_time`` rounds it, the
+        head's and the tail's added, then the linear time)."""
+        key = (length, g)
+        if key not in self._big:
+            i = np.arange(g, dtype=np.int64)
+            two = 2 * g
+            x = length * np.concatenate((i, two - 1 - i)) // two  # heads, then tails
+            y = length * np.concatenate((i + 1, two - i)) // two
+            n_tok = (y[:g] - x[:g]) + (y[g:] - x[g:])
+            t = self._piece_time(x, y)
+            work = (t[:g] + t[g:]) + n_tok.astype(np.float64) * (
+                self.cost.flops_per_token) / self.cost.hardware.gemm_flops
+            self._big[key] = (work, n_tok)
+        return self._big[key]
+
+    def _share_tokens(self, length: int, g: int) -> np.ndarray:
+        """The tokens of :meth:`_share_arrays` alone (chunks ``i`` and ``2g - 1 - i`` of ``2g``)."""
+        key = (length, g)
+        if key not in self._tok_arrays:
+            i = np.arange(g, dtype=np.int64)
+            two = 2 * g
+            self._tok_arrays[key] = (length * (i + 1) // two - length * i // two) + (
+                length * (two - i) // two - length * (two - 1 - i) // two)
+        return self._tok_arrays[key]
+
+    def _piece_time(self, x, y):
+        """``CostModel.attn_time`` of the pieces ``[x, y)`` of a document from 0, on arrays (the same floats)."""
+        # (an empty piece has no pairs: 0)
+        return self.cost.attn_times(((y - x) * (x + y + 1)) // 2, (y - x).astype(np.float64), y.astype(np.float64))
+
+
+    def sized_work(self, start: int, length: int, sizes: list[int], as_array: bool = False):
+        """Compute of each member of an unequal head-tail split (cost model, pieces as placed; beyond 8 members on
+        arrays, the same floats: see :meth:`_piece_time`), a list (``as_array``: a float64 array)."""
+        if len(sizes) > 8:
+            if sum(sizes) != length:
+                raise ValueError(f"sizes {sizes} do not add up to the document's {length} tokens")
+            s = ints(sizes)
+            h = s // 2
+            h[-1] = s[-1]  # the last member: one piece, the middle
+            head0 = np.concatenate(([0], np.cumsum(h)[:-1]))  # (from the document's start)
+            tail1 = length - np.concatenate(([0], np.cumsum(s - h)[:-1]))
+            tail0 = tail1 - (s - h)
+            tail0[-1] = tail1[-1]
+            work = (self._piece_time(head0, head0 + h) + self._piece_time(tail0, tail1)) + s.astype(np.float64) * (
+                self.cost.flops_per_token) / self.cost.hardware.gemm_flops
+            return work if as_array else work.tolist()
+        out = []
+        for pieces in sized_pieces(sizes, start, length):
+            t = sum(self.cost.attn_time(causal_pairs(a, b, start), b - a, b - start) for a, b in pieces if b > a)
+            out.append(t + self.cost.linear_time(sum(b - a for a, b in pieces)))
+        return floats(out) if as_array else out
+

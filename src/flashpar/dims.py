@@ -1,0 +1,127 @@
+"""``ParallelDims``: the sizes of the ``(dp, cp, ulysses, tp)`` mesh, the rules between them and a model, and the
+mesh they build; read by the trainer's config checks, the parallel model, the simulator's layouts and ``bench train``.
+
+Ranks are numbered ``((d cp + c) U + u) tp + t`` (tp innermost), the order of ``DIMS``::
+
+    dims (dp 2, cp 2, ulysses 1, tp 2):   rank  0 1 | 2 3 | 4 5 | 6 7
+                                          d     0 0   0 0   1 1   1 1
+                                          c     0 0   1 1   0 0   1 1
+                                          t     0 1   0 1   0 1   0 1
+
+The rules (each a one-line problem, ``None`` where there is none):
+
+- every size an integer >= 1 (``ValueError`` when made);
+- Ulysses and tensor parallelism both split the attention heads: ``ulysses > 1`` needs ``tp = 1``;
+- the ``ring`` overlap mode does not apply to Ulysses' all-to-alls;
+- ``tp`` divides the model's heads, kv heads, FFN and vocabulary; ``ulysses`` splits its heads
+  (``flashpar.overlap.ulysses.head_layout``);
+- a packed sequence has at least two tokens per rank of a cp rank's group (``seq_len >= 2 cp ulysses tp``: head and
+  tail of each).
+
+The groups a rank belongs to: its ``tp`` group (the heads and FFN columns), its ``cp`` group (the K/V exchange), its
+``ulysses`` group, and the shard group of ZeRO-3 (the ``dp x cp x ulysses`` ranks of its tp index, ``shard_size``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+DIMS = ("dp", "cp", "ulysses", "tp")
+"""The mesh's dims, outermost first."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelDims:
+    dp: int = 1
+    cp: int = 1
+    ulysses: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in DIMS:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+
+    @classmethod
+    def of_mesh(cls, mesh) -> ParallelDims:
+        """The sizes of a device mesh with dims ``DIMS`` (a mesh without ``"ulysses"``: ``ulysses = 1``)."""
+        names = mesh.mesh_dim_names or ()
+        return cls(**{name: mesh[name].size() if name in names else 1 for name in DIMS})
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp * self.ulysses * self.tp
+
+    @property
+    def shard_size(self) -> int:
+        """The ZeRO-3 shard group: the ``dp x cp x ulysses`` ranks that hold one tp shard."""
+        return self.dp * self.cp * self.ulysses
+
+    @property
+    def seq_ranks(self) -> int:
+        """The ranks one packed sequence is split over: ``cp x ulysses x tp``."""
+        return self.cp * self.ulysses * self.tp
+
+    def stride(self, dim: str) -> int:
+        """Ranks between two neighbours of a ``dim`` group: the product of the dims inside it."""
+        out = 1
+        for name in reversed(DIMS):
+            if name == dim:
+                return out
+            out *= getattr(self, name)
+        raise ValueError(f"unknown mesh dim {dim!r}")
+
+    def label(self) -> str:
+        return f"dp{self.dp} cp{self.cp} u{self.ulysses} tp{self.tp}"
+
+    def heads_problem(self) -> str | None:
+        if self.ulysses > 1 and self.tp > 1:
+            return (f"ulysses = {self.ulysses} and tp = {self.tp} both > 1 is not supported: Ulysses and tensor "
+                    "parallelism both split the attention heads (compose --ulysses with --dp and --cp, --tp 1)")
+        return None
+
+    def mode_problem(self, mode: str) -> str | None:
+        if self.ulysses > 1 and mode == "ring":
+            return ("mode ring does not apply to the Ulysses all-to-alls; with ulysses > 1 use flash, slice, none or "
+                    "auto")
+        return None
+
+    def model_problem(self, model) -> str | None:
+        """``model``: any object with ``heads``, ``kv_heads``, ``ffn`` and ``vocab_size`` (``LlamaConfig``)."""
+        for name, size in (("heads", model.heads), ("kv heads", model.kv_heads), ("FFN size", model.ffn),
+                           ("vocabulary size", model.vocab_size)):
+            if size % self.tp:
+                return f"{name} = {size} is not divisible by tp = {self.tp}"
+        if self.ulysses > 1:
+            from flashpar.overlap.ulysses import head_layout
+
+            try:
+                head_layout(model.heads, model.kv_heads, self.ulysses)
+            except ValueError as err:
+                return f"ulysses = {self.ulysses}: {err}"
+        return None
+
+    def seq_problem(self, seq_len: int) -> str | None:
+        least = 2 * self.seq_ranks
+        if seq_len < least:
+            return (f"seq-len {seq_len} is too short for cp = {self.cp} x ulysses = {self.ulysses} x tp = {self.tp} "
+                    f"(at least {least} tokens)")
+        return None
+
+    def problem(self, model=None, mode: str | None = None) -> str | None:
+        """The first broken rule among the dims alone, the ``mode`` and the ``model`` (those given), or None."""
+        return (self.heads_problem() or (self.mode_problem(mode) if mode is not None else None)
+                or (self.model_problem(model) if model is not None else None))
+
+    def check(self, model=None, mode: str | None = None, where: str = "") -> None:
+        """:meth:`problem` as a ``ValueError`` (``where``: a prefix naming the caller)."""
+        bad = self.problem(model, mode)
+        if bad:
+            raise ValueError(where + bad)
+
+    def mesh(self, device_type: str):
+        """The device mesh of these sizes, dims named ``DIMS`` (every rank calls it; the process group is up)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, (self.dp, self.cp, self.ulysses, self.tp), mesh_dim_names=DIMS)

@@ -1,0 +1,73 @@
+"""``ParallelDims``: the mesh's sizes, the rules between them and a model, and the numbering of its ranks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from flashpar.dims import DIMS, ParallelDims
+from flashpar.models import LlamaConfig
+
+
+@pytest.mark.parametrize(("kw", "needle"), [
+    ({"dp": 0}, "dp must be an integer >= 1, got 0"),
+    ({"tp": 1.5}, "tp must be an integer >= 1, got 1.5"),
+    ({"cp": True}, "cp must be an integer >= 1, got True"),
+])
+def test_sizes_must_be_positive_integers(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        ParallelDims(**kw)
+
+
+@pytest.mark.parametrize(("dims", "model", "mode", "needle"), [
+    (ParallelDims(ulysses=2, tp=2), None, None, "ulysses = 2 and tp = 2 both > 1 is not supported"),
+    (ParallelDims(ulysses=2), None, "ring", "mode ring does not apply to the Ulysses all-to-alls"),
+    (ParallelDims(tp=2), LlamaConfig(heads=6, kv_heads=3, hidden=96), None, "kv heads = 3 is not divisible by tp = 2"),
+    (ParallelDims(tp=2), LlamaConfig(ffn=75), None, "FFN size = 75 is not divisible by tp = 2"),
+    (ParallelDims(ulysses=3), LlamaConfig(), None, "ulysses = 3: heads = 4 is not divisible"),
+    (ParallelDims(ulysses=2, tp=2), LlamaConfig(ffn=75), "ring", "both > 1"),  # (the dims' own rule first)
+])
+def test_each_rule_is_one_line_naming_the_sizes(dims, model, mode, needle):
+    bad = dims.problem(model, mode)
+    assert bad is not None and needle in bad and "\n" not in bad, bad
+    with pytest.raises(ValueError, match="^ParallelLlama: "):
+        dims.check(model, mode, where="ParallelLlama: ")
+
+
+def test_valid_dims_have_no_problem_and_their_sizes():
+    dims = ParallelDims(dp=2, cp=3, ulysses=1, tp=2)
+    assert dims.problem(LlamaConfig(), "flash") is None and dims.seq_problem(12) is None
+    assert "at least 12 tokens" in dims.seq_problem(11)
+    assert (dims.world_size, dims.shard_size, dims.seq_ranks) == (12, 6, 6)
+    assert ParallelDims(ulysses=4, cp=2).seq_problem(15) is not None
+
+
+def test_strides_number_the_ranks_tp_innermost():
+    """Rank ``((d cp + c) U + u) tp + t``: each dim's coordinate is ``rank // stride % size``, every rank once."""
+    dims = ParallelDims(dp=2, cp=3, ulysses=2, tp=1)
+    seen = set()
+    for d, c, u, t in itertools.product(range(2), range(3), range(2), range(1)):
+        rank = ((d * 3 + c) * 2 + u) * 1 + t
+        coords = tuple(rank // dims.stride(name) % getattr(dims, name) for name in DIMS)
+        assert coords == (d, c, u, t)
+        seen.add(rank)
+    assert seen == set(range(dims.world_size))
+    with pytest.raises(ValueError, match="unknown mesh dim 'pp'"):
+        dims.stride("pp")
+
+
+class _Mesh:
+    """The part of a device mesh ``of_mesh`` reads: its dim names and each dim's size."""
+
+    def __init__(self, sizes: dict[str, int]) -> None:
+        self.mesh_dim_names, self._sizes = tuple(sizes), sizes
+
+    def __getitem__(self, name):
+        size = self._sizes[name]
+        return type("Dim", (), {"size": lambda self: size})()
+
+
+def test_of_mesh_reads_the_sizes_and_a_mesh_without_ulysses_has_one():
+    assert ParallelDims.of_mesh(_Mesh({"dp": 2, "cp": 1, "ulysses": 2, "tp": 1})) == ParallelDims(2, 1, 2, 1)
+    assert ParallelDims.of_mesh(_Mesh({"dp": 1, "cp": 2, "tp": 2})) == ParallelDims(1, 2, 1, 2)
