@@ -106,3 +106,21 @@ def test_a_checkpoint_from_before_issue_13_resumes_and_a_bad_meta_is_one_line(tm
         with pytest.raises(ValueError, match="is not a flashpar meta.json") as err:
             checkpoint.read_meta(tmp_path, config)
         assert "\n" not in str(err.value)
+
+
+def test_every_field_is_in_one_help_group_and_help_shows_the_groups():
+    """``GROUPS`` holds every ``TrainConfig`` field exactly once, and ``flashpar train --help`` lists its flags
+    under those titles, in that order."""
+    import argparse
+    import dataclasses
+
+    from flashpar.train.config import GROUPS, TrainConfig, add_arguments
+
+    named = [n for _, names in GROUPS for n in names]
+    assert sorted(named) == sorted(f.name for f in dataclasses.fields(TrainConfig)) and len(named) == len(set(named))
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    text = p.format_help()
+    at = [text.index(f"\n{title}:") for title, _ in GROUPS]
+    assert at == sorted(at)
+    assert text.index("--zero-collective", at[1]) < at[2] and text.index("--clip", at[3]) < at[4]

@@ -44,14 +44,21 @@ def _opt(default, doc: str, **cli):
 class TrainConfig:
     """One training run (or ``--check``) on a ``dp x cp x ulysses x tp`` mesh; see ``flashpar.train.run``."""
 
+    # -- the model --
+    model: LlamaConfig = field(default_factory=LlamaConfig,
+                               metadata={"doc": "the model's sizes (flags --hidden ... --ffn, or --hf-config)"})
+    init_from: str | None = _opt(None, "start from the weights of a Hugging Face Llama folder (config.json and "
+                                       "model.safetensors or its index): the model sizes are the folder's, each rank "
+                                       "reads only its slices; with --resume the checkpoint's weights win", type=str)
+    seed: int = _opt(0, "seed of the weights and of the corpus order")
+
+    # -- mesh and parallelism --
     nproc: int = _opt(4, "processes to spawn without torchrun")
     dp: int = _opt(1, "data-parallel size of the mesh")
     cp: int = _opt(2, "context-parallel size of the mesh")
     ulysses: int = _opt(1, "Ulysses size of the mesh: heads split over U ranks by all-to-alls fused with the QKV and "
                            "output projections, inside each cp rank; needs --tp 1 (both split the heads)")
     tp: int = _opt(2, "tensor-parallel size of the mesh (1 with --ulysses > 1)")
-    steps: int = _opt(400, "optimizer steps of the run (a resumed run continues up to this step)")
-    seq_len: int = _opt(2048, "tokens per packed sequence")
     strategy: str = _opt("flashcp", "context-parallel plan", choices=STRATEGIES)
     mode: str = _opt("flash", "TP overlap mode", choices=MODES)
     dp_mode: str = _opt("zero3", "data parallelism: ZeRO-3 (every weight's rows split over the dp x cp x ulysses "
@@ -69,27 +76,13 @@ class TrainConfig:
                                         "point-to-point steps), or auto (the cost model's choice: doubling where it "
                                         "is predicted more than 2 percent faster; --mode none: ring)",
                                 choices=ZERO_COLLECTIVES)
-    lr: float = _opt(3e-3, "AdamW learning rate: the peak of the schedule (--warmup, --lr-min)")
-    seed: int = _opt(0, "seed of the weights and of the corpus order")
-    max_docs: int | None = _opt(None, "use only this many corpus documents", type=int)
-    model: LlamaConfig = field(default_factory=LlamaConfig,
-                               metadata={"doc": "the model's sizes (flags --hidden ... --ffn, or --hf-config)"})
     device: str = _opt("cpu", "cpu (gloo) or cuda (NCCL, one GPU per rank)", choices=DEVICES)
     threads: int = _opt(1, "torch threads per CPU rank")
-    workers: int = _opt(1, "data-loader workers per rank (they run the planner)")
-    out: str = _opt("runs/train", "folder for metrics.jsonl, summary.json, traces, checkpoints and the ranks' logs")
-    timeout: float = _opt(300.0, "seconds any distributed wait may take")
-    check: bool = _opt(False, "compare one step against the single-process model instead of training")
-    trace: bool = _opt(False, "write a Chrome/Perfetto trace of the third step, per rank")
-    plot: bool = _opt(False, "write train.png: loss curve and per-rank work of the plans")
-    save_every: int = _opt(0, "checkpoint every K steps and at the end (0: never)")
-    resume: str | None = _opt(None, "continue from a checkpoint folder (or a run's checkpoints/ folder: its "
-                                    "newest); the mesh may differ", type=str)
-    # hf (issue 13): start from a Hugging Face model's weights
-    init_from: str | None = _opt(None, "start from the weights of a Hugging Face Llama folder (config.json and "
-                                       "model.safetensors or its index): the model sizes are the folder's, each rank "
-                                       "reads only its slices; with --resume the checkpoint's weights win", type=str)
-    # tokens, data and the validation loss (issue 13, helper "data": flashpar.train.sources / tokens / evaluate)
+    master_addr: str = _opt("127.0.0.1", "the address the spawned ranks' rendezvous listens on (without torchrun); "
+                                         "the loopback default is reachable from this machine only")
+
+    # -- data --
+    seq_len: int = _opt(2048, "tokens per packed sequence")
     tokenizer: str | None = _opt(None, "a Hugging Face tokenizer.json (or its folder) whose vocabulary fits "
                                        "--vocab-size; default: UTF-8 bytes (vocabulary 256)", type=str)
     eod_token: str | None = _opt(None, "end-of-document token appended to every document with --tokenizer; "
@@ -99,9 +92,14 @@ class TrainConfig:
                                               ".jsonl (a 'text' field per line), .parquet (a 'text' column), or "
                                               "folders of them; default: the Python standard library's sources",
                                         type=str, nargs="+")
+    max_docs: int | None = _opt(None, "use only this many corpus documents", type=int)
+    workers: int = _opt(1, "data-loader workers per rank (they run the planner)")
     eval_every: int = _opt(0, "validation loss on the held-out documents every K steps and at the end (0: never)")
     eval_docs: int = _opt(8, "documents held out of training for the validation loss (with --eval-every)")
-    # -- optim (issue 13): gradient accumulation, the learning-rate schedule, weight decay, clipping --
+
+    # -- optimizer --
+    steps: int = _opt(400, "optimizer steps of the run (a resumed run continues up to this step)")
+    lr: float = _opt(3e-3, "AdamW learning rate: the peak of the schedule (--warmup, --lr-min)")
     micro_batches: int = _opt(1, "packed sequences per dp rank per optimizer step, their gradients accumulated: "
                                  "the global batch is micro-batches x dp sequences")
     warmup: int = _opt(0, "steps of linear learning-rate warm-up (step s: lr x s / W), then cosine decay to "
@@ -112,24 +110,35 @@ class TrainConfig:
                                     "matrices (none on the norm gains)")
     clip: float = _opt(1.0, "clip the gradients to this global norm (0: no clipping; the norm is reported either "
                             "way)")
-    # mixed precision and activation checkpointing (helper "precision"; flashpar.models.precision, .recompute)
+
+    # -- precision and memory --
     dtype: str = _opt("fp32", "compute dtype: bf16 computes and communicates activations and weights in bf16 with "
                               "fp32 master weights, AdamW state and gradient sums", choices=tuple(DTYPES))
     checkpoint_activations: bool = _opt(False, "recompute each block's activations in backward (less memory, one "
                                                "more forward per block)")
-    # faults (issue 15, helper "faults": flashpar.train.checkpoint, .atomic, .nonfinite; flashpar.ranks)
-    keep: int = _opt(2, "keep the K newest complete checkpoints, deleting older ones after each save (0: keep "
-                        "every one); 2 leaves one to fall back on if the newest is found broken")
-    skip_nonfinite: int = _opt(0, "skip up to N steps whose loss or gradient norm is not finite (their weights and "
-                                  "AdamW state untouched, each counted); the next such step ends the job (0: the "
-                                  "first one does)")
-    master_addr: str = _opt("127.0.0.1", "the address the spawned ranks' rendezvous listens on (without torchrun); "
-                                         "the loopback default is reachable from this machine only")
-    # tensor-parallel activations kept for backward (issue 12, stop 21: flashpar.models.parallel)
     regather: bool = _opt(False, "gather each column-parallel linear's input (q/k/v, gate/up, head) again in backward, "
                                  "as Megatron does, instead of keeping the gathered input as torch's DTensor linear "
                                  "does: (tp - 1) / tp less activation memory per such linear, one more all-gather "
                                  "each per step")
+
+    # -- checkpoints --
+    save_every: int = _opt(0, "checkpoint every K steps and at the end (0: never)")
+    resume: str | None = _opt(None, "continue from a checkpoint folder (or a run's checkpoints/ folder: its "
+                                    "newest); the mesh may differ", type=str)
+    keep: int = _opt(2, "keep the K newest complete checkpoints, deleting older ones after each save (0: keep "
+                        "every one); 2 leaves one to fall back on if the newest is found broken")
+
+    # -- faults --
+    timeout: float = _opt(300.0, "seconds any distributed wait may take")
+    skip_nonfinite: int = _opt(0, "skip up to N steps whose loss or gradient norm is not finite (their weights and "
+                                  "AdamW state untouched, each counted); the next such step ends the job (0: the "
+                                  "first one does)")
+
+    # -- output --
+    out: str = _opt("runs/train", "folder for metrics.jsonl, summary.json, traces, checkpoints and the ranks' logs")
+    check: bool = _opt(False, "compare one step against the single-process model instead of training")
+    trace: bool = _opt(False, "write a Chrome/Perfetto trace of the third step, per rank")
+    plot: bool = _opt(False, "write train.png: loss curve and per-rank work of the plans")
 
     def __post_init__(self) -> None:
         for name in ("strategy", "mode", "dp_mode", "zero_schedule", "zero_collective", "device"):
@@ -150,12 +159,12 @@ class TrainConfig:
         bad = dims.problem(self.model, self.mode) or dims.seq_problem(self.seq_len)
         if bad:
             raise ValueError(bad)
-        # tokens, data and the validation loss (helper "data")
+        # tokens, data and the validation loss
         if self.data is not None:
             if isinstance(self.data, (str, Path)) or not self.data:
                 raise ValueError(f"data must be a non-empty list of paths, got {self.data!r}")
             object.__setattr__(self, "data", tuple(str(p) for p in self.data))
-        # optim (issue 13); the integers --eval-every, --eval-docs and --micro-batches: the loop above
+        # the optimizer; the integers --eval-every, --eval-docs and --micro-batches: the loop above
         if not isinstance(self.warmup, int) or isinstance(self.warmup, bool) or not 0 <= self.warmup <= self.steps:
             raise ValueError(f"warmup must be an integer within [0, --steps = {self.steps}], got {self.warmup!r}")
         if self.lr_min is not None and not 0 <= self.lr_min <= self.lr:
@@ -163,19 +172,19 @@ class TrainConfig:
         if not self.weight_decay >= 0 or not self.clip >= 0:
             raise ValueError(f"weight-decay and clip must be >= 0 (clip 0: off), got weight-decay {self.weight_decay}, "
                              f"clip {self.clip}")
-        # mixed precision and activation checkpointing (issue 13; the checks sat after a property's return)
+        # mixed precision and activation checkpointing
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.checkpoint_activations, bool):
             raise ValueError(f"checkpoint-activations must be True or False, got {self.checkpoint_activations!r}")
-        # faults (issue 15)
+        # faults
         for name in ("keep", "skip_nonfinite"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{_flag(name)} must be an integer >= 0, got {value!r}")
         if not isinstance(self.master_addr, str) or not self.master_addr.strip():
             raise ValueError(f"master-addr must be a host address, got {self.master_addr!r}")
-        # tensor-parallel activations kept for backward (stop 21)
+        # tensor-parallel activations kept for backward
         if not isinstance(self.regather, bool):
             raise ValueError(f"regather must be True or False, got {self.regather!r}")
 
@@ -217,9 +226,30 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("the model", ("model", "init_from", "seed")),
+    ("mesh and parallelism", ("nproc", "dp", "cp", "ulysses", "tp", "strategy", "mode", "dp_mode", "zero_schedule",
+                              "prefetch", "zero_collective", "device", "threads", "master_addr")),
+    ("data", ("seq_len", "tokenizer", "eod_token", "data", "max_docs", "workers", "eval_every", "eval_docs")),
+    ("optimizer", ("steps", "lr", "micro_batches", "warmup", "lr_min", "weight_decay", "clip")),
+    ("precision and memory", ("dtype", "checkpoint_activations", "regather")),
+    ("checkpoints", ("save_every", "resume", "keep")),
+    ("faults", ("timeout", "skip_nonfinite")),
+    ("output", ("out", "check", "trace", "plot")),
+)
+"""``TrainConfig``'s fields by concept, in the order ``flashpar train --help`` shows them (a test checks that
+every field is in exactly one group)."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """``flashpar train``'s flags, one per field (the model's sizes: ``LlamaConfig``'s fields)."""
-    for f in _FIELDS.values():
+    """``flashpar train``'s flags, one per field, in ``GROUPS``' argument groups (the model's sizes:
+    ``LlamaConfig``'s fields)."""
+    for title, names in GROUPS:
+        _add_group(p.add_argument_group(title), names)
+
+
+def _add_group(p, names: tuple[str, ...]) -> None:
+    for f in (_FIELDS[name] for name in names):
         if f.name == "model":
             for name in MODEL_FLAGS:
                 p.add_argument(f"--{_flag(name)}", type=int, default=getattr(LlamaConfig, name),
@@ -242,7 +272,7 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
         model = LlamaConfig.from_hf(args.hf_config)
     else:
         model = LlamaConfig(**{name: getattr(args, name) for name in MODEL_FLAGS})
-    if getattr(args, "init_from", None):  # hf (issue 13): the sizes are the folder's
+    if getattr(args, "init_from", None):  # the sizes are the folder's
         model = _init_from_model(args, model)
     values = {name: getattr(args, name) for name in _FIELDS if name != "model"}
     return TrainConfig(model=model, **values)
@@ -308,7 +338,7 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
         resume = checkpoint.resolve(Path(config.resume))  # checked (checksums), or skipped / refused: one line each
         checkpoint.read_meta(resume, config)  # same model, data and seed, or one line
         config = dataclasses.replace(config, resume=str(resume))
-    if config.init_from:  # hf (issue 13): the weights fit the model (names, shapes), read from the headers only
+    if config.init_from:  # the weights fit the model (names, shapes), read from the headers only
         from flashpar.models.hf import WeightFiles
 
         with WeightFiles(config.init_from, config.model):  # FileNotFoundError / ValueError: one line
@@ -316,7 +346,7 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
     from flashpar.train.data import ready_data
 
     ready_data(config)  # tokenizer, data files, the token cache (built here), held-out documents: one line each
-    if "RANK" not in os.environ:  # faults (issue 15): the spawn launcher's rendezvous can listen on --master-addr
+    if "RANK" not in os.environ:  # the spawn launcher's rendezvous can listen on --master-addr
         from flashpar.ranks import can_listen
 
         can_listen(config.master_addr)  # ValueError: one line
