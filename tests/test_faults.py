@@ -1,4 +1,4 @@
-"""Failure drills (issue 15): kills during saves, broken and foreign checkpoints, full and read-only disks, non-finite
+"""Failure drills: kills during saves, broken and foreign checkpoints, full and read-only disks, non-finite
 steps, the rendezvous's address.  Each one fails when its guarantee is removed (README, "Failures and recovery").
 
 The checkpoint drills run ``faults_workers.saver``: one process, one rank, a tiny model saving after every step,

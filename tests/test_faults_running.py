@@ -1,4 +1,4 @@
-"""Failure drills of the running job (issue 15; the checkpoint and input drills are ``tests/test_faults.py``):
+"""Failure drills of the running job (the checkpoint and input drills are ``tests/test_faults.py``):
 a rank killed in the middle of a step, a stalled rank, a link that stops carrying traffic.  Each ends the job
 within ``--timeout`` with one line, and no rank process is left behind.
 

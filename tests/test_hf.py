@@ -331,7 +331,7 @@ def test_export_of_a_checkpoint_loads_in_transformers(transformers, folders, wor
     (tmp_path / "bad" / "meta.json").write_text(json.dumps({"step": 1}))
     (tmp_path / "bad" / ".metadata").write_bytes(b"")
     assert main(["export", str(tmp_path / "bad"), "--hf", str(tmp_path / "x")]) == 2
-    assert "has no flashpar.json" in capsys.readouterr().err  # refused before anything reads it (issue 15)
+    assert "has no flashpar.json" in capsys.readouterr().err  # refused before anything reads it
     checkpoint.trust(tmp_path / "bad")  # described as it is: export's own checks come next
     assert main(["export", str(tmp_path / "bad"), "--hf", str(tmp_path / "x")]) == 2
     assert "meta.json holds no valid model config" in capsys.readouterr().err

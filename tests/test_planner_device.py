@@ -154,13 +154,13 @@ def test_rank0s_unreadable_figures_fail_every_rank(tmp_path):
 
 def test_a_report_says_what_its_trainer_planned_with():
     cpu = dataclasses.asdict(cost.preset("cpu"))
-    assert check_train.plan_hardware({}) == (cost.preset("h100-ib"), False)  # before stop 24: forward, h100-ib
+    assert check_train.plan_hardware({}) == (cost.preset("h100-ib"), False)  # no such field: forward, h100-ib
     assert check_train.plan_hardware({"plan_hardware": cpu}) == (cost.preset("cpu"), True)
     for bad, needle in (([1, 2], "must be an object"), ({**cpu, "flops": -1}, "flops must be > 0"),
                         ({"speed": 1}, "speed")):
         with pytest.raises(ValueError, match=needle):
             check_train.plan_hardware({"plan_hardware": bad})
-    assert check_train.plan_burst({}) == 1.0  # before stop 26: planned as if each rank had its own device
+    assert check_train.plan_burst({}) == 1.0  # a report without the field: each rank its own device
     assert check_train.plan_burst({"plan_burst": 2.0}) == 2.0
     for bad in (0.5, "2", None):
         with pytest.raises(ValueError, match=r"^the report's setup.plan_burst: CostModel.burst must be"):

@@ -1,4 +1,4 @@
-"""Property tests (issue 15): the schedule builders and the planner's JSON loading take any input and answer
+"""Property tests: the schedule builders and the planner's JSON loading take any input and answer
 with a correct result or one clear ``ValueError``, never another exception, a hang or a crash.
 
 A plan is a file users may keep and pass around, so ``CPPlan.from_json`` is checked on random bytes, on random

@@ -1,4 +1,4 @@
-"""No host synchronisation in a steady-state training step (issue 12, point 3).
+"""No host synchronisation in a steady-state training step.
 
 One ``flashpar.train.step.train_step`` of a ``ParallelLlama`` with 1, 2 and 3 layers on 4 gloo ranks,
 meshes (dp, cp, tp) = (1, 2, 2) (TP-SP + FlashCP) and (2, 1, 2) (TP-SP + ZeRO-3), counted by

@@ -86,7 +86,7 @@ def test_step_metrics_line_has_the_fields_and_the_plan_figures():
     assert m.postfix()["exposed"] == "0.500ms"
 
 
-def test_a_checkpoint_from_before_issue_13_resumes_and_a_bad_meta_is_one_line(tmp_path):
+def test_a_checkpoint_without_the_data_keys_resumes_and_a_bad_meta_is_one_line(tmp_path):
     """meta.json of a checkpoint written before the data / tokenizer / held-out keys and the rope-scaling and
     max-positions model fields existed: it was made with their defaults, so a run with the defaults resumes
     it; a run that changes one of them is refused, naming it; a meta.json that is not one is one line."""

@@ -39,7 +39,7 @@ def peak_flops(device: torch.device, group=None, *, probes: int = PEAK_PROBES) -
     (:func:`flashpar.cost.gpu_preset`), or on CPU a GEMM probe of this rank that every rank of
     ``group`` runs at once, so that it is each rank's share of the cores: a barrier first (a
     collective on CPU where a group is initialised), then the median of ``probes`` probes.  One probe
-    alone swings: 35-79 GFLOP/s on one rank of 4 sharing 2 cores in one run (stop 27), 58-86 as the
+    alone swings: 35-79 GFLOP/s on one rank of 4 sharing 2 cores in one run, 58-86 as the
     median of 5 after the barrier."""
     if device.type == "cuda":
         return PRESETS[gpu_preset(torch.cuda.get_device_name(device))].flops

@@ -50,7 +50,7 @@ class Workload:
     regather: bool = False  # flashpar / baseline (`--regather`): ag_matmul gathers x again in backward
     gather_vocab: bool = True  # flashpar / baseline gather a vocabulary smaller than T_u (models.vocab.gathers_weight)
     plan_hardware: Hardware | None = None  # the device figures the trainer planned with; None: the cp group's
-    plan_per_step: bool = True  # planned per training step (CostModel.per_step; a trainer before stop 24: forward)
+    plan_per_step: bool = True  # planned per training step (CostModel.per_step; False: forward alone)
     plan_burst: float = 1.0  # CostModel.burst the trainer planned with (ranks sharing cores; a device per rank: 1)
     shared_cores: float = 1.0  # CostModel.burst of the run itself: > 1 where its ranks share a host's cores (the
     #                            bench's CPU box), and a block's compute ends as the cp ranks' computes share them

@@ -61,7 +61,8 @@ if TYPE_CHECKING:  # (the config's ready() reads checkpoints: the arrow runs fro
     from flashpar.train.config import TrainConfig
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-PRE_ISSUE_13 = {"data": None, "tokenizer": None, "held_out": 0}  # what a checkpoint without these keys was made with
+# what a checkpoint without these keys was made with
+MISSING_KEY_DEFAULTS = {"data": None, "tokenizer": None, "held_out": 0}
 MARKER = "flashpar.json"  # the completion marker: written last, its presence means the save finished
 FORMAT, VERSION = "flashpar checkpoint", 1
 REQUIRED = (".metadata", "meta.json")  # DCP's index (the pickle) and ours: a marker must list both
@@ -297,9 +298,9 @@ def read_meta(path: Path, config: TrainConfig) -> dict:
         meta = json.loads(where.read_text())
         if not isinstance(meta, dict) or not all(isinstance(meta.get(k), int) for k in ("step", "sequences")):
             raise ValueError("no integer step and sequences")
-        # a checkpoint written before a setting existed was made with its default (issue 13 added data,
-        # tokenizer, held_out and model fields); the model dict is read back through LlamaConfig
-        meta = {**PRE_ISSUE_13, **meta}
+        # a checkpoint written before a setting existed was made with its default (the data, tokenizer,
+        # held_out and model fields may be missing); the model dict is read back through LlamaConfig
+        meta = {**MISSING_KEY_DEFAULTS, **meta}
         meta["model"] = LlamaConfig(**meta["model"]).to_dict() if isinstance(meta.get("model"), dict) else None
     except (OSError, ValueError, TypeError) as err:
         raise ValueError(f"checkpoint {where} is not a flashpar meta.json: {err}") from None

@@ -27,7 +27,7 @@ class StepMetrics:
     kv_bytes: int  # forward K/V bytes cp.attention sent, all ranks and layers (measured at the transport)
     planning_ms_dp0: float  # the planner's time for dp rank 0's sequences of the step (in its data-loader worker)
     plan: dict[str, float]  # the plans' figures (train.data.plan_figures): bytes summed over dp, times the slowest
-    # optim (issue 13)
+    # the optimizer
     lr: float  # the step's learning rate (flashpar.train.schedule)
     grad_norm: float  # global gradient norm before clipping (flashpar.models.grad_norm)
     eval_loss: float | None = None  # validation loss on the held-out documents, at evaluation steps (train.evaluate)

@@ -72,7 +72,7 @@ def build(config: TrainConfig, mesh, device) -> tuple:
                           save_gathered=not config.regather)
     if full is not None:
         model.load_full(full)
-    elif not config.resume:  # hf (issue 13)
+    elif not config.resume:  # a Hugging Face folder's weights (a resumed checkpoint overwrites them)
         model.load_hf_slices(config.init_from)
     model.to(device)
     opt = adamw(model, lr=config.lr, weight_decay=config.weight_decay)
