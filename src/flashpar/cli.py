@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashpar.bench import plan_targets
     from flashpar.bench import train as bench_train
     from flashpar.cp import cli as plan_cli
+    from flashpar.infer import cli as generate_cli
     from flashpar.sim import cli as sim_cli
     from flashpar.train import export as train_export
     from flashpar.train import run as train_run
@@ -38,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     plan_cli.add_arguments(pl)
     sim = sub.add_parser("simulate", help="cluster-scale predictions from the runtime's own schedules and plans")
     sim_cli.add_arguments(sim)
+    generate_cli.add_arguments(sub.add_parser("generate", help="prefill and decode prompts over a (tp, cp) mesh"))
     args = parser.parse_args(argv)
+    if args.command == "generate":
+        return generate_cli.run(args)
     if args.command == "plan":
         return plan_cli.run(args)
     if args.command == "simulate":
