@@ -121,6 +121,9 @@ def generate(model, prompts, *, max_new_tokens: int = 16, sampling: Sampling | N
         from flashpar.infer.planning import forward_cost
 
         cost = forward_cost(model.cfg, model.compute_dtype, device.type, model.tp)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()  # time to first token: planning, cache set-up, prefill and the first choice
     lens = [len(p) for p in ids]
     plan = cp.plan(lens, model.mesh["cp"].size(), strategy=strategy, cost=cost)
     steps = max_new_tokens - 1
@@ -132,10 +135,6 @@ def generate(model, prompts, *, max_new_tokens: int = 16, sampling: Sampling | N
     u = uniforms(how.seed, max_new_tokens, len(ids)).to(device)[:, rows]  # [steps, rows]
     out = torch.zeros(len(cache.rows), max_new_tokens, dtype=torch.long, device=device)
     tokens = torch.cat([torch.tensor(p, dtype=torch.long) for p in ids]).to(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    sync()
-    t0 = time.perf_counter()
     logits = prefill(model, cp.shard(tokens, plan, model.cp_rank), plan, cache)
     out[:, 0] = choose(logits.index_select(0, rows), u[0], how)
     sync()
