@@ -51,7 +51,7 @@ def build(shape, full: Llama, mode: str = "flash") -> ParallelLlama:
     """The parallel model on mesh (tp, cp) = ``shape`` with ``full``'s weights (replicated over cp)."""
     tp, cpn = shape
     mesh = init_device_mesh("cpu", (1, cpn, 1, tp), mesh_dim_names=MESH_DIMS)
-    model = ParallelLlama(full.cfg, mesh, mode=mode, dp_mode="replicate", timeout_s=60.0)
+    model = ParallelLlama(full.cfg, mesh, mode=mode, dp_mode="replicate", timeout_s=300.0)  # 6 ranks on a loaded box
     model.load_full(full)
     return model
 
@@ -137,14 +137,14 @@ def decode_case(rank, world, shape, source, strategy):
     return worst, held == want, len(schedule.split())
 
 
-def generate_case(rank, world, shape, source, strategy, sampling):
-    """``flashpar.infer.generate`` on mesh ``shape``: the tokens of every prompt, and this rank's K/V bytes and
-    tokens."""
+def generate_case(rank, world, shape, source, strategy, sampling, lens=None):
+    """``flashpar.infer.generate`` on mesh ``shape`` for ``prompts(lens)``: the tokens of every prompt, and this
+    rank's K/V bytes and tokens."""
     from flashpar.infer import Sampling, generate
 
     full = _model(source)
     model = build(shape, full)
-    ids = prompts(vocab=full.cfg.vocab_size)
+    ids = prompts(lens or PROMPT_LENS, vocab=full.cfg.vocab_size)
     how = Sampling(**sampling)
     out = generate(model, ids, max_new_tokens=MAX_NEW, sampling=how, strategy=strategy, cost=cp.CostModel())
     return out.tokens, out.kv_bytes, out.kv_tokens

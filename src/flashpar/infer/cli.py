@@ -178,7 +178,7 @@ def rank_main(config: GenerateConfig) -> None:
         print(f"time to first token {out.ttft_s * 1e3:.1f} ms; prefill {out.prefill_tokens_per_s:,.0f} tokens/s "
               f"({sum(out.prompt_tokens)} tokens); decode {out.decode_tokens_per_s:,.1f} tokens/s "
               f"({len(prompts)} prompts x {out.decode_steps} steps)")
-        print(f"K/V cache per rank: max {max(per_rank) / 2**20:.3f} MiB, all ranks {sum(per_rank) / 2**20:.3f} MiB")
+        print(f"K/V cache per rank: max {max(per_rank) / 2**10:,.1f} KiB, all ranks {sum(per_rank) / 2**10:,.1f} KiB")
     dist.destroy_process_group()
 
 

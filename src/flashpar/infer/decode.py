@@ -51,7 +51,8 @@ def decode_step(model, cache: RankCache, tokens: torch.Tensor, positions: torch.
         o, lse = partial_attention(q, keys, values, valid, scale)
         if n_split:
             o = combine_split(o, lse, cache.split_index, n_split, model.cp_group, cp_size)
-        x = x + all_reduce(o.to(dtype).reshape(x.shape[0], -1) @ block.o_proj.weight.to(dtype).T, group, tp)
+        o = o.to(dtype).reshape(x.shape[0], block.heads * cfg.head_dim)  # (a rank may hold no rows)
+        x = x + all_reduce(o @ block.o_proj.weight.to(dtype).T, group, tp)
         gu = block.mlp_norm(x).to(dtype) @ block.gate_up.weight.to(dtype).T
         x = x + all_reduce(swiglu(gu) @ block.down.weight.to(dtype).T, group, tp)
     cache.advance(step)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from flashpar.cp.cp_plan import CPPlan
 from flashpar.cp.layout import to_device
+from flashpar.dist import p2p_group, resolve_group
 from flashpar.infer.cache import RankCache
 from flashpar.infer.comm import all_reduce, gather_columns, gather_rows
 from flashpar.models.fused import rope_tables
@@ -37,6 +38,11 @@ def prefill(model, tokens_cp: torch.Tensor, plan: CPPlan, cache: RankCache | Non
     ``cache`` (None: not kept).  ``model``: a ``ParallelLlama`` without ZeRO-3 and with ulysses 1 (checked by
     the caller)."""
     cfg, tp, group = model.cfg, model.tp, model.tp_group
+    # every rank creates its tp group's and its cp group's point-to-point twin now, in this order: a rank that
+    # holds no tokens of the batch (fewer tokens than ranks) sends nothing on tp and would skip creating the
+    # tp twin there, leaving the ranks' counts of groups, by which torch names new groups, apart (a hang)
+    for g in (group, model.cp_group):
+        p2p_group(resolve_group(g), 0, 1, op_name="flashpar.infer.prefill", timeout_s=model.step_check.timeout_s)
     t_cp = tokens_cp.shape[0]
     split = row_sizes(t_cp, tp)
     start = sum(split[: model.tp_rank])

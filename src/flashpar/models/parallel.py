@@ -204,7 +204,7 @@ class ParallelBlock(nn.Module):
         if self.kv_sink is not None:
             self.kv_sink(k, v)
         o = cp.attention(q, k, v, plan, group=self.cp_group, counter=self.kv_counter,
-                         timeout_s=self.timeout_s, check=False).reshape(t, -1)
+                         timeout_s=self.timeout_s, check=False).reshape(t, self.heads * self.cfg.head_dim)
         if self.ulysses_group is None:
             x = x + self.o_proj(o, split_sizes=split, check=False)
         else:  # back to this rank's rows: head group g's columns of w_o are [g H/U D, (g + 1) H/U D)
