@@ -1,8 +1,10 @@
 """``flashpar bench prefill``: inference side by side, one packed batch of prompts on a (tp, cp) mesh behind the
 emulated links (``--link-rate``), as ``bench train`` runs its configurations:
 
-    flashpar   ``flashpar.infer``: FlashOverlap ("flash") TP-SP linears, FlashCP plans made with the
-               forward-only cost model, the sharded cache, context-parallel decode
+    flashpar   ``flashpar.infer``: FlashOverlap TP-SP linears (``--mode``, default "auto": the decomposition
+               per shape, blocking where a GEMM is too short to hide a transfer; "flash": always
+               decomposed), FlashCP plans made with the forward-only cost model, the sharded cache,
+               context-parallel decode
     baseline   the same path with mode "none" (blocking collectives) and "per_doc" plans (every prompt cut
                into 2 cp head-tail chunks, all K/V all-gathered)
     torch      the ``bench train`` peer forward-only (``flashpar.bench.torch_parallel``: DTensor TP-SP, K/V
@@ -77,7 +79,7 @@ class Runner:
         from flashpar.infer.planning import forward_cost
         from flashpar.models.parallel import ParallelLlama
 
-        self.model = ParallelLlama(full.cfg, meshes["flashpar"], mode="flash" if name == "flashpar" else "none",
+        self.model = ParallelLlama(full.cfg, meshes["flashpar"], mode=config["mode"] if name == "flashpar" else "none",
                                    dp_mode="replicate", timeout_s=config["rank_timeout"])
         self.model.load_full(full)
         self.cost = forward_cost(full.cfg, self.model.compute_dtype, "cpu", config["tp"])
@@ -204,7 +206,8 @@ def make_report(config: dict, gathered: list, lens: list[int]) -> dict:
                      "peak_mem_mb": max(g["mem"][name] for g in gathered)})
     worst = max(g["worst"] for g in gathered)
     setup = {k: config[k] for k in ("tp", "cp", "hidden", "layers", "heads", "kv_heads", "ffn", "tokens", "lengths",
-                                    "scale", "decode_steps", "rounds", "warmup", "threads", "seed", "link_rate")}
+                                    "scale", "decode_steps", "rounds", "warmup", "threads", "seed", "link_rate",
+                                    "mode")}
     setup.update(world_size=config["tp"] * config["cp"], prompts=len(lens), prompt_lens=lens,
                  logits_rel_diff=worst, logits_agree=worst <= LOGITS_RTOL)
     return {"setup": setup, "configs": rows}
@@ -245,6 +248,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default="wlbllm", help=LENGTHS_HELP + ", or a comma list (default wlbllm)")
     p.add_argument("--scale", type=int, default=16, help="divide every length by this (default 16)")
     p.add_argument("--decode-steps", type=int, default=16, help="(default 16)")
+    p.add_argument("--mode", default="auto", choices=("auto", "flash"), help="flashpar's TP overlap (default auto)")
     p.add_argument("--link-rate", default="2gbit", help="emulated per-rank link; 'none' = loopback (default 2gbit)")
     p.add_argument("--rounds", type=int, default=3, help="(default 3)")
     p.add_argument("--warmup", type=int, default=1, help="(default 1)")
@@ -260,7 +264,8 @@ def config_of(args: argparse.Namespace) -> dict:
     return {"tp": args.tp, "cp": args.cp, "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
             "kv_heads": args.kv_heads, "ffn": args.ffn, "tokens": args.tokens, "lengths": args.lengths,
             "scale": args.scale, "decode_steps": args.decode_steps, "rounds": args.rounds, "warmup": args.warmup,
-            "configs": configs, "threads": args.threads, "seed": args.seed, "rank_timeout": min(args.timeout, 600.0)}
+            "configs": configs, "threads": args.threads, "seed": args.seed, "rank_timeout": min(args.timeout, 600.0),
+            "mode": args.mode}
 
 
 def check_arguments(config: dict) -> str | None:
