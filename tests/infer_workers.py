@@ -176,3 +176,17 @@ def bad_input(rank, world, shape, source, kind):
     except (ValueError, RuntimeError) as err:
         return str(err)
     return None
+
+
+def save_checkpoint(rank, world, path, cfg):
+    """A flashpar training checkpoint of ``build``'s seeded model (no step taken) at ``path``: what
+    ``flashpar generate --checkpoint`` reads."""
+    from flashpar.train.checkpoint import save
+    from flashpar.train.config import TrainConfig
+    from flashpar.train.step import build
+
+    config = TrainConfig(nproc=1, dp=1, cp=1, tp=1, model=cfg, timeout=60.0, dp_mode="replicate")
+    mesh = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=MESH_DIMS)
+    _, model, opt = build(config, mesh, torch.device("cpu"))
+    save(path, model, opt, 1, config)
+    return True

@@ -89,3 +89,30 @@ def test_bad_input_is_one_line_before_any_rank_starts(folder, capfd, content, ar
     prompts.write_text(content)
     code, _, err = _run(["--init-from", root / "llama", "--prompts", prompts, *args], capfd)
     assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_generate_from_a_training_checkpoint_equals_the_float64_models_greedy_tokens(tmp_path, capfd):
+    """``--checkpoint`` (a flashpar checkpoint of the seeded model, no tokenizer: token prompts, no text) on tp 2:
+    the greedy tokens of the single-process float64 model run on the whole sequence at every step."""
+    from dist_harness import run_ranks
+    from flashpar.models import Llama, LlamaConfig
+    from infer_workers import save_checkpoint
+
+    cfg = LlamaConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, max_positions=64)
+    run_ranks(1, save_checkpoint, str(tmp_path / "ckpt" / "step_1"), cfg)
+    prompts = tmp_path / "p.jsonl"
+    ids = [[5, 9, 2, 33, 7], [1, 2, 3]]
+    prompts.write_text("\n".join(json.dumps({"tokens": p}) for p in ids) + "\n")
+    out = tmp_path / "out.jsonl"
+    code, _, err = _run(["--checkpoint", tmp_path / "ckpt", "--prompts", prompts, "--tp", 2, "--max-new-tokens", 5,
+                         "--out", out], capfd)
+    assert code == 0, err
+    torch.manual_seed(0)  # build's weights (TrainConfig.seed 0)
+    ref = Llama(cfg).double()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    for row, p in zip(rows, ids, strict=True):
+        seq = list(p)
+        with torch.no_grad():
+            for _ in range(5):
+                seq.append(int(ref(torch.tensor(seq), [len(seq)])[-1].argmax()))
+        assert row["tokens"] == seq[len(p):] and "text" not in row, (row, seq)
