@@ -48,20 +48,18 @@ def combine(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return out, top + torch.log(total)
 
 
-def combine_split(o: torch.Tensor, lse: torch.Tensor, split_index: torch.Tensor, n_split: int, group,
+def combine_split(o: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, n_split: int, group,
                   cp_size: int) -> torch.Tensor:
-    """``o`` with the rows of split prompts (``split_index >= 0``: the prompt's index among the ``n_split``)
-    replaced by the combine over the cp ``group`` (one all-gather); rows of whole prompts unchanged.  Every cp
-    rank calls it at every layer when ``n_split > 0`` (the all-gather is collective)."""
-    rows, heads, d = o.shape
+    """``o`` with its rows ``rows`` (those of split prompts; ``slots``: each one's index among the ``n_split`` split
+    prompts, both built once per batch) replaced by the combine over the cp ``group`` (one all-gather); the other
+    rows unchanged.  Every cp rank calls it at every layer when ``n_split > 0`` (the all-gather is collective).
+    Index tensors only: nothing is read back to the host."""
+    heads, d = o.shape[1], o.shape[2]
     part = torch.zeros(n_split, heads, d + 1, dtype=o.dtype, device=o.device)
     part[..., d] = -torch.inf
-    mine = split_index >= 0
-    sel = split_index.clamp_min(0)
-    packed = torch.cat([o, lse[..., None]], dim=-1)
-    part.index_put_((sel[mine],), packed[mine])
+    part.index_copy_(0, slots, torch.cat([o, lse[..., None]], dim=-1).index_select(0, rows))
     parts = [torch.empty_like(part) for _ in range(cp_size)]
     dist.all_gather(parts, part, group=group)
     stacked = torch.stack(parts)  # [N, S, H, D + 1]
     full, _ = combine(stacked[..., :d], stacked[..., d])
-    return torch.where(mine[:, None, None], full.index_select(0, sel), o)
+    return o.index_copy(0, rows, full.index_select(0, slots))

@@ -71,8 +71,8 @@ class RankCache:
     ``layers`` layers and the decode steps of ``schedule``.
 
     ``rows``: the prompts this rank decodes (those it holds tokens of), ascending; row ``i`` of every decode
-    tensor is prompt ``rows[i]``.  ``split_index[i]``: the row's index among ``schedule.split()`` (-1: the
-    prompt is whole here)."""
+    tensor is prompt ``rows[i]``.  ``split_rows``: the rows of prompts split over several ranks, ``split_slots``:
+    their indices among ``schedule.split()``."""
 
     def __init__(self, plan: CPPlan, schedule: CacheSchedule, rank: int, layers: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -86,8 +86,9 @@ class RankCache:
         slots, width = sum(capacity), max(capacity, default=1)
         split = schedule.split()
         self.split_prompts = split
-        self.split_index = torch.tensor([split.index(p) if p in split else -1 for p in self.rows], dtype=torch.long,
-                                        device=device)
+        mine = [(i, split.index(p)) for i, p in enumerate(self.rows) if p in split]
+        self.split_rows = torch.tensor([i for i, _ in mine], dtype=torch.long, device=device)
+        self.split_slots = torch.tensor([j for _, j in mine], dtype=torch.long, device=device)
         self.offsets = torch.tensor(offsets, dtype=torch.long, device=device)
         cap = torch.tensor(capacity, dtype=torch.long)
         col = torch.arange(width)

@@ -50,7 +50,7 @@ def decode_step(model, cache: RankCache, tokens: torch.Tensor, positions: torch.
         keys, values = cache.keys(i)
         o, lse = partial_attention(q, keys, values, valid, scale)
         if n_split:
-            o = combine_split(o, lse, cache.split_index, n_split, model.cp_group, cp_size)
+            o = combine_split(o, lse, cache.split_rows, cache.split_slots, n_split, model.cp_group, cp_size)
         o = o.to(dtype).reshape(x.shape[0], block.heads * cfg.head_dim)  # (a rank may hold no rows)
         x = x + all_reduce(o @ block.o_proj.weight.to(dtype).T, group, tp)
         gu = block.mlp_norm(x).to(dtype) @ block.gate_up.weight.to(dtype).T
