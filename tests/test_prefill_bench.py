@@ -42,7 +42,7 @@ def test_simulate_prefill_command_and_a_bad_argument(capsys, tmp_path):
 
 
 def test_bench_prefill_reports_every_configuration_and_their_logits_agree(tmp_path, capfd):
-    """A tiny run (4 ranks, tp 2 x cp 2, loopback, one round): the JSON has the issue's fields for flashpar,
+    """A tiny run (4 ranks, tp 2 x cp 2, loopback, one round): the JSON has every field of the report for flashpar,
     baseline and torch; the first logits agree (the command exits 1 otherwise); torch has no decode figure;
     flashpar's K/V per rank is within 1.1 x (the batch's K/V / cp) plus the plan's token slack."""
     out = tmp_path / "bench.json"
