@@ -116,3 +116,20 @@ def test_generate_from_a_training_checkpoint_equals_the_float64_models_greedy_to
             for _ in range(5):
                 seq.append(int(ref(torch.tensor(seq), [len(seq)])[-1].argmax()))
         assert row["tokens"] == seq[len(p):] and "text" not in row, (row, seq)
+
+
+def test_read_prompts_of_a_txt_file(tmp_path):
+    """A ``.txt`` file: one prompt a line, blank lines skipped, each encoded; without a tokenizer one line naming
+    the file's line; another suffix refused."""
+    from flashpar.infer.prompts import read_prompts
+
+    path = tmp_path / "p.txt"
+    path.write_text("ab\n\n  \ncde\n")
+    got = read_prompts(path, lambda text: [ord(c) for c in text])
+    assert [(p.tokens, p.text) for p in got] == [([97, 98], "ab"), ([99, 100, 101], "cde")]
+    with pytest.raises(ValueError, match="line 1: a text prompt needs a tokenizer"):
+        read_prompts(path, None)
+    other = tmp_path / "p.csv"
+    other.write_text("x\n")
+    with pytest.raises(ValueError, match="expected a .jsonl or .txt file"):
+        read_prompts(other, None)
