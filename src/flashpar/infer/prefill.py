@@ -8,7 +8,7 @@ exchange), planned by the planner for a forward pass alone.
     x_t      = block_l(x_t, plan)   for every layer           the training forward's own code; each block
                                                               hands its rotated K and V (this tp rank's kv
                                                               heads, every token of the cp rank) to the cache
-    h_last   = gather_tp(x_t)[last token of each prompt held here]
+    h_last   = gather_tp(x_t[last tokens of each prompt held by tp rank t])
     logits   = gather_tp_cols(norm(h_last) head_t^T)          [prompts here, V]
     out[p]   = sum over cp of each rank's rows                 (a prompt's last token is on one cp rank)
 
@@ -67,7 +67,12 @@ def prefill(model, tokens_cp: torch.Tensor, plan: CPPlan, cache: RankCache | Non
     lens = torch.tensor(plan.doc_lens, dtype=torch.long)
     docs = plan.doc_ids(model.cp_rank)
     last = torch.nonzero(plan.position_ids(model.cp_rank) == lens[docs] - 1).flatten()
-    h = gather_rows(x, split, group, tp).index_select(0, to_device(last, x.device))
+    # each tp rank's rows are a contiguous block of the cp rank's tokens: it sends only the last tokens it holds,
+    # and rank order keeps them in local order (the order of ``last``)
+    bounds = [sum(split[:r]) for r in range(tp + 1)]
+    counts = [int(((last >= bounds[r]) & (last < bounds[r + 1])).sum()) for r in range(tp)]
+    own = last[(last >= start) & (last < start + split[model.tp_rank])] - start
+    h = gather_rows(x.index_select(0, to_device(own, x.device)), counts, group, tp)
     head = model.embed.weight if model.head is None else model.head.weight
     logits = gather_columns(model.norm(h).to(dtype) @ head.to(dtype).T, group, tp).float()
     out = torch.zeros(len(plan.doc_lens), vocab, dtype=torch.float32, device=x.device)
