@@ -20,7 +20,7 @@ from examples_workers import EXAMPLES, run_examples
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 PAGES = [README, *sorted((README.parent / "docs").glob("*.md"))]
-MULTI_RANK = ("tp_mlp", "sharded_dp", "ulysses", "cp_attention")  # main(rank, world)
+MULTI_RANK = ("tp_mlp", "sharded_dp", "ulysses", "cp_attention", "generate")  # main(rank, world)
 SINGLE = ("plan", "hf_roundtrip")  # scripts
 
 

@@ -11,8 +11,10 @@ def main(argv: list[str] | None = None) -> int:
     from flashpar.bench import cp as bench_cp
     from flashpar.bench import overlap as bench_overlap
     from flashpar.bench import plan_targets
+    from flashpar.bench import prefill as bench_prefill
     from flashpar.bench import train as bench_train
     from flashpar.cp import cli as plan_cli
+    from flashpar.infer import cli as generate_cli
     from flashpar.sim import cli as sim_cli
     from flashpar.train import export as train_export
     from flashpar.train import run as train_run
@@ -30,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_train.add_arguments(bt)
     bp = bench_sub.add_parser("plan", help="the FlashCP planner against its targets on real document lengths")
     plan_targets.add_arguments(bp)
+    bench_prefill.add_arguments(bench_sub.add_parser("prefill", help="inference: flashpar, baseline and torch prefill"))
     tr = sub.add_parser("train", help="train the Llama-style model with TP-SP + CP + DP on real packed documents")
     train_run.add_arguments(tr)
     ex = sub.add_parser("export", help="a training checkpoint as a Hugging Face Llama folder")
@@ -38,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     plan_cli.add_arguments(pl)
     sim = sub.add_parser("simulate", help="cluster-scale predictions from the runtime's own schedules and plans")
     sim_cli.add_arguments(sim)
+    generate_cli.add_arguments(sub.add_parser("generate", help="prefill and decode prompts over a (tp, cp) mesh"))
     args = parser.parse_args(argv)
+    if args.command == "generate":
+        return generate_cli.run(args)
+    if args.command == "bench" and args.bench == "prefill":
+        return bench_prefill.run(args)
     if args.command == "plan":
         return plan_cli.run(args)
     if args.command == "simulate":

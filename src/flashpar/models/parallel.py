@@ -180,6 +180,8 @@ class ParallelBlock(nn.Module):
         self.gate_up = LAYOUT["gate_up"].linear(zero3)(h, 2 * cfg.ffn, **kw, **gather_kw)
         self.down = LAYOUT["down"].linear(zero3)(cfg.ffn, h, **kw)
         self.kv_counter: cp.CommCounter | None = None  # set by ParallelLlama: K/V bytes of cp.attention
+        # a forward-only caller (flashpar.infer's prefill) receives each forward's rotated K and V [T_cp, H_kv, D]
+        self.kv_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], plan, split: list[int],
                 blocks: list[int]) -> torch.Tensor:
@@ -200,8 +202,10 @@ class ParallelBlock(nn.Module):
             qkv = matmul_all_to_all(a, w_qkv, group=self.ulysses_group, mode=self.mode, split_sizes=blocks,
                                     check=False, timeout_s=self.timeout_s)
         q, k, v = rope_qkv(qkv, tables, self.heads, self.kv_heads)  # one autograd node (models/fused.py)
+        if self.kv_sink is not None:
+            self.kv_sink(k, v)
         o = cp.attention(q, k, v, plan, group=self.cp_group, counter=self.kv_counter,
-                         timeout_s=self.timeout_s, check=False).reshape(t, -1)
+                         timeout_s=self.timeout_s, check=False).reshape(t, self.heads * self.cfg.head_dim)
         if self.ulysses_group is None:
             x = x + self.o_proj(o, split_sizes=split, check=False)
         else:  # back to this rank's rows: head group g's columns of w_o are [g H/U D, (g + 1) H/U D)

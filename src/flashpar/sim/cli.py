@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "train": ("flashpar.sim.train", "one Llama training step on a (dp, cp, ulysses, tp) layout; fastest layouts"),
     "table": ("flashpar.sim.table", "simulate train --search over (model, GPUs, seq): one markdown row each"),
     "anchors": ("flashpar.sim.anchors", "published torchtitan H100 runs against the simulator (h100-96gb)"),
+    "prefill": ("flashpar.sim.prefill", "time to first token of a packed prefill, Llama 3 70B / 405B on H100 nodes"),
     "check": ("flashpar.sim.check", "a `flashpar bench overlap|cp|train` JSON: every row predicted vs measured"),
 }
 

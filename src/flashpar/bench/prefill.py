@@ -1,0 +1,323 @@
+"""``flashpar bench prefill``: inference side by side, one packed batch of prompts on a (tp, cp) mesh behind the
+emulated links (``--link-rate``), as ``bench train`` runs its configurations:
+
+    flashpar   ``flashpar.infer``: FlashOverlap TP-SP linears (``--mode``, default "auto": the decomposition
+               per shape, blocking where a GEMM is too short to hide a transfer; "flash": always
+               decomposed), FlashCP plans made with the forward-only cost model, the sharded cache,
+               context-parallel decode
+    baseline   the same path with mode "none" (blocking collectives) and "per_doc" plans (every prompt cut
+               into 2 cp head-tail chunks, all K/V all-gathered)
+    torch      the ``bench train`` peer forward-only (``flashpar.bench.torch_parallel``: DTensor TP-SP, K/V
+               all-gathered over cp, SDPA with the document-causal mask of torch's per-document head-tail
+               order); prefill only: it has no KV cache to decode from
+
+The batch: ``--lengths`` (a shipped name, a file, or a comma list of lengths) divided by ``--scale``, packed into
+one sequence of ``--tokens`` tokens in units of ``2 cp`` (torch's head-tail chunks), each document one prompt of
+seeded random tokens.  Every configuration built once, ``--warmup`` runs, then ``--rounds`` rounds with the
+order rotated; a run is the prefill and ``--decode-steps`` decode steps (greedy).  Then each configuration again,
+fresh, for its peak memory.  Figures per configuration (medians over rounds of the slowest rank): ``ttft_ms``
+(planning + prefill + the first token), ``prefill_tokens_per_s`` (the batch's tokens / ttft),
+``decode_tokens_per_s`` (prompts x steps / decode time), ``kv_bytes`` (the largest rank's K/V at the end;
+torch: the K/V a rank all-gathers per layer, times the layers, what a cache of it would hold), ``peak_mem_mb``.
+The first logits (every prompt's last token) must agree across the configurations (relative 1e-4) or the
+command exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+CONFIGS = ("flashpar", "baseline", "torch")
+LOGITS_RTOL = 1e-4  # fp32 on every path, sums in another order only
+
+
+def model_config(config: dict):
+    from flashpar.models import LlamaConfig
+
+    # untied, as bench train's (torch's TP plans cannot shard one tensor as both embedding and head)
+    return LlamaConfig(hidden=config["hidden"], layers=config["layers"], heads=config["heads"],
+                       kv_heads=config["kv_heads"], ffn=config["ffn"], tie_embeddings=False,
+                       max_positions=max(2048, config["tokens"] + config["decode_steps"] + 1))
+
+
+def prompt_lengths(config: dict) -> list[int]:
+    """The batch's prompt lengths: ``--lengths`` / ``--scale`` packed into ``--tokens`` in units of ``2 cp``."""
+    from flashpar.cp.lengths import Lengths, resolve_lengths
+
+    unit = 2 * config["cp"]
+    spec = config["lengths"]
+    if spec.replace(",", "").strip().isdigit():
+        source = Lengths("list", values=tuple(int(x) for x in spec.split(",") if x.strip()))
+    else:
+        source = resolve_lengths(spec)
+    packs = source.packs(config["tokens"] // unit, 1, seed=config["seed"], scale=config["scale"] * unit)
+    if not packs:
+        raise ValueError(f"--lengths {spec} / {config['scale']} does not fill a sequence of {config['tokens']} tokens")
+    return [n * unit for n in packs[0]]
+
+
+def prompts(config: dict):
+    import torch
+
+    gen = torch.Generator().manual_seed(config["seed"] + 1)
+    vocab = model_config(config).vocab_size
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in prompt_lengths(config)]
+
+
+class Runner:
+    """One configuration on this rank: ``run()`` -> ``(ttft_s, decode_s, kv_bytes, first logits [P, V])``."""
+
+    def __init__(self, name: str, config: dict, ids, full, meshes: dict) -> None:
+        self.name, self.config, self.ids = name, config, ids
+        if name == "torch":
+            self._build_torch(full, meshes["torch"])
+            return
+        from flashpar.infer.planning import forward_cost
+        from flashpar.models.parallel import ParallelLlama
+
+        self.model = ParallelLlama(full.cfg, meshes["flashpar"], mode=config["mode"] if name == "flashpar" else "none",
+                                   dp_mode="replicate", timeout_s=config["rank_timeout"])
+        self.model.load_full(full)
+        self.cost = forward_cost(full.cfg, self.model.compute_dtype, "cpu", config["tp"])
+
+    def _build_torch(self, full, mesh) -> None:
+        import torch
+
+        from flashpar.bench import torch_parallel
+        from flashpar.bench.torch_llama import TorchLlama
+
+        model = TorchLlama(full.cfg)
+        model.load_full(full)
+        if mesh["tp"].size() > 1:
+            torch_parallel.apply_tp(model, mesh["tp"])
+        if mesh["cp"].size() > 1:
+            for block in model.blocks:
+                block.attn.cp_group = mesh["cp"].get_group()
+        self.model, self.mesh = model, mesh
+        tokens = torch.tensor(sum(self.ids, []))
+        lens = [len(p) for p in self.ids]
+        self.batch = torch_parallel.make_batch(tokens, tokens, lens, mesh, torch.device("cpu"))
+        order = torch_parallel.balanced_order(lens, mesh["cp"].size()).view(mesh["cp"].size(), -1)
+        mine = order[mesh["cp"].get_local_rank()]
+        ends = torch.tensor(lens).cumsum(0) - 1
+        self.last = [(p, int(i)) for p, end in enumerate(ends.tolist()) for i in torch.nonzero(mine == end).flatten()]
+
+    def run(self):
+        if self.name == "torch":
+            return self._run_torch()
+        from flashpar.infer import generate
+
+        strategy = "flashcp" if self.name == "flashpar" else "per_doc"
+        out = generate(self.model, self.ids, max_new_tokens=self.config["decode_steps"] + 1, strategy=strategy,
+                       cost=self.cost, keep_logits=True)
+        return out.ttft_s, out.decode_s, out.kv_bytes, out.first_logits
+
+    def _run_torch(self):
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        cfg, cp = self.model.cfg, self.mesh["cp"].size()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            logits = self.model(self.batch.tokens, self.batch.positions, self.batch.mask)
+            if isinstance(logits, DTensor):
+                logits = logits.full_tensor()
+            first = torch.zeros(len(self.ids), cfg.vocab_size)
+            for p, i in self.last:
+                first[p] = logits[0, i]
+            if cp > 1:
+                dist.all_reduce(first, group=self.mesh["cp"].get_group())
+            first.argmax(-1)
+        ttft = time.perf_counter() - t0
+        tp = self.mesh["tp"].size()
+        kv = 2 * cfg.layers * (cfg.kv_heads // tp) * cfg.head_dim * 4 * sum(len(p) for p in self.ids)
+        return ttft, None, kv, first
+
+
+def worker(config: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flashpar.bench.train import peak_memory, reset_peak_memory
+    from flashpar.dist import as_timedelta
+    from flashpar.models import Llama
+    from flashpar.models.parallel import MESH_DIMS
+
+    dist.init_process_group("gloo", timeout=as_timedelta(config["rank_timeout"]))
+    torch.set_num_threads(config["threads"])
+    tp, cpn = config["tp"], config["cp"]
+    meshes = {"flashpar": init_device_mesh("cpu", (1, cpn, 1, tp), mesh_dim_names=MESH_DIMS)}
+    if "torch" in config["configs"]:
+        from flashpar.bench.torch_parallel import make_mesh
+
+        meshes["torch"] = make_mesh(1, cpn, tp, "cpu")
+    torch.manual_seed(config["seed"])
+    full = Llama(model_config(config))
+    ids = prompts(config)
+    names = config["configs"]
+    runners = {name: Runner(name, config, ids, full, meshes) for name in names}
+    for name in names:
+        for _ in range(config["warmup"]):
+            runners[name].run()
+    samples = {name: [] for name in names}
+    firsts = {}
+    for rnd in range(config["rounds"]):
+        for name in names[rnd % len(names):] + names[: rnd % len(names)]:
+            dist.barrier()
+            ttft, decode, kv, first = runners[name].run()
+            samples[name].append((ttft, decode, kv))
+            firsts[name] = first
+    del runners
+    mem = {}
+    for name in names:
+        dist.barrier()
+        before = reset_peak_memory()
+        runner = Runner(name, config, ids, full, meshes)
+        runner.run()
+        mem[name] = peak_memory(before)
+        del runner
+    worst = max(float((firsts[n] - firsts[names[0]]).abs().max() / firsts[names[0]].abs().max()) for n in names)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"samples": samples, "mem": mem, "worst": worst})
+    if dist.get_rank() == 0:
+        with open(config["out"], "w") as f:
+            json.dump(make_report(config, gathered, [len(p) for p in ids]), f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def make_report(config: dict, gathered: list, lens: list[int]) -> dict:
+    rows = []
+    tokens = sum(lens)
+    for name in config["configs"]:
+        per_round = list(zip(*(g["samples"][name] for g in gathered), strict=True))  # [round][rank]
+        ttft = statistics.median(max(s[0] for s in ranks) for ranks in per_round)
+        decodes = [max(s[1] for s in ranks) for ranks in per_round if ranks[0][1] is not None]
+        decode = statistics.median(decodes) if decodes else None
+        rows.append({"name": name, "ttft_ms": 1e3 * ttft, "prefill_tokens_per_s": tokens / ttft,
+                     "decode_tokens_per_s": len(lens) * config["decode_steps"] / decode if decode else None,
+                     "kv_bytes": max(s[2] for s in per_round[0]),
+                     "peak_mem_mb": max(g["mem"][name] for g in gathered)})
+    worst = max(g["worst"] for g in gathered)
+    setup = {k: config[k] for k in ("tp", "cp", "hidden", "layers", "heads", "kv_heads", "ffn", "tokens", "lengths",
+                                    "scale", "decode_steps", "rounds", "warmup", "threads", "seed", "link_rate",
+                                    "mode")}
+    setup.update(world_size=config["tp"] * config["cp"], prompts=len(lens), prompt_lens=lens,
+                 logits_rel_diff=worst, logits_agree=worst <= LOGITS_RTOL)
+    return {"setup": setup, "configs": rows}
+
+
+def format_report(report: dict) -> str:
+    s, rows = report["setup"], report["configs"]
+    by = {r["name"]: r for r in rows}
+    lines = [f"N={s['world_size']} (cp {s['cp']} x tp {s['tp']}), link {s['link_rate']}, Llama hidden {s['hidden']} x "
+             f"{s['layers']} layers, heads {s['heads']}/{s['kv_heads']}, ffn {s['ffn']}; {s['prompts']} prompts, "
+             f"{s['tokens']} tokens ({s['lengths']} / {s['scale']}), {s['decode_steps']} decode steps, fp32, "
+             f"{s['threads']} thread(s)/rank; median of {s['rounds']} rounds (slowest rank)", "",
+             f"{'config':<10}{'TTFT ms':>9}{'prefill tok/s':>15}{'decode tok/s':>14}{'KV MiB/rank':>13}"
+             f"{'mem MB':>8}{'TTFT x base':>13}{'TTFT x torch':>14}"]
+    for r in rows:
+        ratio = lambda base, r=r: f"{r['ttft_ms'] / by[base]['ttft_ms']:.2f}" if base in by else "-"  # noqa: E731
+        decode = f"{r['decode_tokens_per_s']:>14.1f}" if r["decode_tokens_per_s"] else f"{'-':>14}"
+        lines.append(f"{r['name']:<10}{r['ttft_ms']:>9.1f}{r['prefill_tokens_per_s']:>15.0f}{decode}"
+                     f"{r['kv_bytes'] / 2**20:>13.2f}{r['peak_mem_mb']:>8.1f}{ratio('baseline'):>13}"
+                     f"{ratio('torch'):>14}")
+    agree = "agree" if s["logits_agree"] else "DISAGREE"
+    lines.append(f"first logits {agree}: largest relative difference {s['logits_rel_diff']:.2e} "
+                 f"(tolerance {LOGITS_RTOL:g})")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from flashpar.cp.lengths import LENGTHS_HELP
+
+    p.add_argument("--tp", type=int, default=2, help="(default 2)")
+    p.add_argument("--cp", type=int, default=2, help="(default 2)")
+    p.add_argument("--hidden", type=int, default=512, help="(default 512)")
+    p.add_argument("--layers", type=int, default=4, help="(default 4)")
+    p.add_argument("--heads", type=int, default=8, help="(default 8)")
+    p.add_argument("--kv-heads", type=int, default=4, help="(default 4)")
+    p.add_argument("--ffn", type=int, default=1408, help="(default 1408)")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens of the packed batch (default 8192)")
+    p.add_argument("--lengths", default="wlbllm", help=LENGTHS_HELP + ", or a comma list (default wlbllm)")
+    p.add_argument("--scale", type=int, default=16, help="divide every length by this (default 16)")
+    p.add_argument("--decode-steps", type=int, default=16, help="(default 16)")
+    p.add_argument("--mode", default="auto", choices=("auto", "flash"), help="flashpar's TP overlap (default auto)")
+    p.add_argument("--link-rate", default="2gbit", help="emulated per-rank link; 'none' = loopback (default 2gbit)")
+    p.add_argument("--rounds", type=int, default=3, help="(default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="(default 1)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the report to this JSON file")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
+
+
+def config_of(args: argparse.Namespace) -> dict:
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    return {"tp": args.tp, "cp": args.cp, "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
+            "kv_heads": args.kv_heads, "ffn": args.ffn, "tokens": args.tokens, "lengths": args.lengths,
+            "scale": args.scale, "decode_steps": args.decode_steps, "rounds": args.rounds, "warmup": args.warmup,
+            "configs": configs, "threads": args.threads, "seed": args.seed, "rank_timeout": min(args.timeout, 600.0),
+            "mode": args.mode}
+
+
+def check_arguments(config: dict) -> str | None:
+    """The first problem with the arguments, as one line, or ``None`` (before any rank starts)."""
+    unknown = [c for c in config["configs"] if c not in CONFIGS]
+    if unknown or not config["configs"] or len(set(config["configs"])) != len(config["configs"]):
+        return f"--configs: expected distinct names from {','.join(CONFIGS)}, got {','.join(config['configs'])!r}"
+    for key, least in (("tp", 1), ("cp", 1), ("hidden", 1), ("layers", 1), ("heads", 1), ("kv_heads", 1), ("ffn", 1),
+                       ("tokens", 1), ("scale", 1), ("decode_steps", 1), ("rounds", 1), ("warmup", 0), ("threads", 1)):
+        if config[key] < least:
+            return f"--{key.replace('_', '-')} must be >= {least}, got {config[key]}"
+    if config["tp"] * config["cp"] < 2:
+        return "the mesh cp x tp must have at least 2 ranks"
+    unit = 2 * config["cp"] * config["tp"]
+    if config["tokens"] % unit:
+        return f"--tokens {config['tokens']} must be a multiple of 2 x cp x tp = {unit} (torch's head-tail chunks)"
+    try:
+        cfg = model_config(config)
+        for name in ("heads", "kv_heads", "ffn", "vocab_size"):
+            if getattr(cfg, name) % config["tp"]:
+                return f"--tp {config['tp']}: the model's {name} = {getattr(cfg, name)} is not divisible by it"
+        prompt_lengths(config)
+    except (OSError, ValueError) as err:
+        return str(err).splitlines()[0]
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from flashpar.bench.launch import run_workers, save_json
+    from flashpar.bench.netlink import chosen_rate, parse_rate
+
+    config = config_of(args)
+    problem = check_arguments(config)
+    if problem is None and str(args.link_rate).lower() not in ("none", "loopback", ""):
+        try:
+            parse_rate(args.link_rate)
+        except ValueError as err:
+            problem = f"--link-rate: {err}"
+    if problem:
+        print(f"flashpar bench prefill: {problem}", file=sys.stderr)
+        return 2
+    rate = chosen_rate(args.link_rate)
+    report = run_workers("flashpar.bench.prefill", config["tp"] * config["cp"], config, rate, timeout=args.timeout)
+    print(format_report(report), flush=True)
+    save_json(args.json, report)
+    if not report["setup"]["logits_agree"]:
+        print("flashpar bench prefill: the first logits disagree", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    from flashpar.bench.launch import module_main
+
+    module_main("flashpar bench prefill", add_arguments, run, worker)

@@ -1,0 +1,25 @@
+"""The planner's cost model for a prefill: the model's shape on the devices it runs on, weighted for a forward
+pass alone.
+
+A training step weighs attention ``(1 + BWD_ATTN_TIME) / 3`` times what its forward says against the linears
+(``CostModel.per_step``); a prefill runs the forward only, so its plans use the cost model as it is: the
+per-forward times of ``flashpar.cp.cost``.  The device's figures are rank 0's on every rank
+(``flashpar.train.planning.planning_device``: a collective call), so every rank makes the same plan.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashpar.cp import CostModel
+from flashpar.models import LlamaConfig
+
+
+def forward_cost(cfg: LlamaConfig, dtype: torch.dtype, device_type: str, tp: int = 1) -> CostModel:
+    """The forward-only cost model of ``cfg`` with activations of ``dtype`` on ``device_type`` (``tp``: the
+    processes of one cp rank, for ranks that share a CPU's cores)."""
+    from flashpar.train.planning import planning_device
+
+    hardware, burst = planning_device(device_type, group=tp)
+    return CostModel(hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                     layers=cfg.layers, dtype_bytes=torch.finfo(dtype).bits // 8, hardware=hardware, burst=burst)

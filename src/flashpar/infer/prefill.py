@@ -1,0 +1,80 @@
+"""Prefill: a batch of prompts packed as the documents of one sequence, run forward-only through the parallel
+model's own blocks (TP-SP linears with FlashOverlap, FlashCP attention with the plan's sharding-aware K/V
+exchange), planned by the planner for a forward pass alone.
+
+    tokens   = cat(prompts)                                   one document per prompt
+    plan     = cp.plan(lens, cp, cost=forward-only cost)      which tokens each cp rank holds
+    x_t      = embed(tokens of this cp rank), tp rank t's rows
+    x_t      = block_l(x_t, plan)   for every layer           the training forward's own code; each block
+                                                              hands its rotated K and V (this tp rank's kv
+                                                              heads, every token of the cp rank) to the cache
+    h_last   = gather_tp(x_t[last tokens of each prompt held by tp rank t])
+    logits   = gather_tp_cols(norm(h_last) head_t^T)          [prompts here, V]
+    out[p]   = sum over cp of each rank's rows                 (a prompt's last token is on one cp rank)
+
+Nothing keeps autograd state (``torch.no_grad``).  Every rank returns every prompt's last-token logits (fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flashpar.cp.cp_plan import CPPlan
+from flashpar.cp.layout import to_device
+from flashpar.dist import p2p_group, resolve_group
+from flashpar.infer.cache import RankCache
+from flashpar.infer.comm import all_reduce, gather_columns, gather_rows
+from flashpar.models.fused import rope_tables
+from flashpar.models.vocab import embed_rows, gathers_weight
+from flashpar.models.zero import all_gather_rows
+from flashpar.rows import row_sizes
+
+
+@torch.no_grad()
+def prefill(model, tokens_cp: torch.Tensor, plan: CPPlan, cache: RankCache | None) -> torch.Tensor:
+    """Every prompt's last-token logits ``[prompts, V]`` (fp32, the same on every rank) of the packed prompts,
+    this cp rank's tokens ``tokens_cp`` (``cp.shard(tokens, plan, cp_rank)``); the K/V of every layer into
+    ``cache`` (None: not kept).  ``model``: a ``ParallelLlama`` without ZeRO-3 and with ulysses 1 (checked by
+    the caller)."""
+    cfg, tp, group = model.cfg, model.tp, model.tp_group
+    # every rank creates its tp group's and its cp group's point-to-point twin now, in this order: a rank that
+    # holds no tokens of the batch (fewer tokens than ranks) sends nothing on tp and would skip creating the
+    # tp twin there, leaving the ranks' counts of groups, by which torch names new groups, apart (a hang)
+    for g in (group, model.cp_group):
+        p2p_group(resolve_group(g), 0, 1, op_name="flashpar.infer.prefill", timeout_s=model.step_check.timeout_s)
+    t_cp = tokens_cp.shape[0]
+    split = row_sizes(t_cp, tp)
+    start = sum(split[: model.tp_rank])
+    rows = slice(start, start + split[model.tp_rank])
+    dtype = model.compute_dtype
+    positions = to_device(plan.position_ids(model.cp_rank), tokens_cp.device)
+    tables = rope_tables(positions, cfg, dtype)
+    vocab = cfg.vocab_size
+    whole = model.gather_vocab_weight and gathers_weight(vocab, t_cp, tp)
+    if whole:  # the small-vocabulary path of ParallelLlama.forward: the weight moves, not the activations
+        embed = all_gather_rows(model.embed.weight.float(), group, vocab)
+        x = F.embedding(tokens_cp[rows], embed).to(dtype)
+    else:
+        x = embed_rows(tokens_cp, model.embed.weight, model.vocab_lo, group, dtype=dtype)
+    for i, block in enumerate(model.blocks):
+        block.kv_sink = cache.sink(i) if cache is not None else None
+        try:
+            x = block(x, tables, plan, split, [t_cp])
+        finally:
+            block.kv_sink = None
+    # the last token of each prompt this cp rank holds (the prompts' lengths: the plan's documents)
+    lens = torch.tensor(plan.doc_lens, dtype=torch.long)
+    docs = plan.doc_ids(model.cp_rank)
+    last = torch.nonzero(plan.position_ids(model.cp_rank) == lens[docs] - 1).flatten()
+    # each tp rank's rows are a contiguous block of the cp rank's tokens: it sends only the last tokens it holds,
+    # and rank order keeps them in local order (the order of ``last``)
+    bounds = [sum(split[:r]) for r in range(tp + 1)]
+    counts = [int(((last >= bounds[r]) & (last < bounds[r + 1])).sum()) for r in range(tp)]
+    own = last[(last >= start) & (last < start + split[model.tp_rank])] - start
+    h = gather_rows(x.index_select(0, to_device(own, x.device)), counts, group, tp)
+    head = model.embed.weight if model.head is None else model.head.weight
+    logits = gather_columns(model.norm(h).to(dtype) @ head.to(dtype).T, group, tp).float()
+    out = torch.zeros(len(plan.doc_lens), vocab, dtype=torch.float32, device=x.device)
+    out.index_copy_(0, to_device(docs[last], x.device), logits)
+    return all_reduce(out, model.cp_group, plan.cp_size)
