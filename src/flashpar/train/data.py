@@ -35,7 +35,9 @@ seen next, on every rank.
 from __future__ import annotations
 
 import bisect
+import functools
 import operator
+import os
 import random
 
 import numpy as np
@@ -264,6 +266,13 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _worker_start(rank_pid: int, worker_id: int) -> None:
+    """A data-loader worker's first act: the kernel's SIGKILL when its rank ends (``flashpar.lifeline``)."""
+    from flashpar.lifeline import die_with_parent
+
+    die_with_parent(rank_pid)
+
+
 def _identity(item):
     return item
 
@@ -273,7 +282,9 @@ def make_loader(planned: PlannedSequences, *, num_workers: int = 1, prefetch_fac
 
     ``num_workers > 0`` plans in worker processes started with ``spawn`` (safe after CUDA or threads
     are initialised in the trainer) and kept alive across epochs; ``num_workers=0`` plans in the
-    calling process.  Items are passed through unchanged (tensors, ``doc_lens`` list, ``CPPlan``).
+    calling process.  Items are passed through unchanged (tensors, ``doc_lens`` list, ``CPPlan``).  A worker
+    ends with its rank however the rank ends (the kernel's parent-death signal, ``flashpar.lifeline``; torch's
+    own check of the parent's pid takes up to 5 s).
     """
     if not _is_int(num_workers) or num_workers < 0:
         raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
@@ -281,5 +292,6 @@ def make_loader(planned: PlannedSequences, *, num_workers: int = 1, prefetch_fac
         raise ValueError(f"prefetch_factor must be a positive int, got {prefetch_factor!r}")
     workers = num_workers > 0
     return DataLoader(planned, batch_size=None, shuffle=False, num_workers=num_workers, collate_fn=_identity,
+                      worker_init_fn=functools.partial(_worker_start, os.getpid()) if workers else None,
                       prefetch_factor=prefetch_factor if workers else None, persistent_workers=workers,
                       multiprocessing_context="spawn" if workers else None)

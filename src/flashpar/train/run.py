@@ -23,10 +23,12 @@ flags (``Hooks``: fault injection for drills and tests).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -83,10 +85,14 @@ STOPPED = 74  # every rank stopped the job together (flashpar.train.stop.JobStop
 
 
 def _spawned(rank: int, world: int, rendezvous: dict, config: TrainConfig, result_path: str, hooks: Hooks | None,
-             inherit) -> None:
+             inherit, line) -> None:
     inherit.apply()  # the launcher's environment and stdout / stderr (flashpar.ranks: forked from a server)
+    from flashpar.train.interrupt import ignore_in_rank
+
+    ignore_in_rank()  # Ctrl-C reaches the whole process group: the launcher stops the ranks (flashpar.train.interrupt)
     os.environ.update(rendezvous, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # ranks.Rendezvous
     log = _own_stderr(rank, _rank_log(Path(config.out), rank))
+    line.watch(functools.partial(_launcher_gone, log, line.launcher_pid))  # flashpar.lifeline
     import torch.distributed as dist
 
     from flashpar.train.stop import JobStop
@@ -107,6 +113,13 @@ def _spawned(rank: int, world: int, rendezvous: dict, config: TrainConfig, resul
         Path(result_path).write_text(json.dumps(out))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _launcher_gone(log, pid: int) -> None:
+    """The launcher died (killed: it could not stop the ranks itself): say so in the rank's log and end at once."""
+    from flashpar.lifeline import exit_now
+
+    exit_now(f"the launcher (pid {pid}) is gone", file=log)
 
 
 def _who_did_not_arrive(err: BaseException) -> str:
@@ -194,6 +207,8 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
     import torch.multiprocessing as mp
 
     from flashpar import ranks
+    from flashpar.lifeline import Lifeline
+    from flashpar.train import interrupt
 
     out = Path(config.out)
     result = out / (".check.json" if config.check else ".result.json")  # rank 0's return
@@ -202,13 +217,22 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
     level = spawn_log.level
     spawn_log.setLevel(logging.ERROR)
     rendezvous = ranks.Rendezvous(config.master_addr, config.timeout)  # listens on --master-addr only
+    line = Lifeline()  # the ranks end when this process does, however it ends (flashpar.lifeline)
+    procs, started = None, time.time()
     try:
-        ranks.context()  # ranks fork from a server that has imported torch (flashpar.ranks)
-        procs = mp.start_processes(_spawned, args=(config.nproc, rendezvous.env(), config, str(result), hooks,
-                                                   ranks.Inherit()),
-                                   nprocs=config.nproc, join=False, start_method=ranks.start_method())
-        while not procs.join(grace_period=GRACE_S):  # on a failure: the others get GRACE_S, then SIGKILL
-            pass
+        with interrupt.sigterm_interrupts():
+            ranks.quiet_tracker()
+            ranks.context()  # ranks fork from a server that has imported torch (flashpar.ranks)
+            procs = mp.start_processes(_spawned, args=(config.nproc, rendezvous.env(), config, str(result), hooks,
+                                                       ranks.Inherit(), line.child()),
+                                       nprocs=config.nproc, join=False, start_method=ranks.start_method())
+            while not procs.join(grace_period=GRACE_S):  # on a failure: the others get GRACE_S, then SIGKILL
+                pass
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the ranks stop here, one line says where
+        interrupt.stop_ranks(procs)
+        _drop_empty_logs(out, config.nproc)
+        print(f"\nflashpar train: {interrupt.line(out, config.save_every, err, started)}", file=sys.stderr)
+        return interrupt.EXIT_STATUS
     except mp.ProcessExitedException as err:  # the first rank to stop: raised (its log), killed, or crashed
         stopped = getattr(err, "exit_code", None) == STOPPED
         print(f"flashpar train: {'' if stopped else 'a rank failed: '}{_failure(err, out)}", file=sys.stderr)
@@ -220,11 +244,17 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
     finally:
         spawn_log.setLevel(level)
         rendezvous.close()
-    for r in range(config.nproc):  # keep only the logs that say something
+        line.close()
+    _drop_empty_logs(out, config.nproc)
+    return _report(json.loads(result.read_text()), config)
+
+
+def _drop_empty_logs(out: Path, nproc: int) -> None:
+    """Keep only the rank logs that say something."""
+    for r in range(nproc):
         log = _rank_log(out, r)
         if log.is_file() and log.stat().st_size == 0:
             log.unlink()
-    return _report(json.loads(result.read_text()), config)
 
 
 def _report(out, config: TrainConfig) -> int:
