@@ -1,0 +1,119 @@
+"""Drills: ``flashpar train``'s launcher killed with SIGKILL (no handler runs) mid-run and mid-save.
+
+Within 15 s no process of the job remains: the processes are the launcher's process tree as the test records it
+just before the kill (the four ranks, their data-loader workers, multiprocessing's fork server and resource
+tracker), each identified by pid and start time, never by name.  A killed save leaves no ``step_N`` that a resume
+would take, and ``--resume`` from the run's checkpoints continues.  The launcher is ``tests/lifeline_workers.py``
+(``launch`` with a hook that holds rank 0 at a known point, see there).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="the drills read /proc (Linux)")
+
+GONE_WITHIN_S = 15.0
+START_WITHIN_S = 240.0  # four ranks importing torch on two loaded cores, then the first steps
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot), None when gone or a zombie (it has ended)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _tree(root: int) -> dict[int, int]:
+    """``root`` and every process descended from it: pid -> start time."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        started = _start_time(pid)
+        if started is not None:
+            out[pid] = started
+            todo += children.get(pid, [])
+    return out
+
+
+def _alive(tree: dict[int, int]) -> list[int]:
+    return [pid for pid, started in tree.items() if _start_time(pid) == started]
+
+
+def _kill_launcher_when_reached(tmp_path: Path, when: str) -> tuple[dict[int, int], float]:
+    """Run the launcher until rank 0 holds at ``when``; record its tree, SIGKILL it; the tree and the seconds
+    until no process of it was left."""
+    out = tmp_path / "run"
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent / "src"), str(here),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    launcher = subprocess.Popen([sys.executable, str(here / "lifeline_workers.py"), str(out), when], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    tree: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + START_WITHIN_S
+        while not (out / ".reached").is_file():
+            assert launcher.poll() is None, launcher.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "rank 0 never reached the point of the drill"
+            time.sleep(0.2)
+        time.sleep(0.5)  # every rank inside the step's first collective, waiting for rank 0
+        tree = _tree(launcher.pid)
+        t0 = time.monotonic()
+        launcher.kill()
+        launcher.wait()
+        while _alive(tree) and time.monotonic() - t0 < GONE_WITHIN_S:
+            time.sleep(0.1)
+        return tree, time.monotonic() - t0
+    finally:
+        for pid in _alive(tree):  # a failed drill leaves nothing running either
+            os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+def _kinds(tree: dict[int, int]) -> str:
+    cmds = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:90] for pid in tree
+            if _start_time(pid) == tree[pid]]
+    return "\n".join(cmds)
+
+
+def test_killed_launcher_mid_run_leaves_no_process(tmp_path):
+    tree, took = _kill_launcher_when_reached(tmp_path, "run")
+    # the launcher, resource tracker, fork server, 4 ranks and their 4 data-loader workers
+    assert len(tree) >= 11, f"recorded only {len(tree)} processes"
+    left = _alive(tree)
+    assert not left, f"{len(left)} processes of the job still run {took:.0f} s after the launcher died:\n{_kinds(tree)}"
+    logs = [(tmp_path / "run" / f"rank{r}.log").read_text() for r in range(4)]
+    assert all("is gone" in log and "Traceback" not in log for log in logs), logs
+
+
+def test_killed_launcher_mid_save_leaves_no_step_and_resumes(tmp_path):
+    from lifeline_workers import config
+
+    from flashpar.train.run import launch
+
+    tree, took = _kill_launcher_when_reached(tmp_path, "save")
+    left = _alive(tree)
+    assert not left, f"{len(left)} processes of the job still run {took:.0f} s after the launcher died"
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".step_4.partial", "step_2"]  # step 4 never published
+    assert launch(config(str(tmp_path / "resumed"), steps=4, resume=str(checkpoints))) == 0
+    rows = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+    assert [int(r.split('"step": ')[1].split(",")[0]) for r in rows] == [3, 4]
