@@ -55,10 +55,9 @@ def config(out: str, **changes):
 
 
 def main(out: str, when: str) -> int:
-    from lifeline_workers import hold_before, hold_in_save  # by module name: the ranks import it (tests/ on the path)
-
     from flashpar.train.loop import Hooks
     from flashpar.train.run import launch
+    from lifeline_workers import hold_before, hold_in_save  # by module name: the ranks import it (tests/ on the path)
 
     marker = str(Path(out) / ".reached")
     hook = hold_before if when == "run" else hold_in_save

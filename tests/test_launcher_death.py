@@ -105,9 +105,8 @@ def test_killed_launcher_mid_run_leaves_no_process(tmp_path):
 
 
 def test_killed_launcher_mid_save_leaves_no_step_and_resumes(tmp_path):
-    from lifeline_workers import config
-
     from flashpar.train.run import launch
+    from lifeline_workers import config
 
     tree, took = _kill_launcher_when_reached(tmp_path, "save")
     left = _alive(tree)
@@ -117,3 +116,76 @@ def test_killed_launcher_mid_save_leaves_no_step_and_resumes(tmp_path):
     assert launch(config(str(tmp_path / "resumed"), steps=4, resume=str(checkpoints))) == 0
     rows = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
     assert [int(r.split('"step": ')[1].split(",")[0]) for r in rows] == [3, 4]
+
+
+BENCH = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--seq-len", "128",
+         "--scale", "64", "--steps", "4", "--rounds", "200", "--warmup", "1", "--dp", "1", "--cp", "1", "--tp", "2"]
+
+
+def _workers(tree: dict[int, int], launcher: int) -> list[int]:
+    """The launcher's children that are benchmark ranks (their command line has --worker)."""
+    return [pid for pid in tree if pid != launcher and b"--worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def test_killed_benchmark_leaves_no_worker_and_the_next_removes_its_namespaces(tmp_path, capfd):
+    """``flashpar bench train`` SIGKILLed mid-round: its workers end within 15 s; behind emulated links (root) the
+    next benchmark that builds links removes the namespaces the dead one left and says so in one line (without
+    root: the same drill on loopback)."""
+    from flashpar.bench import netlink
+
+    links, _ = netlink.links_available()
+    rate = "200mbit" if links else "none"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent / "src"),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    bench = subprocess.Popen([sys.executable, "-m", "flashpar.cli", "bench", "train", *BENCH, "--link-rate", rate],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    tree: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + START_WITHIN_S
+        while len(_workers(tree, bench.pid)) < 2:  # both ranks started ...
+            assert bench.poll() is None, bench.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the benchmark's ranks never started"
+            time.sleep(0.2)
+            tree = _tree(bench.pid)
+        time.sleep(8.0)  # ... and into their rounds (torch imported, the first steps run)
+        tree = _tree(bench.pid)
+        names = [n for n in netlink._netns_list() if netlink._owner(n) == bench.pid]
+        t0 = time.monotonic()
+        bench.kill()
+        bench.wait()
+        while _alive(tree) and time.monotonic() - t0 < GONE_WITHIN_S:
+            time.sleep(0.1)
+        left = _alive(tree)
+        assert not left, f"{len(left)} processes still run {time.monotonic() - t0:.0f} s after the benchmark died"
+    finally:
+        for pid in _alive(tree):
+            os.kill(pid, signal.SIGKILL)
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    if not links:
+        return
+    assert len(names) == 3 and set(names) <= set(netlink._netns_list())  # r0, r1 and the hub, left behind
+    capfd.readouterr()
+    with netlink.EmulatedLinks(1, "1gbit"):
+        pass
+    err = capfd.readouterr().err
+    assert f"removed 3 network namespaces left by a benchmark that is gone (pid {bench.pid})" in err, err
+    assert not set(names) & set(netlink._netns_list())
+
+
+def test_stale_namespace_names():
+    """Ours by name (``fpnet<pid>-<serial>-r<rank>`` / ``-hub``), stale when the pid is gone or reused."""
+    from flashpar.bench import netlink
+
+    assert netlink._owner("fpnet1234-2-r3") == 1234 and netlink._owner("fpnet1234-1-hub") == 1234
+    assert [netlink._owner(n) for n in ("fpnet1234-r3", "other7-1-r0", "fpnet12a-1-r0", "fpnet1-1-r0x")] == [None] * 4
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is free (not reused within this test: pids are handed out in increasing order)
+    assert netlink._stale(f"fpnet{dead.pid}-1-r0", time.time())
+    me = os.getpid()
+    assert not netlink._stale(f"fpnet{me}-1-r0", time.time())  # this process's own
+    parent = os.getppid()
+    assert not netlink._stale(f"fpnet{parent}-1-hub", time.time())  # alive, started before the namespace
+    assert netlink._stale(f"fpnet{parent}-1-hub", 0.0)  # made before its pid's process started: the pid was reused
+    assert not netlink._stale("unrelated-ns", None)
