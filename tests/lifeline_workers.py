@@ -2,11 +2,11 @@
 
     python tests/lifeline_workers.py OUT WHEN
 
-launches the 4-rank default mesh (tp=2, cp=2) with one data-loader worker per rank, a checkpoint every 2 steps,
+launches the 4-rank default mesh (tp=2, cp=2) with one data-loader worker per rank, a checkpoint every step,
 and a hook that, on rank 0, writes ``OUT/.reached`` and then holds the job (the other ranks wait for rank 0
 in the step's collectives) so that the test can record the process tree and SIGKILL this launcher at a known
-point: ``WHEN`` is ``run`` (rank 0 held before step 3) or ``save`` (rank 0 held inside the save of step 4,
-after its files are written, before the folder is published as ``step_4``).
+point: ``WHEN`` is ``run`` (rank 0 held before step 3) or ``save`` (rank 0 held inside the save of step 2,
+after its files are written, before the folder is published as ``step_2``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 HOLD_S = 60.0  # far longer than the test waits: the job is only ever ended by the launcher's death
-STEPS, SAVE_EVERY = 8, 2
+STEPS, SAVE_EVERY = 6, 1
 SETTINGS = {"seq_len": 128, "max_docs": 60, "workers": 1, "timeout": 60.0}
 
 
@@ -61,7 +61,7 @@ def main(out: str, when: str) -> int:
 
     marker = str(Path(out) / ".reached")
     hook = hold_before if when == "run" else hold_in_save
-    at = 3 if when == "run" else 4
+    at = 3 if when == "run" else 2
     return launch(config(out), hooks=Hooks(before_step=functools.partial(hook, at=at, marker=marker)))
 
 

@@ -9,6 +9,7 @@ would take, and ``--resume`` from the run's checkpoints continues.  The launcher
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -56,9 +57,10 @@ def _alive(tree: dict[int, int]) -> list[int]:
     return [pid for pid, started in tree.items() if _start_time(pid) == started]
 
 
-def _kill_launcher_when_reached(tmp_path: Path, when: str) -> tuple[dict[int, int], float]:
-    """Run the launcher until rank 0 holds at ``when``; record its tree, SIGKILL it; the tree and the seconds
-    until no process of it was left."""
+def _kill_launcher_when_reached(tmp_path: Path, when: str, interrupt: bool = False) -> tuple[dict[int, int], float]:
+    """Run the launcher until rank 0 holds at ``when``; record its tree, SIGKILL it (``interrupt``: SIGINT to its
+    whole process group instead, as a terminal's Ctrl-C does); the tree and the seconds until no process of it
+    was left.  With ``interrupt`` the launcher's stderr is kept in ``tmp_path / "stderr"``."""
     out = tmp_path / "run"
     here = Path(__file__).parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent / "src"), str(here),
@@ -75,8 +77,13 @@ def _kill_launcher_when_reached(tmp_path: Path, when: str) -> tuple[dict[int, in
         time.sleep(0.5)  # every rank inside the step's first collective, waiting for rank 0
         tree = _tree(launcher.pid)
         t0 = time.monotonic()
-        launcher.kill()
-        launcher.wait()
+        if interrupt:
+            os.killpg(launcher.pid, signal.SIGINT)
+            _, err = launcher.communicate(timeout=GONE_WITHIN_S)
+            (tmp_path / "stderr").write_text(f"{launcher.returncode}\n{err.decode()}")
+        else:
+            launcher.kill()
+            launcher.wait()
         while _alive(tree) and time.monotonic() - t0 < GONE_WITHIN_S:
             time.sleep(0.1)
         return tree, time.monotonic() - t0
@@ -104,6 +111,20 @@ def test_killed_launcher_mid_run_leaves_no_process(tmp_path):
     assert all("is gone" in log and "Traceback" not in log for log in logs), logs
 
 
+def test_ctrl_c_stops_the_job_with_one_line(tmp_path):
+    """SIGINT to the job's process group with rank 0 inside step 3: the launcher prints one line (where, the
+    newest checkpoint, how to resume), no traceback anywhere, and no process of the job is left."""
+    tree, took = _kill_launcher_when_reached(tmp_path, "run", interrupt=True)
+    assert not _alive(tree), f"processes of the job still run {took:.0f} s after Ctrl-C"
+    rc, err = (tmp_path / "stderr").read_text().split("\n", 1)
+    last = err.strip().splitlines()[-1]
+    assert rc == "130" and last == (f"flashpar train: interrupted at step 3; newest checkpoint step_2; resume with "
+                                    f"--resume {tmp_path / 'run' / 'checkpoints'}"), err[-2000:]
+    assert "Traceback" not in err and "Warning" not in err, err[-2000:]
+    logs = [log.read_text() for log in (tmp_path / "run").glob("rank*.log")]
+    assert not any("Traceback" in log for log in logs), logs
+
+
 def test_killed_launcher_mid_save_leaves_no_step_and_resumes(tmp_path):
     from flashpar.train.run import launch
     from lifeline_workers import config
@@ -112,10 +133,10 @@ def test_killed_launcher_mid_save_leaves_no_step_and_resumes(tmp_path):
     left = _alive(tree)
     assert not left, f"{len(left)} processes of the job still run {took:.0f} s after the launcher died"
     checkpoints = tmp_path / "run" / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == [".step_4.partial", "step_2"]  # step 4 never published
-    assert launch(config(str(tmp_path / "resumed"), steps=4, resume=str(checkpoints))) == 0
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".step_2.partial", "step_1"]  # step 2 never published
+    assert launch(config(str(tmp_path / "resumed"), steps=3, workers=0, resume=str(checkpoints))) == 0
     rows = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
-    assert [int(r.split('"step": ')[1].split(",")[0]) for r in rows] == [3, 4]
+    assert [json.loads(r)["step"] for r in rows] == [2, 3]
 
 
 BENCH = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--seq-len", "128",
