@@ -274,7 +274,9 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
     resolved to one checkpoint folder.  ``ValueError`` / ``FileNotFoundError`` with one line."""
     if config.world_size != world_size:
         raise ValueError(f"mesh dp x cp x ulysses x tp = {config.dp} x {config.cp} x {config.ulysses} x {config.tp} "
-                         f"= {config.world_size} does not match the {world_size} processes")
+                         f"= {config.world_size} does not match the {world_size} processes: run it with --nproc "
+                         f"{config.world_size} (under torchrun: {config.world_size} processes in all), or choose a "
+                         f"mesh whose product is {world_size}")
     if config.device == "cuda":
         import torch
 
