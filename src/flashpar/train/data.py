@@ -39,6 +39,7 @@ import functools
 import operator
 import os
 import random
+import sys
 
 import numpy as np
 import torch
@@ -229,12 +230,18 @@ def training_data(config, split: str = "train") -> PackedCorpus:
 def ready_data(config) -> None:
     """``ready()``'s check of the run's tokens and documents, before any rank starts (``ValueError``: one line):
     the byte tokens fit the model, or the tokenizer does; the data files read (the token cache is built
-    here, see ``flashpar.train.tokens``); one global batch of training sequences and, with ``--eval-every``,
-    at least one held-out sequence per dp rank."""
+    here, see ``flashpar.train.tokens``; the files of a ``--data`` folder left out are named in one line);
+    one global batch of training sequences and, with ``--eval-every``, at least one held-out sequence per dp
+    rank."""
     from flashpar.train import tokens
 
     if not tokens.uses_cache(config):
         tokens.bytes_fit(config.model.vocab_size)
+    if config.data:
+        from flashpar.train.sources import skipped_line
+
+        if line := skipped_line(config.data):
+            print(f"flashpar train: {line}", file=sys.stderr, flush=True)
     train = training_data(config)
     micro = config.check_micro_batches if config.check else config.micro_batches
     if len(train) < config.dp * micro:

@@ -32,6 +32,7 @@ import datetime
 import itertools
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -108,6 +109,11 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
                                start=start)
     micro = config.micro_batches
     steps = first_step + min(config.steps - first_step, len(planned) // micro)
+    if steps < config.steps and rank == 0:  # one pass over the data: say so now, not only at the end
+        print(f"flashpar train: warning: the training data hold {len(planned) // micro} more steps of dp x "
+              f"micro-batches = {config.dp} x {micro} sequences: the run will stop at step {steps}, before --steps "
+              f"{config.steps} (each sequence is used once; add documents or lower --steps)", file=sys.stderr,
+              flush=True)
     loader = make_loader(planned, num_workers=config.workers)
     peak = peak_flops(device)
     out = Path(config.out)
@@ -169,6 +175,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         log.close()
         result = summary(history, wall_s, config, peak, peak_mem_mb=mem_mb)
         result["skipped_nonfinite"] = guard.skipped
+        result["data_ran_out_at"] = steps if steps < config.steps else None  # the report says so
         if config.plot and history:
             from flashpar.train.report import plot
 

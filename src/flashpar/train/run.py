@@ -275,8 +275,10 @@ def _report(out, config: TrainConfig) -> int:
         print("PASS" if passed else "FAIL")
         return 0 if passed else 1
     s = out
+    ran_out = s.get("data_ran_out_at")
     if s["steps"] == 0:
-        print(f"nothing to train: the run is already at --steps {config.steps}")
+        print(f"nothing to train: the training data hold no sequence after step {ran_out}" if ran_out is not None
+              else f"nothing to train: the run is already at --steps {config.steps}")
         return 0
     mesh = " ".join(f"{k}={v}" for k, v in s["mesh"].items() if k != "ulysses" or v > 1)  # ulysses: when used
     print(f"\ntrained {s['steps']} steps on mesh {mesh} "
@@ -289,6 +291,9 @@ def _report(out, config: TrainConfig) -> int:
           f"{s['headtail_kv_bytes'] / 1e6:.1f} MB for headtail; estimated step (cost model) "
           f"{s['per_doc_est_step_ms'] / max(s['est_step_ms'], 1e-12):.2f}x faster than per_doc, "
           f"{s['headtail_est_step_ms'] / max(s['est_step_ms'], 1e-12):.2f}x than headtail")
+    if ran_out is not None:
+        print(f"the training data ran out at step {ran_out}, before --steps {config.steps}: each sequence is used "
+              f"once (add documents or lower --steps)")
     if s.get("eval_loss") is not None:
         print(f"validation loss (held-out documents) {s['eval_loss']:.3f} at step {s['eval'][-1][0]}")
     if s.get("skipped_nonfinite"):
