@@ -165,13 +165,26 @@ def format_columns(rows: list[list[str]], gap: int = 2) -> list[str]:
 
 def _plot(p, path: str) -> int:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
+        fig = plan_figure(p)
     except ImportError:
         print("flashpar plan: --plot needs matplotlib (pip install 'flashpar[plot]')", file=sys.stderr)
         return 2
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return 0
+
+
+def plan_figure(p):
+    """Per-rank work (compute bars, estimated time dots) and the rank-to-rank K/V matrix of plan ``p``; every
+    rank axis has one tick per rank, at its integer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     n = p.cp_size
     st = p.stats()
     matrix = [[0] * n for _ in range(n)]
@@ -185,8 +198,9 @@ def _plot(p, path: str) -> int:
     ax1.legend()
     im = ax2.imshow(matrix, cmap="viridis")
     ax2.set(xlabel="receiver", ylabel="sender", title="K/V MB, sender -> receiver")
+    ranks = list(range(n))
+    for axis in (ax1.xaxis, ax2.xaxis, ax2.yaxis):
+        axis.set_ticks(ranks, [str(r) for r in ranks])
     fig.colorbar(im, ax=ax2)
     fig.tight_layout()
-    fig.savefig(path)
-    print(f"wrote {path}")
-    return 0
+    return fig
