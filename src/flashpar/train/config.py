@@ -50,6 +50,8 @@ class TrainConfig:
                            "output projections, inside each cp rank; needs --tp 1 (both split the heads)")
     tp: int = _opt(2, "tensor-parallel size of the mesh (1 with --ulysses > 1)")
     steps: int = _opt(400, "optimizer steps of the run (a resumed run continues up to this step)")
+    epochs: int = _opt(1, "passes over the training sequences: at their end the run starts over from the first, in "
+                          "the same order; a run that would need more passes stops early and says so")
     seq_len: int = _opt(2048, "tokens per packed sequence")
     strategy: str = _opt("flashcp", "context-parallel plan", choices=STRATEGIES)
     mode: str = _opt("flash", "TP overlap mode", choices=MODES)
@@ -130,7 +132,7 @@ class TrainConfig:
             choices = _FIELDS[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
-        for name, least in (("nproc", 1), ("dp", 1), ("cp", 1), ("ulysses", 1), ("tp", 1), ("steps", 1),
+        for name, least in (("nproc", 1), ("dp", 1), ("cp", 1), ("ulysses", 1), ("tp", 1), ("steps", 1), ("epochs", 1),
                             ("threads", 1), ("workers", 0), ("save_every", 0), ("eval_every", 0), ("eval_docs", 1),
                             ("micro_batches", 1), ("prefetch", 0)):
             value = getattr(self, name)

@@ -26,6 +26,10 @@ Planning (:class:`PlannedSequences`).  Data-parallel rank ``d`` of ``D`` takes t
 which ``__getitem__`` adds the context-parallel plan of its document pieces, so that behind a
 :class:`~torch.utils.data.DataLoader` (:func:`make_loader`) the planner runs in the worker processes.
 
+Epochs (``--epochs E``).  The global sequences run on past the end of the stream: global sequence ``g`` is
+stream sequence ``g mod (S // L)``, so a second pass takes the same sequences in the same order
+(``PlannedSequences``).
+
 Resume.  After ``k`` steps every rank has consumed the items ``j < k``, i.e. the global sequences
 ``start .. start + k * D - 1``; rebuilding :class:`PlannedSequences` with ``start + k * D`` (same
 dataset arguments, seed and ``dp_size``) yields exactly the sequences the uninterrupted run would have
@@ -174,14 +178,21 @@ def read_stream(max_docs: int | None, order: list[int], starts: list[int], lens:
 class PlannedSequences(Dataset):
     """The sequences of one data-parallel rank, each with its context-parallel plan.
 
-    Item ``j`` is ``dataset[start + j * dp_size + dp_rank]`` plus ``plan`` (:func:`flashpar.cp.plan` of its
-    ``doc_lens`` over ``cp_size`` ranks with ``strategy`` and ``cost``) and ``planning_s`` (the planner's
-    time for it, in seconds).  ``start`` is the global sequence index to begin at: resume with
-    ``start + steps * dp_size`` (see the module docstring).
+    Item ``j`` is ``dataset[g % len(dataset)]``, ``g = start + j * dp_size + dp_rank``, plus ``plan``
+    (:func:`flashpar.cp.plan` of its ``doc_lens`` over ``cp_size`` ranks with ``strategy`` and ``cost``) and
+    ``planning_s`` (the planner's time for it, in seconds).  ``g`` runs over ``epochs`` passes of the dataset,
+    each in the same order (the stream of global sequences simply continues from the first)::
+
+        g:        0 1 2 ... N-1 | N   N+1 ... 2N-1 | ...      (epochs x N global sequences)
+        dataset:  0 1 2 ... N-1 | 0   1   ... N-1  | ...
+
+    ``start`` is the global sequence index to begin at: resume with ``start + steps * dp_size`` (see the
+    module docstring).
     """
 
     def __init__(self, dataset: PackedCorpus, cp_size: int, strategy: str = "flashcp",
-                 cost: CostModel | None = None, *, dp_rank: int = 0, dp_size: int = 1, start: int = 0):
+                 cost: CostModel | None = None, *, dp_rank: int = 0, dp_size: int = 1, start: int = 0,
+                 epochs: int = 1):
         if not _is_int(cp_size) or cp_size < 1:
             raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
         if strategy not in STRATEGIES:
@@ -190,14 +201,18 @@ class PlannedSequences(Dataset):
             raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
         if not _is_int(dp_rank) or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size) = [0, {dp_size}), got {dp_rank!r}")
-        if not _is_int(start) or not 0 <= start <= len(dataset):
-            raise ValueError(f"start must be a sequence index in [0, {len(dataset)}], got {start!r}")
+        if not _is_int(epochs) or epochs < 1:
+            raise ValueError(f"epochs must be a positive int, got {epochs!r}")
+        total = epochs * len(dataset)
+        if not _is_int(start) or not 0 <= start <= total:
+            raise ValueError(f"start must be a sequence index in [0, {total}] ({epochs} pass(es) of {len(dataset)} "
+                             f"sequences), got {start!r}")
         self.dataset, self.cp_size, self.strategy, self.cost = dataset, cp_size, strategy, cost
-        self.dp_rank, self.dp_size, self.start = dp_rank, dp_size, start
+        self.dp_rank, self.dp_size, self.start, self.total = dp_rank, dp_size, start, total
 
     def __len__(self) -> int:
-        """Items ``j`` with ``start + j * dp_size + dp_rank < len(dataset)``."""
-        left = len(self.dataset) - self.start - self.dp_rank
+        """Items ``j`` with ``start + j * dp_size + dp_rank < epochs * len(dataset)``."""
+        left = self.total - self.start - self.dp_rank
         return max(0, -(-left // self.dp_size))
 
     def global_index(self, j: int) -> int:
@@ -208,7 +223,7 @@ class PlannedSequences(Dataset):
         return self.start + j * self.dp_size + self.dp_rank
 
     def __getitem__(self, j: int) -> dict:
-        item = self.dataset[self.global_index(j)]
+        item = self.dataset[self.global_index(j) % len(self.dataset)]
         item["plan"] = cp_plan(item["doc_lens"], self.cp_size, strategy=self.strategy, cost=self.cost)
         item["planning_s"] = item["plan"].planning_s
         item["figures"] = plan_figures(item["plan"])

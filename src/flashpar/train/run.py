@@ -292,8 +292,9 @@ def _report(out, config: TrainConfig) -> int:
           f"{s['per_doc_est_step_ms'] / max(s['est_step_ms'], 1e-12):.2f}x faster than per_doc, "
           f"{s['headtail_est_step_ms'] / max(s['est_step_ms'], 1e-12):.2f}x than headtail")
     if ran_out is not None:
-        print(f"the training data ran out at step {ran_out}, before --steps {config.steps}: each sequence is used "
-              f"once (add documents or lower --steps)")
+        print(f"the training data ran out at step {ran_out}, before --steps {config.steps} after --epochs "
+              f"{config.epochs} pass{'es' if config.epochs > 1 else ''} (add documents, raise --epochs or lower "
+              f"--steps)")
     if s.get("eval_loss") is not None:
         print(f"validation loss (held-out documents) {s['eval_loss']:.3f} at step {s['eval'][-1][0]}")
     if s.get("skipped_nonfinite"):
