@@ -174,7 +174,15 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"flashpar train: {err}", file=sys.stderr)
         return 2
-    return launch(config)
+    try:
+        return launch(config)
+    except KeyboardInterrupt:  # before the ranks started (checking the data, tokenizing): nothing to resume yet
+        if "RANK" in os.environ:  # under torchrun: torchrun's agent reports it
+            raise
+        from flashpar.train.interrupt import EXIT_STATUS
+
+        print("\nflashpar train: interrupted before the first step (while checking the run's data)", file=sys.stderr)
+        return EXIT_STATUS
 
 
 def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:

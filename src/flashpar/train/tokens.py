@@ -137,6 +137,18 @@ def _init(text: str | None, eod: int, dtype: str, vocab_size: int) -> None:
     _WORKER.update(tok=tok, eod=eod, dtype=dtype, vocab_size=vocab_size)
 
 
+def _pool_init(parent_pid: int, *init) -> None:
+    """A tokenizing worker: ends with the process that started it (``flashpar.lifeline``), leaves Ctrl-C to it
+    (the pool is ended by its owner: no traceback per worker), then ``_init``."""
+    import signal
+
+    from flashpar.lifeline import die_with_parent
+
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init(*init)
+
+
 def _encode(texts: list[str]) -> tuple[list[int], bytes]:
     """``(lengths, tokens)`` of a batch of documents: each one's ids (and the end-of-document id), as bytes."""
     tok, eod, dtype = _WORKER["tok"], _WORKER["eod"], _WORKER["dtype"]
@@ -302,7 +314,7 @@ def _encoded(batches, init: tuple, workers: int) -> Iterator[tuple[list[int], by
         return
     import multiprocessing as mp
 
-    with mp.get_context("spawn").Pool(workers, initializer=_init, initargs=init) as pool:
+    with mp.get_context("spawn").Pool(workers, initializer=_pool_init, initargs=(os.getpid(), *init)) as pool:
         pending = []
         for batch in batches:
             pending.append(pool.apply_async(_encode, (batch,)))
