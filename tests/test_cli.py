@@ -70,3 +70,17 @@ def test_mesh_error_names_the_nproc_that_fits(capsys):
     assert main(["train", "--nproc", "3"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "run it with --nproc 4" in err and "product is 3" in err, err
+
+
+def test_ctrl_c_before_the_ranks_start_is_one_line(monkeypatch, capsys):
+    """Interrupted while the launcher checks or tokenizes the data (before any rank): one line, status 130."""
+    from flashpar.train import run as train_run
+
+    def interrupted(config, hooks=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_run, "launch", interrupted)
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["train", "--steps", "1"]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == "flashpar train: interrupted before the first step (while checking the run's data)", err
