@@ -189,7 +189,8 @@ def test_killed_benchmark_leaves_no_worker_and_the_next_removes_its_namespaces(t
     assert len(names) == 3 and set(names) <= set(netlink._netns_list())  # r0, r1 and the hub, left behind
     capfd.readouterr()
     with netlink.EmulatedLinks(1, "1gbit"):
-        pass
+        # a hang-up removes the namespaces too, as SIGINT and SIGTERM do
+        assert signal.getsignal(signal.SIGHUP) is netlink._on_signal
     err = capfd.readouterr().err
     assert f"removed 3 network namespaces left by a benchmark that is gone (pid {bench.pid})" in err, err
     assert not set(names) & set(netlink._netns_list())
