@@ -1,6 +1,6 @@
 """A ``flashpar train`` launcher for the launcher-death drills (``tests/test_launcher_death.py``), run as a script.
 
-    python tests/lifeline_workers.py OUT WHEN
+    python tests/lifeline_workers.py OUT WHEN [small]
 
 launches the 4-rank default mesh (tp=2, cp=2) with one data-loader worker per rank, a checkpoint every step,
 and a hook that, on rank 0, writes ``OUT/.reached`` and then holds the job (the other ranks wait for rank 0
@@ -54,7 +54,9 @@ def config(out: str, **changes):
     return TrainConfig(**{"steps": STEPS, "save_every": SAVE_EVERY, "out": out, **SETTINGS, **changes})
 
 
-def main(out: str, when: str) -> int:
+def main(out: str, when: str, small: str = "") -> int:
+    """``small`` ("small"): 2 ranks (cp=2, tp=1) without data-loader workers, for the drills that need fewer
+    processes."""
     from flashpar.train.loop import Hooks
     from flashpar.train.run import launch
     from lifeline_workers import hold_before, hold_in_save  # by module name: the ranks import it (tests/ on the path)
@@ -62,7 +64,8 @@ def main(out: str, when: str) -> int:
     marker = str(Path(out) / ".reached")
     hook = hold_before if when == "run" else hold_in_save
     at = 3 if when == "run" else 2
-    return launch(config(out), hooks=Hooks(before_step=functools.partial(hook, at=at, marker=marker)))
+    sizes = {"nproc": 2, "tp": 1, "workers": 0} if small else {}
+    return launch(config(out, **sizes), hooks=Hooks(before_step=functools.partial(hook, at=at, marker=marker)))
 
 
 if __name__ == "__main__":
