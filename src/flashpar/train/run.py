@@ -15,6 +15,9 @@ any process group starts
 launcher stop the others and print one line naming it and its log: each rank's output below
 Python (torch's C++ warnings) and, but for rank 0's progress bar, its stderr go to ``rank<r>.log``
 in ``--out``, and a rank that raises ends its log with the traceback.  Every wait has the ``--timeout``.
+The spawned ranks end when the launcher ends, however it ends (SIGKILL included: ``flashpar.lifeline``);
+Ctrl-C or SIGTERM stops them with one line naming the step and the checkpoint to resume from
+(``flashpar.train.interrupt``).  Under torchrun none of this is added: torchrun's agent owns its workers.
 
 From Python: ``launch(TrainConfig(...), hooks=Hooks(before_step=...))`` is the command without the
 flags (``Hooks``: fault injection for drills and tests).
