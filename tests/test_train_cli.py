@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 
 import pytest
 import torch
@@ -118,9 +119,10 @@ def test_own_model_from_a_hugging_face_folder_to_a_hugging_face_folder(train_run
     Llama 3.1-style folder and its BPE tokenizer, jsonl + parquet + text documents, every training feature
     on; the exported folder is one transformers loads whole, with the trained weights."""
     transformers = pytest.importorskip("transformers")
+    import tokenizers
     from safetensors.torch import load_file
 
-    from train_runs import OWN_MODEL
+    from train_runs import EOD, OWN_MODEL
 
     run, export = train_runs["own-model"], train_runs["export"]
     assert run.rc == 0 and export.rc == 0, (run.stderr[-3000:], export.stderr[-2000:])
@@ -137,6 +139,19 @@ def test_own_model_from_a_hugging_face_folder_to_a_hugging_face_folder(train_run
     assert rows[0]["tokens_per_s"] * rows[0]["step_s"] == pytest.approx(2 * 256)
     hf, info = transformers.LlamaForCausalLM.from_pretrained(export.out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    # whole: the tokenizer loads (offline, conftest), generation stops at the run's end-of-text token, and every
+    # file has a new file's ordinary mode
+    tok = transformers.AutoTokenizer.from_pretrained(export.out)
+    eod = tok.convert_tokens_to_ids(EOD)
+    assert tok.eos_token == EOD and tok("x = 1").input_ids == tokenizers.Tokenizer.from_file(
+        str(run.out.parent.parent / "path" / "to" / "llama" / "tokenizer.json")).encode("x = 1").ids
+    eos = hf.generation_config.eos_token_id
+    assert eod in (eos if isinstance(eos, list) else [eos]), eos
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in export.out.iterdir()} == dict.fromkeys(
+        ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"],
+        0o666 & ~umask)
     assert hf.config.rope_parameters["rope_type"] == "llama3" and hf.config.vocab_size == OWN_MODEL["vocab_size"]
     start = load_file(str(run.out.parent.parent / "path" / "to" / "llama" / "model.safetensors"))
     trained = hf.state_dict()

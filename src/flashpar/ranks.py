@@ -43,6 +43,20 @@ def context():
     return ctx
 
 
+def quiet_tracker() -> None:
+    """Start multiprocessing's resource tracker now (when it is not running) without its warning at shutdown
+    about leaked semaphores: ranks stopped with SIGKILL (a failure, Ctrl-C) leave their data loaders'
+    semaphores to the tracker, and it removes them; the warning would be the only line after the job's."""
+    from multiprocessing import resource_tracker
+
+    flag = "ignore:resource_tracker:UserWarning"  # passed to the tracker's interpreter as -W
+    sys.warnoptions.append(flag)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        sys.warnoptions.remove(flag)
+
+
 class Inherit:
     """The launcher's environment and standard output / error, taken when a rank process is started (it is
     pickled with the process's arguments); ``apply()`` in the rank makes them the rank's."""

@@ -4,7 +4,10 @@
                                  N x  python -m flashpar.bench.X --worker CONFIG   (behind links of ``rate``)
                                  rank 0 writes its JSON report to CONFIG["out"]  ->  returned here
 
-The parent validates its arguments before anything is launched; each worker reads only ``config``.
+The parent validates its arguments before anything is launched; each worker reads only ``config``.  A worker
+ends when its parent does, however the parent ends (``flashpar.lifeline``: the parent-death signal and a pipe),
+and the emulated links' namespaces of a parent killed with SIGKILL are removed by the next benchmark that
+builds links (``flashpar.bench.netlink``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ def module_main(prog: str, add_arguments, run, worker) -> None:
     import argparse
 
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        from flashpar.lifeline import watch_from_env
+
+        watch_from_env()  # this worker ends when the benchmark that started it ends, however it ends
         worker(json.loads(sys.argv[2]))
         return
     parser = argparse.ArgumentParser(prog=prog)

@@ -31,7 +31,9 @@ a bridge that lives in a separate hub namespace -- one NIC per rank behind a swi
 * ``tbf`` counts Ethernet frames, so TCP goodput is about 1448/1514 ~ 96% of ``rate``.
 * Veth endpoints are created directly inside the new namespaces; nothing is added to the
   root namespace.  Deleting the namespaces removes the veths and the bridge; teardown
-  happens on ``__exit__``/``close``, at interpreter exit and on SIGINT/SIGTERM.
+  happens on ``__exit__``/``close``, at interpreter exit and on SIGINT/SIGTERM/SIGHUP.  A benchmark killed
+  with SIGKILL cannot remove them: its ranks die with it (``flashpar.lifeline``), and the next benchmark
+  removes every namespace whose owner (the pid in its name) is gone, saying so in one line.
 * gloo must be told the interface (``GLOO_SOCKET_IFNAME``): by default it resolves the host
   name, which is not reachable from inside a rank namespace.  :meth:`EmulatedLinks.env` sets it.
 * gloo caveat (measured, not a link artefact): a simultaneous exchange between two ranks in one
@@ -52,6 +54,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -114,22 +117,51 @@ def _del_netns(name: str) -> None:
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def _pid_alive(pid: int) -> bool:
+def _owner(name: str) -> int | None:
+    """The pid in one of our namespace names (``fpnet<pid>-<serial>-r<rank>`` or ``...-hub``), None for others."""
+    m = re.fullmatch(rf"{_PREFIX}(\d+)-\d+-(?:hub|r\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def _started_at(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch, from /proc), None when it is gone or has ended."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/stat") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime"))
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+    if fields[0] in ("Z", "X"):
+        return None
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def _stale(name: str, made_at: float | None) -> bool:
+    """Whether namespace ``name`` is ours and its owner is gone: no process has its pid, or the one that has it
+    started after the namespace was made (the pid was reused).  ``made_at``: the namespace's file time."""
+    pid = _owner(name)
+    if pid is None or pid == os.getpid():
         return False
-    except PermissionError:
+    started = _started_at(pid)
+    if started is None:
         return True
-    return True
+    return made_at is not None and started > made_at + 1.0  # 1 s: /proc's start time is in clock ticks
 
 
-def _reap_stale() -> None:
-    """Delete namespaces left behind by earlier runs that were SIGKILLed (their pid is gone)."""
+def _reap_stale() -> list[str]:
+    """Delete namespaces left behind by earlier runs that died without removing them (SIGKILL: their owner is
+    gone); the names deleted."""
+    removed = []
     for name in _netns_list():
-        m = re.fullmatch(rf"{_PREFIX}(\d+)-\d+-(?:hub|r\d+)", name)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        try:
+            made_at = os.stat(f"/run/netns/{name}").st_mtime
+        except OSError:
+            made_at = None
+        if _stale(name, made_at):
             _del_netns(name)
+            removed.append(name)
+    return removed
 
 
 def _tbf(rate_bytes: float) -> str:
@@ -237,7 +269,11 @@ class EmulatedLinks:
         self._entered = True
         _register(self)
         try:
-            _reap_stale()
+            stale = _reap_stale()
+            if stale:
+                owners = sorted({_owner(n) for n in stale})
+                print(f"removed {len(stale)} network namespaces left by a benchmark that is gone (pid "
+                      f"{', '.join(map(str, owners))}): {' '.join(sorted(stale))}", file=sys.stderr, flush=True)
             self._build()
         except BaseException:
             self.close()
@@ -305,7 +341,7 @@ class EmulatedLinks:
         return f"<EmulatedLinks {self._base}: {self.world_size} ranks, {self.rate}, delay {self.delay}>"
 
 
-# ---- teardown on interpreter exit and on SIGINT/SIGTERM -------------------------------------------------
+# ---- teardown on interpreter exit and on SIGINT/SIGTERM/SIGHUP----------------------------------------------
 
 _live: set[EmulatedLinks] = set()
 _lock = threading.Lock()
@@ -329,14 +365,14 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
 
 
 def _register(links: EmulatedLinks) -> None:
-    """Track live links; on first use install the atexit hook and SIGINT/SIGTERM handlers."""
+    """Track live links; on first use install the atexit hook and SIGINT/SIGTERM/SIGHUP handlers."""
     global _installed
     with _lock:
         if not _installed:
             _installed = True
             atexit.register(_close_all)
             if threading.current_thread() is threading.main_thread():  # signal() works only there
-                for sig in (signal.SIGINT, signal.SIGTERM):
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                     prev = signal.getsignal(sig)
                     if prev is not signal.SIG_IGN:  # an ignored signal stays ignored
                         _prev_handlers[sig] = prev
@@ -387,7 +423,10 @@ def launch_ranks(
 
     Each rank's environment is ``os.environ``, updated by ``env``, updated by the rank's variables.
     Without links, GLOO_SOCKET_IFNAME defaults to ``lo`` unless already set.  Every rank runs in its own
-    session (process group); all of them are killed if this function exits early for any reason.
+    session (process group); all of them are killed if this function exits early for any reason.  Each also
+    gets this process's lifeline (``flashpar.lifeline``: a pipe's read end and ``FLASHPAR_LIFELINE``); a rank that
+    calls ``flashpar.lifeline.watch_from_env()``, as every benchmark worker does, ends when this process ends,
+    however it ends (SIGKILL included).
     """
     if links is not None and links.world_size != world_size:
         raise ValueError(f"links are built for {links.world_size} ranks, not {world_size}")
@@ -400,7 +439,10 @@ def launch_ranks(
     if port is None:
         port = 29500  # a fresh namespace has every port free
     procs: list[subprocess.Popen] = []
+    from flashpar.lifeline import Lifeline
+
     with contextlib.ExitStack() as files:
+        line = files.enter_context(Lifeline())  # a rank that runs flashpar.lifeline.watch_from_env dies with us
         # temp files, not pipes: a chatty rank cannot block while we wait on another one
         outs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(world_size)]
         errs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(world_size)]
@@ -411,7 +453,7 @@ def launch_ranks(
 
         try:
             for r in range(world_size):
-                rank_env = {**os.environ, **(env or {})}
+                rank_env = {**os.environ, **(env or {}), **line.env()}
                 if links is not None:
                     rank_env.update(links.env(r, port))
                     cmd = links.wrap(r, argv)
@@ -433,6 +475,7 @@ def launch_ranks(
                         stdout=outs[r],
                         stderr=errs[r],
                         start_new_session=True,
+                        pass_fds=(line.fd,),
                     )
                 )
             # one waiter thread per rank, so that failures are seen in the order they happen

@@ -14,6 +14,7 @@ pack.  Progress goes to stderr, the table to stdout, each column as wide as its 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -51,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
     if args.cp < 1:
         print(f"flashpar plan: --cp must be >= 1, got {args.cp}", file=sys.stderr)
         return 2
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # before any planning
+        print("flashpar plan: --plot needs matplotlib (pip install 'flashpar[plot]')", file=sys.stderr)
+        return 2
     try:
         packs = _packs(args)
     except (OSError, ValueError) as err:
@@ -73,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                 plans[s] = p
                 bar.update()
     summary = _summarize(per_pack)
-    print(_table(summary, args, len(packs), sum(map(len, packs))))
+    print(_table(summary, args, packs))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cp": args.cp, "tokens": args.tokens, "packs": len(packs), "summary": summary}, f, indent=1)
@@ -137,8 +141,10 @@ def _summarize(per_pack: dict) -> dict:
     return out
 
 
-def _table(summary: dict, args, n_packs: int, tokens: int) -> str:
-    what = f"{n_packs} pack(s) of {args.tokens} tokens" if args.tokens else f"one pack of {tokens} tokens"
+def _table(summary: dict, args, packs: list[list[int]]) -> str:
+    docs = len(packs[0])
+    what = (f"{len(packs)} pack(s) of {args.tokens} tokens" if args.tokens
+            else f"one pack of {sum(packs[0])} tokens ({docs} document{'s' if docs > 1 else ''})")
     cell = lambda fig, k: f"{fig['mean'] * k:.3g} ({fig['worst'] * k:.3g})"  # noqa: E731
     rows = [["strategy", *(label for _, label in COLUMNS)]]
     for s, cols in summary.items():
@@ -159,13 +165,26 @@ def format_columns(rows: list[list[str]], gap: int = 2) -> list[str]:
 
 def _plot(p, path: str) -> int:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
+        fig = plan_figure(p)
     except ImportError:
         print("flashpar plan: --plot needs matplotlib (pip install 'flashpar[plot]')", file=sys.stderr)
         return 2
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return 0
+
+
+def plan_figure(p):
+    """Per-rank work (compute bars, estimated time dots) and the rank-to-rank K/V matrix of plan ``p``; every
+    rank axis has one tick per rank, at its integer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     n = p.cp_size
     st = p.stats()
     matrix = [[0] * n for _ in range(n)]
@@ -179,8 +198,9 @@ def _plot(p, path: str) -> int:
     ax1.legend()
     im = ax2.imshow(matrix, cmap="viridis")
     ax2.set(xlabel="receiver", ylabel="sender", title="K/V MB, sender -> receiver")
+    ranks = list(range(n))
+    for axis in (ax1.xaxis, ax2.xaxis, ax2.yaxis):
+        axis.set_ticks(ranks, [str(r) for r in ranks])
     fig.colorbar(im, ax=ax2)
     fig.tight_layout()
-    fig.savefig(path)
-    print(f"wrote {path}")
-    return 0
+    return fig

@@ -108,17 +108,21 @@ def _shipped(filename: str) -> str:
 
 
 def parse_lengths(text: str, where: str) -> list[int]:
-    """One positive length per line, or a JSON list of them (``where`` names the source in errors)."""
+    """One positive length per line (or several, whitespace apart), or a JSON list of them (``where`` names the
+    source in errors, with the line number, or the entry of a JSON list)."""
     stripped = text.strip()
-    values = json.loads(stripped) if stripped.startswith("[") else [line for line in text.split() if line]
+    if stripped.startswith("["):
+        values = [(f"entry {i} of the JSON list", v) for i, v in enumerate(json.loads(stripped))]
+    else:
+        values = [(f"line {number}", v) for number, line in enumerate(text.splitlines(), start=1) for v in line.split()]
     out = []
-    for i, v in enumerate(values):
+    for at, v in values:
         try:
             n = int(v)
         except (TypeError, ValueError):
-            raise ValueError(f"{where}: entry {i} ({v!r}) is not an integer length") from None
+            raise ValueError(f"{where} {at}: {v!r} is not an integer length") from None
         if n <= 0:
-            raise ValueError(f"{where}: entry {i} is {n}; document lengths must be positive")
+            raise ValueError(f"{where} {at}: {n}; document lengths must be positive")
         out.append(n)
     if not out:
         raise ValueError(f"{where}: no lengths")

@@ -54,7 +54,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from flashpar.models import LlamaConfig
-from flashpar.train import atomic
+from flashpar.train import atomic, handoff
 from flashpar.train.stop import JobStop
 
 if TYPE_CHECKING:  # (the config's ready() reads checkpoints: the arrow runs from config to here)
@@ -114,7 +114,8 @@ def save(path: Path, model, opt, step: int, config: TrainConfig, sequences: int 
 
     def publish(files):
         meta = {"step": step, "sequences": sequences, "mesh": [config.dp, config.cp, config.ulysses, config.tp],
-                "micro_batches": config.micro_batches, **config.kept()}
+                "micro_batches": config.micro_batches, **config.kept(),
+                "sources": handoff.sources(config)}  # what flashpar export puts beside the weights
         atomic.write_json(partial / "meta.json", meta)
         files = {**files, **atomic.describe(partial, ["meta.json"])}
         atomic.write_json(partial / MARKER, {"format": FORMAT, "version": VERSION, "step": step,

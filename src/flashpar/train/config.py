@@ -93,6 +93,8 @@ class TrainConfig:
                                               "folders of them; default: the Python standard library's sources",
                                         type=str, nargs="+")
     max_docs: int | None = _opt(None, "use only this many corpus documents", type=int)
+    epochs: int = _opt(1, "passes over the training sequences: at their end the run starts over from the first, in "
+                          "the same order; a run that would need more passes stops early and says so")
     workers: int = _opt(1, "data-loader workers per rank (they run the planner)")
     eval_every: int = _opt(0, "validation loss on the held-out documents every K steps and at the end (0: never)")
     eval_docs: int = _opt(8, "documents held out of training for the validation loss (with --eval-every)")
@@ -145,7 +147,7 @@ class TrainConfig:
             choices = _FIELDS[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
-        for name, least in (("nproc", 1), ("dp", 1), ("cp", 1), ("ulysses", 1), ("tp", 1), ("steps", 1),
+        for name, least in (("nproc", 1), ("dp", 1), ("cp", 1), ("ulysses", 1), ("tp", 1), ("steps", 1), ("epochs", 1),
                             ("threads", 1), ("workers", 0), ("save_every", 0), ("eval_every", 0), ("eval_docs", 1),
                             ("micro_batches", 1), ("prefetch", 0)):
             value = getattr(self, name)
@@ -230,7 +232,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the model", ("model", "init_from", "seed")),
     ("mesh and parallelism", ("nproc", "dp", "cp", "ulysses", "tp", "strategy", "mode", "dp_mode", "zero_schedule",
                               "prefetch", "zero_collective", "device", "threads", "master_addr")),
-    ("data", ("seq_len", "tokenizer", "eod_token", "data", "max_docs", "workers", "eval_every", "eval_docs")),
+    ("data", ("seq_len", "tokenizer", "eod_token", "data", "max_docs", "epochs", "workers", "eval_every",
+              "eval_docs")),
     ("optimizer", ("steps", "lr", "micro_batches", "warmup", "lr_min", "weight_decay", "clip")),
     ("precision and memory", ("dtype", "checkpoint_activations", "regather")),
     ("checkpoints", ("save_every", "resume", "keep")),
@@ -298,7 +301,9 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
     resolved to one checkpoint folder.  ``ValueError`` / ``FileNotFoundError`` with one line."""
     if config.world_size != world_size:
         raise ValueError(f"mesh dp x cp x ulysses x tp = {config.dp} x {config.cp} x {config.ulysses} x {config.tp} "
-                         f"= {config.world_size} does not match the {world_size} processes")
+                         f"= {config.world_size} does not match the {world_size} processes: run it with --nproc "
+                         f"{config.world_size} (under torchrun: {config.world_size} processes in all), or choose a "
+                         f"mesh whose product is {world_size}")
     if config.device == "cuda":
         import torch
 

@@ -26,6 +26,10 @@ Planning (:class:`PlannedSequences`).  Data-parallel rank ``d`` of ``D`` takes t
 which ``__getitem__`` adds the context-parallel plan of its document pieces, so that behind a
 :class:`~torch.utils.data.DataLoader` (:func:`make_loader`) the planner runs in the worker processes.
 
+Epochs (``--epochs E``).  The global sequences run on past the end of the stream: global sequence ``g`` is
+stream sequence ``g mod (S // L)``, so a second pass takes the same sequences in the same order
+(``PlannedSequences``).
+
 Resume.  After ``k`` steps every rank has consumed the items ``j < k``, i.e. the global sequences
 ``start .. start + k * D - 1``; rebuilding :class:`PlannedSequences` with ``start + k * D`` (same
 dataset arguments, seed and ``dp_size``) yields exactly the sequences the uninterrupted run would have
@@ -35,8 +39,11 @@ seen next, on every rank.
 from __future__ import annotations
 
 import bisect
+import functools
 import operator
+import os
 import random
+import sys
 
 import numpy as np
 import torch
@@ -171,14 +178,21 @@ def read_stream(max_docs: int | None, order: list[int], starts: list[int], lens:
 class PlannedSequences(Dataset):
     """The sequences of one data-parallel rank, each with its context-parallel plan.
 
-    Item ``j`` is ``dataset[start + j * dp_size + dp_rank]`` plus ``plan`` (:func:`flashpar.cp.plan` of its
-    ``doc_lens`` over ``cp_size`` ranks with ``strategy`` and ``cost``) and ``planning_s`` (the planner's
-    time for it, in seconds).  ``start`` is the global sequence index to begin at: resume with
-    ``start + steps * dp_size`` (see the module docstring).
+    Item ``j`` is ``dataset[g % len(dataset)]``, ``g = start + j * dp_size + dp_rank``, plus ``plan``
+    (:func:`flashpar.cp.plan` of its ``doc_lens`` over ``cp_size`` ranks with ``strategy`` and ``cost``) and
+    ``planning_s`` (the planner's time for it, in seconds).  ``g`` runs over ``epochs`` passes of the dataset,
+    each in the same order (the stream of global sequences simply continues from the first)::
+
+        g:        0 1 2 ... N-1 | N   N+1 ... 2N-1 | ...      (epochs x N global sequences)
+        dataset:  0 1 2 ... N-1 | 0   1   ... N-1  | ...
+
+    ``start`` is the global sequence index to begin at: resume with ``start + steps * dp_size`` (see the
+    module docstring).
     """
 
     def __init__(self, dataset: PackedCorpus, cp_size: int, strategy: str = "flashcp",
-                 cost: CostModel | None = None, *, dp_rank: int = 0, dp_size: int = 1, start: int = 0):
+                 cost: CostModel | None = None, *, dp_rank: int = 0, dp_size: int = 1, start: int = 0,
+                 epochs: int = 1):
         if not _is_int(cp_size) or cp_size < 1:
             raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
         if strategy not in STRATEGIES:
@@ -187,14 +201,18 @@ class PlannedSequences(Dataset):
             raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
         if not _is_int(dp_rank) or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size) = [0, {dp_size}), got {dp_rank!r}")
-        if not _is_int(start) or not 0 <= start <= len(dataset):
-            raise ValueError(f"start must be a sequence index in [0, {len(dataset)}], got {start!r}")
+        if not _is_int(epochs) or epochs < 1:
+            raise ValueError(f"epochs must be a positive int, got {epochs!r}")
+        total = epochs * len(dataset)
+        if not _is_int(start) or not 0 <= start <= total:
+            raise ValueError(f"start must be a sequence index in [0, {total}] ({epochs} pass(es) of {len(dataset)} "
+                             f"sequences), got {start!r}")
         self.dataset, self.cp_size, self.strategy, self.cost = dataset, cp_size, strategy, cost
-        self.dp_rank, self.dp_size, self.start = dp_rank, dp_size, start
+        self.dp_rank, self.dp_size, self.start, self.total = dp_rank, dp_size, start, total
 
     def __len__(self) -> int:
-        """Items ``j`` with ``start + j * dp_size + dp_rank < len(dataset)``."""
-        left = len(self.dataset) - self.start - self.dp_rank
+        """Items ``j`` with ``start + j * dp_size + dp_rank < epochs * len(dataset)``."""
+        left = self.total - self.start - self.dp_rank
         return max(0, -(-left // self.dp_size))
 
     def global_index(self, j: int) -> int:
@@ -205,7 +223,7 @@ class PlannedSequences(Dataset):
         return self.start + j * self.dp_size + self.dp_rank
 
     def __getitem__(self, j: int) -> dict:
-        item = self.dataset[self.global_index(j)]
+        item = self.dataset[self.global_index(j) % len(self.dataset)]
         item["plan"] = cp_plan(item["doc_lens"], self.cp_size, strategy=self.strategy, cost=self.cost)
         item["planning_s"] = item["plan"].planning_s
         item["figures"] = plan_figures(item["plan"])
@@ -227,12 +245,18 @@ def training_data(config, split: str = "train") -> PackedCorpus:
 def ready_data(config) -> None:
     """``ready()``'s check of the run's tokens and documents, before any rank starts (``ValueError``: one line):
     the byte tokens fit the model, or the tokenizer does; the data files read (the token cache is built
-    here, see ``flashpar.train.tokens``); one global batch of training sequences and, with ``--eval-every``,
-    at least one held-out sequence per dp rank."""
+    here, see ``flashpar.train.tokens``; the files of a ``--data`` folder left out are named in one line);
+    one global batch of training sequences and, with ``--eval-every``, at least one held-out sequence per dp
+    rank."""
     from flashpar.train import tokens
 
     if not tokens.uses_cache(config):
         tokens.bytes_fit(config.model.vocab_size)
+    if config.data:
+        from flashpar.train.sources import skipped_line
+
+        if line := skipped_line(config.data):
+            print(f"flashpar train: {line}", file=sys.stderr, flush=True)
     train = training_data(config)
     micro = config.check_micro_batches if config.check else config.micro_batches
     if len(train) < config.dp * micro:
@@ -264,6 +288,13 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _worker_start(rank_pid: int, worker_id: int) -> None:
+    """A data-loader worker's first act: the kernel's SIGKILL when its rank ends (``flashpar.lifeline``)."""
+    from flashpar.lifeline import die_with_parent
+
+    die_with_parent(rank_pid)
+
+
 def _identity(item):
     return item
 
@@ -273,7 +304,9 @@ def make_loader(planned: PlannedSequences, *, num_workers: int = 1, prefetch_fac
 
     ``num_workers > 0`` plans in worker processes started with ``spawn`` (safe after CUDA or threads
     are initialised in the trainer) and kept alive across epochs; ``num_workers=0`` plans in the
-    calling process.  Items are passed through unchanged (tensors, ``doc_lens`` list, ``CPPlan``).
+    calling process.  Items are passed through unchanged (tensors, ``doc_lens`` list, ``CPPlan``).  A worker
+    ends with its rank however the rank ends (the kernel's parent-death signal, ``flashpar.lifeline``; torch's
+    own check of the parent's pid takes up to 5 s).
     """
     if not _is_int(num_workers) or num_workers < 0:
         raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
@@ -281,5 +314,6 @@ def make_loader(planned: PlannedSequences, *, num_workers: int = 1, prefetch_fac
         raise ValueError(f"prefetch_factor must be a positive int, got {prefetch_factor!r}")
     workers = num_workers > 0
     return DataLoader(planned, batch_size=None, shuffle=False, num_workers=num_workers, collate_fn=_identity,
+                      worker_init_fn=functools.partial(_worker_start, os.getpid()) if workers else None,
                       prefetch_factor=prefetch_factor if workers else None, persistent_workers=workers,
                       multiprocessing_context="spawn" if workers else None)

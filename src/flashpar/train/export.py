@@ -6,6 +6,12 @@ parameter names (``model.<name>`` in the DCP metadata) and ``meta.json`` with th
 group (``dcp.load(..., no_dist=True)``), into tensors of the stored shapes and dtypes, checked
 against the config, and writes ``save_hf`` of the model: ``LlamaForCausalLM.from_pretrained(OUT)``
 loads it.  A missing or invalid checkpoint is one line (``ValueError`` / ``FileNotFoundError``).
+
+Beside the weights, what ``AutoTokenizer.from_pretrained(OUT)`` and ``generate`` need (``flashpar.train.handoff``):
+the tokenizer's files (``--tokenizer``, else the run's ``--tokenizer``, which the checkpoint records) and
+``generation_config.json`` (the ``--init-from`` folder's, else one whose ``eos_token_id`` is the run's
+end-of-document token, so that generation stops there).  Every file written has the ordinary mode of a new
+file (``0666`` less the umask).
 """
 
 from __future__ import annotations
@@ -25,10 +31,13 @@ from flashpar.train.checkpoint import latest
 
 def read_model(path) -> Llama:
     """The single-process model of checkpoint ``path`` (or the newest ``step_*`` in it)."""
+    return _read(latest(Path(path)))  # FileNotFoundError: one line
+
+
+def _read(ckpt: Path) -> Llama:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    ckpt = latest(Path(path))  # FileNotFoundError: one line
     try:
         meta = json.loads((ckpt / "meta.json").read_text())
         cfg = LlamaConfig(**meta["model"])
@@ -59,22 +68,36 @@ def read_model(path) -> Llama:
     return model
 
 
-def export(checkpoint, out) -> Path:
-    """Write checkpoint ``checkpoint``'s model to the Hugging Face folder ``out``; returns it."""
-    return save_hf(read_model(checkpoint), out)
+def export(checkpoint, out, tokenizer=None) -> list[str]:
+    """Write checkpoint ``checkpoint``'s model to the Hugging Face folder ``out`` with its tokenizer and generation
+    config (``tokenizer``: a folder or ``tokenizer.json`` instead of the run's); the names of the files written."""
+    from flashpar.train import handoff
+
+    ckpt = latest(Path(checkpoint))  # FileNotFoundError: one line
+    sources = handoff.sources_of(ckpt)
+    model = _read(ckpt)
+    out = save_hf(model, out)
+    written = ["config.json", "model.safetensors"]
+    written += handoff.copy_tokenizer(tokenizer or sources.get("tokenizer"), out, sources.get("eod_token"))
+    written += handoff.write_generation_config(sources.get("init_from"), out, sources.get("eod"))
+    handoff.ordinary_modes(out, written)
+    return written
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a checkpoint folder (meta.json), or a run's checkpoints/ folder: its newest")
     p.add_argument("--hf", required=True, metavar="OUT", help="the Hugging Face folder to write (config.json, "
-                                                             "model.safetensors)")
+                                                             "model.safetensors, tokenizer, generation_config.json)")
+    p.add_argument("--tokenizer", metavar="PATH", help="the tokenizer to put beside the weights (a folder or "
+                                                       "tokenizer.json; default: the run's --tokenizer)")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        out = export(args.checkpoint, args.hf)
+        written = export(args.checkpoint, args.hf, args.tokenizer)
     except (ValueError, FileNotFoundError, OSError) as err:
         print(f"flashpar export: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}")
+    missing = [] if "tokenizer.json" in written else ["no tokenizer (the run had none: bytes; or pass --tokenizer)"]
+    print(f"wrote {Path(args.hf)}: {', '.join(written)}" + (f"; {missing[0]}" if missing else ""))
     return 0

@@ -32,6 +32,7 @@ import datetime
 import itertools
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,9 +103,14 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         first_step, start = meta["step"], meta["sequences"]
     guard = NonFiniteGuard(config.skip_nonfinite)  # a non-finite step: skipped (--skip-nonfinite N) or the end
     planned = PlannedSequences(data, config.cp, config.strategy, cost, dp_rank=dp_rank, dp_size=config.dp,
-                               start=start)
+                               start=start, epochs=config.epochs)
     micro = config.micro_batches
     steps = first_step + min(config.steps - first_step, len(planned) // micro)
+    if steps < config.steps and rank == 0:  # one pass over the data: say so now, not only at the end
+        print(f"flashpar train: warning: the training data hold {len(planned) // micro} more steps of dp x "
+              f"micro-batches = {config.dp} x {micro} sequences: the run will stop at step {steps}, before --steps "
+              f"{config.steps} ({_passes(config.epochs)}; add documents, raise --epochs or lower --steps)",
+              file=sys.stderr, flush=True)
     loader = make_loader(planned, num_workers=config.workers)
     peak = peak_flops(device)
     out = Path(config.out)
@@ -166,6 +172,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         log.close()
         result = summary(history, wall_s, config, peak, peak_mem_mb=mem_mb)
         result["skipped_nonfinite"] = guard.skipped
+        result["data_ran_out_at"] = steps if steps < config.steps else None  # the report says so
         if config.plot and history:
             from flashpar.train.report import plot
 
@@ -174,6 +181,10 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         (out / "summary.json").write_text(json.dumps(result, indent=1))
     dist.barrier()
     return result
+
+
+def _passes(epochs: int) -> str:
+    return "each sequence is used once" if epochs == 1 else f"--epochs {epochs}: each sequence is used {epochs} times"
 
 
 def group_micro_batches(items, micro_batches: int):

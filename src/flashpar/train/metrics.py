@@ -83,20 +83,23 @@ def largest(value: float, device) -> float:
 
 def summary(history: list[StepMetrics], wall_s: float, config, peak: float, *,
             peak_mem_mb: float = float("nan")) -> dict:
-    """``summary.json``: the run's totals, the last five steps' mean speed, the largest rank's peak memory,
-    the mesh, the dtype."""
+    """``summary.json``: the run's totals (``*_bytes``: summed over its steps), the cost model's step times
+    (``*est_step_ms``: the mean over its steps), the last five steps' mean speed, the largest rank's peak
+    memory, the mesh, the dtype."""
     rows = [m.row() for m in history]
     last = rows[-5:] or [{}]
     mean = lambda key: sum(r[key] for r in last) / len(last) if rows else float("nan")  # noqa: E731
     total = lambda key: sum(r[key] for r in rows)  # noqa: E731
+    mean_all = lambda key: total(key) / len(rows) if rows else float("nan")  # noqa: E731
     return {
         "steps": len(rows), "wall_s": wall_s, "final_loss": rows[-1]["loss"] if rows else float("nan"),
         "first_loss": rows[0]["loss"] if rows else float("nan"),
         "tokens_per_s": mean("tokens_per_s"), "mfu": mean("mfu"), "peak_flops_per_rank": peak,
         "kv_bytes": total("kv_bytes"), "plan_kv_bytes": total("plan_kv_bytes"),
         "per_doc_kv_bytes": total("per_doc_kv_bytes"), "headtail_kv_bytes": total("headtail_kv_bytes"),
-        "est_step_ms": total("est_step_ms"), "per_doc_est_step_ms": total("per_doc_est_step_ms"),
-        "headtail_est_step_ms": total("headtail_est_step_ms"),
+        # the cost model's step time, the mean over the run's steps (per_doc's and headtail's on the same documents)
+        "est_step_ms": mean_all("est_step_ms"), "per_doc_est_step_ms": mean_all("per_doc_est_step_ms"),
+        "headtail_est_step_ms": mean_all("headtail_est_step_ms"),
         "mesh": {"dp": config.dp, "cp": config.cp, "ulysses": config.ulysses, "tp": config.tp},
         "micro_batches": config.micro_batches,
         "strategy": config.strategy,

@@ -1,9 +1,12 @@
 """``flashpar train --plot``: the loss curve and the per-rank work of the last step's context-parallel plan.
 
 Left: loss per step (and, with ``--eval-every``, the validation loss of the held-out documents).
-Right: each cp rank's compute in the cost model (``CPPlan.stats()["compute"]``)
-for the run's strategy and, on the same documents, ``per_doc`` and ``headtail``; the step waits for
-the busiest rank.  Needs matplotlib (``pip install 'flashpar[plot]'``).
+Right: each cp rank's compute in the cost model (``CPPlan.stats()["compute"]``) for the run's strategy
+and, on the same documents, ``per_doc`` and ``headtail``, with each strategy's estimated step time in
+its legend entry.  A step waits for the slowest rank's compute plus the K/V transfers it cannot hide,
+so a strategy with a taller bar can still have the shorter step; the title gives the whole run's ratio
+(the figure ``flashpar train`` prints: the estimated step times summed over the steps).  Needs matplotlib
+(``pip install 'flashpar[plot]'``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,16 @@ def have_matplotlib() -> bool:
 
 
 def plot(history: list[dict], plan, path: Path) -> None:
+    """Write the figure (``figure``) to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(history, plan)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def figure(history: list[dict], plan):
+    """The two panels of the module docstring (a matplotlib figure)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -39,11 +52,23 @@ def plot(history: list[dict], plan, path: Path) -> None:
     n, width = plan.cp_size, 0.8 / len(strategies)
     for i, s in enumerate(strategies):
         p = plan if s == plan.strategy else cp.plan(plan.doc_lens, n, strategy=s, cost=plan.cost)
-        ax2.bar([r + i * width for r in range(n)], [1e6 * t for t in p.stats()["compute"]], width, label=s)
+        stats = p.stats()
+        ax2.bar([r + i * width for r in range(n)], [1e6 * t for t in stats["compute"]], width,
+                label=f"{s}: step {1e3 * stats['est_step_time']:.3g} ms")
     ax2.set_xticks([r + (len(strategies) - 1) * width / 2 for r in range(n)], [str(r) for r in range(n)])
+    docs = len(plan.doc_lens)
+    run = run_ratio(history, plan.strategy)
     ax2.set(xlabel="cp rank", ylabel="compute, cost model (us)",
-            title=f"last step's plan: {len(plan.doc_lens)} documents")
-    ax2.legend()
+            title=f"last step's plan: {docs} document{'s' if docs != 1 else ''}{run}")
+    ax2.legend(title="estimated step (compute + exposed K/V)", fontsize="small", title_fontsize="small")
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
+
+
+def run_ratio(history: list[dict], strategy: str) -> str:
+    """``"; run: 1.05x per_doc's step"``: per_doc's estimated step time over the strategy's, summed over the
+    run's steps (what ``flashpar train`` prints); "" when the rows lack them or the strategy is per_doc."""
+    if strategy == "per_doc" or not history or any("per_doc_est_step_ms" not in r for r in history):
+        return ""
+    ours = sum(r["est_step_ms"] for r in history)
+    return f"; run: {sum(r['per_doc_est_step_ms'] for r in history) / max(ours, 1e-12):.2f}x per_doc's step"

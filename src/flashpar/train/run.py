@@ -15,6 +15,9 @@ any process group starts
 launcher stop the others and print one line naming it and its log: each rank's output below
 Python (torch's C++ warnings) and, but for rank 0's progress bar, its stderr go to ``rank<r>.log``
 in ``--out``, and a rank that raises ends its log with the traceback.  Every wait has the ``--timeout``.
+The spawned ranks end when the launcher ends, however it ends (SIGKILL included: ``flashpar.lifeline``);
+Ctrl-C or SIGTERM stops them with one line naming the step and the checkpoint to resume from
+(``flashpar.train.interrupt``).  Under torchrun none of this is added: torchrun's agent owns its workers.
 
 From Python: ``launch(TrainConfig(...), hooks=Hooks(before_step=...))`` is the command without the
 flags (``Hooks``: fault injection for drills and tests).
@@ -23,10 +26,12 @@ flags (``Hooks``: fault injection for drills and tests).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -84,10 +89,14 @@ STOPPED = 74  # every rank stopped the job together (flashpar.train.stop.JobStop
 
 
 def _spawned(rank: int, world: int, rendezvous: dict, config: TrainConfig, result_path: str, hooks: Hooks | None,
-             inherit) -> None:
+             inherit, line) -> None:
     inherit.apply()  # the launcher's environment and stdout / stderr (flashpar.ranks: forked from a server)
+    from flashpar.train.interrupt import ignore_in_rank
+
+    ignore_in_rank()  # Ctrl-C reaches the whole process group: the launcher stops the ranks (flashpar.train.interrupt)
     os.environ.update(rendezvous, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # ranks.Rendezvous
     log = _own_stderr(rank, _rank_log(Path(config.out), rank))
+    line.watch(functools.partial(_launcher_gone, log, line.launcher_pid))  # flashpar.lifeline
     import torch.distributed as dist
 
     from flashpar.train.stop import JobStop
@@ -108,6 +117,13 @@ def _spawned(rank: int, world: int, rendezvous: dict, config: TrainConfig, resul
         Path(result_path).write_text(json.dumps(out))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _launcher_gone(log, pid: int) -> None:
+    """The launcher died (killed: it could not stop the ranks itself): say so in the rank's log and end at once."""
+    from flashpar.lifeline import exit_now
+
+    exit_now(f"the launcher (pid {pid}) is gone", file=log)
 
 
 def _who_did_not_arrive(err: BaseException) -> str:
@@ -162,7 +178,15 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"flashpar train: {err}", file=sys.stderr)
         return 2
-    return launch(config)
+    try:
+        return launch(config)
+    except KeyboardInterrupt:  # before the ranks started (checking the data, tokenizing): nothing to resume yet
+        if "RANK" in os.environ:  # under torchrun: torchrun's agent reports it
+            raise
+        from flashpar.train.interrupt import EXIT_STATUS
+
+        print("\nflashpar train: interrupted before the first step (while checking the run's data)", file=sys.stderr)
+        return EXIT_STATUS
 
 
 def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
@@ -195,6 +219,8 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
     import torch.multiprocessing as mp
 
     from flashpar import ranks
+    from flashpar.lifeline import Lifeline
+    from flashpar.train import interrupt
 
     out = Path(config.out)
     result = out / (".check.json" if config.check else ".result.json")  # rank 0's return
@@ -203,13 +229,22 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
     level = spawn_log.level
     spawn_log.setLevel(logging.ERROR)
     rendezvous = ranks.Rendezvous(config.master_addr, config.timeout)  # listens on --master-addr only
+    line = Lifeline()  # the ranks end when this process does, however it ends (flashpar.lifeline)
+    procs, started = None, time.time()
     try:
-        ranks.context()  # ranks fork from a server that has imported torch (flashpar.ranks)
-        procs = mp.start_processes(_spawned, args=(config.nproc, rendezvous.env(), config, str(result), hooks,
-                                                   ranks.Inherit()),
-                                   nprocs=config.nproc, join=False, start_method=ranks.start_method())
-        while not procs.join(grace_period=GRACE_S):  # on a failure: the others get GRACE_S, then SIGKILL
-            pass
+        with interrupt.sigterm_interrupts():
+            ranks.quiet_tracker()
+            ranks.context()  # ranks fork from a server that has imported torch (flashpar.ranks)
+            procs = mp.start_processes(_spawned, args=(config.nproc, rendezvous.env(), config, str(result), hooks,
+                                                       ranks.Inherit(), line.child()),
+                                       nprocs=config.nproc, join=False, start_method=ranks.start_method())
+            while not procs.join(grace_period=GRACE_S):  # on a failure: the others get GRACE_S, then SIGKILL
+                pass
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the ranks stop here, one line says where
+        interrupt.stop_ranks(procs)
+        _drop_empty_logs(out, config.nproc)
+        print(f"\nflashpar train: {interrupt.line(out, config.save_every, err, started)}", file=sys.stderr)
+        return interrupt.EXIT_STATUS
     except mp.ProcessExitedException as err:  # the first rank to stop: raised (its log), killed, or crashed
         stopped = getattr(err, "exit_code", None) == STOPPED
         print(f"flashpar train: {'' if stopped else 'a rank failed: '}{_failure(err, out)}", file=sys.stderr)
@@ -221,11 +256,17 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
     finally:
         spawn_log.setLevel(level)
         rendezvous.close()
-    for r in range(config.nproc):  # keep only the logs that say something
+        line.close()
+    _drop_empty_logs(out, config.nproc)
+    return _report(json.loads(result.read_text()), config)
+
+
+def _drop_empty_logs(out: Path, nproc: int) -> None:
+    """Keep only the rank logs that say something."""
+    for r in range(nproc):
         log = _rank_log(out, r)
         if log.is_file() and log.stat().st_size == 0:
             log.unlink()
-    return _report(json.loads(result.read_text()), config)
 
 
 def _report(out, config: TrainConfig) -> int:
@@ -246,8 +287,10 @@ def _report(out, config: TrainConfig) -> int:
         print("PASS" if passed else "FAIL")
         return 0 if passed else 1
     s = out
+    ran_out = s.get("data_ran_out_at")
     if s["steps"] == 0:
-        print(f"nothing to train: the run is already at --steps {config.steps}")
+        print(f"nothing to train: the training data hold no sequence after step {ran_out}" if ran_out is not None
+              else f"nothing to train: the run is already at --steps {config.steps}")
         return 0
     mesh = " ".join(f"{k}={v}" for k, v in s["mesh"].items() if k != "ulysses" or v > 1)  # ulysses: when used
     print(f"\ntrained {s['steps']} steps on mesh {mesh} "
@@ -260,6 +303,10 @@ def _report(out, config: TrainConfig) -> int:
           f"{s['headtail_kv_bytes'] / 1e6:.1f} MB for headtail; estimated step (cost model) "
           f"{s['per_doc_est_step_ms'] / max(s['est_step_ms'], 1e-12):.2f}x faster than per_doc, "
           f"{s['headtail_est_step_ms'] / max(s['est_step_ms'], 1e-12):.2f}x than headtail")
+    if ran_out is not None:
+        print(f"the training data ran out at step {ran_out}, before --steps {config.steps} after --epochs "
+              f"{config.epochs} pass{'es' if config.epochs > 1 else ''} (add documents, raise --epochs or lower "
+              f"--steps)")
     if s.get("eval_loss") is not None:
         print(f"validation loss (held-out documents) {s['eval_loss']:.3f} at step {s['eval'][-1][0]}")
     if s.get("skipped_nonfinite"):

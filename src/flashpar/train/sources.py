@@ -5,7 +5,8 @@ What a path holds (``expand``):
     a text file   .txt .md .text          one document: the whole file, UTF-8
     a JSON lines  .jsonl                  one document per line: the line's string field ``text``
     a parquet     .parquet                one document per row: the string column ``text`` (needs pyarrow)
-    a folder      every file above in it and its subfolders, in sorted path order (other files are skipped)
+    a folder      every file above in it and its subfolders, in sorted path order (other files are skipped:
+                  ``skipped`` names them, and ``flashpar train`` says how many and which in one line)
 
 The paths are read in the order given.  Empty documents (``""``) are skipped; blank lines of a
 ``.jsonl`` are skipped.  Everything else that is not as above is an error of one line naming the file
@@ -48,6 +49,30 @@ def expand(paths) -> list[tuple[Path, str]]:
         else:
             raise ValueError(f"--data {p}: no such file or folder")
     return files
+
+
+def skipped(paths) -> list[str]:
+    """The files inside the folders of ``paths`` that ``expand`` leaves out (another suffix), as paths relative to
+    their folder, in sorted order."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    out = []
+    for given in paths:
+        p = Path(given)
+        if p.is_dir():
+            out += sorted(f.relative_to(p).as_posix() for f in p.rglob("*")
+                          if f.is_file() and f.suffix.lower() not in SUFFIXES)
+    return out
+
+
+def skipped_line(paths, shown: int = 5) -> str:
+    """One line naming the files ``skipped`` leaves out (the first ``shown`` and how many more); "" when none."""
+    names = skipped(paths)
+    if not names:
+        return ""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return (f"--data: skipped {len(names)} file{'s' if len(names) > 1 else ''} without a {', '.join(SUFFIXES)} "
+            f"suffix: {', '.join(names[:shown])}{more}")
 
 
 def read_file(path: Path) -> Iterator[str]:

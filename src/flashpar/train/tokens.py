@@ -23,7 +23,8 @@ and two processes that build the same cache at once write the same bytes.  Who b
 the spawn launcher, in ``ready()`` before the ranks start; under torchrun the process with
 ``LOCAL_RANK`` 0 of each node (every other process waits for the index up to ``--timeout`` and
 reads it); a rank that finds no cache (``train`` called directly) builds it itself.  A resumed run
-with the same files finds the cache and reads it.
+with the same files finds the cache and reads it.  The builder says so in one line on stderr before the
+first document is read, then shows a bar of the documents and tokens done.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import hashlib
 import json
 import os
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -135,6 +137,18 @@ def _init(text: str | None, eod: int, dtype: str, vocab_size: int) -> None:
     _WORKER.update(tok=tok, eod=eod, dtype=dtype, vocab_size=vocab_size)
 
 
+def _pool_init(parent_pid: int, *init) -> None:
+    """A tokenizing worker: ends with the process that started it (``flashpar.lifeline``), leaves Ctrl-C to it
+    (the pool is ended by its owner: no traceback per worker), then ``_init``."""
+    import signal
+
+    from flashpar.lifeline import die_with_parent
+
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init(*init)
+
+
 def _encode(texts: list[str]) -> tuple[list[int], bytes]:
     """``(lengths, tokens)`` of a batch of documents: each one's ids (and the end-of-document id), as bytes."""
     tok, eod, dtype = _WORKER["tok"], _WORKER["eod"], _WORKER["dtype"]
@@ -228,29 +242,54 @@ def prepare(config, *, wait: bool | None = None) -> Path:
                                  "rank 0 builds; raise --timeout for a large corpus")
             time.sleep(0.2)
         return where
-    build(where, about, _texts(config), config.model.vocab_size, config.workers,
+    files = f"--data {' '.join(map(str, config.data))}" if config.data else "the byte corpus"
+    print(f"flashpar: tokenizing {files} into {where} (once: later runs with the same data and tokenizer read it)",
+          file=sys.stderr, flush=True)
+    build(where, about, _texts(config), config.model.vocab_size, config.workers, progress=True,
           tokenizer_text=load_tokenizer(config.tokenizer, config.eod_token).text if config.tokenizer else None)
     return where
 
 
-def build(where: Path, about: dict, texts, vocab_size: int, workers: int, *, tokenizer_text: str | None) -> None:
-    """Tokenize ``texts`` (an iterator of documents) with ``workers`` processes into ``where`` (atomic)."""
+def build(where: Path, about: dict, texts, vocab_size: int, workers: int, *, tokenizer_text: str | None,
+          progress: bool = False) -> None:
+    """Tokenize ``texts`` (an iterator of documents) with ``workers`` processes into ``where`` (atomic);
+    ``progress``: a bar on stderr (documents, tokens) as the batches come back."""
     where.mkdir(parents=True, exist_ok=True)
     eod = about["tokenizer"]["eod"] if about["tokenizer"] else -1
     init = (tokenizer_text, eod, about["dtype"], vocab_size)
     tag = f"{socket.gethostname()}.{os.getpid()}.tmp"  # this process's files (nodes may share the folder)
     lengths: list[int] = []
+    bar = _bar() if progress else None
     try:
         with open(where / f"tokens.bin.{tag}", "wb") as out:
             for lens, data in _encoded(_batches(texts), init, workers):
                 lengths += lens
                 out.write(data)
+                if bar is not None:
+                    bar.update(len(lens))
+                    bar.set_postfix_str(f"{sum(lengths) / 1e6:.1f}M tokens", refresh=False)
     except BaseException:  # a bad document (ValueError: one line) or an interrupt: leave no partial file
         (where / f"tokens.bin.{tag}").unlink(missing_ok=True)
         raise
+    finally:
+        if bar is not None:
+            bar.close()
     os.replace(where / f"tokens.bin.{tag}", where / "tokens.bin")
     (where / f"index.json.{tag}").write_text(json.dumps({**about, "lengths": lengths}))
     os.replace(where / f"index.json.{tag}", where / "index.json")
+
+
+def _bar():
+    """The tokenizing progress bar (tqdm on stderr; a silent stand-in without tqdm)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        class _Silent:
+            def update(self, n): pass
+            def set_postfix_str(self, s, refresh=True): pass
+            def close(self): pass
+        return _Silent()
+    return tqdm(desc="tokenizing", unit="doc", dynamic_ncols=True, file=sys.stderr)
 
 
 def _batches(texts) -> Iterator[list[str]]:
@@ -275,7 +314,7 @@ def _encoded(batches, init: tuple, workers: int) -> Iterator[tuple[list[int], by
         return
     import multiprocessing as mp
 
-    with mp.get_context("spawn").Pool(workers, initializer=_init, initargs=init) as pool:
+    with mp.get_context("spawn").Pool(workers, initializer=_pool_init, initargs=(os.getpid(), *init)) as pool:
         pending = []
         for batch in batches:
             pending.append(pool.apply_async(_encode, (batch,)))
