@@ -214,3 +214,46 @@ def test_stale_namespace_names():
     assert not netlink._stale(f"fpnet{parent}-1-hub", time.time())  # alive, started before the namespace
     assert netlink._stale(f"fpnet{parent}-1-hub", 0.0)  # made before its pid's process started: the pid was reused
     assert not netlink._stale("unrelated-ns", None)
+
+
+def test_killed_generate_launcher_leaves_no_process(tmp_path):
+    """``flashpar generate`` on 2 spawned ranks, its launcher killed with SIGKILL once its ranks run: within
+    15 s no process of its tree remains."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"tokens": list(range(1, 40))}) for _ in range(8)))
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent / "src"), os.environ.get("PYTHONPATH", "")])}
+    argv = [sys.executable, "-m", "flashpar.cli", "generate", "--no-progress", "--init-from", str(tmp_path / "llama"),
+            "--prompts", str(tmp_path / "p.jsonl"), "--cp", "2", "--max-new-tokens", "3000",
+            "--out", str(tmp_path / "out.jsonl")]
+    launcher = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                start_new_session=True)
+    tree: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + START_WITHIN_S
+        while len(_tree(launcher.pid)) < 4:  # the launcher, the fork server and the two ranks
+            assert launcher.poll() is None, launcher.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.2)
+        time.sleep(2.0)  # the ranks inside their work
+        assert launcher.poll() is None, "generation ended before the drill"
+        tree = _tree(launcher.pid)
+        t0 = time.monotonic()
+        launcher.kill()
+        launcher.wait()
+        while _alive(tree) and time.monotonic() - t0 < GONE_WITHIN_S:
+            time.sleep(0.1)
+        left = _alive(tree)
+        assert not left, f"{len(left)} processes still run after the launcher died:\n{_kinds(tree)}"
+    finally:
+        for pid in _alive(tree):
+            os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()

@@ -195,8 +195,9 @@ def _write(config: GenerateConfig, prompts: list[Prompt], out, decode) -> None:
         print("\n".join(lines))
 
 
-def _spawned(rank: int, world: int, rendezvous: dict, config: GenerateConfig, inherit) -> None:
+def _spawned(rank: int, world: int, rendezvous: dict, config: GenerateConfig, inherit, line) -> None:
     inherit.apply()
+    line.watch()  # this rank ends when the launcher does, however it ends (flashpar.lifeline)
     os.environ.update(rendezvous, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     import torch
 
@@ -234,13 +235,15 @@ def run(args: argparse.Namespace) -> int:
     import torch.multiprocessing as mp
 
     from flashpar import ranks
+    from flashpar.lifeline import Lifeline
 
     world = config.tp * config.cp
     rendezvous = ranks.Rendezvous(config.master_addr, config.timeout)
+    line = Lifeline()  # the ranks end when this process does, however it ends
     try:
         ranks.context()
-        procs = mp.start_processes(_spawned, args=(world, rendezvous.env(), config, ranks.Inherit()), nprocs=world,
-                                   join=False, start_method=ranks.start_method())
+        procs = mp.start_processes(_spawned, args=(world, rendezvous.env(), config, ranks.Inherit(), line.child()),
+                                   nprocs=world, join=False, start_method=ranks.start_method())
         while not procs.join():
             pass
     except mp.ProcessExitedException as err:
@@ -248,4 +251,5 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         rendezvous.close()
+        line.close()
     return 0
