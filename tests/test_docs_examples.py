@@ -63,7 +63,9 @@ def test_multi_rank_examples_run_at_two_ranks():
 
 
 PRINTS = {  # what each script's last printed number must satisfy
-    "plan": lambda v: v >= 1.0,  # a compute imbalance (max / mean)
+    # flashcp's compute imbalance (max / mean) on the 128K wlbllm pack over 8 ranks: 1.004-1.010 measured, a
+    # planner that loses its balance (or a stats() that stops dividing by the mean) leaves this range
+    "plan": lambda v: 1.0 <= v < 1.05,
     "hf_roundtrip": lambda v: v < 1e-5,  # flashpar vs transformers logits in fp32 (measured ~3e-7)
 }
 

@@ -34,6 +34,8 @@ def main(rank: int, world: int) -> None:
     ref.backward(grad)
     torch.testing.assert_close(out_full, ref, rtol=1e-5, atol=1e-5)   # fp32: same sums, merged in another order
     torch.testing.assert_close(dq_full, ref_q.grad, rtol=1e-5, atol=1e-5)
+    if rank == 0:
+        print(f"cp_attention: the planned attention and its dq equal full attention on {world} ranks (fp32)")
 
 
 if __name__ == "__main__":

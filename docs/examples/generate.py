@@ -24,7 +24,7 @@ def main(rank: int, world: int) -> None:
     prompts = [[5, 9, 2, 33, 7, 1, 12, 40, 3], [8, 8, 21]]       # packed as two documents, planned by FlashCP
     out = generate(model, prompts, max_new_tokens=4, sampling=Sampling())   # greedy; Sampling(temperature=...)
 
-    for prompt, tokens in zip(prompts, out.tokens):               # the single-process model, greedy, no cache
+    for prompt, tokens in zip(prompts, out.tokens, strict=True):  # the single-process model, greedy, no cache
         seq = list(prompt)
         with torch.no_grad():
             for _ in range(4):

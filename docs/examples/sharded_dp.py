@@ -33,6 +33,8 @@ def main(rank: int, world: int) -> None:
     # same products, other summation order: fp32 agrees to ~1e-6
     torch.testing.assert_close(model[0].weight.grad, full[0].weight.grad[rows], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model[1].weight.grad, full[1].weight.grad, rtol=1e-5, atol=1e-6)
+    if rank == 0:
+        print(f"sharded_dp: the sharded MLP's weight gradients equal the full model's on {world} ranks (fp32)")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ def main(rank: int, world: int) -> None:
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     y_full = o_proj(o.transpose(0, 1).reshape(s, heads * head_dim)).chunk(world)[rank]
     torch.testing.assert_close(y_shard, y_full, rtol=1e-5, atol=1e-5)   # fp32, other summation order
+    if rank == 0:
+        print(f"ulysses: Ulysses attention equals the full attention block on {world} ranks (fp32)")
 
 
 if __name__ == "__main__":
