@@ -99,11 +99,12 @@ def test_torch_213_order_cut_in_contiguous_pieces_is_unbalanced_which_the_dense_
     assert sorted(order.tolist()) == list(range(80)) and pairs[0] != pairs[1]
 
 
-def test_chunks_merge_adjacent_runs_and_docs_masks_are_lower_right():
+def test_chunks_are_one_per_document_chunk_and_docs_masks_are_lower_right():
     layout = ta.build_layout([8, 4], 2, 1, "docs", "cpu")  # rank 1 of cp 2: chunks 1 and 2 of each document
-    assert [(c.q0, c.q1, c.s, c.a) for c in layout.chunks] == [(0, 4, 0, 2), (4, 6, 8, 9)]
-    assert torch.equal(layout.chunks[0].mask, torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0],
-                                                            [1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]).bool())
+    assert [(c.q0, c.q1, c.s, c.a) for c in layout.chunks] == [(0, 2, 0, 2), (2, 4, 0, 4), (4, 5, 8, 9),
+                                                                (5, 6, 8, 10)]
+    assert torch.equal(layout.chunks[1].mask, torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]).bool())
+    assert [(c.q0, c.q1) for c in ta.build_layout([8, 4], 1, 0, "docs", "cpu").chunks] == [(0, 8), (8, 12)]
     rank0 = ta.build_layout([8, 4], 2, 0, "docs", "cpu")
     assert rank0.chunks[0].mask is None  # a document's first chunk: square, SDPA's is_causal
 
@@ -111,8 +112,9 @@ def test_chunks_merge_adjacent_runs_and_docs_masks_are_lower_right():
 def test_varlen_offsets_list_every_chunk_and_its_key_range():
     layout = ta.build_layout([8, 4], 2, 1, "varlen", "cpu")
     t = layout.extra
-    assert t["cu_q"].tolist() == [0, 4, 6] and t["cu_k"].tolist() == [0, 6, 9]
-    assert t["key_index"].tolist() == [0, 1, 2, 3, 4, 5, 8, 9, 10] and (t["max_q"], t["max_k"]) == (4, 6)
+    assert t["cu_q"].tolist() == [0, 2, 4, 5, 6] and t["cu_k"].tolist() == [0, 4, 10, 12, 15]
+    assert t["key_index"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 8, 9, 8, 9, 10]
+    assert (t["max_q"], t["max_k"]) == (2, 6)
     assert t["cu_q"].dtype == t["cu_k"].dtype == torch.int32
 
 

@@ -84,15 +84,20 @@ class DocLayout:
     extra: dict = field(default_factory=dict)  # "flex": block_mask; "varlen": cu_q, cu_k, key_index, max_q, max_k
 
 
-def chunks_of(doc_lens: list[int], mine: torch.Tensor) -> list[Chunk]:
-    """Maximal runs of consecutive original positions of one document in the local order ``mine``."""
+def chunks_of(doc_lens: list[int], mine: torch.Tensor, cp: int = 1) -> list[Chunk]:
+    """Runs of consecutive original positions of one document in the local order ``mine``, cut at the
+    document's chunk boundaries (every ``n_d / (2 cp)`` tokens) when ``cp > 1``: rank ``cp - 1``'s two chunks
+    of a document are adjacent, and as two calls its kernel computes ``(2 cp + 1) L^2`` pairs where one
+    ``2L x (cp + 1) L`` rectangle would be ``(2 cp + 2) L^2`` (``L^2 / 2`` of either are masked)."""
     bounds = torch.tensor(doc_lens).cumsum(0)
     doc = torch.bucketize(mine, bounds, right=True).tolist()
     pos = mine.tolist()
     starts = [0, *bounds.tolist()]
+    chunk = [max(n // (2 * cp), 1) if cp > 1 else n for n in doc_lens]
     out, q0 = [], 0
     for i in range(1, len(pos) + 1):
-        if i == len(pos) or doc[i] != doc[q0] or pos[i] != pos[i - 1] + 1:
+        if (i == len(pos) or doc[i] != doc[q0] or pos[i] != pos[i - 1] + 1
+                or (pos[i] - starts[doc[i]]) % chunk[doc[i]] == 0):
             out.append(Chunk(q0, i, starts[doc[q0]], pos[q0]))
             q0 = i
     return out
@@ -119,7 +124,7 @@ def build_layout(doc_lens: list[int], cp: int, rank: int, kind: str, device, ord
     if cp > 1:
         restore = torch.empty_like(order)
         restore[order] = torch.arange(total)
-    chunks = chunks_of(doc_lens, mine)
+    chunks = chunks_of(doc_lens, mine, cp)
     layout = DocLayout(kind, order, mine, restore.to(device) if restore is not None else None, chunks)
     if kind == "docs":
         for c in chunks:
