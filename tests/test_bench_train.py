@@ -180,6 +180,7 @@ def test_smoke_run_reports_every_configuration_with_agreeing_first_losses(tmp_pa
                           "exposed_comm", "other"}, b
         assert len(r["breakdown_ms_per_rank"]) == 2 and all(v >= 0 for v in b.values()), r
         assert sum(b.values()) == pytest.approx(r["breakdown_wall_ms"], rel=0.05), r
+        assert r["breakdown_step_ms"] > 0, r  # the plain step it is compared with
         assert all(b[p] > 0 for p in ("attention_fwd", "attention_bwd", "linear", "loss", "optimizer",
                                       "exposed_comm")), (r["name"], b)
     assert "where the step goes" in proc.stdout

@@ -277,17 +277,19 @@ def worker(config: dict) -> None:
             _record(samples, name, "step", [_timed(step, barrier) for _ in range(config["steps"])])
             with no_comm():
                 _record(samples, name, "no_comm", [_timed(step, barrier) for _ in range(config["steps"])])
-    # the breakdown: one more step of each configuration with its parts timed (flashpar.bench.breakdown)
+    # the breakdown: one more step of each configuration with its parts timed (flashpar.bench.breakdown), right
+    # after a plain step of the same configuration (the step its parts are compared with: the load of the moment)
     parts = {}
     with breakdown():  # the dispatch mode's first entry costs ~0.1 s once: not charged to the first configuration
         torch.ones(1).add(1)
     for name in names:
+        plain, _ = _timed(runners[name].step, barrier)
         barrier()
         with breakdown(optimizers=[runners[name].opt]) as clock:
             t0 = time.perf_counter()
             runners[name].step()
             wall = time.perf_counter() - t0
-        parts[name] = {**clock.finish(), "wall_ms": 1e3 * wall}
+        parts[name] = {**clock.finish(), "wall_ms": 1e3 * wall, "plain_ms": 1e3 * plain}
     del runners, step
 
     # 2. memory and first-step loss: each configuration built fresh (after the timing, so that one-time
@@ -380,8 +382,9 @@ def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank
 
 
 def breakdown_figures(per_rank: list[dict]) -> dict:
-    """``breakdown_ms`` (each part's mean over the ranks), ``breakdown_ms_per_rank`` and ``breakdown_wall_ms``
-    (the mean over the ranks of the measured step's wall time, which the parts add up to)."""
+    """``breakdown_ms`` (each part's mean over the ranks), ``breakdown_ms_per_rank``, ``breakdown_wall_ms`` (the
+    mean over the ranks of the measured step's wall time, which the parts add up to) and ``breakdown_step_ms``
+    (the same of the plain step just before it, which they are compared with)."""
     from flashpar.bench.breakdown import PARTS
 
     if not per_rank:
@@ -389,11 +392,13 @@ def breakdown_figures(per_rank: list[dict]) -> dict:
     n = len(per_rank)
     return {"breakdown_ms": {p: sum(r[p] for r in per_rank) / n for p in PARTS},
             "breakdown_ms_per_rank": [{p: r[p] for p in PARTS} for r in per_rank],
-            "breakdown_wall_ms": sum(r["wall_ms"] for r in per_rank) / n}
+            "breakdown_wall_ms": sum(r["wall_ms"] for r in per_rank) / n,
+            "breakdown_step_ms": sum(r.get("plain_ms", r["wall_ms"]) for r in per_rank) / n}
 
 
 def format_breakdown(rows: list[dict]) -> list[str]:
-    """The parts of each configuration's measured step (mean over the ranks), their sum against the timed step."""
+    """The parts of each configuration's measured step (mean over the ranks); their sum against the plain step run
+    just before it (``sum/step``) and against the timed median step (``sum/median``)."""
     from flashpar.bench.breakdown import PARTS
 
     rows = [r for r in rows if "breakdown_ms" in r]
@@ -402,12 +407,13 @@ def format_breakdown(rows: list[dict]) -> list[str]:
     short = {"attention_fwd": "attn fwd", "attention_bwd": "attn bwd", "exposed_comm": "comm"}
     lines = ["", "where the step goes (ms, mean over the ranks of one more step, timed by part: "
                  "flashpar.bench.breakdown)",
-             f"{'config':<14}" + "".join(f"{short.get(p, p):>12}" for p in PARTS) + f"{'sum':>9}{'sum/step':>9}"]
+             f"{'config':<14}" + "".join(f"{short.get(p, p):>12}" for p in PARTS)
+             + f"{'sum':>9}{'sum/step':>9}{'sum/median':>11}"]
     for r in rows:
         b = r["breakdown_ms"]
         total = sum(b.values())
         lines.append(f"{r['name']:<14}" + "".join(f"{b[p]:>12.0f}" for p in PARTS)
-                     + f"{total:>9.0f}{total / r['step_ms']:>9.2f}")
+                     + f"{total:>9.0f}{total / r['breakdown_step_ms']:>9.2f}{total / r['step_ms']:>11.2f}")
     return lines
 
 
