@@ -10,14 +10,21 @@ when not root), as ``bench cp`` and ``bench overlap`` do.  Every rank, for every
                "per_doc" plans
     torch      the same Llama in plain torch layers, parallelized with torch's APIs only, as
                torchtitan does (flashpar.bench.torch_parallel: DTensor TP-SP, FSDP2, per-document
-               head-tail context parallelism with K/V all-gathered)
+               head-tail context parallelism with K/V all-gathered), attention per (document, chunk)
+    torch_compile  the same, every block torch.compile'd (not with tp > 1: it fails there on CPU)
+    torch_dense    the dense-mask peer: one SDPA over all S_loc x S scores, torch 2.13's balancer order
+
+(``--configs``: by default flashpar, baseline and torch.)
 
 1. timing: every configuration built (same seed: the same initial weights as
    ``flashpar.train.step.build``), ``--warmup`` steps each, then ``--rounds`` rounds with the order
    rotated; in a round each configuration runs ``--steps`` steps as they are, then ``--steps`` steps
    inside :func:`flashpar.bench.no_comm.no_comm` (every collective and p2p call a local no-op: the
    same step with its communication skipped); every step starts after a barrier;
-2. memory and first loss: each configuration built fresh again, two optimizer steps on the same
+2. the breakdown: each configuration one plain step, then one step inside
+   :func:`flashpar.bench.breakdown.breakdown` (its wall time split into attention forward / backward,
+   linear, elementwise, loss, optimizer, exposed communication and other, measured where each happens);
+3. memory and first loss: each configuration built fresh again, two optimizer steps on the same
    packed sequences; the first step's loss (summed over the ranks) and the rank's peak memory
    (see ``peak_memory``).
 
@@ -29,10 +36,11 @@ wall time the transport's CPU work takes from the compute while the cores stay b
 ``tokens_per_s`` = dp x seq_len / step; ``mfu`` = model FLOPs of the step (``LlamaConfig.flops_per_token``
 with the documents' causal pairs, as ``flashpar.train.loop``) / step / (peak FLOP/s per rank x ranks),
 the peak from ``flashpar.cost.calibrate.peak_flops`` (a GEMM probe on every rank at once on CPU,
-averaged over the ranks); ``peak_mem_mb`` the largest rank's peak; ``loss_step1``.  ``setup.hardware`` /
-``attn_fwd`` / ``attn_bwd``: the cost model's calibration on this run's ranks (``calibrate_hardware``), from
-which ``flashpar simulate check`` predicts the step of every configuration.  The first-step
-losses must agree (relative 1e-4) or the command exits 1.
+averaged over the ranks); ``peak_mem_mb`` the largest rank's peak; ``loss_step1``; ``breakdown_ms`` (each
+part's mean over the ranks; ``breakdown_ms_per_rank``, ``breakdown_wall_ms`` the measured step,
+``breakdown_step_ms`` the plain step before it).  ``setup.hardware`` / ``attn_fwd`` / ``attn_bwd``: the cost
+model's calibration on this run's ranks (``calibrate_hardware``), from which ``flashpar simulate check`` predicts
+the step of every configuration.  The first-step losses must agree (relative 1e-4) or the command exits 1.
 
 The data: ``--lengths`` (a shipped name or a file), each length divided by ``--scale``, packed into
 ``dp`` sequences of ``--seq-len`` tokens in units of ``2 cp`` tokens (torch's per-document head-tail
