@@ -30,9 +30,9 @@ def _sequences(dp: int):
 
 
 def peer_against_llama(rank: int, n: int, meshes) -> dict:
-    """For every ``(dp, cp, tp)`` of ``meshes`` (product ``n``): the torch peer's loss (summed over the ranks)
-    and the largest relative error of every parameter's gradient against the single-process ``Llama`` on the
-    same weights and sequences, in float64."""
+    """For every ``(dp, cp, tp, attention)`` of ``meshes`` (``dp cp tp = n``; attention ``docs`` or ``dense``): the
+    torch peer's loss (summed over the ranks) and the largest relative error of every parameter's gradient
+    against the single-process ``Llama`` on the same weights and sequences, in float64."""
     from torch.distributed.tensor import DTensor
 
     from flashpar.bench import torch_parallel
@@ -40,7 +40,7 @@ def peer_against_llama(rank: int, n: int, meshes) -> dict:
 
     warnings.filterwarnings("ignore")
     out = {}
-    for dp, cp, tp in meshes:
+    for dp, cp, tp, attention in meshes:
         torch.manual_seed(0)
         full = Llama(CFG).double()
         seqs = _sequences(dp)
@@ -51,7 +51,7 @@ def peer_against_llama(rank: int, n: int, meshes) -> dict:
         model, _ = torch_parallel.build(CFG, mesh, full, "cpu", lr=1e-3)
         model.double()
         tokens, labels = seqs[mesh["dp"].get_local_rank()]
-        batch = torch_parallel.make_batch(tokens, labels, DOCS, mesh, "cpu")
+        batch = torch_parallel.make_batch(tokens, labels, DOCS, mesh, "cpu", attention)
         share = torch_parallel.forward_backward(model, batch, count, tp)
         total = share.clone()
         dist.all_reduce(total)
@@ -61,8 +61,8 @@ def peer_against_llama(rank: int, n: int, meshes) -> dict:
             g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             r = grads[full_name(name, CFG)].grad
             errors[name] = float((g - r).abs().max() / r.abs().max())
-        out[(dp, cp, tp)] = {"loss": float(total), "ref": float(ref / count), "grad_err": max(errors.values()),
-                             "worst": max(errors, key=errors.get)}
+        out[(dp, cp, tp, attention)] = {"loss": float(total), "ref": float(ref / count),
+                                        "grad_err": max(errors.values()), "worst": max(errors, key=errors.get)}
     return out
 
 

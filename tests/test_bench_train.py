@@ -24,7 +24,9 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 TINY = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--seq-len", "128",
         "--scale", "64", "--link-rate", "none", "--steps", "1", "--rounds", "2", "--warmup", "1"]
 SOLO_MESHES = [(1, 1, 2), (1, 2, 1), (2, 1, 1)]
-PEER_MESHES = {1: [(1, 1, 1)], 2: [(1, 1, 2), (2, 1, 1)], 3: [(1, 3, 1)], 4: [(1, 2, 2), (2, 2, 1)]}
+# (dp, cp, tp, attention): the per-(document, chunk) peer on every mesh, the dense one where cp splits documents
+PEER_MESHES = {1: [(1, 1, 1, "docs")], 2: [(1, 1, 2, "docs"), (2, 1, 1, "docs"), (1, 2, 1, "dense")],
+               3: [(1, 3, 1, "docs"), (1, 3, 1, "dense")], 4: [(1, 2, 2, "docs"), (2, 2, 1, "docs")]}
 
 
 def _config(**kw) -> dict:
@@ -65,6 +67,7 @@ spawned = SpawnCache(_calls, timeout=400.0)
     (["--lengths", "/no/such/file"], "--lengths"),
     (["--link-rate", "fast"], "--link-rate"),
     (["--dp", "1", "--cp", "1", "--tp", "1"], "at least 2 ranks"),
+    (["--configs", "torch_compile", "--tp", "2"], "--tp 1"),
 ])
 def test_bad_arguments_stop_with_one_line_before_any_rank(argv, needle, capsys, monkeypatch):
     import flashpar.bench.launch as launch
@@ -120,7 +123,7 @@ def test_no_comm_skips_every_transfer_of_every_configuration(mesh):
     a transfer that escaped the fakes would wait for a peer that never calls it.  Leaving the block restores
     the real calls."""
     solo = spawned(2)[f"solo{mesh}"]
-    assert solo[0]["done"] == list(bench_train.CONFIGS)
+    assert solo[0]["done"] == list(bench_train.DEFAULT_CONFIGS)
     assert all(r["restored"] for r in solo)
 
 
@@ -131,7 +134,7 @@ def test_no_comm_skips_the_gathered_vocabulary_weights_too():
 
     assert gathers_weight(256, 512, 2)
     solo = spawned(2)["solo-vocab"]
-    assert solo[0]["done"] == list(bench_train.CONFIGS)
+    assert solo[0]["done"] == list(bench_train.DEFAULT_CONFIGS)
     assert all(r["restored"] for r in solo)
 
 
@@ -155,7 +158,7 @@ def test_smoke_run_reports_every_configuration_with_agreeing_first_losses(tmp_pa
     assert set(report) == {"setup", "configs"}
     assert report["setup"]["world_size"] == 2 and report["setup"]["losses_agree"] is True
     rows = report["configs"]
-    assert [r["name"] for r in rows] == list(bench_train.CONFIGS)
+    assert [r["name"] for r in rows] == list(bench_train.DEFAULT_CONFIGS)
     keys = {"name", "tokens_per_s", "step_ms", "exposed_ms", "mfu", "peak_mem_mb", "loss_step1"}
     for r in rows:
         assert keys <= set(r), r
@@ -168,8 +171,21 @@ def test_smoke_run_reports_every_configuration_with_agreeing_first_losses(tmp_pa
     # ~5.5 loss summed over a few hundred targets (1e-5 relative is ~100 fp32 ulps)
     losses = [r["loss_step1"] for r in rows]
     assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), losses
+    # the breakdown: every part measured on every rank, they add up to the measured step's wall time (the clock's
+    # own entry and exit aside: 5%), and the parts every step has are there: attention both ways, the GEMMs, the
+    # loss, the optimizer, the communication (tp 2 gathers and reduce-scatters)
+    for r in rows:
+        b = r["breakdown_ms"]
+        assert set(b) == {"attention_fwd", "attention_bwd", "linear", "elementwise", "loss", "optimizer",
+                          "exposed_comm", "other"}, b
+        assert len(r["breakdown_ms_per_rank"]) == 2 and all(v >= 0 for v in b.values()), r
+        assert sum(b.values()) == pytest.approx(r["breakdown_wall_ms"], rel=0.05), r
+        assert r["breakdown_step_ms"] > 0, r  # the plain step it is compared with
+        assert all(b[p] > 0 for p in ("attention_fwd", "attention_bwd", "linear", "loss", "optimizer",
+                                      "exposed_comm")), (r["name"], b)
+    assert "where the step goes" in proc.stdout
     assert "first-step losses agree" in proc.stdout
-    for name in bench_train.CONFIGS:
+    for name in bench_train.DEFAULT_CONFIGS:
         assert any(line.startswith(name) for line in proc.stdout.splitlines()), proc.stdout
 
 

@@ -211,7 +211,7 @@ def test_bad_arguments_stop_with_one_line(argv, needle, capsys):
 # ---- simulate check of a bench train report -----------------------------------------------------------------
 
 
-def _report(**setup) -> dict:
+def _report(names=("flashpar", "baseline", "torch"), **setup) -> dict:
     """A bench train report of the default setup whose measured figures are the simulator's own predictions."""
     from flashpar.bench import train as bench_train
 
@@ -221,7 +221,7 @@ def _report(**setup) -> dict:
     hw = dataclasses.asdict(preset("cpu"))
     s = {**config, **setup, "link_rate": "500mbit", "hardware": hw, "attn_fwd": {"attn_peak": 0.5, "attn_half": 60.0},
          "attn_bwd": {"attn_peak": 0.3, "attn_half": 60.0}}
-    report = {"setup": s, "configs": [{"name": n} for n in bench_train.CONFIGS]}
+    report = {"setup": s, "configs": [{"name": n} for n in names]}
     for row, (_, r) in zip(report["configs"], check_train.predict(report).items(), strict=True):
         step_ms, no_comm = 1e3 * r["step_s"], 1e3 * r["no_comm_s"]
         row.update(step_ms=step_ms, no_comm_ms=no_comm, exposed_ms=step_ms - no_comm,
@@ -236,7 +236,8 @@ def test_check_of_a_perfect_report_is_within_and_of_a_perturbed_one_flagged():
     report = _report()
     assert kind_of(report) == "train"
     rows = [finish(r) for r in check_train.check(report)]
-    assert [r["row"] for r in rows] == ["flashpar vs baseline", "flashpar vs torch"] * 2 + list(bench_train.CONFIGS)
+    expect = ["flashpar vs baseline", "flashpar vs torch"] * 2 + list(bench_train.DEFAULT_CONFIGS)
+    assert [r["row"] for r in rows] == expect
     assert all(r["within"] == "yes" and abs(r["error"]) < 1e-9 for r in rows), rows
     slow = report["configs"][0]  # flashpar's communication 1.5 x the step longer than predicted
     slow.update(tokens_per_s=slow["tokens_per_s"] / 1.5, step_ms=slow["step_ms"] * 1.5,
@@ -254,3 +255,26 @@ def test_check_without_a_calibration_says_so_in_one_line(tmp_path, capsys):
     assert cli.main(["simulate", "check", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no calibration" in err, err
+
+
+def test_chunk_calls_are_the_torch_peers_sdpa_calls():
+    """cp 2, documents of 8 and 4 tokens: rank 1 holds chunks 1 and 2 of each (one piece each); each is cut at the
+    chunk boundary and computes its rectangle against the document's earlier keys; rank 0's first chunks are
+    square (``is_causal``: half the square and its diagonal)."""
+    from flashpar.sim.step import chunk_calls
+
+    starts, lens = [0, 8], [8, 4]
+    assert chunk_calls([(2, 6), (9, 11)], lens, starts, 2) == [(2, 4, 8), (2, 6, 12), (1, 2, 2), (1, 3, 3)]
+    assert chunk_calls([(0, 2), (6, 8), (8, 9), (11, 12)], lens, starts, 2) == [(2, 2, 3), (2, 8, 16), (1, 1, 1),
+                                                                              (1, 4, 4)]
+    assert chunk_calls([(0, 8)], [8], [0], 1) == [(8, 8, 36)]  # without cp: one causal call per document
+
+
+def test_check_predicts_every_torch_peer_and_the_dense_one_slower():
+    """A report with the three torch peers: each gets its ratio row; the dense peer's attention computes every
+    S_loc x S score, so it is predicted slower than the per-document peer."""
+    report = _report(names=("flashpar", "torch", "torch_dense"))
+    rows = check_train.check(report)
+    assert [r["row"] for r in rows][:2] == ["flashpar vs torch", "flashpar vs torch_dense"]
+    pred = check_train.predict(report)
+    assert pred["torch_dense"]["no_comm_s"] > pred["torch"]["no_comm_s"]

@@ -144,10 +144,10 @@ def worker(config: dict) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from flashpar.bench.train import peak_memory, reset_peak_memory
     from flashpar.dist import as_timedelta
     from flashpar.models import Llama
     from flashpar.models.parallel import MESH_DIMS
+    from flashpar.peak_memory import peak_memory, reset_peak_memory
 
     dist.init_process_group("gloo", timeout=as_timedelta(config["rank_timeout"]))
     torch.set_num_threads(config["threads"])

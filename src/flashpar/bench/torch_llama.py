@@ -9,17 +9,20 @@ model's (:func:`full_name`: ``blocks.3.attn.q_proj.weight`` <-> ``blocks.3.q_pro
 
 One packed sequence per data-parallel rank, batch-first as torchtitan's model:
 
+    cos, sin = rope tables of positions [S_loc]                          once per step
     h       = embed(tokens [1, S_loc])                                   [1, S_loc, hidden]
-    h      += o_proj(sdpa(rope(q), gather_cp(rope(k)), gather_cp(v), mask))   per block
+    h      += o_proj(attend(rope(q), gather_cp(rope(k)), gather_cp(v), layout))   per block
     h      += down(silu(gate(norm(h))) * up(norm(h)))
     logits  = head(norm(h))                                              [1, S_loc, vocab]
 
 ``S_loc`` is this context-parallel rank's tokens (all of them without cp), ``positions [S_loc]`` their
-positions inside their documents and ``mask [S_loc, S]`` which of the cp group's keys, in the order
-``gather_cp`` concatenates them, each query may see.  ``gather_cp`` is the identity without cp and
-torch's autograd-aware functional all-gather over the cp group with it.  The head count is read from
-the projection's output (``view(.., -1, head_dim)``), so the block runs on a tensor-parallel rank's
-heads unchanged.
+positions inside their documents and ``layout`` (:class:`flashpar.bench.torch_attention.DocLayout`, built
+once per batch) which of the cp group's keys, in the order ``gather_cp`` concatenates them, each query
+may see and how the kernel visits them.  ``gather_cp`` is the identity without cp and torch's
+autograd-aware functional all-gather over the cp group with it.  The head count is read from the
+projection's output (``view(.., -1, head_dim)``), so the block runs on a tensor-parallel rank's heads
+unchanged.  The rope tables are computed once per step, as torchtitan's precomputed ``freqs_cis``, in
+float64 and cast to the activations' dtype (``flashpar.overlap.ulysses.rotary_tables``, the model's).
 """
 
 from __future__ import annotations
@@ -28,9 +31,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashpar.bench.torch_attention import DocLayout, attend
 from flashpar.models.config import LlamaConfig
 from flashpar.models.rope import inverse_frequencies
-from flashpar.overlap.ulysses import rotate
+from flashpar.overlap.ulysses import rotary_tables
+
+
+def rope_tables(positions: torch.Tensor, cfg: LlamaConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin) [S, D]`` of the half-split rotation at ``positions [S]`` (each half's table repeated)."""
+    cos, sin = rotary_tables(positions, inverse_frequencies(cfg, positions.device), dtype)
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x cos + rotate_half(x) sin`` over the last dim of ``x [..., S, D]``."""
+    d = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., d:], x[..., :d]], dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -52,16 +68,15 @@ class Attention(nn.Module):
 
         return all_gather_tensor_autograd(x.contiguous(), gather_dim=1, group=self.cp_group)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: DocLayout) -> torch.Tensor:
         b, s, _ = x.shape
         d = self.head_dim
-        inv_freq = inverse_frequencies(self.cfg, x.device)  # flashpar.models.rope: the model's rope
-        q = rotate(self.q_proj(x).view(b, s, -1, d).transpose(1, 2), positions, inv_freq=inv_freq)
-        k = rotate(self.k_proj(x).view(b, s, -1, d).transpose(1, 2), positions, inv_freq=inv_freq)
+        q = rope(self.q_proj(x).view(b, s, -1, d).transpose(1, 2), cos, sin)
+        k = rope(self.k_proj(x).view(b, s, -1, d).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(b, s, -1, d)
         k = self.gather_cp(k.transpose(1, 2)).transpose(1, 2)
         v = self.gather_cp(v).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        o = attend(q, k, v, layout)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -84,8 +99,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.mlp = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: DocLayout) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, layout)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -100,10 +115,11 @@ class TorchLlama(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, layout: DocLayout) -> torch.Tensor:
+        cos, sin = rope_tables(positions, self.cfg, self.norm.weight.dtype)
         x = self.embed(tokens)
         for block in self.blocks:
-            x = block(x, positions, mask)
+            x = block(x, cos, sin, layout)
         return self.head(self.norm(x))
 
     def load_full(self, full: nn.Module) -> None:

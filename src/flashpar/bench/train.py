@@ -10,14 +10,21 @@ when not root), as ``bench cp`` and ``bench overlap`` do.  Every rank, for every
                "per_doc" plans
     torch      the same Llama in plain torch layers, parallelized with torch's APIs only, as
                torchtitan does (flashpar.bench.torch_parallel: DTensor TP-SP, FSDP2, per-document
-               head-tail context parallelism with K/V all-gathered)
+               head-tail context parallelism with K/V all-gathered), attention per (document, chunk)
+    torch_compile  the same, every block torch.compile'd (not with tp > 1: it fails there on CPU)
+    torch_dense    the dense-mask peer: one SDPA over all S_loc x S scores, torch 2.13's balancer order
+
+(``--configs``: by default flashpar, baseline and torch.)
 
 1. timing: every configuration built (same seed: the same initial weights as
    ``flashpar.train.step.build``), ``--warmup`` steps each, then ``--rounds`` rounds with the order
    rotated; in a round each configuration runs ``--steps`` steps as they are, then ``--steps`` steps
    inside :func:`flashpar.bench.no_comm.no_comm` (every collective and p2p call a local no-op: the
    same step with its communication skipped); every step starts after a barrier;
-2. memory and first loss: each configuration built fresh again, two optimizer steps on the same
+2. the breakdown: each configuration one plain step, then one step inside
+   :func:`flashpar.bench.breakdown.breakdown` (its wall time split into attention forward / backward,
+   linear, elementwise, loss, optimizer, exposed communication and other, measured where each happens);
+3. memory and first loss: each configuration built fresh again, two optimizer steps on the same
    packed sequences; the first step's loss (summed over the ranks) and the rank's peak memory
    (``flashpar.peak_memory``).
 
@@ -29,10 +36,11 @@ wall time the transport's CPU work takes from the compute while the cores stay b
 ``tokens_per_s`` = dp x seq_len / step; ``mfu`` = model FLOPs of the step (``LlamaConfig.flops_per_token``
 with the documents' causal pairs, as ``flashpar.train.loop``) / step / (peak FLOP/s per rank x ranks),
 the peak from ``flashpar.cost.calibrate.peak_flops`` (a GEMM probe on every rank at once on CPU,
-averaged over the ranks); ``peak_mem_mb`` the largest rank's peak; ``loss_step1``.  ``setup.hardware`` /
-``attn_fwd`` / ``attn_bwd``: the cost model's calibration on this run's ranks (``calibrate_hardware``), from
-which ``flashpar simulate check`` predicts the step of every configuration.  The first-step
-losses must agree (relative 1e-4) or the command exits 1.
+averaged over the ranks); ``peak_mem_mb`` the largest rank's peak; ``loss_step1``; ``breakdown_ms`` (each
+part's mean over the ranks; ``breakdown_ms_per_rank``, ``breakdown_wall_ms`` the measured step,
+``breakdown_step_ms`` the plain step before it).  ``setup.hardware`` / ``attn_fwd`` / ``attn_bwd``: the cost
+model's calibration on this run's ranks (``calibrate_hardware``), from which ``flashpar simulate check`` predicts
+the step of every configuration.  The first-step losses must agree (relative 1e-4) or the command exits 1.
 
 The data: ``--lengths`` (a shipped name or a file), each length divided by ``--scale``, packed into
 ``dp`` sequences of ``--seq-len`` tokens in units of ``2 cp`` tokens (torch's per-document head-tail
@@ -52,7 +60,11 @@ import warnings
 
 from flashpar.peak_memory import peak_memory, reset_peak_memory
 
-CONFIGS = ("flashpar", "baseline", "torch")
+CONFIGS = ("flashpar", "baseline", "torch", "torch_compile", "torch_dense")
+DEFAULT_CONFIGS = ("flashpar", "baseline", "torch")
+TORCH_PEERS = {"torch": ("docs", False), "torch_compile": ("docs", True), "torch_dense": ("dense", False)}
+# the torch peers: (attention kernel of flashpar.bench.torch_attention, torch.compile per block)
+TORCH_COMPILE_TP_FAILS = "2.13"  # the torch version whose compiled TP blocks were seen failing (docs/bench-train.md)
 LOSS_RTOL = 1e-4  # fp32 on every path; the sums differ in order only (observed ~1e-7 relative)
 
 
@@ -151,15 +163,17 @@ class Runner:
         cfg = model_config(config)
         count = float(sum(int((lab != -100).sum()) for _, lab, _ in seqs))
         device = torch.device("cpu")
-        if name == "torch":
+        if name in TORCH_PEERS:
             from flashpar.bench import torch_parallel
 
+            attention, compile_blocks = TORCH_PEERS[name]
             mesh = meshes["torch"]
             torch.manual_seed(config["seed"])  # flashpar.train.step.build's weights
             full = Llama(cfg)
-            self.model, self.opt = torch_parallel.build(cfg, mesh, full, device, lr=config["lr"])
+            self.model, self.opt = torch_parallel.build(cfg, mesh, full, device, lr=config["lr"],
+                                                        compile_blocks=compile_blocks)
             tokens, labels, doc_lens = seqs[mesh["dp"].get_local_rank()]
-            batch = torch_parallel.make_batch(tokens, labels, doc_lens, mesh, device)
+            batch = torch_parallel.make_batch(tokens, labels, doc_lens, mesh, device, attention)
             tp = mesh["tp"].size()
             self._step = lambda: torch_parallel.train_step(self.model, self.opt, batch, count, tp)
             return
@@ -193,7 +207,7 @@ def make_meshes(config: dict) -> dict:
         _, meshes["flashpar"] = setup(train_config(config, "flashpar"))
     else:
         torch.set_num_threads(config["threads"])
-    if "torch" in config["configs"]:
+    if set(TORCH_PEERS) & set(config["configs"]):
         meshes["torch"] = make_mesh(config["dp"], torch_cp(config), config["tp"], "cpu")
     return meshes
 
@@ -219,6 +233,7 @@ def worker(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    from flashpar.bench.breakdown import breakdown
     from flashpar.bench.no_comm import no_comm
     from flashpar.cost.calibrate import peak_flops
     from flashpar.dist import as_timedelta
@@ -237,6 +252,9 @@ def worker(config: dict) -> None:
     for name in names:
         for _ in range(config["warmup"]):
             runners[name].step()
+        if config["warmup"]:  # once without communication too: torch.compile's graphs are specialised on the
+            with no_comm():  # collectives they call, so the first step inside no_comm() recompiles
+                runners[name].step()
     peak = torch.tensor([peak_flops(torch.device("cpu"))], dtype=torch.float64)
     dist.all_reduce(peak)
     hardware = calibrate_hardware(config)  # for `flashpar simulate check` (flashpar.sim.check_train)
@@ -249,6 +267,19 @@ def worker(config: dict) -> None:
             _record(samples, name, "step", [_timed(step, barrier) for _ in range(config["steps"])])
             with no_comm():
                 _record(samples, name, "no_comm", [_timed(step, barrier) for _ in range(config["steps"])])
+    # the breakdown: one more step of each configuration with its parts timed (flashpar.bench.breakdown), right
+    # after a plain step of the same configuration (the step its parts are compared with: the load of the moment)
+    parts = {}
+    with breakdown():  # the dispatch mode's first entry costs ~0.1 s once: not charged to the first configuration
+        torch.ones(1).add(1)
+    for name in names:
+        plain, _ = _timed(runners[name].step, barrier)
+        barrier()
+        with breakdown(optimizers=[runners[name].opt]) as clock:
+            t0 = time.perf_counter()
+            runners[name].step()
+            wall = time.perf_counter() - t0
+        parts[name] = {**clock.finish(), "wall_ms": 1e3 * wall, "plain_ms": 1e3 * plain}
     del runners, step
 
     # 2. memory and first-step loss: each configuration built fresh (after the timing, so that one-time
@@ -265,7 +296,7 @@ def worker(config: dict) -> None:
     loss_sum = torch.cat([first[name] for name in names])
     dist.all_reduce(loss_sum)
     gathered = [None] * n
-    dist.all_gather_object(gathered, {"samples": samples, "mem": mem})
+    dist.all_gather_object(gathered, {"samples": samples, "mem": mem, "parts": parts})
     if rank == 0:
         report = make_report(config, gathered, loss_sum.tolist(), float(peak) / n, seqs, hardware)
         with open(config["out"], "w") as f:
@@ -320,7 +351,8 @@ def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank
                      "cpu_ms": 1e3 * cpu["step"], "no_comm_cpu_ms": 1e3 * cpu["no_comm"],
                      "comm_cpu_ms": 1e3 * (cpu["step"] - cpu["no_comm"]) / shared,
                      "mfu": flops / med["step"] / (peak_per_rank * n),
-                     "peak_mem_mb": max(g["mem"][name] for g in gathered), "loss_step1": loss})
+                     "peak_mem_mb": max(g["mem"][name] for g in gathered), "loss_step1": loss,
+                     **breakdown_figures([g["parts"][name] for g in gathered] if "parts" in gathered[0] else [])})
     ref = losses[0]
     worst = max(abs(x - ref) / abs(ref) for x in losses)
     setup = {key: config[key] for key in ("dp", "cp", "ulysses", "tp", "hidden", "layers", "heads", "kv_heads",
@@ -337,6 +369,42 @@ def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank
                  peak_mem="CPU: rise of the rank's peak resident set (VmHWM, reset via /proc/self/clear_refs) over "
                           "its resident set before building, 2 steps of a fresh build; largest rank")
     return {"setup": setup, "configs": rows}
+
+
+def breakdown_figures(per_rank: list[dict]) -> dict:
+    """``breakdown_ms`` (each part's mean over the ranks), ``breakdown_ms_per_rank``, ``breakdown_wall_ms`` (the
+    mean over the ranks of the measured step's wall time, which the parts add up to) and ``breakdown_step_ms``
+    (the same of the plain step just before it, which they are compared with)."""
+    from flashpar.bench.breakdown import PARTS
+
+    if not per_rank:
+        return {}
+    n = len(per_rank)
+    return {"breakdown_ms": {p: sum(r[p] for r in per_rank) / n for p in PARTS},
+            "breakdown_ms_per_rank": [{p: r[p] for p in PARTS} for r in per_rank],
+            "breakdown_wall_ms": sum(r["wall_ms"] for r in per_rank) / n,
+            "breakdown_step_ms": sum(r.get("plain_ms", r["wall_ms"]) for r in per_rank) / n}
+
+
+def format_breakdown(rows: list[dict]) -> list[str]:
+    """The parts of each configuration's measured step (mean over the ranks); their sum against the plain step run
+    just before it (``sum/step``) and against the timed median step (``sum/median``)."""
+    from flashpar.bench.breakdown import PARTS
+
+    rows = [r for r in rows if "breakdown_ms" in r]
+    if not rows:
+        return []
+    short = {"attention_fwd": "attn fwd", "attention_bwd": "attn bwd", "exposed_comm": "comm"}
+    lines = ["", "where the step goes (ms, mean over the ranks of one more step, timed by part: "
+                 "flashpar.bench.breakdown)",
+             f"{'config':<14}" + "".join(f"{short.get(p, p):>12}" for p in PARTS)
+             + f"{'sum':>9}{'sum/step':>9}{'sum/median':>11}"]
+    for r in rows:
+        b = r["breakdown_ms"]
+        total = sum(b.values())
+        lines.append(f"{r['name']:<14}" + "".join(f"{b[p]:>12.0f}" for p in PARTS)
+                     + f"{total:>9.0f}{total / r['breakdown_step_ms']:>9.2f}{total / r['step_ms']:>11.2f}")
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,16 +425,17 @@ def format_report(report: dict) -> str:
            f"GFLOP/s, link {s['hardware']['link_bytes_per_s'] / 1e6:.1f} MB/s, "
            f"{1e6 * s['hardware']['link_latency_s']:.0f} us per message"] if "hardware" in s else []),
         "",
-        f"{'config':<10}{'tokens/s':>10}{'step ms':>9}{'no-comm':>9}{'exposed':>9}{'exp %':>7}{'comm CPU':>9}"
+        f"{'config':<14}{'tokens/s':>10}{'step ms':>9}{'no-comm':>9}{'exposed':>9}{'exp %':>7}{'comm CPU':>9}"
         f"{'MFU %':>7}{'mem MB':>8}{'loss step 1':>13}{'x baseline':>11}{'x torch':>9}",
     ]
     for r in rows:
         ratio = lambda base, r=r: f"{r['tokens_per_s'] / by[base]['tokens_per_s']:.2f}" if base in by else "-"  # noqa: E731
         comm_cpu = f"{r['comm_cpu_ms']:>9.0f}" if "comm_cpu_ms" in r else f"{'-':>9}"  # reports before stop 27: none
-        lines.append(f"{r['name']:<10}{r['tokens_per_s']:>10.0f}{r['step_ms']:>9.0f}{r['no_comm_ms']:>9.0f}"
+        lines.append(f"{r['name']:<14}{r['tokens_per_s']:>10.0f}{r['step_ms']:>9.0f}{r['no_comm_ms']:>9.0f}"
                      f"{r['exposed_ms']:>9.0f}{100 * r['exposed_ms'] / r['step_ms']:>7.1f}{comm_cpu}"
                      f"{100 * r['mfu']:>7.2f}"
                      f"{r['peak_mem_mb']:>8.1f}{r['loss_step1']:>13.7f}{ratio('baseline'):>11}{ratio('torch'):>9}")
+    lines += format_breakdown(rows)
     agree = "agree" if s["losses_agree"] else "DISAGREE"
     lines.append(f"first-step losses {agree}: largest relative difference {s['loss_rel_diff']:.2e} "
                  f"(tolerance {LOSS_RTOL:g})")
@@ -394,7 +463,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=2, help="timed steps per configuration and round (default 2)")
     p.add_argument("--rounds", type=int, default=5, help="rounds, the order rotated (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration first (default 2)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"subset of {','.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--zero-schedule", default="auto", choices=("auto", "prefetch", "fused"),
                    help="flashpar's ZeRO-3 schedule per block, as flashpar train's (default auto)")
@@ -427,6 +497,9 @@ def check_arguments(config: dict) -> str | None:
             return f"--{key.replace('_', '-')} must be >= {least}, got {config[key]}"
     if world_size(config) < 2:
         return "the mesh dp x cp x ulysses x tp must have at least 2 ranks"
+    if "torch_compile" in config["configs"] and config["tp"] > 1:
+        return ("--configs torch_compile: torch.compile of the DTensor tensor-parallel blocks fails on CPU in torch "
+                f"{TORCH_COMPILE_TP_FAILS} (backward: 'Tensor' object has no attribute '_local_tensor'); use --tp 1")
     try:
         model_config(config)
         for name in ("flashpar", "baseline"):

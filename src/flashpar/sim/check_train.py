@@ -7,9 +7,13 @@ packed documents (``flashpar.bench.train.packed_docs``: the same lengths, scale 
 the executor's overheads, link bandwidth and latency, memory; ``attn_fwd`` / ``attn_bwd``: the CPU flash
 kernel's curves).  What the bench runs that a GPU cluster would not, the simulator is told:
 
-* the torch peer's attention is SDPA with a document mask over the all-gathered K/V, which computes all
-  ``S_loc x S`` scores (``torch_attention="dense"``; torch picks its CPU flash kernel for it, which the
-  calibration's attention curve times), and its FSDP2 gathers a block when the block's forward starts
+* the torch peers' attention: ``torch`` and ``torch_compile`` call SDPA per (document, chunk) against the
+  document's earlier keys (``torch_attention="docs"``: each call's masked rectangle, ``flashpar.sim.step.
+  chunk_calls``), ``torch_dense`` one SDPA with a document mask over all ``S_loc x S`` scores
+  (``torch_attention="dense"``); torch's CPU flash kernel runs both, which the calibration's attention
+  curve times.  ``torch_compile`` is simulated as ``torch`` (the compiled blocks fuse elementwise ops the
+  CPU model does not time apart: the comm-model rows take its measured no-communication step);
+* the torch peers' FSDP2 gathers a block when the block's forward starts
   (``fsdp_prefetch=False``: an assumption, on CPU no stream lets the host run ahead and issue it earlier)
   and gathers every block again for backward, the last one too (``fsdp_keep_last=False``:
   ``flashpar.bench.torch_parallel`` reshards every block after forward);
@@ -32,6 +36,14 @@ step or the exposed communication, of which configuration) is off, by how much.
 from __future__ import annotations
 
 from flashpar.sim.peers import NAMES, PEERS
+
+TORCH_ATTENTION = {"torch": "docs", "torch_compile": "docs", "torch_dense": "dense"}  # bench train's torch peers
+BENCH_NAMES = (*NAMES, "torch_compile", "torch_dense")
+
+
+def peer_of(name: str):
+    """The simulator's configuration of the bench's ``name`` (the torch peers all run as ``torch``)."""
+    return PEERS["torch" if name in TORCH_ATTENTION else name]
 
 
 def workload(report: dict, name: str):
@@ -59,10 +71,10 @@ def workload(report: dict, name: str):
         raise ValueError(f"the report's setup.gather_vocab must be true or false, got {gather_vocab!r}")
     plan_hw, per_step = plan_hardware(s)
     burst = plan_burst(s)
-    group = s["tp"] if name == "torch" else s["tp"] * s["ulysses"]  # a cp rank's processes (torch: no Ulysses)
+    group = s["tp"] if name in TORCH_ATTENTION else s["tp"] * s["ulysses"]  # a cp rank's processes (torch: no Ulysses)
     return Workload(cfg, layout, cluster, packs, elem_bytes=4, attn_bwd=bwd, zero_rs_elem_bytes=4,
-                    torch_attention="dense", fsdp_prefetch=False, fsdp_keep_last=False, regather=regather,
-                    gather_vocab=gather_vocab,
+                    torch_attention=TORCH_ATTENTION.get(name, "flex"), fsdp_prefetch=False, fsdp_keep_last=False,
+                    regather=regather, gather_vocab=gather_vocab,
                     plan_hardware=plan_hw, plan_per_step=per_step, plan_burst=burst,
                     shared_cores=run_burst(s, group))
 
@@ -118,10 +130,10 @@ def predict(report: dict) -> dict[str, dict]:
     from flashpar.sim.predict import simulate
 
     names = [r["name"] for r in report["configs"]]
-    unknown = [n for n in names if n not in PEERS]
+    unknown = [n for n in names if n not in BENCH_NAMES]
     if unknown:
-        raise ValueError(f"unknown configuration(s) {unknown} in the report (expected {', '.join(NAMES)})")
-    return {n: simulate(workload(report, n), PEERS[n]) for n in names}
+        raise ValueError(f"unknown configuration(s) {unknown} in the report (expected {', '.join(BENCH_NAMES)})")
+    return {n: simulate(workload(report, n), peer_of(n)) for n in names}
 
 
 def _why(pred: dict, meas: dict, names: list[str], comm_only: bool = False) -> str:
@@ -149,7 +161,7 @@ def check(report: dict) -> list[dict]:
                                     (comm, "tokens/s ratio, comm model", True)):
         if "flashpar" not in meas:
             break
-        for other in ("baseline", "torch"):
+        for other in ("baseline", *TORCH_ATTENTION):
             if other not in meas:
                 continue
             p = steps[other] / steps["flashpar"]

@@ -282,10 +282,36 @@ def attention(w: Workload, peer: Peer) -> list[tuple[float, Part, Part]]:
                     t, total_tokens = ff.tokens[r], sum(ff.tokens)
                     work = t * total_tokens * fwd_cost.flops_per_pair
                     comps = [hw.attn_time(work, t, total_tokens), bwd_cost.hardware.attn_time(work, t, total_tokens)]
+                elif w.torch_attention == "docs":  # SDPA per (document, chunk): its masked rectangle
+                    calls = chunk_calls(p.segments[r], p.doc_lens, p.doc_starts, n)
+                    comps = [sum(h.attn_time(pairs * fwd_cost.flops_per_pair, q, k) for q, k, pairs in calls)
+                             for h in (hw, bwd_cost.hardware)]
                 else:
                     comps = [ff.compute[r], fb.compute[r]]
                 parts = [Part.of(c, cp=comm) for c in comps]
             out.append((scale, parts[0].scaled(w.batch), parts[1].scaled(w.batch)))
+    return out
+
+
+def chunk_calls(pieces, doc_lens, doc_starts, n: int) -> list[tuple[int, int, int]]:
+    """``(queries, keys, pairs computed)`` of each SDPA call of the torch peer's ``docs`` kernel on one cp rank
+    (``flashpar.bench.torch_attention``): every piece ``[a, b)`` cut at its document's chunk boundaries (``n_d /
+    (2 n)``, where ``n > 1``), each chunk's ``L`` queries against the document's keys ``[s, a + L)``; torch's CPU
+    flash kernel visits the whole ``L x (a + L - s)`` rectangle under a mask, and half the square with
+    ``is_causal`` (a document's first chunk)."""
+    import bisect
+
+    out = []
+    for a, b in pieces:
+        d = bisect.bisect_right(doc_starts, a) - 1
+        s, nd = doc_starts[d], doc_lens[d]
+        step = max(nd // (2 * n), 1) if n > 1 else nd
+        x = a
+        while x < b:
+            end = min(b, s + ((x - s) // step + 1) * step)
+            q, k = end - x, end - s
+            out.append((q, k, q * (q + 1) // 2 if x == s else q * k))
+            x = end
     return out
 
 

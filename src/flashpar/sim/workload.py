@@ -42,7 +42,8 @@ class Workload:
     zero_prefetch: int = 1  # flashpar's ZeRO-3: units gathered ahead (``--prefetch``; ``flashpar.sim.zero``)
     zero_collective: str = "auto"  # flashpar's ZeRO-3 units: "ring", "doubling" or "auto" (``zero.zero_collective``)
     fsdp_root: bool = False  # torch's FSDP2 wraps the embedding, final norm and head as one root unit
-    torch_attention: str = "flex"  # the torch peer's kernel: "flex" (document blocks only) or "dense" (S_loc x S)
+    torch_attention: str = "flex"  # the torch peer's kernel: "flex" (document blocks only), "docs" (SDPA per document
+    #                                chunk, its masked rectangle: step.chunk_calls) or "dense" (S_loc x S)
     attn_bwd: tuple[float, float] | None = None  # (attn_peak, attn_half) of the backward kernel; None: BWD_ATTN_TIME
     zero_rs_elem_bytes: int = 4  # the ZeRO-3 / FSDP gradient reduce-scatter's element (fp32 sums)
     fsdp_prefetch: bool = True  # FSDP2 all-gathers the next block while this one computes

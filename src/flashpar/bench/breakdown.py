@@ -1,0 +1,260 @@
+"""Where a training step's time goes, measured around the real calls on every rank: ``breakdown()``.
+
+Inside the block a clock stack runs: every interval of wall time belongs to the innermost open part,
+and the part's total is the time it was innermost (exclusive), so the parts add up to the wall time
+of the block:
+
+    part           opened around
+    attention_fwd  the attention kernels' forward ops (torch's CPU flash kernel, which flashpar's segment
+                   kernels and the torch peer both call; FlashAttention / efficient / flex on CUDA)
+    attention_bwd  their backward ops
+    linear         the GEMM ops (mm, addmm, bmm, baddbmm), forward and backward
+    loss           the cross-entropy ops (log-softmax, nll, and their backward); flashpar's vocabulary-parallel
+                   loss (``flashpar.models.vocab.vocab_parallel_loss``, written in elementwise ops) from
+                   its call to its return, and in backward from its result's gradient to its logits'
+                   (two identity autograd markers)
+    optimizer      ``optimizer.step`` and ``zero_grad`` (every op inside them)
+    exposed_comm   every collective and point-to-point call of torch.distributed (c10d, the functional
+                   collectives DTensor and FSDP2 call, their ops in backward) and every wait on a
+                   ``Work`` one returned: the time the step is blocked in communication
+    elementwise    every other op (norms, activations, rope, copies, views, embedding, the merge of
+                   attention pieces)
+    other          what no op covers: Python, autograd's engine, DTensor's and FSDP2's bookkeeping
+                   between ops, hooks
+
+The ops are seen by a ``TorchDispatchMode`` (below autograd: the ops that run, forward and backward,
+on the thread that steps); the calls by the same re-binding ``no_comm`` uses.  A functional
+collective is waited for inside its call (DTensor and FSDP2 use the result right away on CPU; the
+wait would otherwise land in the op that first reads it).  Communication on other threads (flashpar's
+lanes) is counted only where the stepping thread waits for it.  The mode's own cost (a Python call
+per op) falls in the parts; a step measured here is compared with the same step timed without it.
+
+    stack:  other ─┬─ linear ── ... ─┬─ optimizer ─┬─ exposed_comm
+                   │ (t spent here   │ (its ops     │ (a reduce inside
+                   │  counts for     │  count for   │  the step counts
+                   │  linear only)   │  optimizer)  │  for comm)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed import distributed_c10d as c10d
+from torch.utils._python_dispatch import TorchDispatchMode
+
+PARTS = ("attention_fwd", "attention_bwd", "linear", "elementwise", "loss", "optimizer", "exposed_comm", "other")
+
+_ATTN_FWD = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+             "_flash_attention_forward", "_efficient_attention_forward", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "flex_attention", "_varlen_attn", "_fused_sdp_choice"}
+_ATTN_BWD = {"_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention_backward",
+             "_flash_attention_backward", "_efficient_attention_backward",
+             "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
+             "flex_attention_backward", "_varlen_attn_backward"}
+_LINEAR = {"mm", "addmm", "bmm", "baddbmm", "_addmm_activation"}
+_LOSS = {"_log_softmax", "_log_softmax_backward_data", "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward",
+         "nll_loss2d_backward"}
+_COMM_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"}
+_STICKY = {"optimizer", "exposed_comm", "loss"}  # parts whose ops count for them, whatever the op
+
+
+def part_of(func) -> str:
+    """The part an op counts for (module docstring)."""
+    namespace = getattr(func, "namespace", "aten")
+    if namespace in _COMM_NAMESPACES:
+        return "exposed_comm"
+    name = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
+    if name in _ATTN_FWD:
+        return "attention_fwd"
+    if name in _ATTN_BWD:
+        return "attention_bwd"
+    if name in _LINEAR:
+        return "linear"
+    if name in _LOSS:
+        return "loss"
+    return "elementwise"
+
+
+class Clock:
+    """The exclusive clock stack: ``enter(part)`` / ``leave()``; ``ms[part]`` the time each part was innermost."""
+
+    def __init__(self) -> None:
+        self.ms = dict.fromkeys(PARTS, 0.0)
+        self.stack = ["other"]
+        self.last = time.perf_counter()
+
+    def _switch(self) -> None:
+        now = time.perf_counter()
+        self.ms[self.stack[-1]] += 1e3 * (now - self.last)
+        self.last = now
+
+    def enter(self, part: str) -> None:
+        self._switch()
+        self.stack.append(part)
+
+    def leave(self) -> None:
+        self._switch()
+        self.stack.pop()
+
+    def top(self) -> str:
+        return self.stack[-1]
+
+    def finish(self) -> dict[str, float]:
+        self._switch()
+        return dict(self.ms)
+
+
+@contextlib.contextmanager
+def opened(clock: Clock, part: str) -> Iterator[None]:
+    clock.enter(part)
+    try:
+        yield
+    finally:
+        clock.leave()
+
+
+class _OpMode(TorchDispatchMode):
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        part = part_of(func)
+        if self.clock.top() in _STICKY and part != "exposed_comm":
+            part = self.clock.top()
+        with opened(self.clock, part):
+            return func(*args, **(kwargs or {}))
+
+
+class _TimedWork:
+    """A ``Work`` whose waits count for exposed_comm."""
+
+    def __init__(self, work, clock: Clock) -> None:
+        self._work, self._clock = work, clock
+
+    def wait(self, *args, **kwargs):
+        with opened(self._clock, "exposed_comm"):
+            return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _wrap_c10d(original, clock: Clock):
+    def call(*args, **kwargs):
+        with opened(clock, "exposed_comm"):
+            out = original(*args, **kwargs)
+        if isinstance(out, list):
+            return [_TimedWork(w, clock) if hasattr(w, "wait") else w for w in out]
+        return _TimedWork(out, clock) if out is not None and hasattr(out, "wait") else out
+
+    return call
+
+
+def _wrap_funcol(original, clock: Clock):
+    def call(*args, **kwargs):
+        with opened(clock, "exposed_comm"):
+            out = original(*args, **kwargs)
+            if isinstance(out, funcol.AsyncCollectiveTensor):
+                out = out.wait()
+            return out
+
+    return call
+
+
+_C10D_NAMES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+               "_all_gather_base", "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base",
+               "reduce_scatter", "all_to_all_single", "all_to_all", "isend", "irecv", "send", "recv",
+               "batch_isend_irecv", "barrier")
+_FUNCOL_NAMES = ("all_reduce", "all_gather_single", "all_gather_single_autograd", "all_gather_tensor",
+                 "all_gather_tensor_autograd", "reduce_scatter_single", "reduce_scatter_single_autograd",
+                 "reduce_scatter_tensor", "reduce_scatter_tensor_autograd", "all_to_all_single",
+                 "all_to_all_single_autograd", "wait_tensor")
+
+
+class _OpenInBackward(torch.autograd.Function):
+    """Identity; its backward opens ``part`` (put on a region's output: backward reaches it first)."""
+
+    @staticmethod
+    def forward(ctx, x, clock, part):
+        ctx.clock, ctx.part = clock, part
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock.enter(ctx.part)
+        return grad, None, None
+
+
+class _CloseInBackward(torch.autograd.Function):
+    """Identity; its backward closes ``part`` if it is the innermost (put on a region's input)."""
+
+    @staticmethod
+    def forward(ctx, x, clock, part):
+        ctx.clock, ctx.part = clock, part
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.clock.top() == ctx.part:
+            ctx.clock.leave()
+        return grad, None, None
+
+
+def _wrap_loss(original, clock: Clock):
+    def call(logits, *args, **kwargs):
+        with opened(clock, "loss"):
+            if logits.requires_grad:
+                logits = _CloseInBackward.apply(logits, clock, "loss")
+            out = original(logits, *args, **kwargs)
+            return _OpenInBackward.apply(out, clock, "loss") if out.requires_grad else out
+
+    return call
+
+
+def _wrappers(clock: Clock) -> dict[int, object]:
+    from flashpar.models import vocab
+
+    out = {id(vocab.vocab_parallel_loss): _wrap_loss(vocab.vocab_parallel_loss, clock)}
+    for names, module, wrap in ((_C10D_NAMES, c10d, _wrap_c10d), (_FUNCOL_NAMES, funcol, _wrap_funcol)):
+        for name in names:
+            original = getattr(module, name, None)
+            if original is not None:
+                out[id(original)] = wrap(original, clock)
+    return out
+
+
+@contextlib.contextmanager
+def breakdown(optimizers=()) -> Iterator[Clock]:
+    """Measure the block's wall time by part (module docstring); ``optimizers``' ``step`` and ``zero_grad`` count
+    as ``optimizer``.  Read ``clock.finish()`` after the block.  One block at a time, on the stepping thread."""
+    from flashpar.bench.no_comm import _bindings
+
+    clock = Clock()
+    wrappers = _wrappers(clock)
+    bound = _bindings(wrappers)
+    patched = []
+    for opt in optimizers:
+        for name in ("step", "zero_grad"):
+            method = getattr(opt, name)
+
+            def timed(*args, _method=method, **kwargs):
+                with opened(clock, "optimizer"):
+                    return _method(*args, **kwargs)
+
+            setattr(opt, name, timed)
+            patched.append((opt, name))
+    try:
+        for module, attr, original in bound:
+            setattr(module, attr, wrappers[id(original)])
+        with _OpMode(clock):
+            yield clock
+    finally:
+        for module, attr, original in bound:
+            setattr(module, attr, original)
+        for opt, name in patched:
+            delattr(opt, name)  # the class's method again
