@@ -430,7 +430,7 @@ def format_report(report: dict) -> str:
     ]
     for r in rows:
         ratio = lambda base, r=r: f"{r['tokens_per_s'] / by[base]['tokens_per_s']:.2f}" if base in by else "-"  # noqa: E731
-        comm_cpu = f"{r['comm_cpu_ms']:>9.0f}" if "comm_cpu_ms" in r else f"{'-':>9}"  # reports before stop 27: none
+        comm_cpu = f"{r['comm_cpu_ms']:>9.0f}" if "comm_cpu_ms" in r else f"{'-':>9}"  # reports without the field: none
         lines.append(f"{r['name']:<14}{r['tokens_per_s']:>10.0f}{r['step_ms']:>9.0f}{r['no_comm_ms']:>9.0f}"
                      f"{r['exposed_ms']:>9.0f}{100 * r['exposed_ms'] / r['step_ms']:>7.1f}{comm_cpu}"
                      f"{100 * r['mfu']:>7.2f}"

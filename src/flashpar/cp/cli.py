@@ -26,7 +26,7 @@ COLUMNS = (("compute_imbalance", "compute imb"), ("attn_imbalance", "attn imb"),
            ("est_step_time", "step ms"), ("vs_headtail", "x headtail"), ("vs_per_doc", "x per_doc"),
            ("planning_s", "plan ms"))
 SCALE = {"total_kv_bytes": 1e-6, "max_kv_bytes": 1e-6, "est_step_time": 1e3, "planning_s": 1e3}
-# Input that would exhaust the machine is refused before any planning (issue 15): one pack longer than
+# Input that would exhaust the machine is refused before any planning: one pack longer than
 # this many tokens (the 394M-token wlbllm list as one pack plans for minutes), more packs than this
 # (every pack's statistics are kept, per strategy), or a pack shorter than two tokens per rank.
 MAX_ONE_PACK = 1 << 24

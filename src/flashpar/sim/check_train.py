@@ -55,18 +55,18 @@ def workload(report: dict, name: str):
 
     s = report["setup"]
     if "hardware" not in s:
-        raise ValueError("the report has no calibration (setup.hardware): run `flashpar bench train` again, "
-                         "the benchmark calibrates since issue 14")
+        raise ValueError("the report has no calibration (setup.hardware): run `flashpar bench train` again "
+                         "(its reports carry the calibration)")
     cfg = model_config(s)
     hw = Hardware(**{**s["hardware"], **s["attn_fwd"]})
     bwd = (s["attn_bwd"]["attn_peak"], s["attn_bwd"]["attn_half"])
     layout = Layout(s["dp"], s["cp"], s["ulysses"], s["tp"])
     cluster = Cluster(hw, hw, gpus_per_node=layout.gpus, device_name="calibrated", inter_name="calibrated")
     packs = tuple(tuple(p) for p in packed_docs(s))
-    regather = s.get("regather", True)  # a report without it is from before stop 21: its trainer gathered again
+    regather = s.get("regather", True)  # a report without it: its trainer gathered again
     if not isinstance(regather, bool):
         raise ValueError(f"the report's setup.regather must be true or false, got {regather!r}")
-    gather_vocab = s.get("gather_vocab", False)  # a report without it is from before stop 23: activations moved
+    gather_vocab = s.get("gather_vocab", False)  # a report without it: activations moved
     if not isinstance(gather_vocab, bool):
         raise ValueError(f"the report's setup.gather_vocab must be true or false, got {gather_vocab!r}")
     plan_hw, per_step = plan_hardware(s)
@@ -80,8 +80,8 @@ def workload(report: dict, name: str):
 
 
 def plan_hardware(setup: dict):
-    """(Hardware, per step) the report's trainer planned with: ``setup.plan_hardware`` (written since stop 24,
-    ``flashpar.train.planning.planner_cost``), else the h100-ib preset, forward only (the trainer before)."""
+    """(Hardware, per step) the report's trainer planned with: ``setup.plan_hardware``
+    (``flashpar.train.planning.planner_cost``), else the h100-ib preset, forward only (a report without it)."""
     import dataclasses
 
     from flashpar.cost import preset
@@ -99,8 +99,8 @@ def plan_hardware(setup: dict):
 
 
 def plan_burst(setup: dict) -> float:
-    """``CostModel.burst`` the report's trainer planned with: ``setup.plan_burst`` (written since stop 26,
-    ``flashpar.train.planning.core_burst``), else 1 (the trainer before planned as if each rank had its own
+    """``CostModel.burst`` the report's trainer planned with: ``setup.plan_burst``
+    (``flashpar.train.planning.core_burst``), else 1 (a report without it: planned as if each rank had its own
     device)."""
     from flashpar import cp
 
