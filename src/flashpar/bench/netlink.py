@@ -514,6 +514,18 @@ def launch_ranks(
         ]
 
 
+def rate_problem(requested) -> str | None:
+    """One line naming what is wrong with a ``--link-rate`` value (``none`` / ``loopback`` / empty: no link), or
+    None."""
+    if str(requested).lower() in ("none", "loopback", ""):
+        return None
+    try:
+        parse_rate(requested)
+    except ValueError as err:
+        return f"--link-rate: {err}"
+    return None
+
+
 def chosen_rate(requested) -> str | None:
     """The ``--link-rate`` a benchmark runs with: ``None`` (loopback) when asked for, or when links cannot
     be emulated here (it says why: communication is then nearly free and overlap cannot show)."""

@@ -523,15 +523,10 @@ def check_arguments(config: dict) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     from flashpar.bench.launch import run_workers, save_json
-    from flashpar.bench.netlink import chosen_rate, parse_rate
+    from flashpar.bench.netlink import chosen_rate, rate_problem
 
     config = config_of(args)
-    problem = check_arguments(config)
-    if problem is None and str(args.link_rate).lower() not in ("none", "loopback", ""):
-        try:
-            parse_rate(args.link_rate)
-        except ValueError as err:
-            problem = f"--link-rate: {err}"
+    problem = check_arguments(config) or rate_problem(args.link_rate)
     if problem:
         print(f"flashpar bench train: {problem}", file=sys.stderr)
         return 2
