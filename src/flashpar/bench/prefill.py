@@ -101,7 +101,9 @@ class Runner:
         tokens = torch.tensor(sum(self.ids, []))
         lens = [len(p) for p in self.ids]
         self.batch = torch_parallel.make_batch(tokens, tokens, lens, mesh, torch.device("cpu"))
-        order = torch_parallel.balanced_order(lens, mesh["cp"].size()).view(mesh["cp"].size(), -1)
+        cp = mesh["cp"].size()
+        order = torch_parallel.DocumentHeadTail(lens, cp).order if cp > 1 else torch.arange(sum(lens))
+        order = order.view(cp, -1)  # the head-tail layout the batch was sharded by: rank r's original positions
         mine = order[mesh["cp"].get_local_rank()]
         ends = torch.tensor(lens).cumsum(0) - 1
         self.last = [(p, int(i)) for p, end in enumerate(ends.tolist()) for i in torch.nonzero(mine == end).flatten()]
@@ -124,7 +126,7 @@ class Runner:
         cfg, cp = self.model.cfg, self.mesh["cp"].size()
         t0 = time.perf_counter()
         with torch.no_grad():
-            logits = self.model(self.batch.tokens, self.batch.positions, self.batch.mask)
+            logits = self.model(self.batch.tokens, self.batch.positions, self.batch.layout)
             if isinstance(logits, DTensor):
                 logits = logits.full_tensor()
             first = torch.zeros(len(self.ids), cfg.vocab_size)
