@@ -176,7 +176,7 @@ def test_the_trainers_zero3_schedule_is_the_fastest_simulated_candidate():
     from flashpar.sim import zero
     from flashpar.sim.predict import simulate
     from flashpar.train.config import TrainConfig
-    from flashpar.train.planning import zero_schedules, zero_workload
+    from flashpar.train.planning import zero_choices, zero_workload
 
     model = LlamaConfig(hidden=512, heads=8, kv_heads=4, ffn=1408, layers=4)
     for kw in ({"dp": 2, "cp": 1, "tp": 2}, {"dp": 1, "cp": 2, "tp": 2}, {"dp": 2, "cp": 2, "tp": 1}):
@@ -186,7 +186,7 @@ def test_the_trainers_zero3_schedule_is_the_fastest_simulated_candidate():
         assert len(times) == 3  # every candidate exists here (no Ulysses, a shard group of 2)
         every, best = next(iter(times)), min(times, key=times.get)
         want = best if times[best] < zero.ZERO_AUTO_MARGIN * times[every] else every
-        assert tuple(zero_schedules(config, "cpu")) == want, (kw, times)
+        assert tuple(zero_choices(config, "cpu")[0]) == want, (kw, times)
     fused = TrainConfig(dp=2, cp=1, tp=2, model=model, zero_schedule="fused")
-    assert zero_schedules(fused, "cpu") == ["fused"] * 4
-    assert zero_schedules(TrainConfig(dp=2, cp=1, tp=2, model=model, mode="none"), "cpu") == ["prefetch"] * 4
+    assert zero_choices(fused, "cpu")[0] == ["fused"] * 4
+    assert zero_choices(TrainConfig(dp=2, cp=1, tp=2, model=model, mode="none"), "cpu") == (["prefetch"] * 4, "ring")

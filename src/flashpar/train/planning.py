@@ -131,26 +131,26 @@ def planning_device(device_type: str, group: int = 1) -> tuple[Hardware, float]:
     return figures
 
 
-def zero_schedules(config, device_type: str) -> list[str]:
-    """ZeRO-3's schedule per block for ``config`` (``--zero-schedule``): as given, or for ``auto`` the cost
-    model's choice (``flashpar.sim.zero.zero_schedule``: the whole step simulated with every block prefetched,
-    block 0 fused and the rest prefetched, and every block fused; the fastest where it beats every block
-    prefetched by more than ``ZERO_AUTO_MARGIN``) on ``zero_workload``."""
-    from flashpar.sim.zero import zero_schedule
+def zero_choices(config, device_type: str) -> tuple[list[str], str]:
+    """ZeRO-3's schedule per block and how its units travel, for ``config``: each as given
+    (``--zero-schedule``, ``--zero-collective``; an ``auto`` collective in mode none: ``ring``), or for ``auto``
+    the cost model's choice on ``zero_workload`` (built once for both: one ``planning_device`` collective).
+    Schedules: ``flashpar.sim.zero.zero_schedule`` (the whole step simulated with every block prefetched, block
+    0 fused and the rest prefetched, and every block fused; the fastest where it beats every block prefetched
+    by more than ``ZERO_AUTO_MARGIN``); the collective: ``flashpar.sim.zero.zero_collective``."""
+    from flashpar.sim.zero import zero_collective, zero_schedule
 
-    if config.zero_schedule != "auto":
-        return [config.zero_schedule] * config.model.layers
-    return list(zero_schedule(*zero_workload(config, device_type)))
-
-
-def zero_collective(config, device_type: str) -> str:
-    """How ZeRO-3's units travel for ``config`` (``--zero-collective``): as given, ``ring`` in mode none, or for
-    ``auto`` the cost model's choice on ``zero_workload`` (``flashpar.sim.zero.zero_collective``)."""
-    from flashpar.sim.zero import zero_collective as choose
-
-    if config.zero_collective != "auto" or config.mode == "none":
-        return "ring" if config.zero_collective == "auto" else config.zero_collective
-    return choose(*zero_workload(config, device_type))
+    schedules = None if config.zero_schedule == "auto" else [config.zero_schedule] * config.model.layers
+    collective = config.zero_collective
+    if collective == "auto" and config.mode == "none":
+        collective = "ring"
+    if schedules is None or collective == "auto":
+        w, peer = zero_workload(config, device_type)
+        if schedules is None:
+            schedules = list(zero_schedule(w, peer))
+        if collective == "auto":
+            collective = zero_collective(w, peer)
+    return schedules, collective
 
 
 def zero_workload(config, device_type: str):

@@ -62,18 +62,18 @@ def _check(config: TrainConfig):
     from flashpar.train.check import CHECK_CLIP_RATIO, by_group, one_step
     from flashpar.train.data import training_data
     from flashpar.train.loop import setup
-    from flashpar.train.planning import zero_collective, zero_schedules
+    from flashpar.train.planning import zero_choices
 
     device, mesh = setup(config)
     data = training_data(config)  # the byte corpus, or the tokens of --data / --tokenizer
     micro = config.check_micro_batches  # accumulation always exercised
     seqs = [(data[i]["tokens"], data[i]["labels"], data[i]["doc_lens"]) for i in range(micro * config.dp)]
+    schedules, collective = zero_choices(config, device.type)
     errors = one_step(config.model, mesh, seqs, strategy=config.strategy, mode=config.mode, seed=config.seed,
                       timeout_s=config.timeout, dp_mode=config.dp_mode, micro_batches=micro,
                       clip_ratio=CHECK_CLIP_RATIO, init_from=config.init_from, dtype=config.dtype,
                       checkpoint_activations=config.checkpoint_activations, save_gathered=not config.regather,
-                      device=device, zero_schedule=zero_schedules(config, device.type), prefetch=config.prefetch,
-                      zero_collective=zero_collective(config, device.type))
+                      device=device, zero_schedule=schedules, prefetch=config.prefetch, zero_collective=collective)
     rows = by_group(errors, CHECK_TOL[config.dtype])
     worst = torch.tensor([max(e for _, e, _ in rows)], dtype=torch.float64, device=device)  # NCCL: a device tensor
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)

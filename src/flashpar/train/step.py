@@ -41,7 +41,7 @@ from flashpar.models.precision import DTYPES
 from flashpar.train import where
 from flashpar.train.config import TrainConfig
 from flashpar.train.optimizer import adamw, set_lr
-from flashpar.train.planning import zero_collective, zero_schedules
+from flashpar.train.planning import zero_choices
 
 
 class MicroBatch(NamedTuple):
@@ -64,8 +64,7 @@ def build(config: TrainConfig, mesh, device) -> tuple:
     if not config.init_from:
         torch.manual_seed(config.seed)
         full = Llama(cfg)
-    zero = zero_schedules(config, device.type) if config.dp_mode == "zero3" else "prefetch"
-    collective = zero_collective(config, device.type) if config.dp_mode == "zero3" else "ring"
+    zero, collective = zero_choices(config, device.type) if config.dp_mode == "zero3" else ("prefetch", "ring")
     model = ParallelLlama(cfg, mesh, mode=config.mode, timeout_s=config.timeout, dp_mode=config.dp_mode,
                           zero_schedule=zero, prefetch=config.prefetch, zero_collective=collective,
                           dtype=DTYPES[config.dtype], checkpoint_activations=config.checkpoint_activations,
