@@ -162,16 +162,18 @@ def zero_collective(w: Workload, peer: Peer) -> str:
     return DOUBLING if doubling < COLLECTIVE_MARGIN * ring else RING
 
 
-def gather_s(w: Workload, peer: Peer, params: float) -> float:
-    """Seconds of the all-gather of a unit of ``params`` elements over the shard group, compute dtype."""
+def gather_s(w: Workload, peer: Peer, params: float, kind: str | None = None) -> float:
+    """Seconds of the all-gather of a unit of ``params`` elements over the shard group, compute dtype, by
+    ``kind`` (None: ``zero_collective``'s)."""
     n, hw = w.groups(peer)["shard"][:2]
-    return collective_s(zero_collective(w, peer), n, hw, params / n * w.elem_bytes)
+    return collective_s(kind or zero_collective(w, peer), n, hw, params / n * w.elem_bytes)
 
 
-def scatter_s(w: Workload, peer: Peer, params: float) -> float:
-    """Seconds of the reduce-scatter of a unit's gradient over the shard group (``zero_rs_elem_bytes``)."""
+def scatter_s(w: Workload, peer: Peer, params: float, kind: str | None = None) -> float:
+    """Seconds of the reduce-scatter of a unit's gradient over the shard group (``zero_rs_elem_bytes``), by
+    ``kind`` (None: ``zero_collective``'s)."""
     n, hw = w.groups(peer)["shard"][:2]
-    return collective_s(zero_collective(w, peer), n, hw, params / n * w.zero_rs_elem_bytes)
+    return collective_s(kind or zero_collective(w, peer), n, hw, params / n * w.zero_rs_elem_bytes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,21 +270,23 @@ def _units(w: Workload, peer: Peer, schedule: tuple[str, ...], pieces: _Pieces) 
     one_table = w.cfg.tie_embeddings or (torch_peer and w.fsdp_root)
     first = 2 * table + w.cfg.hidden if torch_peer and w.fsdp_root else table
     (ef, eb), (hf, hb) = pieces.embed, pieces.head
+    moved_by = zero_collective(w, peer)  # every unit travels the same way
     # flashpar's embedding lookup saves only indices: its backward gathers nothing (FSDP2 unshards every unit)
-    units = [Unit(ef.total, eb.total, gather_s(w, peer, first), scatter_s(w, peer, first), kept=one_table,
-                  regather=torch_peer or one_table)]
+    units = [Unit(ef.total, eb.total, gather_s(w, peer, first, moved_by), scatter_s(w, peer, first, moved_by),
+                  kept=one_table, regather=torch_peer or one_table)]
     for i, kind in enumerate(schedule):
         bf, bb = pieces.blocks[kind][:2]
         if kind == FUSED:
             units.append(Unit(bf.total, bb.total))
         else:
-            units.append(Unit(bf.total, bb.total, gather_s(w, peer, blk), scatter_s(w, peer, blk),
+            units.append(Unit(bf.total, bb.total, gather_s(w, peer, blk, moved_by), scatter_s(w, peer, blk, moved_by),
                               kept=keep_last and i == len(schedule) - 1))
     head = table + (w.cfg.hidden if torch_peer else 0)
     if one_table:
         units.append(Unit(hf.total, hb.total))
     else:
-        units.append(Unit(hf.total, hb.total, gather_s(w, peer, head), scatter_s(w, peer, head), kept=True))
+        units.append(Unit(hf.total, hb.total, gather_s(w, peer, head, moved_by), scatter_s(w, peer, head, moved_by),
+                          kept=True))
     return units
 
 
