@@ -168,22 +168,16 @@ def post_reduce_scatter(buf: torch.Tensor, out: torch.Tensor, group=None, *, tim
     p2p_group(info, 0, 1, op_name=OP, timeout_s=timeout_s)
     plan = scatter_steps(n, r)
     scratch = torch.empty(plan[0][1] * chunk, dtype=buf.dtype, device=buf.device)  # the largest step's count
-    pending: list[int] = []  # the count received by the last step, not yet added
 
-    def add() -> None:
-        count = pending.pop()
-        if count:
-            buf[: count * chunk].add_(scratch[: count * chunk])
-
-    def step(to: int, count: int, src: int, at: int) -> list:
-        if pending:
-            add()
-        pending.append(count)
+    def step(i: int) -> list:
+        if i:  # what the previous step received, added before this one sends (it may send those positions on)
+            received = plan[i - 1][1] * chunk
+            buf[:received].add_(scratch[:received])
+        to, count, src, at = plan[i]
         return _post(info, [(buf[at * chunk : (at + count) * chunk], to)], [(scratch[: count * chunk], src)], timeout_s)
 
     def finish() -> None:  # the last step has count 1: its add writes the result
-        pending.pop()
         torch.add(buf[:chunk], scratch[:chunk], out=out)
 
-    steps = [functools.partial(step, *s) for s in plan]
+    steps = [functools.partial(step, i) for i in range(len(plan))]
     return _run(info, steps, timeout_s, buf.device, f"reduce-scatter of {n} x {chunk}", finish, keep=(scratch,))
