@@ -36,12 +36,10 @@ LOGITS_RTOL = 1e-4  # fp32 on every path, sums in another order only
 
 
 def model_config(config: dict):
-    from flashpar.models import LlamaConfig
+    """bench train's Llama (untied), with positions for the batch and its decode steps."""
+    from flashpar.bench.train import model_config as bench_model
 
-    # untied, as bench train's (torch's TP plans cannot shard one tensor as both embedding and head)
-    return LlamaConfig(hidden=config["hidden"], layers=config["layers"], heads=config["heads"],
-                       kv_heads=config["kv_heads"], ffn=config["ffn"], tie_embeddings=False,
-                       max_positions=max(2048, config["tokens"] + config["decode_steps"] + 1))
+    return bench_model(config, max_positions=max(2048, config["tokens"] + config["decode_steps"] + 1))
 
 
 def prompt_lengths(config: dict) -> list[int]:
@@ -237,15 +235,12 @@ def format_report(report: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from flashpar.bench.train import add_model_arguments
     from flashpar.cp.lengths import LENGTHS_HELP
 
     p.add_argument("--tp", type=int, default=2, help="(default 2)")
     p.add_argument("--cp", type=int, default=2, help="(default 2)")
-    p.add_argument("--hidden", type=int, default=512, help="(default 512)")
-    p.add_argument("--layers", type=int, default=4, help="(default 4)")
-    p.add_argument("--heads", type=int, default=8, help="(default 8)")
-    p.add_argument("--kv-heads", type=int, default=4, help="(default 4)")
-    p.add_argument("--ffn", type=int, default=1408, help="(default 1408)")
+    add_model_arguments(p)
     p.add_argument("--tokens", type=int, default=8192, help="tokens of the packed batch (default 8192)")
     p.add_argument("--lengths", default="wlbllm", help=LENGTHS_HELP + ", or a comma list (default wlbllm)")
     p.add_argument("--scale", type=int, default=16, help="divide every length by this (default 16)")

@@ -72,12 +72,22 @@ LOSS_RTOL = 1e-4  # fp32 on every path; the sums differ in order only (observed 
 # the setup shared by the parent (validation) and the ranks
 
 
-def model_config(config: dict):
+def model_config(config: dict, **extra):
+    """The benchmark's Llama from ``add_model_arguments``' sizes (``extra``: other ``LlamaConfig`` fields)."""
     from flashpar.models import LlamaConfig
 
     # untied: torchtitan's Llama, and torch's TP plans cannot shard one tensor as both embedding and head
     return LlamaConfig(hidden=config["hidden"], layers=config["layers"], heads=config["heads"],
-                       kv_heads=config["kv_heads"], ffn=config["ffn"], tie_embeddings=False)
+                       kv_heads=config["kv_heads"], ffn=config["ffn"], tie_embeddings=False, **extra)
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark model's sizes (the default: a 12M-parameter Llama; docs/bench-train.md says why)."""
+    p.add_argument("--hidden", type=int, default=512, help="(default 512)")
+    p.add_argument("--layers", type=int, default=4, help="(default 4)")
+    p.add_argument("--heads", type=int, default=8, help="(default 8)")
+    p.add_argument("--kv-heads", type=int, default=4, help="(default 4)")
+    p.add_argument("--ffn", type=int, default=1408, help="(default 1408)")
 
 
 def train_config(config: dict, name: str):
@@ -450,11 +460,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ulysses", type=int, default=1, help="Ulysses size of flashpar's mesh (default 1)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     # the default setup (docs/bench-train.md says why): a 12M-parameter Llama on 8192-token sequences at 2gbit
-    p.add_argument("--hidden", type=int, default=512, help="(default 512)")
-    p.add_argument("--layers", type=int, default=4, help="(default 4)")
-    p.add_argument("--heads", type=int, default=8, help="(default 8)")
-    p.add_argument("--kv-heads", type=int, default=4, help="(default 4)")
-    p.add_argument("--ffn", type=int, default=1408, help="(default 1408)")
+    add_model_arguments(p)
     p.add_argument("--seq-len", type=int, default=8192, help="tokens per packed sequence (per dp rank; default 8192)")
     p.add_argument("--link-rate", default="2gbit",
                    help="emulated per-rank link (tc rate); 'none' = loopback (default 2gbit, docs/bench-train.md)")
