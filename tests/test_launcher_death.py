@@ -57,6 +57,22 @@ def _alive(tree: dict[int, int]) -> list[int]:
     return [pid for pid, started in tree.items() if _start_time(pid) == started]
 
 
+def _wait_gone(tree: dict[int, int], t0: float) -> float:
+    """Wait until no process of ``tree`` is left, at most ``GONE_WITHIN_S`` after ``t0``: the seconds since ``t0``."""
+    while _alive(tree) and time.monotonic() - t0 < GONE_WITHIN_S:
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def _reap(proc: subprocess.Popen, tree: dict[int, int]) -> None:
+    """A failed drill leaves nothing running either."""
+    for pid in _alive(tree):
+        os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def _kill_launcher_when_reached(tmp_path: Path, when: str, interrupt: bool = False) -> tuple[dict[int, int], float]:
     """Run the launcher until rank 0 holds at ``when``; record its tree, SIGKILL it (``interrupt``: SIGINT to its
     whole process group instead, as a terminal's Ctrl-C does); the tree and the seconds until no process of it
@@ -85,15 +101,9 @@ def _kill_launcher_when_reached(tmp_path: Path, when: str, interrupt: bool = Fal
         else:
             launcher.kill()
             launcher.wait()
-        while _alive(tree) and time.monotonic() - t0 < GONE_WITHIN_S:
-            time.sleep(0.1)
-        return tree, time.monotonic() - t0
+        return tree, _wait_gone(tree, t0)
     finally:
-        for pid in _alive(tree):  # a failed drill leaves nothing running either
-            os.kill(pid, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        _reap(launcher, tree)
 
 
 def _kinds(tree: dict[int, int]) -> str:
@@ -177,16 +187,11 @@ def test_killed_benchmark_leaves_no_worker_and_the_next_removes_its_namespaces(t
         t0 = time.monotonic()
         bench.kill()
         bench.wait()
-        while _alive(tree) and time.monotonic() - t0 < GONE_WITHIN_S:
-            time.sleep(0.1)
+        took = _wait_gone(tree, t0)
         left = _alive(tree)
-        assert not left, f"{len(left)} processes still run {time.monotonic() - t0:.0f} s after the benchmark died"
+        assert not left, f"{len(left)} processes still run {took:.0f} s after the benchmark died"
     finally:
-        for pid in _alive(tree):
-            os.kill(pid, signal.SIGKILL)
-        if bench.poll() is None:
-            bench.kill()
-            bench.wait()
+        _reap(bench, tree)
     if not links:
         return
     assert len(names) == 3 and set(names) <= set(netlink._netns_list())  # r0, r1 and the hub, left behind
@@ -247,13 +252,8 @@ def test_killed_generate_launcher_leaves_no_process(tmp_path):
         t0 = time.monotonic()
         launcher.kill()
         launcher.wait()
-        while _alive(tree) and time.monotonic() - t0 < GONE_WITHIN_S:
-            time.sleep(0.1)
+        _wait_gone(tree, t0)
         left = _alive(tree)
         assert not left, f"{len(left)} processes still run after the launcher died:\n{_kinds(tree)}"
     finally:
-        for pid in _alive(tree):
-            os.kill(pid, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        _reap(launcher, tree)
