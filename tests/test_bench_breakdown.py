@@ -14,7 +14,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from flashpar.bench import breakdown as bd
 
-SLEEP_S = 0.05
+SLEEP_S = 0.2  # long against what a loaded box can add to the step's few ms of Python (``other``)
 
 
 def test_ops_are_counted_in_their_part():
@@ -35,7 +35,7 @@ class SlowOptimizer(torch.optim.SGD):
 def test_a_training_step_is_split_into_its_parts_which_add_up_to_its_wall_time(monkeypatch):
     """A small attention + linear + cross-entropy step: attention forward / backward, linear and loss each measured
     (positive), the optimizer's sleep lands in ``optimizer`` (and in nothing else), a collective's sleep in
-    ``exposed_comm``; the parts add up to the block's wall time within 5% (the clock's own entry and exit)."""
+    ``exposed_comm``; the parts add up to the step's wall time."""
 
     def slow_all_reduce(tensor, *args, **kwargs):
         time.sleep(SLEEP_S)
@@ -58,30 +58,37 @@ def test_a_training_step_is_split_into_its_parts_which_add_up_to_its_wall_time(m
     with bd.breakdown(optimizers=[opt]):  # the first step's and the first block's one-time costs (autograd's
         step()  # engine, the kernels' set-up, the dispatch mode's first entry) outside the measured block
     with bd.breakdown(optimizers=[opt]) as clock:
-        t0 = time.perf_counter()
+        clock.restart()
         step()
-        wall = 1e3 * (time.perf_counter() - t0)
-    ms = clock.finish()
+        ms = clock.finish()
+    wall = ms.pop("wall_ms")
     assert set(ms) == set(bd.PARTS)
     for part in ("attention_fwd", "attention_bwd", "linear", "loss", "elementwise"):
         assert ms[part] > 0, (part, ms)
     assert ms["optimizer"] >= 1e3 * SLEEP_S and ms["exposed_comm"] >= 1e3 * SLEEP_S, ms
     # each sleep counted once: neither lands in another part (they take no op, so would show in other)
     assert ms["other"] < 1e3 * SLEEP_S, sorted(ms.items())
-    assert sum(ms.values()) == pytest.approx(wall, rel=0.05)
+    # every interval between restart and finish counted once, for one part: the sum is the wall time up to the
+    # float rounding of a few hundred additions of milliseconds (1e-9 relative is far above it)
+    assert sum(ms.values()) == pytest.approx(wall, rel=1e-9)
+    # step and zero_grad (and their ops, which count for the optimizer); the loss's forward and backward ops
+    assert clock.entries["optimizer"] >= 2 and clock.entries["loss"] >= 2, clock.entries
     assert opt.step.__func__ is SlowOptimizer.step  # the class's method again after the block
 
 
 def test_flashpar_loss_counts_as_loss_forward_and_backward():
     """``vocab_parallel_loss`` is elementwise ops; inside the block its forward and its backward (between the two
     markers) count for ``loss``: of the whole block only ``backward()``'s seed gradient (one op before the
-    markers) is left for ``elementwise``."""
+    markers) and the leaf's gradient accumulation are left for ``elementwise``."""
     from flashpar.models import vocab
 
     logits = torch.randn(4096, 256, requires_grad=True)
     labels = torch.randint(0, 256, (4096,))
     with bd.breakdown() as clock:
+        clock.restart()
         vocab.vocab_parallel_loss(logits, labels, 0, None, slice(None), 4096.0).backward()
-    ms = clock.finish()
-    assert ms["loss"] > 0 and ms["elementwise"] < 0.05 * ms["loss"], ms
+        ms = clock.finish()
+    # counted by entries, not by time (which the machine's load would move): outside the markers only the seed
+    # gradient (ones_like) and its accumulation into ``logits.grad`` (detach), against dozens of loss ops
+    assert ms["loss"] > 0 and clock.entries["elementwise"] <= 2 < 20 <= clock.entries["loss"], clock.entries
     assert vocab.vocab_parallel_loss.__name__ == "vocab_parallel_loss"  # rebound back

@@ -80,12 +80,18 @@ def part_of(func) -> str:
 
 
 class Clock:
-    """The exclusive clock stack: ``enter(part)`` / ``leave()``; ``ms[part]`` the time each part was innermost."""
+    """The exclusive clock stack: ``enter(part)`` / ``leave()``; ``ms[part]`` the time each part was innermost,
+    ``entries[part]`` how many times it was entered (ops, calls, markers: what a test can check exactly)."""
 
     def __init__(self) -> None:
-        self.ms = dict.fromkeys(PARTS, 0.0)
         self.stack = ["other"]
-        self.last = time.perf_counter()
+        self.restart()
+
+    def restart(self) -> None:
+        """Zero every part and start the wall clock now: what ran before (entering the block) is not counted."""
+        self.ms = dict.fromkeys(PARTS, 0.0)
+        self.entries = dict.fromkeys(PARTS, 0)
+        self.last = self.started = time.perf_counter()
 
     def _switch(self) -> None:
         now = time.perf_counter()
@@ -94,6 +100,7 @@ class Clock:
 
     def enter(self, part: str) -> None:
         self._switch()
+        self.entries[part] += 1
         self.stack.append(part)
 
     def leave(self) -> None:
@@ -104,8 +111,10 @@ class Clock:
         return self.stack[-1]
 
     def finish(self) -> dict[str, float]:
+        """The parts, and ``wall_ms``: the time from ``restart`` to now, read from the same clock reads the parts
+        were cut from, so the parts add up to it (each interval counted once, for the innermost part)."""
         self._switch()
-        return dict(self.ms)
+        return {**self.ms, "wall_ms": 1e3 * (self.last - self.started)}
 
 
 @contextlib.contextmanager
@@ -231,7 +240,8 @@ def _wrappers(clock: Clock) -> dict[int, object]:
 @contextlib.contextmanager
 def breakdown(optimizers=()) -> Iterator[Clock]:
     """Measure the block's wall time by part (module docstring); ``optimizers``' ``step`` and ``zero_grad`` count
-    as ``optimizer``.  Read ``clock.finish()`` after the block.  One block at a time, on the stepping thread."""
+    as ``optimizer``.  Inside the block: ``clock.restart()`` just before the step (the block's own entry left out),
+    ``clock.finish()`` just after it.  One block at a time, on the stepping thread."""
     from flashpar.bench.no_comm import _bindings
 
     clock = Clock()
