@@ -215,3 +215,55 @@ def auto_merges(rank: int, n: int) -> dict[str, tuple[str | None, list[tuple[str
     finally:
         ops.run_schedule = real
     return out
+
+
+# ``auto`` picks the two directions of ag / rs apart (``flashpar.overlap.simulate.SPLIT_OPS``).  The cost model
+# is replaced by fixed picks so that every pairing runs whatever the machine: each is exact because every mode
+# is, and the schedules run are the ones picked.
+SPLITS = ((("flash", 1, 1), ("none", 1, 1)), (("none", 1, 1), ("flash", 2, 1)), (("ring", 1, 1), ("slice", 2, 1)),
+          (("flash", 1, 2), ("none", 1, 1)))
+
+
+def split_cases() -> list[tuple[int, Case]]:
+    out = []
+    for i, _ in enumerate(SPLITS):
+        out.append((i, Case("ag", "auto", None, uneven=True, bias=True, mid=(2,), save_gathered=i % 2 == 0)))
+        out.append((i, Case("rs", "auto", None, uneven=i % 2 == 1, bias=i % 2 == 0, mid=())))
+    return out
+
+
+def split_id(i: int, case: Case) -> str:
+    return f"split{i}-{case.id}"
+
+
+def auto_splits(rank: int, n: int) -> dict[str, tuple[str | None, list[tuple[str, str, int, int]]]]:
+    """Per split case: the mismatch against the float64 reference (None: exact) and the (op, mode, chunks,
+    peers_per_piece) of every schedule it ran."""
+    from flashpar.overlap import ops, simulate
+
+    ran: list[tuple[str, str, int, int]] = []
+    real_run, real_choose = ops.run_schedule, simulate.choose_modes
+    pick: list = []
+
+    def spy(schedule, *args, **kwargs):
+        ran.append((schedule.op, schedule.mode, schedule.chunks, schedule.peers_per_piece))
+        return real_run(schedule, *args, **kwargs)
+
+    def fixed(*args, split=True, **kwargs):
+        assert split, "the tp ops ask for their directions apart"
+        return pick[0]
+
+    out = {}
+    ops.run_schedule, simulate.choose_modes = spy, fixed
+    try:
+        for i, case in split_cases():
+            ran.clear()
+            pick[:] = [SPLITS[i]]
+            try:
+                problem = run_case(case, rank, n)
+            except Exception as err:  # noqa: BLE001 - reported as this case's failure
+                problem = f"raised {type(err).__name__}: {err}"
+            out[split_id(i, case)] = (problem, list(ran))
+    finally:
+        ops.run_schedule, simulate.choose_modes = real_run, real_choose
+    return out

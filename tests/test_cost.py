@@ -127,7 +127,7 @@ def test_cost_model_round_trips_and_reads_the_flat_form():
 
 
 def test_calibration_file_is_read_once_and_logged(monkeypatch, tmp_path, caplog):
-    from flashpar.overlap.simulate import choose_mode
+    from flashpar.overlap.simulate import choose_modes
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = tmp_path / "flashpar" / "hardware.json"
@@ -137,7 +137,7 @@ def test_calibration_file_is_read_once_and_logged(monkeypatch, tmp_path, caplog)
         first = cost.load("cpu")
         path.write_text(json.dumps({"cpu": {"flops": 1e9}}))  # a later change is not read by this process
         again = [cost.load("cpu"), cost.load("cpu")]
-        choose_mode("ag_matmul", 4, 64, 64, 64, 4, "cpu")  # what 'auto' asks: the same figures, no new line
+        choose_modes("ag_matmul", 4, 64, 64, 64, 4, "cpu")  # what 'auto' asks: the same figures, no new line
     assert first.flops == 7e10 and first.link_bytes_per_s == 3e8
     assert first.half_rows == cost.preset("cpu").half_rows  # figures the entry lacks come from the preset
     assert again == [first, first]

@@ -11,7 +11,16 @@ import pytest
 from flashpar import cost
 from flashpar.cost import Hardware
 from flashpar.overlap.schedule import build_schedule
-from flashpar.overlap.simulate import AUTO_MARGIN, CANDIDATES, candidates, choose_mode, op_shapes, predict, simulate
+from flashpar.overlap.simulate import (
+    AUTO_MARGIN,
+    CANDIDATES,
+    SPLIT_OPS,
+    candidates,
+    choose_modes,
+    op_shapes,
+    predict,
+    simulate,
+)
 
 # A clean machine for the simulator: 1 TFLOP/s, no small-M penalty, 1 GB/s link, no latency.
 HW = Hardware(flops=1e12, half_rows=0, gemm_overhead_s=0, link_bytes_per_s=1e9, link_latency_s=0,
@@ -54,22 +63,54 @@ def _fwd_bwd(op, mode, chunks, n, rows, n_in, n_out, hw, g=1):
     return sum(t.total for t in predict(op, mode, chunks, n, rows, n_in, n_out, 4, hw, peers_per_piece=g).values())
 
 
+def joint_pick(*args, **kwargs):
+    """One pick for both directions (``split=False``), as a fused op runs it."""
+    fwd, bwd = choose_modes(*args, split=False, **kwargs)
+    assert fwd == bwd
+    return fwd
+
+
 def test_auto_at_small_m_keeps_none_or_merges_every_peer_and_at_large_m_picks_flash():
     cpu = cost.preset("cpu")
     # 16 rows over 4 ranks: one piece per peer pays 3 latencies behind 4 small GEMMs, none's ring all-gather
     # 3 latencies before one GEMM; one piece of all 3 peers pays one latency (its 3 messages go together)
     # beside the local GEMM, then one GEMM of 12 rows: predicted 27% below none, the only win over it
-    assert choose_mode("ag_matmul", 4, 16, 512, 512, 4, "cpu", cpu) == ("flash", 1, 3)
+    assert joint_pick("ag_matmul", 4, 16, 512, 512, 4, "cpu", cpu) == ("flash", 1, 3)
     none = _fwd_bwd("ag_matmul", "none", 1, 4, 16, 512, 512, cpu)
     merged = _fwd_bwd("ag_matmul", "flash", 1, 4, 16, 512, 512, cpu, g=3)
     assert merged < AUTO_MARGIN * none < _fwd_bwd("ag_matmul", "flash", 1, 4, 16, 512, 512, cpu)
     # a caller that runs one piece per peer only (merged=False) and a pair of ranks (nothing to merge) keep none
-    assert choose_mode("ag_matmul", 4, 16, 512, 512, 4, "cpu", cpu, merged=False) == ("none", 1, 1)
-    assert choose_mode("ag_matmul", 2, 16, 512, 512, 4, "cpu", cpu) == ("none", 1, 1)
-    mode, _, _ = choose_mode("ag_matmul", 4, 8192, 1024, 1024, 4, "cpu", cpu)
+    assert joint_pick("ag_matmul", 4, 16, 512, 512, 4, "cpu", cpu, merged=False) == ("none", 1, 1)
+    assert joint_pick("ag_matmul", 2, 16, 512, 512, 4, "cpu", cpu) == ("none", 1, 1)
+    mode, _, _ = joint_pick("ag_matmul", 4, 8192, 1024, 1024, 4, "cpu", cpu)
     assert mode == "flash"
 
 
+def _dir(op, pick, n, rows, n_in, n_out, hw, d, regather=True):
+    t = predict(op, pick[0], pick[1], n, rows, n_in, n_out, 4, hw, peers_per_piece=pick[2], regather=regather)
+    return t[op if d == 0 else f"{op}_bwd"].total
+
+
+def test_auto_picks_the_directions_apart_where_the_backward_hides_its_transfer_undivided():
+    """Llama-70B's gate/up projection on 8 H100s, 8K rows, the backward reading the forward's gathered x: the
+    forward hides its all-gather behind the GEMM cut into pieces; the backward's reduce-scatter of grad_x
+    already hides behind the weight-gradient GEMM, so splitting it only thins the GEMMs: it keeps none.
+    The joint pick (one schedule both ways) sees the sum and keeps none for both, leaving the forward's
+    transfer exposed."""
+    hw = cost.preset("h100-96gb")
+    shape = ("ag_matmul", 8, 8192, 8192, 7168, 2, "cuda", hw)
+    fwd, bwd = choose_modes(*shape, regather=False)
+    assert fwd[0] == "flash" and bwd == ("none", 1, 1), (fwd, bwd)
+    assert choose_modes(*shape, regather=False, split=False) == (("none", 1, 1),) * 2
+    none = ("none", 1, 1)
+
+    def t(pick, d):
+        return _dir("ag_matmul", pick, 8, 8192, 8192, 7168, hw, d, regather=False)
+
+    assert t(fwd, 0) < AUTO_MARGIN * t(none, 0)
+    assert all(t(none, 1) <= t(c, 1) for c in candidates("ag_matmul", 8))
+    # the two picks together beat the joint pick's none by the forward's whole gain
+    assert t(fwd, 0) + t(bwd, 1) < t(none, 0) + t(none, 1) - 0.1 * t(none, 0)
 def test_candidates_add_one_merge_per_piece_count_and_none_for_the_sharded_op():
     assert candidates("ag_matmul", 8) == [*CANDIDATES, ("flash", 1, 2), ("flash", 1, 3), ("flash", 1, 4),
                                           ("flash", 1, 7)]  # 4, 3, 2 and 1 pieces of the 7 peers
@@ -80,19 +121,39 @@ def test_candidates_add_one_merge_per_piece_count_and_none_for_the_sharded_op():
 
 @pytest.mark.parametrize("preset", ["h100-nvlink", "h100-ib", "cpu"])
 def test_auto_is_never_predicted_slower_than_none(preset):
-    """Over ops, group sizes and rows from decode-sized to long: auto's pick is none, or predicted below
-    AUTO_MARGIN of none and no slower than any candidate by more than that margin."""
+    """Over ops, group sizes and rows from decode-sized to long: the joint pick (forward + backward) is none, or
+    predicted below AUTO_MARGIN of none and the fastest candidate; for the tensor-parallel pair the directions
+    picked apart are no slower than the joint pick, and where they differ each is none or, in its direction,
+    below AUTO_MARGIN of none and the fastest."""
     hw = cost.preset(preset)
     for op, n_in, n_out in (("ag_matmul", 4096, 768), ("matmul_rs", 512, 4096), ("matmul_a2a", 4096, 384),
                             ("a2a_matmul", 512, 4096)):
         for n in (2, 3, 4, 8):
             for rows in (8 * n, 1024, 32768):
-                pick = choose_mode(op, n, rows, n_in, n_out, 4, "cpu", hw)
-                none = _fwd_bwd(op, "none", 1, n, rows, n_in, n_out, hw)
-                best = min(_fwd_bwd(op, m, k, n, rows, n_in, n_out, hw, g) for m, k, g in candidates(op, n))
-                t = _fwd_bwd(op, pick[0], pick[1], n, rows, n_in, n_out, hw, pick[2])
-                assert pick == ("none", 1, 1) or t < AUTO_MARGIN * none, (op, n, rows, pick)
-                assert t <= none and (pick[0] == "none" or t == best), (op, n, rows, pick)
+                fwd, bwd = choose_modes(op, n, rows, n_in, n_out, 4, "cpu", hw)
+                shape = (op, n, rows, n_in, n_out, hw)
+                joint = joint_pick(op, n, rows, n_in, n_out, 4, "cpu", hw)
+                judged = [(joint, shape, None)]
+                if op in SPLIT_OPS:  # the pair no slower than the joint pick; apart, each direction's own best
+                    pair = _time_of(fwd, shape, 0) + _time_of(bwd, shape, 1)
+                    assert pair <= _time_of(joint, shape, None), (op, n, rows, fwd, bwd, joint)
+                    if fwd != bwd:
+                        judged += [(fwd, shape, 0), (bwd, shape, 1)]
+                else:
+                    assert fwd == bwd == joint
+                for pick, shape, d in judged:
+                    none, t = _time_of(("none", 1, 1), shape, d), _time_of(pick, shape, d)
+                    best = min(_time_of(c, shape, d) for c in candidates(op, n))
+                    assert pick == ("none", 1, 1) or t < AUTO_MARGIN * none, (op, n, rows, pick)
+                    assert t <= none and (pick[0] == "none" or t == best), (op, n, rows, pick)
+
+
+def _time_of(pick, shape, d):
+    """A pick's predicted time in direction ``d`` (0 forward, 1 backward, None both)."""
+    op, n, rows, n_in, n_out, hw = shape
+    if d is None:
+        return _fwd_bwd(op, pick[0], pick[1], n, rows, n_in, n_out, hw, pick[2])
+    return _dir(op, pick, n, rows, n_in, n_out, hw, d)
 
 
 def test_a_merged_piece_pays_one_latency_and_one_launch_per_run():

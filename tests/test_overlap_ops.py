@@ -1,12 +1,13 @@
-"""all_gather_matmul / matmul_reduce_scatter against a float64 reference, every mode, N = 1..4 on gloo; and
-``mode="auto"`` choosing merged pieces through every public op."""
+"""all_gather_matmul / matmul_reduce_scatter against a float64 reference, every mode, N = 1..4 on gloo;
+``mode="auto"`` choosing merged pieces through every public op, and running the two directions of the tp pair
+in different schedules."""
 
 from __future__ import annotations
 
 import pytest
 
 from dist_harness import SpawnCache
-from overlap_cases import all_cases, auto_cases, auto_merges, run_all
+from overlap_cases import SPLITS, all_cases, auto_cases, auto_merges, auto_splits, run_all, split_cases, split_id
 
 CASES = all_cases()
 WORLD_SIZES = [1, 2, 3, 4]
@@ -17,7 +18,7 @@ RAN = {"ag": ("ag_matmul", "ag_matmul_bwd"), "rs": ("matmul_rs", "matmul_rs_bwd"
 @pytest.fixture(scope="module")
 def results():
     """One spawn per world size runs every case; per-case assertions below read the outcome."""
-    return SpawnCache(lambda n: [("cases", run_all, CASES), ("auto", auto_merges)])
+    return SpawnCache(lambda n: [("cases", run_all, CASES), ("auto", auto_merges), ("split", auto_splits)])
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
@@ -41,3 +42,21 @@ def test_auto_runs_the_merged_pieces_it_picks_exactly(results, n, case):
             continue
         expect = [(op, "flash", n - 1) for op in RAN[case.op]]
         assert ran == expect, f"N={n} rank {r} {case.id}: ran {ran}, expected {expect}"
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("i_case", split_cases(), ids=[split_id(*c) for c in split_cases()])
+def test_auto_runs_forward_and_backward_in_the_schedules_picked_for_each_exactly(results, n, i_case):
+    """``auto`` with the forward and the backward picked apart (fixed picks in place of the cost model): every
+    rank ran the forward's schedule then the backward's, in the modes picked (a group of one runs none), and
+    the output and the gradients match the float64 reference (saved gathered x too)."""
+    i, case = i_case
+    (fm, fk, fg), (bm, bk, bg) = SPLITS[i]
+    for r, out in enumerate(results(n)["split"]):
+        problem, ran = out[split_id(i, case)]
+        assert problem is None, f"N={n} rank {r} {split_id(i, case)}: {problem}"
+        fwd_op, bwd_op = RAN[case.op]
+        # (a piece merges at most the N - 1 peers there are)
+        expect = [(fwd_op, "none", 1, 1), (bwd_op, "none", 1, 1)] if n == 1 else \
+            [(fwd_op, fm, fk, min(fg, n - 1)), (bwd_op, bm, bk, min(bg, n - 1))]
+        assert ran == expect, f"N={n} rank {r} {split_id(i, case)}: ran {ran}, expected {expect}"

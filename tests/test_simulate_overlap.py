@@ -55,14 +55,18 @@ def test_none_exposes_all_of_its_forward_communication_and_flash_hides_it(tmp_pa
 
 
 def test_auto_merges_pieces_at_tp8_on_short_sequences(tmp_path):
-    # Llama-3-8B's MLP at tp 8, 1024 tokens per rank: one piece per peer pays 7 latencies and 7 small-M GEMMs
+    # Llama-3-8B's MLP at tp 8, 1024 tokens per rank: one piece per peer pays 7 latencies and 7 small-M GEMMs.
+    # gate/up's backward (x gathered again, grad_x reduce-scattered beside the weight-gradient GEMM) gains
+    # nothing from cutting: picked apart, it stays blocking while the forward merges pieces
     setup, rows = _rows(["--block", "mlp", "--tp", "8", "--seq", "8192", "--hidden", "4096", "--ffn", "14336"],
                         tmp_path)
     auto = rows[-1]
-    assert auto["mode"] == "auto" and auto["picked"] == "gate_up:flash(k=1,g=4) down:flash(k=1,g=4)"
+    assert auto["mode"] == "auto" and auto["picked"] == "gate_up:flash(k=1,g=4)/none(k=1) down:flash(k=1,g=4)"
     gu = setup["linears"][0]
     merged = predict("ag_matmul", "flash", 1, 8, 8192, 4096, gu["n_out"], 2, H100, peers_per_piece=4)
+    none = predict("ag_matmul", "none", 1, 8, 8192, 4096, gu["n_out"], 2, H100)
     assert auto["gate_up_fwd_ms"] == pytest.approx(merged["ag_matmul"].total * 1e3, rel=1e-12)
+    assert auto["gate_up_bwd_ms"] == pytest.approx(none["ag_matmul_bwd"].total * 1e3, rel=1e-12)
     assert auto["vs_none"] < 0.9 and auto["vs_none"] < min(r["vs_none"] for r in rows[:-1])
 
 

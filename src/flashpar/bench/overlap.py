@@ -164,7 +164,7 @@ def worker(config: dict) -> None:
 
     from flashpar import cost
     from flashpar.cost.calibrate import calibrate, measure_comm_cpu
-    from flashpar.overlap.simulate import choose_mode, pick_label, predict
+    from flashpar.overlap.simulate import choose_modes, picks_label, predict
 
     flushed = _flush_denormals()  # before gloo starts its threads, so they inherit it
     dist.init_process_group("gloo")
@@ -210,11 +210,11 @@ def worker(config: dict) -> None:
             entry = {"shape": shape.__dict__, "describe": shape.describe(n), "reps": reps[shape.name],
                      "rounds": rounds[shape.name], "modes": []}
             sim_op, *dims = shape.sim_args(n)
-            auto_pick = choose_mode(sim_op, n, *dims, elem, "cpu", hw)
+            auto_fwd, auto_bwd = choose_modes(sim_op, n, *dims, elem, "cpu", hw)  # as the op runs: regathering
             for mode, chunks in modes_for(shape.op, variants):
                 row = {"mode": mode, "chunks": chunks}
                 if mode == "auto":
-                    row["picked"] = pick_label(*auto_pick)
+                    row["picked"] = picks_label(auto_fwd, auto_bwd)
                 for d, direction in enumerate(("forward", "backward")):
                     med, per_round = {}, {}
                     for kind in ("overlapped", "compute", "comm"):
@@ -222,9 +222,10 @@ def worker(config: dict) -> None:
                                            for i in range(rounds[shape.name])]
                         med[kind] = statistics.median(per_round[kind])
                     row[direction] = {**_figures(med, n, mode, chunks), "samples": per_round}
-                pm, pk, pg = auto_pick if mode == "auto" else (mode, chunks or 1, 1)
-                pred = predict(sim_op, pm, pk, n, *dims, elem, hw, peers_per_piece=pg)
-                row["predicted"] = {k: v.total for k, v in pred.items()}
+                fwd, bwd = (auto_fwd, auto_bwd) if mode == "auto" else ((mode, chunks or 1, 1),) * 2
+                pred_f = predict(sim_op, fwd[0], fwd[1], n, *dims, elem, hw, peers_per_piece=fwd[2])
+                pred_b = predict(sim_op, bwd[0], bwd[1], n, *dims, elem, hw, peers_per_piece=bwd[2])
+                row["predicted"] = {sim_op: pred_f[sim_op].total, f"{sim_op}_bwd": pred_b[f"{sim_op}_bwd"].total}
                 entry["modes"].append(row)
             none = next((m for m in entry["modes"] if m["mode"] == "none"), None)
             for m in entry["modes"]:

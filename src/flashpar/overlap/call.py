@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -42,6 +42,16 @@ class Call:
     save_gathered: bool = False
     reduce_weight: bool = False
     peers_per_piece: int = 1
+    bwd: tuple[str, int, int] | None = None  # the backward's (mode, chunks, peers_per_piece), where it differs
+
+    def backward(self) -> Call:
+        """The call the op's backward runs: the same, or with the backward's own schedule (``auto`` picks the
+        directions of ``flashpar.overlap.simulate.SPLIT_OPS`` apart).  Every mode is exact, so a backward in
+        another mode than its forward computes the same gradients."""
+        if self.bwd is None:
+            return self
+        mode, chunks, peers = self.bwd
+        return replace(self, mode=mode, chunks=chunks, peers_per_piece=peers, bwd=None)
 
 
 @dataclass(frozen=True)
@@ -59,7 +69,7 @@ class Local:
 def prepare(op_name: str, group, tensors: dict[str, torch.Tensor | None], describe: Callable[[GroupInfo], Local], *,
             mode, chunks, split_sizes, check: bool, timeout_s: float, local_sizes: bool,
             modes: tuple[str, ...] = MODE_CHOICES, reduce_weight: bool = False, peers_per_piece=None,
-            merged: bool = False) -> Call:
+            merged: bool = False, regather: bool = True, split_directions: bool = False) -> Call:
     """Validate one op call and agree on it across ranks; returns its :class:`Call`.
 
     ``tensors``: the call's tensors by name, the first being the activation (its dtype and device
@@ -67,27 +77,30 @@ def prepare(op_name: str, group, tensors: dict[str, torch.Tensor | None], descri
     local input (caught here, so the rank still joins the cross-rank check and every rank raises)
     and returns :class:`Local`.  ``local_sizes``: see :func:`settle`.  ``peers_per_piece``: the
     caller's merged pieces (flash; ``None``: one piece per peer).  ``merged``: the op runs
-    ``Call.peers_per_piece`` (``auto`` considers merged pieces only then).
+    ``Call.peers_per_piece`` (``auto`` considers merged pieces only then).  ``regather``: what ``auto``
+    assumes of an ``ag_matmul``'s backward (it gathers ``x`` again, or reads the forward's copy);
+    ``split_directions``: the op's backward runs ``Call.backward()``, so ``auto`` may pick it apart.
     """
     info = resolve_group(group)
     x = next(iter(tensors.values()))
     error: BaseException | None = None
-    local, chosen = Local(0, ("", 0, 0, 0)), ("none", 1, 1)
+    local, chosen = Local(0, ("", 0, 0, 0)), (("none", 1, 1), ("none", 1, 1))
     try:
         check_mode(op_name, mode, chunks, modes, peers_per_piece, merged)
         check_tensors(op_name, tensors)
         local = describe(info)
         chosen = pick_mode(mode, chunks, info.world_size, *local.sim, x, peers_per_piece=peers_per_piece,
-                           merged=merged)
+                           merged=merged, regather=regather, split=split_directions)
     except (ValueError, TypeError) as err:
         error = err
     named = [] if error is not None else [*local.named, ("mode", modes.index(mode)), *mid_named(local.mid_shape)]
     device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-    sizes, chosen_mode, k, g = settle(op_name, info, error=error, local_len=local.local_len, named=named,
-                                      chosen=chosen, split_sizes=split_sizes, local_sizes=local_sizes, check=check,
-                                      device=device, timeout_s=timeout_s)
+    sizes, (chosen_mode, k, g), bwd = settle(op_name, info, error=error, local_len=local.local_len, named=named,
+                                             chosen=chosen, split_sizes=split_sizes, local_sizes=local_sizes,
+                                             check=check, device=device, timeout_s=timeout_s)
     return Call(op_name, info, chosen_mode, k, RowSpace(sizes, math.prod(local.mid_shape)), local.mid_shape,
-                timeout_s, reduce_weight=reduce_weight, peers_per_piece=g)
+                timeout_s, reduce_weight=reduce_weight, peers_per_piece=g,
+                bwd=None if bwd == (chosen_mode, k, g) else bwd)
 
 
 def check_mode(op_name: str, mode, chunks, choices: tuple[str, ...] = MODE_CHOICES, peers_per_piece=None,
@@ -141,12 +154,14 @@ def check_split(op_name: str, split_sizes, n: int, r: int, *, local: int | None 
 
 
 def settle(op_name: str, info: GroupInfo, *, error: BaseException | None, local_len: int,
-           named: list[tuple[str, int]], chosen: tuple[str, int, int], split_sizes, local_sizes: bool,
-           check: bool, device, timeout_s: float) -> tuple[tuple[int, ...], str, int, int]:
-    """Agree on the call across ranks; returns (block lengths, mode, chunks, peers per piece).
+           named: list[tuple[str, int]], chosen: tuple[tuple[str, int, int], tuple[str, int, int]], split_sizes,
+           local_sizes: bool, check: bool, device, timeout_s: float
+           ) -> tuple[tuple[int, ...], tuple[str, int, int], tuple[str, int, int]]:
+    """Agree on the call across ranks; returns (block lengths, forward pick, backward pick), a pick being
+    (mode, chunks, peers per piece).
 
-    ``named``: (what, value) pairs every rank must share.  ``chosen``: this rank's (mode, chunks,
-    peers_per_piece) pick; rank 0's binds.  ``local_len``: this rank's block length.  ``local_sizes=True``: the
+    ``named``: (what, value) pairs every rank must share.  ``chosen``: this rank's (forward, backward)
+    picks; rank 0's bind.  ``local_len``: this rank's block length.  ``local_sizes=True``: the
     block lengths are the ranks' own lengths (exchanged when ``split_sizes`` is omitted, checked
     against it otherwise); ``False``: ``split_sizes`` (or equal blocks of ``local_len``) was given
     to every rank and must be the same list everywhere.  ``check=False`` skips the exchange: no
@@ -158,13 +173,14 @@ def settle(op_name: str, info: GroupInfo, *, error: BaseException | None, local_
     n = info.world_size
     if error is not None and (not check or n == 1):
         raise error
-    mode_name, k, g = chosen
+    fwd, bwd = chosen
     sizes = list(split_sizes) if split_sizes is not None else None
     if check and n > 1:
-        values = [] if error is not None else [local_len, MODES.index(mode_name), k, g, *(v for _, v in named)]
+        picks = [MODES.index(fwd[0]), *fwd[1:], MODES.index(bwd[0]), *bwd[1:]]
+        values = [] if error is not None else [local_len, *picks, *(v for _, v in named)]
         table = exchange_metadata(info, values, device=device, op_name=op_name, local_error=error,
                                   timeout_s=timeout_s)
-        for col, (what, _) in enumerate(named, start=4):
+        for col, (what, _) in enumerate(named, start=7):
             column = table[:, col].tolist()
             if len(set(column)) > 1:
                 raise RuntimeError(f"{op_name}: ranks disagree on {what}: {column} (rank order)")
@@ -172,27 +188,33 @@ def settle(op_name: str, info: GroupInfo, *, error: BaseException | None, local_
         if sizes is not None and lengths != sizes:
             whose = "the ranks' actual lengths" if local_sizes else "the split the ranks were given"
             raise RuntimeError(f"{op_name}: split_sizes {sizes} differ from {whose} {lengths}")
-        # 'auto': rank 0's pick binds every rank
-        mode_name, k, g = MODES[int(table[0, 1])], int(table[0, 2]), int(table[0, 3])
+        # 'auto': rank 0's picks bind every rank
+        row = [int(v) for v in table[0, 1:7].tolist()]
+        fwd, bwd = (MODES[row[0]], row[1], row[2]), (MODES[row[3]], row[4], row[5])
         if sizes is None and local_sizes:
             sizes = lengths
     if sizes is None:
         sizes = [local_len] * n
-    return tuple(sizes), mode_name, k, g
+    return tuple(sizes), fwd, bwd
 
 
 def pick_mode(mode: str, chunks: int | None, n: int, sim_op: str, rows: int, n_in: int, n_out: int,
-              x: torch.Tensor, *, peers_per_piece: int | None = None, merged: bool = False) -> tuple[str, int, int]:
-    """This rank's (mode, chunks, peers_per_piece): a group of one runs ``none``; ``auto`` asks the cost
-    model for ``sim_op`` on ``rows`` x (``n_in`` -> ``n_out``) (see :func:`flashpar.overlap.simulate.op_shapes`),
-    among merged pieces too where the op runs them (``merged``)."""
+              x: torch.Tensor, *, peers_per_piece: int | None = None, merged: bool = False, regather: bool = True,
+              split: bool = False) -> tuple[tuple[str, int, int], tuple[str, int, int]]:
+    """This rank's (forward, backward) picks of (mode, chunks, peers_per_piece): a group of one runs ``none``,
+    a named mode runs both directions; ``auto`` asks the cost model for ``sim_op`` on ``rows`` x (``n_in`` ->
+    ``n_out``) (see :func:`flashpar.overlap.simulate.op_shapes`), among merged pieces too where the op runs
+    them (``merged``), each direction apart where the op runs them apart (``split``,
+    ``flashpar.overlap.simulate.choose_modes``)."""
     if n == 1:
-        return "none", 1, 1
+        return ("none", 1, 1), ("none", 1, 1)
     if mode != "auto":
-        return mode, chunks or DEFAULT_CHUNKS[mode], peers_per_piece or 1
-    from flashpar.overlap.simulate import choose_mode  # cost model: only needed for 'auto'
+        pick = (mode, chunks or DEFAULT_CHUNKS[mode], peers_per_piece or 1)
+        return pick, pick
+    from flashpar.overlap.simulate import choose_modes  # cost model: only needed for 'auto'
 
-    return choose_mode(sim_op, n, rows, n_in, n_out, x.element_size(), x.device.type, merged=merged)
+    return choose_modes(sim_op, n, rows, n_in, n_out, x.element_size(), x.device.type, merged=merged,
+                        regather=regather, split=split)
 
 
 def mid_named(mid_shape: tuple[int, ...]) -> list[tuple[str, int]]:

@@ -41,7 +41,8 @@ item and runs one GEMM on their rows together (``flashpar.overlap.schedule``, *M
     N = 4, g = 2, all-gather side, rank 1:   lane:  | x_1 -> 2; x_0 <- 0 | x_1 -> 3, 0; x_3, x_2 <- |
                                              main:  | y[1]  (local)     | y[0]              | y[2 .. 3]
 
-``mode="auto"`` weighs them against one piece per peer and ``none`` with the cost model.
+``mode="auto"`` weighs them against one piece per peer and ``none`` with the cost model, the forward and
+the backward each on its own (the backward runs ``Call.backward()``: every mode gives the same gradients).
 
 Exactness: every mode does the same products as the collective version; only
 the order of the summands of a reduce-scatter and of ``grad_W`` differs.
@@ -91,7 +92,7 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     all-gather); switch it off only where shapes are known to agree.
     """
     call = _linear_call("all_gather_matmul", x, weight, bias, group, mode, chunks, split_sizes, check, timeout_s,
-                        peers_per_piece)
+                        peers_per_piece, regather=not save_gathered)
     return _AllGatherMatmul.apply(x, weight, bias, dataclasses.replace(call, save_gathered=save_gathered))
 
 
@@ -114,7 +115,8 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 # validation and the cross-rank check
 
 
-def _linear_call(op_name, x, weight, bias, group, mode, chunks, split_sizes, check, timeout_s, peers_per_piece) -> Call:
+def _linear_call(op_name, x, weight, bias, group, mode, chunks, split_sizes, check, timeout_s, peers_per_piece, *,
+                 regather: bool = True) -> Call:
     gather_side = op_name == "all_gather_matmul"
 
     def describe(info) -> Local:
@@ -147,7 +149,7 @@ def _linear_call(op_name, x, weight, bias, group, mode, chunks, split_sizes, che
 
     return prepare(op_name, group, {"x": x, "weight": weight, "bias": bias}, describe, mode=mode, chunks=chunks,
                    split_sizes=split_sizes, check=check, timeout_s=timeout_s, local_sizes=gather_side,
-                   peers_per_piece=peers_per_piece, merged=True)
+                   peers_per_piece=peers_per_piece, merged=True, regather=regather, split_directions=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,7 +218,7 @@ class _AllGatherMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        call: Call = ctx.call
+        call: Call = ctx.call.backward()  # auto may have picked the backward's schedule apart
         info, rows = call.info, call.rows
         x_saved, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -266,7 +268,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        call: Call = ctx.call
+        call: Call = ctx.call.backward()  # auto may have picked the backward's schedule apart
         x2, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and ctx.has_bias

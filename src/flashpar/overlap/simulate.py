@@ -232,23 +232,54 @@ def predict(op: str, mode: str, chunks: int, n: int, rows: int, n_in: int, n_out
     return out
 
 
-def choose_mode(op: str, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int, device_type: str,
-                hw: Hardware | None = None, *, merged: bool = True) -> tuple[str, int, int]:
-    """The (mode, chunks, peers_per_piece) of :func:`candidates` with the least predicted forward + backward
-    time, ``("none", 1, 1)`` unless that beats none's by :data:`AUTO_MARGIN` (memoised per shape).
-    ``merged=False``: for a caller whose schedules take no ``peers_per_piece``."""
-    return _choose(op, n, rows, n_in, n_out, elem_bytes, hw or load(device_type), merged)
+Pick = tuple[str, int, int]
+"""(mode, chunks, peers_per_piece) of one direction of an op."""
+
+SPLIT_OPS = ("ag_matmul", "matmul_rs")
+"""Ops whose backward may run another schedule than their forward (``flashpar.overlap.ops``: the backward runs
+``Call.backward()``).  ``auto`` picks each direction of these on its own: an all-gather's forward hides its
+transfers behind the decomposed GEMM, while its backward (``grad_x``'s reduce-scatter posted beside the
+weight-gradient GEMM) may hide them undivided; splitting it would only buy thinner GEMMs."""
+
+
+def choose_modes(op: str, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int, device_type: str,
+                 hw: Hardware | None = None, *, merged: bool = True, regather: bool = True,
+                 split: bool = True) -> tuple[Pick, Pick]:
+    """(forward pick, backward pick) of :func:`candidates`: for an op of :data:`SPLIT_OPS` (``split``: where
+    the caller runs the two directions apart) each direction its least predicted time where that pair is no
+    slower than the joint pick, else the least forward + backward time (the same pick twice); a pick is
+    ``("none", 1, 1)`` unless it beats none's by :data:`AUTO_MARGIN` (memoised per shape).  ``merged=False``:
+    for a caller whose schedules take no ``peers_per_piece``; ``regather``: an ``ag_matmul``'s backward
+    gathers ``x`` again (else it reads the forward's copy: ``save_gathered``, the trainer's default)."""
+    return _choose(op, n, rows, n_in, n_out, elem_bytes, hw or load(device_type), merged, regather,
+                   split and op in SPLIT_OPS)
 
 
 @functools.lru_cache(maxsize=4096)
 def _choose(op: str, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int, hw: Hardware,
-            merged: bool) -> tuple[str, int, int]:
-    scored = []
-    for mode, chunks, g in candidates(op, n, merged=merged):
-        t = predict(op, mode, chunks, n, rows, n_in, n_out, elem_bytes, hw, peers_per_piece=g)
-        scored.append((sum(v.total for v in t.values()), mode, chunks, g))
+            merged: bool, regather: bool, split: bool) -> tuple[Pick, Pick]:
+    scored = []  # (forward s, backward s, pick); candidates() starts with none
+    for pick in candidates(op, n, merged=merged):
+        t = predict(op, pick[0], pick[1], n, rows, n_in, n_out, elem_bytes, hw, peers_per_piece=pick[2],
+                    regather=regather)
+        scored.append((t[op].total, t[f"{op}_bwd"].total, pick))
+    both = _least([(f + b, p) for f, b, p in scored])
+    if not split:
+        return both, both
+    fwd, bwd = _least([(f, p) for f, _, p in scored]), _least([(b, p) for _, b, p in scored])
+    times = {p: (f, b) for f, b, p in scored}
+    # each direction's margin can leave a pair slower than the joint pick (both gains under the margin apart,
+    # over it together): the pair only where it is no slower
+    return (fwd, bwd) if times[fwd][0] + times[bwd][1] <= sum(times[both]) else (both, both)
+
+
+def _least(scored: list[tuple[float, Pick]]) -> Pick:
+    """The fastest pick where it beats the first (none) by ``AUTO_MARGIN``, else none."""
     base = scored[0][0]
-    best = min(scored)
-    if best[1] != "none" and best[0] < AUTO_MARGIN * base:
-        return best[1], best[2], best[3]
-    return "none", 1, 1
+    t, pick = min(scored)
+    return pick if pick[0] != "none" and t < AUTO_MARGIN * base else ("none", 1, 1)
+
+
+def picks_label(fwd: Pick, bwd: Pick) -> str:
+    """How reports name an ``auto`` pick: one label, or ``forward/backward`` where the directions differ."""
+    return pick_label(*fwd) if fwd == bwd else f"{pick_label(*fwd)}/{pick_label(*bwd)}"

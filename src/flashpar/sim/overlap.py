@@ -176,19 +176,20 @@ def variants(linears: list[Linear], chunk_list: list[int]) -> list[tuple[str, in
 
 def simulate_block(linears: list[Linear], chunk_list: list[int], elem: int, hw, device_type: str = "cuda",
                    ) -> list[dict]:
-    """One row per (mode, chunks), and one for ``auto`` (each op's :func:`choose_mode` pick on ``hw``, merged
-    pieces included)."""
-    from flashpar.overlap.simulate import choose_mode, pick_label
+    """One row per (mode, chunks), and one for ``auto`` (each op's :func:`choose_modes` picks on ``hw``, merged
+    pieces included, forward and backward apart where the runtime runs them apart)."""
+    from flashpar.overlap.simulate import choose_modes, picks_label
 
     comms = any(lin.op != "local" and lin.n > 1 for lin in linears)
     rows = []
     for mode, k in (variants(linears, chunk_list) if comms else [("none", 1)]):
-        rows.append(_row(mode, k, [(lin, mode, k, 1) for lin in linears], elem, hw))
+        rows.append(_row(mode, k, [(lin, (mode, k, 1), (mode, k, 1)) for lin in linears], elem, hw))
     if comms:
-        picks = [(lin, *choose_mode(lin.op, lin.n, lin.rows, lin.n_in, lin.n_out, elem, device_type, hw))
-                 if lin.op != "local" else (lin, "none", 1, 1) for lin in linears]
+        none = ("none", 1, 1)
+        picks = [(lin, *choose_modes(lin.op, lin.n, lin.rows, lin.n_in, lin.n_out, elem, device_type, hw))
+                 if lin.op != "local" else (lin, none, none) for lin in linears]
         row = _row("auto", None, picks, elem, hw)
-        row["picked"] = " ".join(f"{lin.name}:{pick_label(m, k, g)}" for lin, m, k, g in picks)
+        row["picked"] = " ".join(f"{lin.name}:{picks_label(f, b)}" for lin, f, b in picks)
         rows.append(row)
     none = rows[0]
     for r in rows:
@@ -198,8 +199,17 @@ def simulate_block(linears: list[Linear], chunk_list: list[int], elem: int, hw, 
     return rows
 
 
-def _row(mode: str, chunks: int | None, plan: list[tuple[Linear, str, int, int]], elem: int, hw) -> dict:
-    times = [(lin, time_linear(lin, m, k, elem, hw, g)) for lin, m, k, g in plan]
+def _directions(fwd: OpTime, bwd: OpTime) -> OpTime:
+    """The forward of one schedule's times and the backward of another's."""
+    return OpTime(fwd.fwd, bwd.bwd, fwd.compute_fwd, bwd.compute_bwd, fwd.comm_fwd, bwd.comm_bwd)
+
+
+def _row(mode: str, chunks: int | None, plan: list[tuple[Linear, tuple, tuple]], elem: int, hw) -> dict:
+    """A row of the block: ``plan`` is each linear with its (mode, chunks, peers_per_piece) forward and
+    backward."""
+    times = [(lin, _directions(time_linear(lin, f[0], f[1], elem, hw, f[2]), time_linear(lin, b[0], b[1], elem, hw,
+                                                                                      b[2])))
+             for lin, f, b in plan]
     row = {"mode": mode, "chunks": chunks}
     for key in ("fwd", "bwd"):
         total = sum(getattr(t, key) for _, t in times)
@@ -250,7 +260,8 @@ def implied_link(linears: list[Linear], elem: int, hw, exposed_ms: float, which:
     from dataclasses import replace
 
     def exposed(bw: float) -> float:
-        row = _row("none", 1, [(lin, "none", 1, 1) for lin in linears], elem, replace(hw, link_bytes_per_s=bw))
+        none = ("none", 1, 1)
+        row = _row("none", 1, [(lin, none, none) for lin in linears], elem, replace(hw, link_bytes_per_s=bw))
         return row["exposed_fwd_ms"] + (row["exposed_bwd_ms"] if which == "both" else 0.0)
 
     lo, hi = 1e8, 1e14

@@ -87,20 +87,22 @@ def norm_sums(w: Workload, peer: Peer, norms: int) -> Part:
 
 
 def _op(op: str, mode: str, n: int, rows: float, n_in: int, n_out: int, elem: int, hw: Hardware,
-        key: str, regather: bool = True) -> tuple[Part, Part]:
+        key: str, regather: bool = True, split: bool = True) -> tuple[Part, Part]:
     """(forward, backward) of one linear: its schedule over ``n`` ranks (plain GEMMs when ``n == 1``);
     ``regather``: an ``ag_matmul``'s backward gathers ``x`` again (else it reads the forward's copy); mode
-    ``auto``: the runtime's pick for the op (``flashpar.overlap.simulate.choose_mode`` on ``hw``)."""
+    ``auto``: the runtime's picks for the op (``flashpar.overlap.simulate.choose_modes`` on ``hw``), the
+    directions apart where the runtime runs them apart (``split``: the plain tp ops, not ZeRO-3's fused ones)."""
     rows = max(int(round(rows)), 1)
     if n == 1:
         fwd = hw.gemm_time(rows, n_in, n_out)
         return Part.of(fwd), Part.of(2 * fwd)
-    chunks = pieces = 1
     if mode == "auto":  # (merged pieces where the op's schedules take them: flashpar.overlap.simulate.candidates)
-        from flashpar.overlap.simulate import choose_mode
+        from flashpar.overlap.simulate import choose_modes
 
-        mode, chunks, pieces = choose_mode(op, n, rows, n_in, n_out, elem, "cuda", hw)
-    return _predicted(op, mode, chunks, n, rows, n_in, n_out, elem, hw, key, regather, pieces)
+        fwd, bwd = choose_modes(op, n, rows, n_in, n_out, elem, "cuda", hw, regather=regather, split=split)
+        return (_predicted(op, *fwd[:2], n, rows, n_in, n_out, elem, hw, key, regather, fwd[2])[0],
+                _predicted(op, *bwd[:2], n, rows, n_in, n_out, elem, hw, key, regather, bwd[2])[1])
+    return _predicted(op, mode, 1, n, rows, n_in, n_out, elem, hw, key, regather)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -154,6 +156,7 @@ def linears(w: Workload, peer: Peer, fused: bool = False) -> tuple[Part, Part]:
     h, d, f, tp, u = cfg.hidden, cfg.head_dim, cfg.ffn, s["tp"], s["u"]
     e, mode, rows = w.elem_bytes, peer.mode, s["t_u"]
     regather = gathers_again(w, peer, fused)
+    split = not (fused and g["shard"][0] > 1)  # a fused ZeRO-3 linear runs one pick both ways (overlap.sharded)
     shard_n, shard_hw = g["shard"][:2]
     if fused and u > 1:
         raise ValueError("a fused ZeRO-3 block needs ulysses = 1 (the attention projections are whole there)")
@@ -165,11 +168,11 @@ def linears(w: Workload, peer: Peer, fused: bool = False) -> tuple[Part, Part]:
     else:
         tp_hw = g["tp"][1]
         ops.append(_op("ag_matmul", mode, tp, rows, h, (cfg.heads + 2 * cfg.kv_heads) * d // tp, e, tp_hw, "tp",
-                       regather))
-        ops.append(_op("matmul_rs", mode, tp, rows, cfg.heads * d // tp, h, e, tp_hw, "tp"))
+                       regather, split))
+        ops.append(_op("matmul_rs", mode, tp, rows, cfg.heads * d // tp, h, e, tp_hw, "tp", split=split))
     tp_hw = g["tp"][1]
-    ops.append(_op("ag_matmul", mode, tp, rows, h, 2 * f // tp, e, tp_hw, "tp", regather))
-    ops.append(_op("matmul_rs", mode, tp, rows, f // tp, h, e, tp_hw, "tp"))
+    ops.append(_op("ag_matmul", mode, tp, rows, h, 2 * f // tp, e, tp_hw, "tp", regather, split))
+    ops.append(_op("matmul_rs", mode, tp, rows, f // tp, h, e, tp_hw, "tp", split=split))
     shapes = [(h, (cfg.heads + 2 * cfg.kv_heads) * d // tp), (cfg.heads * d // tp, h), (h, 2 * f // tp),
               (f // tp, h)]
     fwd, bwd = Part(), Part()

@@ -133,7 +133,7 @@ def _setup(args: argparse.Namespace):
 
 FLASHPAR_MODES = {"flash": ("flash",), "auto": ("auto",), "best": ("flash", "auto")}
 """``--flashpar-mode``: the trainer's tp / Ulysses mode flashpar runs with, ``flash`` (its default) or ``auto``
-(``--mode auto``: each op's pick of the cost model, ``flashpar.overlap.simulate.choose_mode``), or ``best``: the
+(``--mode auto``: each op's picks of the cost model, ``flashpar.overlap.simulate.choose_modes``), or ``best``: the
 faster of the two on each layout (as the torch configurations count DTensor's blocking TP and async TP)."""
 
 
