@@ -1,7 +1,8 @@
 """``flashpar bench plan``: the FlashCP planner against its targets, on real document lengths.
 
 1. MagiAttention's anchor: its length histogram, 8K tokens per rank at N = 8 (packs of 64K), mean
-   of 3 packs, documents uncapped and capped at a quarter of the pack, attention work alone.
+   of 3 packs, documents uncapped and capped at a quarter of the pack, attention work alone; and the floor of
+   the worst rank's K/V within the balance targets (``flashpar.cp.kv_floor``).
 2. Every shipped length list (``flashpar/data``) and the long-context bucket mix (or the ``--lists``
    given): packs of 128K tokens at N = 8 and 512K at N = 32, default cost model (attention + linear).
 3. Planning time for 1M tokens at N = 64 (5 packs, or ``--packs`` if fewer).
@@ -63,8 +64,14 @@ def _timed(doc_lens, n, cpu: bool = False, **kw):
         gc.enable()
 
 
+MAGI_CAPS = (1.02, 1.05)
+"""The balance the Magi anchor's plans must keep (attention imbalance, token imbalance): the floor of the worst
+rank's K/V is computed within them."""
+
+
 def magi(seed: int) -> list[str]:
     from flashpar.cp import CostModel
+    from flashpar.cp.kv_floor import kv_worst_floor
     from flashpar.cp.lengths import resolve_lengths
 
     histogram = resolve_lengths("magi")
@@ -84,6 +91,11 @@ def magi(seed: int) -> list[str]:
                              dt * 1e3))
             m = [statistics.mean(c) for c in zip(*rows, strict=True)]
             lines.append(f"{label:<12}{strategy:<15}{m[0]:>9.3f}{m[1]:>12.3f}{m[2]:>10.3f}{m[3]:>14.3f}{m[4]:>9.1f}")
+        # the least kv_worst_frac any plan within the balance targets can have (flashpar.cp.kv_floor)
+        floor = statistics.mean(kv_worst_floor(d, 8, *MAGI_CAPS) for d in packs)
+        lines.append(f"{label:<12}{'floor':<15}{MAGI_CAPS[0]:>9.3f}{'-':>12}{MAGI_CAPS[1]:>10.3f}{floor:>14.3f}{'-':>9}")
+    lines.append("floor: no plan within those attention and token imbalances receives less on its worst rank "
+                 "(the rank with a long document's last query receives the keys it cannot hold)")
     return lines
 
 
