@@ -185,13 +185,17 @@ _FUNCOL_NAMES = ("all_reduce", "all_gather_single", "all_gather_single_autograd"
                  "all_to_all_single_autograd", "wait_tensor")
 
 
-class _OpenInBackward(torch.autograd.Function):
-    """Identity; its backward opens ``part`` (put on a region's output: backward reaches it first)."""
+class _Marker(torch.autograd.Function):
+    """Identity that remembers a clock and a part for its backward (the two markers below)."""
 
     @staticmethod
     def forward(ctx, x, clock, part):
         ctx.clock, ctx.part = clock, part
         return x.view_as(x)
+
+
+class _OpenInBackward(_Marker):
+    """Identity; its backward opens ``part`` (put on a region's output: backward reaches it first)."""
 
     @staticmethod
     def backward(ctx, grad):
@@ -199,13 +203,8 @@ class _OpenInBackward(torch.autograd.Function):
         return grad, None, None
 
 
-class _CloseInBackward(torch.autograd.Function):
+class _CloseInBackward(_Marker):
     """Identity; its backward closes ``part`` if it is the innermost (put on a region's input)."""
-
-    @staticmethod
-    def forward(ctx, x, clock, part):
-        ctx.clock, ctx.part = clock, part
-        return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
