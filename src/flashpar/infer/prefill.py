@@ -18,7 +18,6 @@ Nothing keeps autograd state (``torch.no_grad``).  Every rank returns every prom
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from flashpar.cp.cp_plan import CPPlan
 from flashpar.cp.layout import to_device
@@ -26,8 +25,6 @@ from flashpar.dist import p2p_group, resolve_group
 from flashpar.infer.cache import RankCache
 from flashpar.infer.comm import all_reduce, gather_columns, gather_rows
 from flashpar.models.fused import rope_tables
-from flashpar.models.vocab import embed_rows, gathers_weight
-from flashpar.models.zero import all_gather_rows
 from flashpar.rows import row_sizes
 
 
@@ -51,12 +48,7 @@ def prefill(model, tokens_cp: torch.Tensor, plan: CPPlan, cache: RankCache | Non
     positions = to_device(plan.position_ids(model.cp_rank), tokens_cp.device)
     tables = rope_tables(positions, cfg, dtype)
     vocab = cfg.vocab_size
-    whole = model.gather_vocab_weight and gathers_weight(vocab, t_cp, tp)
-    if whole:  # the small-vocabulary path of ParallelLlama.forward: the weight moves, not the activations
-        embed = all_gather_rows(model.embed.weight.float(), group, vocab)
-        x = F.embedding(tokens_cp[rows], embed).to(dtype)
-    else:
-        x = embed_rows(tokens_cp, model.embed.weight, model.vocab_lo, group, dtype=dtype)
+    x = model.embed_tokens(tokens_cp, rows, model.embed.weight)[0]
     for i, block in enumerate(model.blocks):
         block.kv_sink = cache.sink(i) if cache is not None else None
         try:

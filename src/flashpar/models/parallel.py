@@ -384,6 +384,18 @@ class ParallelLlama(nn.Module):
         exchange for all; their forwards then pass ``checked=True``."""
         self.step_check.many(inputs, count, self.embed.weight, auto=self.mode == "auto")
 
+    def embed_tokens(self, tokens_u: torch.Tensor, rows: slice, embed_t: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This tp rank's ``rows`` of the embedding of ``tokens_u`` (all the tp ranks' tokens), in the compute
+        dtype, from this tp rank's vocabulary rows ``embed_t``; and the whole table where it was gathered (a
+        vocabulary smaller than the tokens, ``flashpar.models.vocab``: the weight moves, not the activations;
+        gathered in fp32 so that its gradient sums in fp32), else None."""
+        vocab, dtype = self.cfg.vocab_size, self.compute_dtype
+        if self.gather_vocab_weight and gathers_weight(vocab, tokens_u.shape[0], self.tp):
+            embed = all_gather_rows(embed_t.float(), self.tp_group, vocab)
+            return F.embedding(tokens_u[rows], embed).to(dtype), embed
+        return embed_rows(tokens_u, embed_t, self.vocab_lo, self.tp_group, dtype=dtype), None
+
     def forward(self, tokens_cp: torch.Tensor, plan, labels_cp: torch.Tensor, count: float, *,
                 checked: bool = False) -> torch.Tensor:
         """This rank's share of the loss: ``tokens_cp`` / ``labels_cp`` are the cp rank's tokens and targets
@@ -409,12 +421,8 @@ class ParallelLlama(nn.Module):
             pf.begin()
         # this tp rank's vocabulary rows: the parameter (fp32), or under ZeRO-3 the gathered unit (compute dtype)
         embed_t = pf.enter(units["embed"])[0] if pf is not None else self.embed.weight
-        whole = self.gather_vocab_weight and gathers_weight(vocab, tokens_u.shape[0], self.tp)
-        if whole:  # a small vocabulary: the weight moves, not the activations (flashpar.models.vocab)
-            embed = all_gather_rows(embed_t.float(), self.tp_group, vocab)  # fp32: gradients sum in fp32
-            x = F.embedding(tokens_u[rows], embed).to(dtype)
-        else:
-            x = embed_rows(tokens_u, embed_t, self.vocab_lo, self.tp_group, dtype=dtype)
+        x, embed = self.embed_tokens(tokens_u, rows, embed_t)
+        whole = embed is not None
         if pf is not None:
             x = pf.exit(units["embed"], x)
         for i, block in enumerate(self.blocks):
