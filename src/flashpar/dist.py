@@ -225,6 +225,16 @@ def all_gather_blocks(rows: torch.Tensor, sizes: list[int], group=None, *,
     return [blocks[p, : sizes[p]] for p in range(n)]
 
 
+def all_gather_cat(x: torch.Tensor, group, n: int, dim: int = 0) -> torch.Tensor:
+    """Every rank's ``x`` (one shape on every rank) concatenated along ``dim`` in rank order; ``x`` itself on a
+    group of one (no copy)."""
+    if n == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now (the launcher's ``MASTER_PORT``)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

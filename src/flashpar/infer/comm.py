@@ -1,5 +1,5 @@
-"""The few plain collectives of inference (no autograd): sums and gathers over a group of ``n`` ranks, each
-a no-op copy-free return for a group of one."""
+"""The sum inference runs over a group of ``n`` ranks (no autograd), a copy-free return for a group of one; its
+gathers are ``flashpar.dist.all_gather_cat`` and ``all_gather_blocks``."""
 
 from __future__ import annotations
 
@@ -12,25 +12,3 @@ def all_reduce(x: torch.Tensor, group, n: int, op=dist.ReduceOp.SUM) -> torch.Te
     if n > 1:
         dist.all_reduce(x, op=op, group=group)
     return x
-
-
-def gather_columns(x: torch.Tensor, group, n: int) -> torch.Tensor:
-    """Every rank's ``x [R, C]`` side by side, ``[R, n C]`` in rank order (a vocabulary split over tp)."""
-    if n == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
-
-
-def gather_rows(x: torch.Tensor, split: list[int], group, n: int) -> torch.Tensor:
-    """Every rank's rows ``x [split[rank], ...]`` stacked in rank order (each padded to the largest for the
-    all-gather)."""
-    if n == 1:
-        return x
-    width = max(split)
-    padded = x.new_zeros(width, *x.shape[1:])
-    padded[: x.shape[0]] = x
-    parts = [torch.empty_like(padded) for _ in range(n)]
-    dist.all_gather(parts, padded, group=group)
-    return torch.cat([p[:s] for p, s in zip(parts, split, strict=True)])

@@ -24,9 +24,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flashpar.dist import all_gather_cat
 from flashpar.infer.attention import combine_split, partial_attention
 from flashpar.infer.cache import RankCache
-from flashpar.infer.comm import all_reduce, gather_columns
+from flashpar.infer.comm import all_reduce
 from flashpar.models.fused import rope_qkv, rope_tables, swiglu
 
 
@@ -57,4 +58,4 @@ def decode_step(model, cache: RankCache, tokens: torch.Tensor, positions: torch.
         x = x + all_reduce(swiglu(gu) @ block.down.weight.to(dtype).T, group, tp)
     cache.advance(step)
     head = model.embed.weight if model.head is None else model.head.weight
-    return gather_columns(model.norm(x).to(dtype) @ head.to(dtype).T, group, tp).float()
+    return all_gather_cat(model.norm(x).to(dtype) @ head.to(dtype).T, group, tp, dim=-1).float()

@@ -21,9 +21,9 @@ import torch
 
 from flashpar.cp.cp_plan import CPPlan
 from flashpar.cp.layout import to_device
-from flashpar.dist import p2p_group, resolve_group
+from flashpar.dist import all_gather_blocks, all_gather_cat, p2p_group, resolve_group
 from flashpar.infer.cache import RankCache
-from flashpar.infer.comm import all_reduce, gather_columns, gather_rows
+from flashpar.infer.comm import all_reduce
 from flashpar.models.fused import rope_tables
 from flashpar.rows import row_sizes
 
@@ -64,9 +64,11 @@ def prefill(model, tokens_cp: torch.Tensor, plan: CPPlan, cache: RankCache | Non
     bounds = [sum(split[:r]) for r in range(tp + 1)]
     counts = [int(((last >= bounds[r]) & (last < bounds[r + 1])).sum()) for r in range(tp)]
     own = last[(last >= start) & (last < start + split[model.tp_rank])] - start
-    h = gather_rows(x.index_select(0, to_device(own, x.device)), counts, group, tp)
+    h = x.index_select(0, to_device(own, x.device))
+    if tp > 1:
+        h = torch.cat(all_gather_blocks(h, counts, group))
     head = model.embed.weight if model.head is None else model.head.weight
-    logits = gather_columns(model.norm(h).to(dtype) @ head.to(dtype).T, group, tp).float()
+    logits = all_gather_cat(model.norm(h).to(dtype) @ head.to(dtype).T, group, tp, dim=-1).float()
     out = torch.zeros(len(plan.doc_lens), vocab, dtype=torch.float32, device=x.device)
     out.index_copy_(0, to_device(docs[last], x.device), logits)
     return all_reduce(out, model.cp_group, plan.cp_size)

@@ -86,7 +86,7 @@ from torch import nn
 from flashpar import cp
 from flashpar.cp.layout import to_device
 from flashpar.dims import DIMS, ParallelDims
-from flashpar.dist import DEFAULT_TIMEOUT_S
+from flashpar.dist import DEFAULT_TIMEOUT_S, all_gather_cat
 from flashpar.models.config import LlamaConfig
 from flashpar.models.fused import rope_qkv, rope_tables, swiglu
 from flashpar.models.grad_sync import GradSync
@@ -352,11 +352,7 @@ class ParallelLlama(nn.Module):
         return out
 
     def _gather_tp(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        if self.tp == 1:
-            return x.clone()
-        parts = [torch.empty_like(x) for _ in range(self.tp)]
-        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
-        return torch.cat(parts, dim=dim)
+        return x.clone() if self.tp == 1 else all_gather_cat(x, self.tp_group, self.tp, dim)
 
     def sum_grads_in_backward(self) -> None:
         """Post each gradient's sum during the next backward, as soon as the gradient is complete
