@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from flashpar.cp.cp_plan import causal_pairs
+
 
 def held_at_most(length: int, pairs_cap: float, tokens_cap: float) -> int:
     """``k_max``: the most tokens of a ``length``-token document the rank holding its last query can hold
@@ -53,7 +55,8 @@ def kv_worst_floor(doc_lens: Sequence[int], n: int, attn_imbalance: float, token
     total = sum(doc_lens)
     if n == 1 or total == 0:
         return 0.0
-    pairs_cap = attn_imbalance * sum(L * (L + 1) // 2 for L in doc_lens) / n
+    # the pairs as CPPlan.stats counts them for its attention imbalance: L (L + 1) / 2 a document
+    pairs_cap = attn_imbalance * sum(causal_pairs(0, L, 0) for L in doc_lens) / n
     tokens_cap = token_imbalance * total / n
     floor = 0.0
     for length in doc_lens:
