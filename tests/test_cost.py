@@ -24,9 +24,10 @@ def test_presets_hold_the_datasheet_figures():
     h100, ib = cost.preset("h100-nvlink"), cost.preset("h100-ib")
     assert h100.flops == ib.flops == cost.preset("h200").flops == 989e12  # dense bf16, H100 / H200 SXM
     assert cost.preset("a100").flops == 312e12 and cost.preset("b200").flops == 2250e12
-    assert h100.link_bytes_per_s == 450e9  # NVLink 4: 900 GB/s both ways
-    assert ib.link_bytes_per_s == 50e9  # one 400 Gb/s NDR port per GPU
-    assert cost.preset("a100").link_bytes_per_s == 300e9
+    assert h100.link_bytes_per_s == pytest.approx(370.8e9)  # NCCL's NVLink 4 rate: 18 links x 20.6 GB/s
+    assert ib.link_bytes_per_s == 48e9  # NCCL's rate of one 400 Gb/s port per GPU
+    assert cost.preset("a100").link_bytes_per_s == 240e9
+    assert cost.preset("b200").link_bytes_per_s == pytest.approx(721.8e9)
     assert (h100.memory_bytes_per_s, cost.preset("h200").memory_bytes_per_s) == (3.35e12, 4.8e12)
     for name, hw in cost.PRESETS.items():  # the small-M knee is where the bf16 weight read stops bounding
         if name != "cpu-calibrated":
@@ -52,8 +53,11 @@ def test_gemm_small_m_curve():
     rates = [hw.gemm_rate(m) for m in (1, 16, 128, 1024, 8192, 1 << 20)]
     assert rates == sorted(rates) and rates[-1] == pytest.approx(hw.gemm_flops, rel=1e-3)
     assert hw.gemm_flops == hw.flops * 0.7
-    for m in (1, 64, 4096):
-        assert hw.gemm_time(m, k, n) == pytest.approx(hw.gemm_overhead_s + 2 * m * k * n / hw.gemm_rate(m))
+    for m in (1, 64, 4096):  # and the bf16 input and output at memory bandwidth
+        io = 2 * m * (k + n) / hw.memory_bytes_per_s
+        assert hw.gemm_time(m, k, n) == pytest.approx(hw.gemm_overhead_s + 2 * m * k * n / hw.gemm_rate(m) + io)
+    narrow = hw.gemm_time(1 << 16, k, 128) / hw.gemm_time(1 << 16, k, 4096)  # a 128-column shard: its input's read
+    assert narrow > 2 * 128 / 4096
     assert hw.gemm_time(0, k, n) == 0.0 and hw.gemm_rate(0) == 0.0
 
 
@@ -98,10 +102,12 @@ def test_every_consumer_reads_the_same_preset(monkeypatch, tmp_path):
     assert cm.hardware is hw and cm.hardware.flops == 989e12
     assert cm.linear_time(1000) == 1000 * cm.flops_per_token / (hw.flops * hw.gemm_eff)
     assert cm.attn_time(10**6, 512, 4096) == 10**6 * cm.flops_per_pair / (hw.flops * hw.attn_efficiency(512, 4096))
-    # the simulator: a blocking all_gather_matmul of many rows computes at the same large-M rate
+    # the simulator: a blocking all_gather_matmul of many rows computes at the same large-M rate, besides its
+    # input's and output's traffic at memory bandwidth
     rows, k, n = 1 << 24, 1024, 1024  # per-call overhead and the small-M term below 1e-3
     fwd = predict("ag_matmul", "none", 1, 2, rows, k, n, 2, hw)["ag_matmul"]
-    assert 2 * rows * k * n / fwd.compute == pytest.approx(hw.gemm_flops, rel=1e-3)
+    io = 2 * rows * (k + n) / hw.memory_bytes_per_s
+    assert 2 * rows * k * n / (fwd.compute - io) == pytest.approx(hw.gemm_flops, rel=1e-3)
     # 'auto' on cuda and the planner's default are one machine (an H100 behind 400 Gb/s IB)
     assert cost.load("cuda") == CostModel().hardware == cost.preset("h100-ib")
     assert cost.load("cpu") == cost.preset("cpu-calibrated")
@@ -111,14 +117,14 @@ def test_planner_default_device_is_unchanged():
     """The planner's default (an H100 at 989 TFLOP/s, linear layers at 0.7 of it, FlashAttention-2's
     curve, a 400 Gb/s link) is what plans were scored with before the device moved to flashpar.cost."""
     hw = CostModel().hardware
-    assert (hw.flops, hw.gemm_eff, hw.link_bytes_per_s, hw.attn_peak, hw.attn_half) == (989e12, 0.7, 50e9, 0.6, 256.0)
+    assert (hw.flops, hw.gemm_eff, hw.link_bytes_per_s, hw.attn_peak, hw.attn_half) == (989e12, 0.7, 48e9, 0.6, 256.0)
 
 
 def test_cost_model_round_trips_and_reads_the_flat_form():
     cm = CostModel(heads=8, linear=False, hardware="a100")
     assert CostModel.from_dict(json.loads(json.dumps(cm.to_dict()))) == cm
     flat = {"hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128, "layers": 1, "dtype_bytes": 2,
-            "flops": 989e12, "bandwidth": 50e9, "linear": True, "attn_peak": 0.6, "attn_half": 256.0,
+            "flops": 989e12, "bandwidth": 48e9, "linear": True, "attn_peak": 0.6, "attn_half": 256.0,
             "linear_eff": 0.7}  # a plan's JSON before the device moved into `hardware`
     assert CostModel.from_dict(flat) == CostModel()
     assert CostModel.from_dict({**flat, "bandwidth": 1e9}).hardware.link_bytes_per_s == 1e9

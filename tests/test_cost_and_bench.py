@@ -86,8 +86,8 @@ def test_auto_at_small_m_keeps_none_or_merges_every_peer_and_at_large_m_picks_fl
     assert mode == "flash"
 
 
-def _dir(op, pick, n, rows, n_in, n_out, hw, d, regather=True):
-    t = predict(op, pick[0], pick[1], n, rows, n_in, n_out, 4, hw, peers_per_piece=pick[2], regather=regather)
+def _dir(op, pick, n, rows, n_in, n_out, hw, d, regather=True, elem=4):
+    t = predict(op, pick[0], pick[1], n, rows, n_in, n_out, elem, hw, peers_per_piece=pick[2], regather=regather)
     return t[op if d == 0 else f"{op}_bwd"].total
 
 
@@ -105,7 +105,7 @@ def test_auto_picks_the_directions_apart_where_the_backward_hides_its_transfer_u
     none = ("none", 1, 1)
 
     def t(pick, d):
-        return _dir("ag_matmul", pick, 8, 8192, 8192, 7168, hw, d, regather=False)
+        return _dir("ag_matmul", pick, 8, 8192, 8192, 7168, hw, d, regather=False, elem=2)  # bf16, as picked
 
     assert t(fwd, 0) < AUTO_MARGIN * t(none, 0)
     assert all(t(none, 1) <= t(c, 1) for c in candidates("ag_matmul", 8))

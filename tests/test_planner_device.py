@@ -16,9 +16,10 @@ from flashpar import cost, cp
 from flashpar.cost import store as cost_store
 from flashpar.cp.cost import BWD_ATTN_TIME, CostModel
 from flashpar.cp.cp_plan import rank_figures
+from flashpar.links import spans_nodes as _spans_nodes
 from flashpar.models import LlamaConfig
 from flashpar.sim import check_train
-from flashpar.train.planning import _spans_nodes, device_figures, planner_cost, planning_device
+from flashpar.train.planning import device_figures, planner_cost, planning_device
 
 BENCH_MODEL = LlamaConfig(hidden=512, layers=4, heads=8, kv_heads=4, ffn=1408, tie_embeddings=False)
 BENCH_PACK = [172, 264, 40, 328, 180, 376, 212, 256, 248, 212, 296, 172, 3236, 340, 236, 384, 184, 384, 52, 8, 80,
@@ -58,7 +59,7 @@ def test_planner_cost_reads_the_training_device(monkeypatch):
 def test_a_visible_gpu_plans_with_its_own_figures(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
-    assert device_figures("cuda") == cost.preset("h200")  # not h100-ib: NVLink within the node
+    assert device_figures("cuda") == cost.preset("h200")  # the GPU by its name, not the cuda fallback
     assert planner_cost(BENCH_MODEL, device_type="cuda") == planner_cost(BENCH_MODEL, hardware=cost.preset("h200"))
     assert device_figures("cpu") == cost.preset("cpu")
     mine = dataclasses.replace(cost.preset("h200"), link_bytes_per_s=1e10)
@@ -68,14 +69,19 @@ def test_a_visible_gpu_plans_with_its_own_figures(monkeypatch):
     assert device_figures("cuda") == cost.preset("h100-ib")  # a GPU not listed: the cuda preset
 
 
-def test_a_gpu_across_nodes_plans_with_an_infiniband_link():
-    for name, preset in (("NVIDIA H200", "h200"), ("NVIDIA B200", "b200"), ("NVIDIA A100-SXM4-80GB", "a100")):
-        within, across = cost.gpu_hardware(name, across_nodes=False), cost.gpu_hardware(name, across_nodes=True)
-        assert within == cost.preset(preset)
-        assert across.link_bytes_per_s == cost.preset("h100-ib").link_bytes_per_s == 50e9
-        assert across.link_latency_s == cost.preset("h100-ib").link_latency_s
-        assert dataclasses.replace(across, link_bytes_per_s=within.link_bytes_per_s,
+def test_a_group_across_nodes_takes_the_ports_link_and_keeps_the_devices_figures():
+    ib = cost.preset("h100-ib")
+    for preset in ("h200", "b200", "a100"):
+        device = cost.preset(preset)
+        within = cost.group_hardware(device, ib, [0, 1, 2, 3], 8)
+        across = cost.group_hardware(device, ib, [0, 8, 16, 24], 8)
+        assert within == device and within.nodes == 1
+        assert (across.link_bytes_per_s, across.link_latency_s) == (ib.link_bytes_per_s, ib.link_latency_s) == (
+            48e9, 22.4e-6)  # NCCL's 400 Gb/s port and one Simple network step
+        assert across.nodes == 4 and across.node_link_bytes_per_s == device.link_bytes_per_s
+        assert dataclasses.replace(across, link_bytes_per_s=within.link_bytes_per_s, nodes=1, node_link_bytes_per_s=0.0,
                                    link_latency_s=within.link_latency_s) == within  # compute figures kept
+    assert cost.group_hardware(cost.preset("h200"), ib, [6, 7, 8, 9], 8).nodes == 2  # straddling a node boundary
 
 
 def _spans(rank: int, world_size: int, local: str | None) -> bool | str:

@@ -9,46 +9,56 @@ import pytest
 
 from flashpar import cli
 from flashpar.cost import preset
-from flashpar.cost.presets import H100_96GB_CLOCK
+from flashpar.cost.presets import H100_96GB_CLOCK, H100_96GB_SPREAD, STEP_SPREAD
 from flashpar.sim import anchors
 from flashpar.sim.memory import GPU_MEMORY_GB
 
 BY_NAME = {a.name: a for a in anchors.ANCHORS}
 
 
-def test_the_preset_is_the_datasheet_and_one_fitted_clock():
+def test_the_preset_is_the_datasheet_and_two_fitted_figures():
     hw = preset("h100-96gb")
-    assert (hw.flops, hw.memory_bytes_per_s, hw.link_bytes_per_s) == (989e12, 2.4e12, 450e9)
+    assert (hw.flops, hw.memory_bytes_per_s, hw.link_bytes_per_s) == (989e12, 2.4e12, pytest.approx(370.8e9))
     assert hw.gemm_eff == pytest.approx(0.7 * H100_96GB_CLOCK) and hw.attn_peak == pytest.approx(0.6 * H100_96GB_CLOCK)
-    assert (hw.gemm_overhead_s, hw.link_latency_s) == (preset("h100-nvlink").gemm_overhead_s, 10e-6)
+    assert (hw.gemm_overhead_s, hw.link_latency_s) == (preset("h100-nvlink").gemm_overhead_s, pytest.approx(11.8e-6))
+    assert STEP_SPREAD["h100-96gb"] == H100_96GB_SPREAD > 0
     assert GPU_MEMORY_GB["h100-96gb"] == 96.0
 
 
-def test_the_fit_reproduces_its_run_and_the_stored_clock():
-    """Table 1's FSDP run (5,762 tokens/s/GPU) within 2% at the preset's clock; the published figure lies
-    between the simulations 1% below and above it (tokens/s grows with the clock), so the stored clock is the
-    fit's root, and the bisection finds it again."""
-    fit = BY_NAME["8b-fsdp-8"]
-    assert fit.role == "fit" and [a.role for a in anchors.ANCHORS].count("fit") == 1
-    sim = anchors.simulate(fit)["tokens_per_s_per_gpu"]
-    assert abs(sim / fit.published - 1) <= 0.02
-    lo, hi = (anchors.simulate(fit, H100_96GB_CLOCK * f)["tokens_per_s_per_gpu"] for f in (0.99, 1.01))
-    assert lo < fit.published < hi
-    assert anchors.fit() == pytest.approx(H100_96GB_CLOCK, abs=6e-4)
+def test_the_fit_reproduces_its_runs_and_the_stored_figures():
+    """Table 1's FSDP run (5,762 tokens/s/GPU) and Table 3's (the same on 128 GPUs, 5,605) within 2% at the
+    preset's clock and spread; the published 8-GPU figure lies between the simulations 1% below and above the
+    clock (tokens/s grows with it), the 128-GPU one between 10% below and above the spread (it falls with it);
+    the fit finds both again."""
+    fits = [a for a in anchors.ANCHORS if a.role == "fit"]
+    assert [a.name for a in fits] == [anchors.FIT_CLOCK, anchors.FIT_SPREAD]
+    for a in fits:
+        assert abs(anchors.simulate(a)["tokens_per_s_per_gpu"] / a.published - 1) <= 0.02
+    small, large = BY_NAME[anchors.FIT_CLOCK], BY_NAME[anchors.FIT_SPREAD]
+    lo, hi = (anchors.simulate(small, H100_96GB_CLOCK * f)["tokens_per_s_per_gpu"] for f in (0.99, 1.01))
+    assert lo < small.published < hi
+    fast, slow = (anchors.simulate(large, None, H100_96GB_SPREAD * f)["tokens_per_s_per_gpu"] for f in (0.9, 1.1))
+    assert slow < large.published < fast
+    clock, spread = anchors.fit(rounds=2)
+    assert clock == pytest.approx(H100_96GB_CLOCK, abs=6e-4) and spread == pytest.approx(H100_96GB_SPREAD, rel=0.02)
 
 
-def test_the_checked_runs_are_within_15_percent():
-    """Table 3 (128 GPUs), the 70B FSDP 32 x TP 8 runs with DTensor TP and async TP, and Table 1 / 3 with
-    torch.compile: each within 15% of the published tokens/s/GPU.  The 8B FSDP 8 x TP 8 runs of the async-TP
-    file are simulated 22-24% faster than published (the report says why): only their async / vanilla
-    speedup is checked (1.10 published)."""
-    rows = {r["anchor"]: r for r in anchors.rows()}
-    for name in ("8b-fsdp-128", "70b-tp", "70b-async-tp", "8b-fsdp-8-compile", "8b-fsdp-128-compile"):
-        assert rows[name]["within"] == "yes" and abs(rows[name]["error"]) <= 0.15, rows[name]
-    speedup = rows["8b-async-tp"]["simulated"] / rows["8b-tp"]["simulated"]
-    assert abs(speedup / (4809.4 / 4378) - 1) <= 0.15
-    seventy = rows["70b-async-tp"]["simulated"] / rows["70b-tp"]["simulated"]
-    assert seventy > 1.0 and abs(seventy / (652.4 / 597.3) - 1) <= 0.05
+def test_every_checked_run_is_within_15_percent_and_the_scaling_loss_within_a_point():
+    """The 70B FSDP 32 x TP 8 runs with DTensor TP and async TP, the 8B FSDP 8 x TP 8 ones, Table 1 / 3 with
+    torch.compile: each within 15% of the published tokens/s/GPU, and of its memory where published; the
+    torch.compile pair loses from 8 to 128 GPUs within one point of what it published (2.3%)."""
+    rows = anchors.rows()
+    for r in rows:
+        assert r["within"] == "yes" and abs(r["error"]) <= anchors.TOLERANCE[r["role"]], r
+        assert r["mem_error"] is None or abs(r["mem_error"]) <= 0.15, r
+    assert sum(r["mem_error"] is not None for r in rows) == 4
+    by = {r["anchor"]: r for r in rows}
+    for fast, slow, published in (("8b-async-tp", "8b-tp", 4809.4 / 4378), ("70b-async-tp", "70b-tp", 652.4 / 597.3)):
+        speedup = by[fast]["simulated"] / by[slow]["simulated"]
+        assert speedup > 1.0 and abs(speedup / published - 1) <= 0.05, (fast, speedup)
+    losses = anchors.scaling_losses(rows)
+    check = [x for x in losses if x["role"] == "check"]
+    assert len(check) == 1 and abs(check[0]["simulated_loss"] - check[0]["published_loss"]) <= 0.01, check
     for a in anchors.ANCHORS:  # every anchor names its published line
         assert a.source.startswith("pytorch/torchtitan benchmarks/") and ".md:" in a.source
 

@@ -49,7 +49,8 @@ def test_prefetch_timeline_by_hand():
     """K = 1.  Forward: gathers 0 [0, 2] and 1 [2, 5] posted at the start; unit 0 runs [2, 3]; unit 1 waits
     for its gather, runs [5, 9] and posts 2 [5, 8]; unit 2 [9, 13] posts 3 [9, 11]; unit 3 [13, 15].  Backward
     (3, 2, 1, 0; 3 and 2 kept): 3 [15, 18]; 2 [18, 26] posts 1 again [18, 21]; 1 [26, 34] posts 0 [26, 28];
-    0 [34, 35]; reduce-scatters 3 [18, 19], 2 [26, 28], 1 [34, 36], 0 [36, 37]."""
+    0 [34, 35]; reduce-scatters 3 [18, 19], 2 [26, 28], 1 [34, 36], 0 [36, 37], on the gathers' lane (the rank's
+    one port: gather 1 again queues behind reduce-scatter 3, [19, 22], and is still in time)."""
     ln = zero.lanes(UNITS, ahead=1)
     assert (ln.fwd_end, ln.bwd_end, ln.scatter_end, ln.exposed) == (15, 35, 37, 4)
     # K = 0, blocking (baseline): every gather when the unit needs it, every reduce-scatter waited for
@@ -58,10 +59,16 @@ def test_prefetch_timeline_by_hand():
     # gather 0 [48, 50], 0 [50, 51] + 1 -> 52
     ln = zero.lanes(UNITS, ahead=0, blocking=True)
     assert (ln.fwd_end, ln.bwd_end, ln.scatter_end, ln.exposed) == (21, 52, 52, 52 - 31)
-    # K = 0, the reduce-scatters on their lane (torch's FSDP2 without prefetch): backward 3 [21, 24], 2 [24, 32],
-    # gather 1 [32, 35] -> 1 [35, 43], gather 0 [43, 45] -> 0 [45, 46]; the scatter lane ends at 47
+    # K = 0, the reduce-scatters not waited for (torch's FSDP2 without prefetch), on the gathers' port: backward
+    # 3 [21, 24] rs [24, 25], 2 [24, 32] rs [32, 34], gather 1 queued behind it [34, 37] -> 1 [37, 45] rs [45, 47],
+    # gather 0 [47, 49] -> 0 [49, 50] rs [50, 51]
     ln = zero.lanes(UNITS, ahead=0)
-    assert (ln.fwd_end, ln.bwd_end, ln.scatter_end, ln.exposed) == (21, 46, 47, 10 + 3 + 2)
+    assert (ln.fwd_end, ln.bwd_end, ln.scatter_end, ln.exposed) == (21, 50, 51, 10 + 5 + 4)
+    # the units' own transfers on the port go first: 3 s of unit 1's forward delay the gather of unit 2
+    # posted as unit 1 starts (K = 1): 2 [8, 11] instead of [5, 8], unit 2 waits 2 and the rest follows
+    busy = [UNITS[0], dataclasses.replace(UNITS[1], port_fwd=3.0), *UNITS[2:]]
+    ln = zero.lanes(busy, ahead=1)
+    assert (ln.fwd_end, ln.exposed) == (17, 4 + 2)
 
 
 def test_an_embedding_whose_backward_needs_no_weight_is_not_gathered_again():
@@ -80,9 +87,9 @@ def test_auto_is_never_slower_than_its_candidates():
     """flashpar's auto schedule: the fastest of its three candidates (the whole step simulated for each) where it
     beats every block prefetched by more than ``ZERO_AUTO_MARGIN``, else every block prefetched.  8B at dp 4 x
     tp 2 (4,096 tokens): on a 10 GB/s link fusing block 0 hides the gather nothing runs ahead of and wins by
-    2.2%; on 50 GB/s by 1.9%, inside the margin."""
+    2.2%; on 100 GB/s by 1.1%, inside the margin."""
     peer = PEERS["flashpar"]
-    for rate, fused in ((10e9, True), (50e9, False)):
+    for rate, fused in ((10e9, True), (100e9, False)):
         hw = dataclasses.replace(preset("h100-96gb"), link_bytes_per_s=rate)
         w = Workload(load_model("llama3-8b"), Layout(4, 1, 1, 2), Cluster(hw, hw), ((4096,),))
         cands = zero.candidates(w, peer)
@@ -131,12 +138,13 @@ def test_the_baseline_blocks_and_its_tail_is_the_norm_sum():
     assert simulate(slow_memory, PEERS["flashpar"])["tail_s"] == 0.0  # the norm pass outlasts the tail
 
 
-def test_small_all_reduce_is_the_faster_of_ring_and_tree():
-    hw = preset("h100-ib")  # 15 us, 50 GB/s
-    ring = 2 * 511 * (15e-6 + 1e6 / 512 / 50e9)
-    tree = 2 * 9 * 15e-6 + 2 * 1e6 / 50e9
-    assert step.small_all_reduce_s(1e6, 512, hw) == pytest.approx(min(ring, tree)) == pytest.approx(tree)
-    assert step.small_all_reduce_s(1e9, 2, hw) == pytest.approx(2 * (15e-6 + 1e9 / 2 / 50e9))  # ring
+def test_small_all_reduce_is_nccls_pick_on_the_groups_nodes():
+    from flashpar.cost import group_hardware
+
+    hw = group_hardware(preset("h100-nvlink"), preset("h100-ib"), range(512), 8)  # 64 nodes
+    got = step.small_all_reduce_s(1e6, 512, hw)
+    assert got == pytest.approx(hw.collective("all_reduce", 512, 1e6).total_s)
+    assert hw.collective("all_reduce", 512, 1e6).algorithm == "tree"  # log2(64) network steps, not 126
     assert step.small_all_reduce_s(1e6, 1, hw) == 0.0
 
 
@@ -190,38 +198,46 @@ def test_a_batch_of_sequences_per_rank():
 def test_torch_async_tp_hides_the_tensor_parallel_transfers_that_dtensor_exposes():
     w = Workload(load_model("llama3-8b"), Layout(1, 1, 1, 8), H100, ((8192,),))
     sync, asyn = simulate(w, PEERS["torch"]), simulate(w, PEERS["torch_async_tp"])
-    assert asyn["exposed"]["tp"] < 0.2 * sync["exposed"]["tp"]
+    # one 8K sequence over tp 8: 1,024-row GEMM pieces, so the last piece's transfer stays exposed; the rest hides
+    assert asyn["exposed"]["tp"] < 0.25 * sync["exposed"]["tp"]
     assert asyn["no_comm_s"] > sync["no_comm_s"]  # one GEMM piece per peer costs compute
     assert asyn["memory"] == sync["memory"]
 
 
 def test_the_doubling_collective_by_hand():
-    """n = 5: steps at distances 1, 2, 4 carry 1, 2, 1 chunks: 3 latencies and 4 chunks, where the ring pays 4
-    latencies for the same 4 chunks; n = 1 moves nothing; n = 2 is one step either way."""
-    hw = preset("h100-ib")
+    """n = 5: steps at distances 1, 2, 4 carry 1, 2, 1 chunks: 3 latencies and 4 chunks, where gloo's ring pays 4
+    latencies for the same 4 chunks; n = 1 moves nothing; n = 2 is one step either way.  On a GPU preset the ring
+    is NCCL's collective (``Hardware.collective``)."""
+    hw = dataclasses.replace(preset("h100-ib"), collectives="ring")
     lat, per_byte = hw.link_latency_s, 1 / hw.link_bytes_per_s
     c = 1e6
     assert zero.collective_s(zero.DOUBLING, 5, hw, c) == pytest.approx(3 * lat + 4 * c * per_byte)
     assert zero.collective_s(zero.RING, 5, hw, c) == pytest.approx(4 * lat + 4 * c * per_byte)
     assert zero.collective_s(zero.DOUBLING, 1, hw, c) == zero.collective_s(zero.RING, 1, hw, c) == 0.0
     assert zero.collective_s(zero.DOUBLING, 2, hw, c) == zero.collective_s(zero.RING, 2, hw, c)
+    nccl = preset("h100-ib")
+    assert zero.collective_s(zero.RING, 5, nccl, c) == nccl.collective("all_gather", 5, 5 * c).total_s
 
 
-def test_auto_moves_units_by_doubling_where_the_ring_pays_many_latencies():
-    """llama3-8b, dp 128 x tp 4 on 512 GPUs (shard group of 128 across nodes): a block's chunk is under 1 MB,
-    and 127 latencies are about half the ring's time: flashpar auto takes doubling; the baseline and the torch
-    peers ride the ring.  A shard group of 2 (one step either way): ring.  Doubling is never slower than the
-    ring in the whole step, and an explicit choice is kept."""
+def test_auto_moves_units_by_doubling_only_where_nccl_is_slower():
+    """llama3-8b on 512 GPUs.  dp 128 x tp 4: the shard group has 2 ranks on each of 64 nodes, and NCCL's rings
+    use both ranks' ports (96 GB/s of bus bandwidth) where doubling's steps each wait on one port: auto takes
+    NCCL's collective.  dp 64 x tp 8: one rank per node, NCCL runs PAT at 0.75 of one port and 2.8 us a rank,
+    where doubling pays 6 network steps at the whole port: auto takes doubling, and the step is faster for it.  The
+    baseline and the torch peers ride the backend's collective.  A shard group of 2 (one step either way): ring.
+    An explicit choice is kept."""
     cfg = load_model("llama3-8b")
     big = Workload(cfg, Layout(128, 1, 1, 4), H100, ((8192,),), elem_bytes=2)
-    assert zero.zero_collective(big, PEERS["flashpar"]) == zero.DOUBLING
-    assert zero.zero_collective(big, PEERS["baseline"]) == zero.RING
-    assert zero.zero_collective(big, PEERS["torch"]) == zero.RING
+    assert zero.zero_collective(big, PEERS["flashpar"]) == zero.RING
+    wide = Workload(cfg, Layout(64, 1, 1, 8), H100, ((8192,),), elem_bytes=2)
+    assert zero.zero_collective(wide, PEERS["flashpar"]) == zero.DOUBLING
+    assert zero.zero_collective(wide, PEERS["baseline"]) == zero.RING
+    assert zero.zero_collective(wide, PEERS["torch"]) == zero.RING
     small = Workload(cfg, Layout(2, 1, 1, 8), H100, ((8192,),), elem_bytes=2)
     assert zero.zero_collective(small, PEERS["flashpar"]) == zero.RING
-    ring = dataclasses.replace(big, zero_collective="ring")
+    ring = dataclasses.replace(wide, zero_collective="ring")
     assert zero.zero_collective(ring, PEERS["flashpar"]) == zero.RING
     fp = PEERS["flashpar"]
-    assert zero.data_parallel(big, fp).total < 0.9 * zero.data_parallel(ring, fp).total
+    assert zero.data_parallel(wide, fp).total < zero.data_parallel(ring, fp).total
     with pytest.raises(ValueError, match="zero_collective"):
-        dataclasses.replace(big, zero_collective="tree")
+        dataclasses.replace(wide, zero_collective="tree")

@@ -75,6 +75,19 @@ class ParallelDims:
     def label(self) -> str:
         return f"dp{self.dp} cp{self.cp} u{self.ulysses} tp{self.tp}"
 
+    def group_ranks(self, dims: tuple[str, ...], rank: int = 0) -> list[int]:
+        """The global ranks of ``rank``'s group over mesh dims ``dims``: those that share its other coordinates, in
+        the group's order (row-major over its dims, as :meth:`mesh`'s sub-meshes and their process groups)."""
+        coords, rest = {}, rank
+        for d in reversed(DIMS):
+            coords[d], rest = rest % getattr(self, d), rest // getattr(self, d)
+        ranks = [0]
+        for d in DIMS:
+            stride, n = self.stride(d), getattr(self, d)
+            ranks = [r + i * stride for r in ranks for i in range(n)] if d in dims else \
+                [r + coords[d] * stride for r in ranks]
+        return ranks
+
     def heads_problem(self) -> str | None:
         if self.ulysses > 1 and self.tp > 1:
             return (f"ulysses = {self.ulysses} and tp = {self.tp} both > 1 is not supported: Ulysses and tensor "

@@ -107,7 +107,10 @@ def _a2a_call(op_name, x, weight, bias, group, mode, chunks, split_sizes, reduce
             check_split(op_name, split_sizes, n, r, total=x.shape[0], what="tokens")
             local_len = split_sizes[r] if split_sizes is not None else x.shape[0] // n
         mid_shape = tuple(x.shape[1:-1])
-        rows = local_len * n * math.prod(mid_shape)
+        # the whole sequence's rows, the same number on every rank (each rank picks its own mode when the call is
+        # not checked across ranks: their picks must agree)
+        total = sum(split_sizes) if split_sizes is not None else local_len * n
+        rows = total * math.prod(mid_shape)
         if scatter_side:
             sim = ("matmul_a2a", rows, weight.shape[1], weight.shape[0] // n)
         else:

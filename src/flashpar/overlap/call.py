@@ -90,7 +90,7 @@ def prepare(op_name: str, group, tensors: dict[str, torch.Tensor | None], descri
         check_tensors(op_name, tensors)
         local = describe(info)
         chosen = pick_mode(mode, chunks, info.world_size, *local.sim, x, peers_per_piece=peers_per_piece,
-                           merged=merged, regather=regather, split=split_directions)
+                           merged=merged, regather=regather, split=split_directions, group=info.group)
     except (ValueError, TypeError) as err:
         error = err
     named = [] if error is not None else [*local.named, ("mode", modes.index(mode)), *mid_named(local.mid_shape)]
@@ -200,20 +200,23 @@ def settle(op_name: str, info: GroupInfo, *, error: BaseException | None, local_
 
 def pick_mode(mode: str, chunks: int | None, n: int, sim_op: str, rows: int, n_in: int, n_out: int,
               x: torch.Tensor, *, peers_per_piece: int | None = None, merged: bool = False, regather: bool = True,
-              split: bool = False) -> tuple[tuple[str, int, int], tuple[str, int, int]]:
+              split: bool = False, group=None) -> tuple[tuple[str, int, int], tuple[str, int, int]]:
     """This rank's (forward, backward) picks of (mode, chunks, peers_per_piece): a group of one runs ``none``,
     a named mode runs both directions; ``auto`` asks the cost model for ``sim_op`` on ``rows`` x (``n_in`` ->
     ``n_out``) (see :func:`flashpar.overlap.simulate.op_shapes`), among merged pieces too where the op runs
     them (``merged``), each direction apart where the op runs them apart (``split``,
-    ``flashpar.overlap.simulate.choose_modes``)."""
+    ``flashpar.overlap.simulate.choose_modes``), on the figures of the op's ``group`` (``flashpar.links``: the
+    device's, with the group's own link, as the simulator times that group)."""
     if n == 1:
         return ("none", 1, 1), ("none", 1, 1)
     if mode != "auto":
         pick = (mode, chunks or DEFAULT_CHUNKS[mode], peers_per_piece or 1)
         return pick, pick
+    from flashpar.links import group_hardware_of
     from flashpar.overlap.simulate import choose_modes  # cost model: only needed for 'auto'
 
-    return choose_modes(sim_op, n, rows, n_in, n_out, x.element_size(), x.device.type, merged=merged,
+    hw = group_hardware_of(group, x.device.type)
+    return choose_modes(sim_op, n, rows, n_in, n_out, x.element_size(), x.device.type, hw, merged=merged,
                         regather=regather, split=split)
 
 

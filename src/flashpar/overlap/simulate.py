@@ -3,10 +3,11 @@
 Two agents, as in the executor: the main agent runs computes, waits and adds in
 order; the lane runs each submitted item after the previous one.
 
-    exchange  = latency + max(bytes sent, bytes received) / link   (full duplex)
-    all_gather / reduce_scatter of b bytes per rank = (N - 1) (latency + b / link)  (ring algorithm)
-    all_to_all with b bytes per peer = (N - 1) (latency + b / link)  (pairwise exchange)
-    all_reduce of b bytes = 2 (N - 1) (latency + b / (N link))
+    exchange  = latency + max(bytes sent, bytes received) / link   (full duplex, one message)
+    collective (all_gather, reduce_scatter of b bytes per rank, all_to_all of b per peer, all_reduce of b):
+              ``Hardware.collective`` of the group: NCCL's own model on a GPU preset (``flashpar.cost.nccl``:
+              ring / tree / PAT, latency per hop and protocol), gloo's ring on the CPU
+              ((N - 1) (latency + b / link); all_reduce 2 (N - 1) (latency + b / (N link)))
     time      = when both agents are done
 
 A transfer in flight takes CPU from the computation beside it (``Hardware.comm_cpu_s_per_byte`` = c, 0 on
@@ -143,18 +144,18 @@ class _InFlight:
 
 
 def all_reduce_time(nbytes: float, n: int, hw: Hardware) -> float:
-    """Ring all-reduce of ``nbytes`` over ``n`` ranks: ``2 (n - 1) (latency + nbytes / (n link))`` (0 for one)."""
-    return 2 * (n - 1) * (hw.link_latency_s + nbytes / (n * hw.link_bytes_per_s))
+    """An all-reduce of ``nbytes`` over ``n`` ranks of ``hw``'s group (``Hardware.collective``; 0 for one)."""
+    return hw.collective("all_reduce", n, nbytes).total_s
 
 
 def _collective_time(step: Collective, rows: RowSpace, width: int, shape: Shape, hw: Hardware,
                      n: int) -> tuple[float, float]:
-    """(seconds, bytes this rank moves: sent + received) of one collective (ring algorithms)."""
+    """(seconds, bytes this rank moves: sent + received) of one collective (``Hardware.collective``)."""
     if step.kind == "all_reduce":
         b = width * shape.elem_bytes
         return all_reduce_time(b, n, hw), 4 * (n - 1) * b / n
     b = rows.max_chunk(step.chunk, step.chunks) * width * shape.elem_bytes
-    return (n - 1) * hw.transfer_time(b), 2 * (n - 1) * b
+    return hw.collective(step.kind, n, n * b).total_s, 2 * (n - 1) * b
 
 
 def op_shapes(op: str, n: int, rows: int, n_in: int, n_out: int, elem_bytes: int) -> dict[str, Shape]:

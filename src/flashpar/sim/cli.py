@@ -1,4 +1,5 @@
-"""``flashpar simulate overlap|cp|train|check``: each subcommand's arguments and run live in its module."""
+"""``flashpar simulate overlap|cp|train|table|anchors|prefill|collective|check``: each subcommand's arguments and
+run live in its module."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ SUBCOMMANDS = {
     "table": ("flashpar.sim.table", "simulate train --search over (model, GPUs, seq): one markdown row each"),
     "anchors": ("flashpar.sim.anchors", "published torchtitan H100 runs against the simulator (h100-96gb)"),
     "prefill": ("flashpar.sim.prefill", "time to first token of a packed prefill, Llama 3 70B / 405B on H100 nodes"),
+    "collective": ("flashpar.sim.collective", "one NCCL collective as its tuner times it: latency, bandwidth, pick"),
     "check": ("flashpar.sim.check", "a `flashpar bench overlap|cp|train` JSON: every row predicted vs measured"),
 }
 

@@ -40,7 +40,9 @@ gathered fp32 weights.  With activation checkpointing a block keeps only its inp
 one block's activations exist at a time (the one being recomputed).  torchtitan's per-op selective
 checkpointing (``Workload.selective``) keeps per token the block input ``h / r``, the saved GEMM outputs q
 ``H_r D``, v ``H_kv,r D``, w1 ``F / tp`` and w2 ``h`` (tp > 1: its partial sums over all rows), the attention
-output ``H_r D`` and, with tp, the two reduce-scatters' outputs ``2 h / tp``.  The loss adds the rank's
+output ``H_r D`` and, with tp, the two reduce-scatters' outputs ``2 h / tp``; the block in backward holds a
+whole block's activations again (what it recomputes and the gradients of what it kept), as with full
+checkpointing.  The loss adds the rank's
 logits ``T_u x vocab / tp`` (compute dtype, and fp32 softmax and gradient).
 
 A layout fits when the total is at most ``USABLE`` of the GPU's memory (the rest: CUDA context, NCCL buffers,
@@ -91,8 +93,8 @@ def activations(w: Workload, peer: Peer, kv_recv_tokens: float, schedule: tuple[
     per_kind = {k: _one_block(w, peer, kv_recv_tokens, k == FUSED) for k in set(schedule)}
     if w.checkpoint:
         blocks = cfg.layers * s["t_cp"] * h / r * w.elem_bytes + max(per_kind.values())
-    elif w.selective:
-        blocks = cfg.layers * _selective_block(w, peer, kv_recv_tokens)
+    elif w.selective:  # what each block keeps, and the block in backward whole again (recomputed, its gradients)
+        blocks = cfg.layers * _selective_block(w, peer, kv_recv_tokens) + max(per_kind.values())
     else:
         blocks = sum(per_kind[k] for k in schedule)
     logits = s["t_u"] * cfg.vocab_size / s["tp"] * (w.elem_bytes + 8)

@@ -1,6 +1,7 @@
 """One simulated training step of a configuration on a workload: time, exposed communication, memory.
 
-    step    = forward + backward + exposed dp (lane waits and tail, ``flashpar.sim.zero``) + optimizer
+    step    = (forward + backward + exposed dp (lane waits and tail, ``flashpar.sim.zero``) + optimizer)
+              x (1 + spread z(GPUs))   the wait for the slowest device (``flashpar.sim.sync``: ``sync_s``)
     no_comm = the same with every transfer skipped (what bench train's no-communication step runs)
     optimizer = (AdamW + gradient clipping) bytes per local parameter at memory bandwidth
                 (``step.ADAMW_BYTES_PER_PARAM`` + ``step.CLIP_BYTES_PER_PARAM``)
@@ -14,6 +15,7 @@ from __future__ import annotations
 from flashpar.sim import step
 from flashpar.sim.memory import memory
 from flashpar.sim.peers import Peer
+from flashpar.sim.sync import factor
 from flashpar.sim.workload import Workload
 from flashpar.sim.zero import data_parallel, local_params
 
@@ -30,14 +32,16 @@ def simulate(w: Workload, peer: Peer, schedule: tuple[str, ...] | None = None) -
     cfg, hw = w.cfg, w.cluster.device
     dp = data_parallel(w, peer, schedule)
     opt = optimizer_s(w, peer)
-    step_s = dp.total + opt
+    sync = (dp.total + opt) * (factor(w.layout.gpus, w.cluster.spread) - 1.0)
+    step_s = dp.total + opt + sync
     exposed = {k: dp.fwd.exposed[k] + dp.bwd.exposed[k] for k in dp.fwd.exposed}
     exposed["dp"] += dp.exposed
     tokens = w.layout.dp * w.batch * w.seq
     flops = tokens * cfg.flops_per_token(w.keys_per_token)
     zero = None if step.is_torch(peer) else dp.schedule
     mem = memory(w, peer, step.kv_received(w, peer), zero)
-    return {"step_s": step_s, "no_comm_s": dp.no_comm + opt, "exposed": exposed, "forward_s": dp.fwd.total,
+    return {"step_s": step_s, "no_comm_s": dp.no_comm + opt, "sync_s": sync, "exposed": exposed,
+            "forward_s": dp.fwd.total,
             "backward_s": dp.bwd.total, "optimizer_s": opt, "tail_s": dp.tail, "tokens_per_s": tokens / step_s,
             "mfu": flops / step_s / (hw.flops * w.layout.gpus), "memory": mem, "flops": flops,
             "schedule": dp.schedule}

@@ -16,7 +16,7 @@ Per block (forward; backward mirrored), on the cp rank whose layer takes longest
                      arrive whole on the gather lane)
     attention: the peer's plan (flashpar.cp.plan) on every pack, each cp rank timed by the planner's own
                rank_figures (local-first overlap: max(compute, K/V comm + remote compute)); torch: the
-               K/V all-gather (ring, blocking) + the kernel (document blocks, or dense S_loc x S); a rank's
+               K/V all-gather (NCCL's, blocking) + the kernel (document blocks, or dense S_loc x S); a rank's
                ``batch`` sequences each run the pack's attention
     a rank with more tokens runs its linears longer in proportion (tokens_r / T_cp)
     an ag_matmul's backward reads the x its forward gathered (the trainer's default; torch's DTensor linear),
@@ -34,7 +34,7 @@ vocabulary; then gradient clipping and AdamW (``ADAMW_BYTES_PER_PARAM``, ``CLIP_
 from __future__ import annotations
 
 import functools
-import math
+from dataclasses import dataclass
 
 from flashpar.cost import Hardware
 from flashpar.models.vocab import gathers_weight
@@ -62,13 +62,9 @@ def is_torch(peer: Peer) -> bool:
 
 
 def small_all_reduce_s(nbytes: float, n: int, hw: Hardware) -> float:
-    """An all-reduce of one small message over ``n`` ranks, as NCCL runs it: the faster of its ring
-    (``flashpar.overlap.simulate.all_reduce_time``: ``2 (n - 1)`` latencies) and its tree, whose latency grows
-    with the depth: ``2 ceil(log2 n) latency + 2 nbytes / link`` (reduce up, broadcast down, pipelined)."""
-    if n <= 1:
-        return 0.0
-    tree = 2 * math.ceil(math.log2(n)) * hw.link_latency_s + 2 * nbytes / hw.link_bytes_per_s
-    return min(all_reduce_time(nbytes, n, hw), tree)
+    """An all-reduce of one small message over ``n`` ranks of ``hw``'s group (``Hardware.collective``: NCCL's
+    pick of ring or tree and protocol on a GPU preset)."""
+    return all_reduce_time(nbytes, n, hw) if n > 1 else 0.0
 
 
 def norm_sums(w: Workload, peer: Peer, norms: int) -> Part:
@@ -79,7 +75,8 @@ def norm_sums(w: Workload, peer: Peer, norms: int) -> Part:
     tp, tp_hw = w.sizes(peer)["tp"], w.groups(peer)["tp"][1]
     if not is_torch(peer) or tp == 1:
         return Part()
-    return Part.of(0.0, tp=norms * small_all_reduce_s(w.cfg.hidden * w.elem_bytes, tp, tp_hw))
+    t = norms * small_all_reduce_s(w.cfg.hidden * w.elem_bytes, tp, tp_hw)
+    return Part.of(0.0, {"tp": t}, tp=t)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -111,7 +108,8 @@ def _predicted(op, mode, chunks, n, rows, n_in, n_out, elem, hw, key, regather, 
 
     t = predict(op, mode, chunks, n, rows, n_in, n_out, elem, hw, regather=regather, peers_per_piece=pieces)
     f, b = t[op], t[f"{op}_bwd"]
-    return (Part.of(f.compute, **{key: f.total - f.compute}), Part.of(b.compute, **{key: b.total - b.compute}))
+    return (Part.of(f.compute, {key: f.comm}, **{key: f.total - f.compute}),
+            Part.of(b.compute, {key: b.comm}, **{key: b.total - b.compute}))
 
 
 def _with_zero(inner: tuple[Part, Part], zero: tuple[Part, Part], plain: tuple[Part, Part]) -> tuple[Part, Part]:
@@ -123,7 +121,7 @@ def _with_zero(inner: tuple[Part, Part], zero: tuple[Part, Part], plain: tuple[P
     out = []
     for a, z, p in zip(inner, zero, plain, strict=True):
         part = Part(a.compute + max(z.compute - p.compute, 0.0))
-        part.add(Part(0.0, a.exposed)).add(Part(0.0, z.exposed))
+        part.add(Part(0.0, a.exposed, a.sent)).add(Part(0.0, z.exposed, z.sent))
         out.append(part)
     return out[0], out[1]
 
@@ -149,43 +147,102 @@ def gathers_again(w: Workload, peer: Peer, fused: bool = False) -> bool:
     return head_gathers_again(w, peer) or fused
 
 
-def linears(w: Workload, peer: Peer, fused: bool = False) -> tuple[Part, Part]:
-    """(forward, backward) of one block's four linears at the mean rows ``T_u`` of a rank; ``fused``: each
-    composed with ZeRO-3's sharded schedule over the shard group (``flashpar.sim.zero``; needs U = 1)."""
+@dataclass(frozen=True)
+class LinearCall:
+    """One linear of a block as the runtime's op asks ``mode="auto"`` for its picks (``flashpar.overlap.call
+    .pick_mode``): the op, its group's size and figures, the gathered rows, the GEMM's width, element size,
+    whether its backward gathers ``x`` again and whether its directions are picked apart."""
+
+    op: str
+    n: int
+    rows: int
+    n_in: int
+    n_out: int
+    elem: int
+    hw: Hardware
+    key: str
+    regather: bool = True
+    split: bool = True
+
+    def picks(self):
+        """The runtime's (forward, backward) picks for this call (``choose_modes``; a group of one: none)."""
+        from flashpar.overlap.simulate import choose_modes
+
+        if self.n == 1:
+            return ("none", 1, 1), ("none", 1, 1)
+        return choose_modes(self.op, self.n, self.rows, self.n_in, self.n_out, self.elem, "cuda", self.hw,
+                            regather=self.regather, split=self.split)
+
+
+def linear_calls(w: Workload, peer: Peer, fused: bool = False, rows: float | None = None) -> list[LinearCall]:
+    """A block's four linears (q/k/v, o, gate/up, down) as :class:`LinearCall`, on a rank of ``rows`` gathered
+    rows (``None``: the mean, ``T_u``); the shapes ``flashpar.models.parallel`` calls its ops with."""
     cfg, s, g = w.cfg, w.sizes(peer), w.groups(peer)
     h, d, f, tp, u = cfg.hidden, cfg.head_dim, cfg.ffn, s["tp"], s["u"]
-    e, mode, rows = w.elem_bytes, peer.mode, s["t_u"]
+    e = w.elem_bytes
+    scale = 1.0 if rows is None else rows / s["t_u"]
+    t_u, t_cp = (max(int(round(x * scale)), 1) for x in (s["t_u"], s["t_cp"]))
     regather = gathers_again(w, peer, fused)
     split = not (fused and g["shard"][0] > 1)  # a fused ZeRO-3 linear runs one pick both ways (overlap.sharded)
-    shard_n, shard_hw = g["shard"][:2]
     if fused and u > 1:
         raise ValueError("a fused ZeRO-3 block needs ulysses = 1 (the attention projections are whole there)")
-    ops = []
+    tp_n, tp_hw = g["tp"][:2]
+    calls = []
     if u > 1:  # Ulysses: the projections whole, fused with the all-to-alls
         u_hw = g["ulysses"][1]
-        ops.append(_op("matmul_a2a", mode, u, s["t_cp"], h, (s["heads"] + 2 * s["kv_heads"]) * d, e, u_hw, "ulysses"))
-        ops.append(_op("a2a_matmul", mode, u, s["t_cp"], s["heads"] * d, h, e, u_hw, "ulysses"))
+        calls.append(LinearCall("matmul_a2a", u, t_cp, h, (s["heads"] + 2 * s["kv_heads"]) * d, e, u_hw, "ulysses"))
+        calls.append(LinearCall("a2a_matmul", u, t_cp, s["heads"] * d, h, e, u_hw, "ulysses"))
     else:
-        tp_hw = g["tp"][1]
-        ops.append(_op("ag_matmul", mode, tp, rows, h, (cfg.heads + 2 * cfg.kv_heads) * d // tp, e, tp_hw, "tp",
-                       regather, split))
-        ops.append(_op("matmul_rs", mode, tp, rows, cfg.heads * d // tp, h, e, tp_hw, "tp", split=split))
-    tp_hw = g["tp"][1]
-    ops.append(_op("ag_matmul", mode, tp, rows, h, 2 * f // tp, e, tp_hw, "tp", regather, split))
-    ops.append(_op("matmul_rs", mode, tp, rows, f // tp, h, e, tp_hw, "tp", split=split))
-    shapes = [(h, (cfg.heads + 2 * cfg.kv_heads) * d // tp), (cfg.heads * d // tp, h), (h, 2 * f // tp),
-              (f // tp, h)]
+        calls.append(LinearCall("ag_matmul", tp, t_u, h, (cfg.heads + 2 * cfg.kv_heads) * d // tp, e, tp_hw, "tp",
+                                regather, split))
+        calls.append(LinearCall("matmul_rs", tp, t_u, cfg.heads * d // tp, h, e, tp_hw, "tp", True, split))
+    calls.append(LinearCall("ag_matmul", tp, t_u, h, 2 * f // tp, e, tp_hw, "tp", regather, split))
+    calls.append(LinearCall("matmul_rs", tp, t_u, f // tp, h, e, tp_hw, "tp", True, split))
+    return calls
+
+
+def linears(w: Workload, peer: Peer, fused: bool = False, rows: float | None = None) -> tuple[Part, Part]:
+    """(forward, backward) of one block's four linears (:func:`linear_calls`) on a rank of ``rows`` gathered rows
+    (``None``: the mean ``T_u``); ``fused``: each composed with ZeRO-3's sharded schedule over the shard group
+    (``flashpar.sim.zero``; needs U = 1)."""
+    g, e, mode = w.groups(peer), w.elem_bytes, peer.mode
+    shard_n, shard_hw = g["shard"][:2]
     fwd, bwd = Part(), Part()
-    for (of, ob), (n_in, n_out) in zip(ops, shapes, strict=True):
+    for c in linear_calls(w, peer, fused, rows):
+        of, ob = _op(c.op, mode, c.n, c.rows, c.n_in, c.n_out, c.elem, c.hw, c.key, c.regather, c.split)
         if fused and shard_n > 1:
+            n_in, n_out = c.n_in, c.n_out
             zb_elem = (e + w.zero_rs_elem_bytes) // 2  # backward: the weight gathered again, the fp32 gradient out
-            zf = _op("sharded", mode, shard_n, rows, n_in, n_out, e, shard_hw, "dp")[0]
-            zb = _op("sharded", mode, shard_n, rows, n_in, n_out, zb_elem, shard_hw, "dp")[1]
-            pf, pb = _op("sharded", "none", shard_n, rows, n_in, n_out, e, shard_hw, "dp")
+            zf = _op("sharded", mode, shard_n, c.rows, n_in, n_out, e, shard_hw, "dp")[0]
+            zb = _op("sharded", mode, shard_n, c.rows, n_in, n_out, zb_elem, shard_hw, "dp")[1]
+            pf, pb = _op("sharded", "none", shard_n, c.rows, n_in, n_out, e, shard_hw, "dp")
             of, ob = _with_zero((of, ob), (zf, zb), (pf, pb))
         fwd.add(of)
         bwd.add(ob)
+    if is_torch(peer):
+        sf, sb = separate_projections(w, peer, rows)
+        fwd.add(sf)
+        bwd.add(sb)
     return fwd, bwd
+
+
+def separate_projections(w: Workload, peer: Peer, rows: float | None = None) -> tuple[Part, Part]:
+    """What torchtitan's Llama adds to :func:`linears`' GEMMs by projecting q, k, v and w1, w3 with separate
+    linears (one all-gather feeds each group under tp): forward ``sum_i t(m, k, n_i) - t(m, k, sum_i n_i)``,
+    backward the same for the input gradient (``t(m, n_i, k)``) and the weight gradient (``t(n_i, m, k)``), on
+    a rank of ``rows`` gathered rows (``Hardware.gemm_time``: a narrow GEMM is bounded by its activations' traffic,
+    so a tp shard of the k / v projection costs more than its share of the fused one)."""
+    cfg, s = w.cfg, w.sizes(peer)
+    hw = w.cluster.device
+    m = max(int(round(s["t_u"] if rows is None else rows)), 1)
+    tp, h, d = s["tp"], cfg.hidden, cfg.head_dim
+    fwd = bwd = 0.0
+    for k, parts in ((h, [s["heads"] * d, s["kv_heads"] * d, s["kv_heads"] * d]), (h, [cfg.ffn // tp] * 2)):
+        whole = sum(parts)
+        fwd += sum(hw.gemm_time(m, k, n) for n in parts) - hw.gemm_time(m, k, whole)
+        bwd += sum(hw.gemm_time(m, n, k) + hw.gemm_time(n, m, k) for n in parts)
+        bwd -= hw.gemm_time(m, whole, k) + hw.gemm_time(whole, m, k)
+    return Part.of(max(fwd, 0.0)), Part.of(max(bwd, 0.0))
 
 
 def elementwise_bytes(w: Workload, peer: Peer) -> float:
@@ -276,11 +333,11 @@ def attention(w: Workload, peer: Peer) -> list[tuple[float, Part, Part]]:
         for r in range(n):
             scale = ff.tokens[r] / mean
             if peer.kv == "plan":  # cp.attention: local first, then each peer's K/V as it arrives
-                parts = [Part.of(f.compute[r], cp=max(f.compute[r], f.comm[r] + f.remote[r]) - f.compute[r])
-                         for f in (ff, fb)]
-            else:  # torch: K/V all-gathered (ring, blocking), dK/dV reduce-scattered, then / before the kernel
+                parts = [Part.of(f.compute[r], {"cp": f.comm[r]},
+                                 cp=max(f.compute[r], f.comm[r] + f.remote[r]) - f.compute[r]) for f in (ff, fb)]
+            else:  # torch: K/V all-gathered (NCCL, blocking), dK/dV reduce-scattered, then / before the kernel
                 kv = max(ff.tokens) * fwd_cost.kv_bytes_per_token
-                comm = (n - 1) * hw.transfer_time(kv) if n > 1 else 0.0
+                comm = hw.collective("all_gather", n, n * kv).total_s
                 if w.torch_attention == "dense":  # SDPA with a mask: all S_loc x S scores
                     t, total_tokens = ff.tokens[r], sum(ff.tokens)
                     work = t * total_tokens * fwd_cost.flops_per_pair
@@ -291,7 +348,7 @@ def attention(w: Workload, peer: Peer) -> list[tuple[float, Part, Part]]:
                              for h in (hw, bwd_cost.hardware)]
                 else:
                     comps = [ff.compute[r], fb.compute[r]]
-                parts = [Part.of(c, cp=comm) for c in comps]
+                parts = [Part.of(c, {"cp": comm}, cp=comm) for c in comps]
             out.append((scale, parts[0].scaled(w.batch), parts[1].scaled(w.batch)))
     return out
 
@@ -340,9 +397,14 @@ def block(w: Workload, peer: Peer, fused: bool = False) -> tuple[Part, Part, Par
     sac = selective_recompute(w, peer) if w.selective else None
     best = [None, None]
     computes: list[list[float]] = [[], []]
+    t_u = w.sizes(peer)["t_u"]
     for scale, af, ab in attention(w, peer):
-        fwd = lin_f.scaled(scale).add(el_f, scale).add(af)
-        bwd = lin_b.scaled(scale).add(el_b, scale).add(ab).add(sums)
+        if peer.mode == "auto":  # each rank picks on its own rows, as the runtime's ops do (check=False)
+            rf, rb = linears(w, peer, fused, scale * t_u)
+        else:
+            rf, rb = lin_f.scaled(scale), lin_b.scaled(scale)
+        fwd = rf.add(el_f, scale).add(af)
+        bwd = rb.add(el_b, scale).add(ab).add(sums)
         if w.checkpoint:
             bwd.add(fwd)
         elif sac is not None:
@@ -371,22 +433,25 @@ def ends(w: Workload, peer: Peer) -> tuple[tuple[Part, Part], tuple[Part, Part]]
     lookup = tp_hw.memory_time(2 * rows * cfg.hidden * e)
     if gathers_vocab(w, peer):  # each weight gathered (fp32) forward, reduce-scattered backward; own rows whole
         mine = rows / tp
-        move = (tp - 1) * tp_hw.transfer_time(vocab * cfg.hidden * 4)  # one weight (tied: one gather feeds both)
+        move = tp_hw.collective("all_gather", tp, tp * vocab * cfg.hidden * 4).total_s  # one weight (tied: one
+        #                                                                                 gather feeds both)
         head_move = 0.0 if cfg.tie_embeddings else move
         gemm = tp_hw.gemm_time(mine, cfg.hidden, cfg.vocab_size)
         loss = tp_hw.memory_time(5 * mine * cfg.vocab_size * 4)
         lookup = tp_hw.memory_time(2 * mine * cfg.hidden * e)
-        embed = (Part.of(lookup, tp=move), Part.of(lookup, tp=move))
-        head = (Part.of(gemm + loss, tp=head_move), Part.of(2 * gemm + loss, tp=head_move))
+        embed = (Part.of(lookup, {"tp": move}, tp=move), Part.of(lookup, {"tp": move}, tp=move))
+        head = (Part.of(gemm + loss, {"tp": head_move}, tp=head_move),
+                Part.of(2 * gemm + loss, {"tp": head_move}, tp=head_move))
         return embed, head
     hf, hb = _op("ag_matmul", peer.mode, tp, rows, cfg.hidden, vocab, e, tp_hw, "tp", head_gathers_again(w, peer))
     loss = tp_hw.memory_time(5 * rows * vocab * 4)  # fp32 logits: max, exp, sum, target, the gradient
     head_f, head_b = hf.copy().add(Part.of(loss)), hb.copy().add(Part.of(loss)).add(norm_sums(w, peer, 1))
     if tp > 1:  # each tp rank embeds its vocabulary rows of all T_u tokens; reduce-scatter to the rank's rows
-        rs = (tp - 1) * tp_hw.transfer_time(rows / tp * cfg.hidden * e)
+        rs = tp_hw.collective("reduce_scatter", tp, rows * cfg.hidden * e).total_s
         # the loss: three all-reduces over tp of one fp32 per row (row max, sum of exponentials, target logit)
-        head_f.add(Part.of(0.0, tp=3 * all_reduce_time(4 * rows, tp, tp_hw)))
-        return (Part.of(lookup, tp=rs), Part.of(lookup, tp=rs)), (head_f, head_b)
+        sums = 3 * all_reduce_time(4 * rows, tp, tp_hw)
+        head_f.add(Part.of(0.0, {"tp": sums}, tp=sums))
+        return (Part.of(lookup, {"tp": rs}, tp=rs), Part.of(lookup, {"tp": rs}, tp=rs)), (head_f, head_b)
     return (Part.of(lookup), Part.of(lookup)), (head_f, head_b)
 
 

@@ -59,6 +59,7 @@ def cell(model: str, gpus: int, seq: int, configs: list[str], hardware: str, int
          gpus_per_node: int = 8, flashpar_mode: str = "best") -> dict:
     """One (model, GPUs, seq) search: per configuration the fastest fitting row and the count that fit."""
     from flashpar.cost import preset, preset_name
+    from flashpar.cost.presets import STEP_SPREAD
     from flashpar.cp.lengths import resolve_lengths
     from flashpar.sim.layouts import candidates
     from flashpar.sim.memory import GPU_MEMORY_GB
@@ -71,7 +72,8 @@ def cell(model: str, gpus: int, seq: int, configs: list[str], hardware: str, int
     capacity = GPU_MEMORY_GB.get(name)
     if capacity is None:
         raise ValueError(f"--hardware {hardware} has no memory size on record")
-    cluster = Cluster(preset(hardware), preset(inter), gpus_per_node, name, preset_name(inter))
+    cluster = Cluster(preset(hardware), preset(inter), gpus_per_node, name, preset_name(inter),
+                      STEP_SPREAD.get(name, 0.0))
     layouts = candidates(cfg, gpus, seq, gpus_per_node)
     if not layouts:
         raise ValueError(f"no layout of {gpus} GPUs runs {model} at seq {seq}")

@@ -4,23 +4,23 @@ Ranks are numbered ``((d cp + c) U + u) tp + t``, as ``flashpar.train.loop.setup
 innermost), and node ``k`` holds ranks ``[k G, (k + 1) G)`` (``G`` GPUs per node).  A group of one mesh dim
 (its size ``n``, the product ``s`` of the dims inside it as its stride) spans the ranks ``s (n - 1) + 1`` wide,
 so it stays inside a node when ``s n <= G`` (then every transfer rides NVLink) and crosses nodes otherwise
-(its ring then waits on the InfiniBand port of each GPU, which bounds it)::
+(a transfer then rides the InfiniBand port of each GPU; a collective is NCCL's, ``flashpar.cost.nccl``)::
 
     G = 8, layout (dp 4, cp 2, ulysses 1, tp 4):   node 0: ranks 0-7  = (d 0, c 0, t 0-3) (d 0, c 1, t 0-3)
         tp  stride 1, 4 wide   -> NVLink           node 1: ranks 8-15 = (d 1, ...)
         cp  stride 4, 8 wide   -> NVLink
         dp  stride 8, 32 wide  -> InfiniBand
 
-``Hardware`` per group: the device's figures (``--hardware``: FLOP/s, memory) with the link of the group's
-kind (``--hardware``'s own link inside a node, ``--inter``'s between nodes).
+``Hardware`` per group: ``flashpar.cost.group_hardware`` of its ranks, the device's figures (``--hardware``:
+FLOP/s, memory) with the link of the group's kind (``--hardware``'s own link inside a node, ``--inter``'s between
+nodes, with the nodes it spans): the function the runtime's ``mode="auto"`` asks with a process group's ranks.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from flashpar.cost import Hardware
+from flashpar.cost import Hardware, group_hardware
 from flashpar.dims import DIMS, ParallelDims
 
 __all__ = ["DIMS", "Cluster", "Layout"]
@@ -36,38 +36,25 @@ class Layout(ParallelDims):
 @dataclass(frozen=True)
 class Cluster:
     """``gpus_per_node`` GPUs of ``device`` per node (NVLink among them: ``device``'s link figures), the nodes
-    joined by ``inter``'s link figures (one port per GPU)."""
+    joined by ``inter``'s link figures (one port per GPU); ``spread``: how much the devices' step times differ
+    (a synchronous step waits for the slowest: ``flashpar.sim.sync``)."""
 
     device: Hardware
     inter: Hardware
     gpus_per_node: int = 8
     device_name: str = "h100-nvlink"
     inter_name: str = "h100-ib"
-
-    def spans_nodes(self, width: int) -> bool:
-        """Whether a group of ranks ``width`` wide (stride x size) crosses a node boundary."""
-        return width > self.gpus_per_node
-
-    def link(self, cross: bool) -> Hardware:
-        """The device's figures with the link of a group inside a node (``cross`` False) or across nodes."""
-        if not cross:
-            return self.device
-        return dataclasses.replace(self.device, link_bytes_per_s=self.inter.link_bytes_per_s,
-                                   link_latency_s=self.inter.link_latency_s)
+    spread: float = 0.0  # the devices' spread of step time (flashpar.sim.sync; presets.STEP_SPREAD)
 
     def group(self, layout: Layout, dims: tuple[str, ...]) -> tuple[int, Hardware, str]:
         """(size, hardware, "nvlink" | "ib" | "-") of the group spanning mesh dims ``dims`` (e.g. ``("dp", "cp")``:
-        the ranks that share every other coordinate).  Its width is that of its outermost dim of size > 1."""
-        size, width = 1, 1
-        for d in dims:
-            n = getattr(layout, d)
-            size *= n
-            if n > 1:
-                width = max(width, layout.stride(d) * n)
-        if size == 1:
+        the ranks that share every other coordinate), as rank 0's group: ``flashpar.cost.group_hardware`` of its
+        ranks, the function the runtime asks with a process group's ranks (``flashpar.links``)."""
+        ranks = layout.group_ranks(dims)
+        if len(ranks) == 1:
             return 1, self.device, "-"
-        cross = self.spans_nodes(width)
-        return size, self.link(cross), "ib" if cross else "nvlink"
+        hw = group_hardware(self.device, self.inter, ranks, self.gpus_per_node)
+        return len(ranks), hw, "ib" if hw.nodes > 1 else "nvlink"
 
     def describe(self) -> str:
         return (f"{self.gpus_per_node} GPUs/node, {self.device_name} in a node "

@@ -76,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _setup(args: argparse.Namespace):
     """(cfg, cluster, packs, layouts, capacity GB, configs), or ValueError (one line)."""
     from flashpar.cost import preset, preset_name
+    from flashpar.cost.presets import STEP_SPREAD
     from flashpar.cp.lengths import resolve_lengths
     from flashpar.sim.layouts import candidates, problem
     from flashpar.sim.memory import GPU_MEMORY_GB
@@ -97,7 +98,7 @@ def _setup(args: argparse.Namespace):
         raise ValueError(f"--hardware {args.hardware} has no memory size on record: give --gpu-mem-gb")
     if not capacity > 0:
         raise ValueError(f"--gpu-mem-gb must be > 0, got {capacity}")
-    cluster = Cluster(device, inter, args.gpus_per_node, name, preset_name(args.inter))
+    cluster = Cluster(device, inter, args.gpus_per_node, name, preset_name(args.inter), STEP_SPREAD.get(name, 0.0))
     if args.search:
         if args.gpus is None:
             raise ValueError("--search needs --gpus")

@@ -78,8 +78,9 @@ RING, DOUBLING = "ring", "doubling"
 @dataclass(frozen=True)
 class Unit:
     """One unit on the lanes: its forward and backward seconds without the lanes, its all-gather and
-    reduce-scatter seconds (0: nothing on that lane), whether backward reuses its forward gather (``kept``)
-    and whether its backward reads the weight at all (``regather``: flashpar's embedding lookup does not)."""
+    reduce-scatter seconds (0: nothing on that lane), whether backward reuses its forward gather (``kept``),
+    whether its backward reads the weight at all (``regather``: flashpar's embedding lookup does not), and the
+    seconds its own transfers hold the port the lanes ride (``port_fwd``, ``port_bwd``)."""
 
     fwd: float
     bwd: float
@@ -87,6 +88,8 @@ class Unit:
     scatter: float = 0.0
     kept: bool = False
     regather: bool = True
+    port_fwd: float = 0.0  # seconds the unit's own transfers hold the lanes' port in its forward (``lanes``)
+    port_bwd: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -133,12 +136,14 @@ def local_params(w: Workload, peer: Peer) -> float:
 
 
 def collective_s(kind: str, n: int, hw: Hardware, chunk_bytes: float) -> float:
-    """Seconds of an all-gather (or reduce-scatter) of ``n`` chunks of ``chunk_bytes`` over ``n`` ranks on
-    ``hw``'s link: ``n - 1`` ring steps of one chunk, or the doubling steps (``min(d, n - d)`` chunks each)."""
+    """Seconds of an all-gather (or reduce-scatter) of ``n`` chunks of ``chunk_bytes`` over ``n`` ranks of ``hw``'s
+    group: the backend's collective (``ring``: ``Hardware.collective``, NCCL's own model on a GPU preset, whose
+    all-gather and reduce-scatter cost the same), or the doubling steps, point-to-point messages on the group's
+    link (``min(d, n - d)`` chunks each)."""
     if n <= 1:
         return 0.0
     if kind == RING:
-        return (n - 1) * hw.transfer_time(chunk_bytes)
+        return hw.collective("all_gather", n, n * chunk_bytes).total_s
     return sum(hw.transfer_time(min(d, n - d) * chunk_bytes) for d in distances(n))
 
 
@@ -181,9 +186,11 @@ def scatter_s(w: Workload, peer: Peer, params: float, kind: str | None = None) -
 
 
 def lanes(units: list[Unit], ahead: int, blocking: bool = False) -> Lanes:
-    """The two lanes and the main agent over ``units`` (forward in order, backward reversed), gathers posted
-    ``ahead`` units ahead (0: when the unit needs it); ``blocking``: each reduce-scatter waited for as soon
-    as it is posted (the module docstring)."""
+    """The rank's port and the main agent over ``units`` (forward in order, backward reversed), gathers posted
+    ``ahead`` units ahead (0: when the unit needs it); ``blocking``: each reduce-scatter waited for as soon as
+    it is posted (the module docstring).  Gathers and reduce-scatters queue on one lane, the rank's one port,
+    in the order they are posted; while a unit computes, its own transfers on that port (``Unit.port_fwd`` /
+    ``port_bwd``: K/V, all-to-all, tp) take it first."""
     n = len(units)
     lane = 0.0
     ready: dict[int, float] = {}
@@ -194,6 +201,11 @@ def lanes(units: list[Unit], ahead: int, blocking: bool = False) -> Lanes:
             lane = max(lane, at) + units[i].gather
             ready[i] = lane
 
+    def busy(at: float, seconds: float) -> None:
+        nonlocal lane
+        if seconds > 0:
+            lane = max(lane, at) + seconds
+
     t = waits = 0.0
     for i in range(min(ahead, n - 1) + 1):
         post(i, 0.0)
@@ -201,6 +213,7 @@ def lanes(units: list[Unit], ahead: int, blocking: bool = False) -> Lanes:
         post(i, t)
         start = max(t, ready.get(i, 0.0))
         waits += start - t
+        busy(start, units[i].port_fwd)
         for j in range(i + 1, min(i + ahead, n - 1) + 1):
             post(j, start)
         t = start + units[i].fwd
@@ -212,11 +225,13 @@ def lanes(units: list[Unit], ahead: int, blocking: bool = False) -> Lanes:
         post(i, t)
         start = max(t, ready.get(i, 0.0))
         waits += start - t
+        busy(start, units[i].port_bwd)
         for j in [j for j in order[k + 1:] if j not in ready][:ahead]:  # the next units that gather again
             post(j, start)
         t = start + units[i].bwd
         if units[i].scatter > 0:
-            scatter = max(scatter, t) + units[i].scatter
+            lane = max(lane, t) + units[i].scatter
+            scatter = lane
             if blocking:
                 waits += scatter - t
                 t = scatter
@@ -274,13 +289,15 @@ def _units(w: Workload, peer: Peer, schedule: tuple[str, ...], pieces: _Pieces) 
     # flashpar's embedding lookup saves only indices: its backward gathers nothing (FSDP2 unshards every unit)
     units = [Unit(ef.total, eb.total, gather_s(w, peer, first, moved_by), scatter_s(w, peer, first, moved_by),
                   kept=one_table, regather=torch_peer or one_table)]
+    shared = port_keys(w, peer)
     for i, kind in enumerate(schedule):
         bf, bb = pieces.blocks[kind][:2]
+        port = {"port_fwd": sum(bf.sent[k] for k in shared), "port_bwd": sum(bb.sent[k] for k in shared)}
         if kind == FUSED:
-            units.append(Unit(bf.total, bb.total))
+            units.append(Unit(bf.total, bb.total, **port))
         else:
             units.append(Unit(bf.total, bb.total, gather_s(w, peer, blk, moved_by), scatter_s(w, peer, blk, moved_by),
-                              kept=keep_last and i == len(schedule) - 1))
+                              kept=keep_last and i == len(schedule) - 1, **port))
     head = table + (w.cfg.hidden if torch_peer else 0)
     if one_table:
         units.append(Unit(hf.total, hb.total))
@@ -288,6 +305,14 @@ def _units(w: Workload, peer: Peer, schedule: tuple[str, ...], pieces: _Pieces) 
         units.append(Unit(hf.total, hb.total, gather_s(w, peer, head, moved_by), scatter_s(w, peer, head, moved_by),
                           kept=True))
     return units
+
+
+def port_keys(w: Workload, peer: Peer) -> tuple[str, ...]:
+    """The parallelisms whose transfers ride the port the shard group's lanes ride: those of a group of more than
+    one rank on the same kind of link (NVLink inside a node, the network port across nodes)."""
+    g = w.groups(peer)
+    kind = g["shard"][2]
+    return tuple(k for k in ("tp", "ulysses", "cp") if g[k][0] > 1 and g[k][2] == kind)
 
 
 def _run(w: Workload, peer: Peer, schedule: tuple[str, ...], pieces: _Pieces) -> DataParallel:

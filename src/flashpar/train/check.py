@@ -26,11 +26,12 @@ import torch
 import torch.distributed as dist
 
 from flashpar import cp
+from flashpar.dims import ParallelDims
 from flashpar.models import Llama, LlamaConfig, load_hf, next_token_loss
 from flashpar.models.layout import LAYOUT, label_of
 from flashpar.models.parallel import ParallelLlama
 from flashpar.models.precision import DTYPES
-from flashpar.train.planning import planner_cost, planning_device
+from flashpar.train.planning import group_figures, planner_cost, planning_device
 from flashpar.train.step import MicroBatch, gradients
 
 TOL = 1e-4  # fp32: the mesh only reorders sums (~1e-6 relative); one misplaced shard is O(1)
@@ -99,6 +100,7 @@ def _mesh_step(ref: Llama, cfg: LlamaConfig, mesh, sequences, *, strategy: str, 
     dp, d, c = mesh["dp"].size(), mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     count = sum(int((lab != -100).sum()) for _, lab, _ in sequences)
     hw, burst = planning_device(device.type, mesh.size() // (mesh["dp"].size() * mesh["cp"].size()))  # tp x U
+    hw = group_figures(hw, ParallelDims.of_mesh(mesh), ("cp",), device.type)
     cost = planner_cost(cfg, DTYPES[dtype].itemsize, hardware=hw, burst=burst)  # the trainer's plans
     batch = []
     for m in range(micro_batches):

@@ -50,7 +50,7 @@ from flashpar.train.data import PlannedSequences, make_loader, training_data
 from flashpar.train.evaluate import at_step, held_out
 from flashpar.train.metrics import StepMetrics, largest, peak_since, reset_peak, summary
 from flashpar.train.nonfinite import NonFiniteGuard, StepTotals, checked_step
-from flashpar.train.planning import planner_cost, planning_device
+from flashpar.train.planning import group_figures, planner_cost, planning_device
 from flashpar.train.schedule import lr_at
 from flashpar.train.step import MicroBatch, build
 from flashpar.train.stop import JobStop
@@ -91,7 +91,8 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     dp_rank, cp_rank = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     data = training_data(config)  # the byte corpus, or the token cache of --data / --tokenizer
     hw, burst = planning_device(device.type, config.tp * config.ulysses)  # rank 0's, on every rank
-    cost = planner_cost(cfg, DTYPES[config.dtype].itemsize, hardware=hw, burst=burst)
+    cp_hw = group_figures(hw, config.dims, ("cp",), device.type)  # the cp group's link: the K/V it plans for
+    cost = planner_cost(cfg, DTYPES[config.dtype].itemsize, hardware=cp_hw, burst=burst)
     evaluator = held_out(config, cost, mesh, device)  # --eval-every: the held-out sequences, planned once
     first_step, start = 0, 0
     if config.resume:

@@ -3,6 +3,7 @@ every rank.
 
     planner_cost(cfg, ..)       the planner's cost model: the model's shape on the training device, per step
     device_figures(type)        the training device's figures (calibration file, else its preset; a GPU by name)
+    group_figures(hw, ..)       those figures for one of the mesh's groups (its link: NVLink, or the port across nodes)
     core_burst(type)            how much faster a rank computes while the ranks sharing its cores wait
     planning_device(type)       both, rank 0's on every rank (a collective call, once at setup)
 
@@ -26,10 +27,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from flashpar.cost import Hardware, gpu_hardware, preset
-from flashpar.cost import store as cost_store
+from flashpar import links
+from flashpar.cost import Hardware, group_hardware
 from flashpar.cp import CostModel
 from flashpar.cp.cost import shared_burst
+from flashpar.dims import ParallelDims
 from flashpar.dist import from_rank0
 from flashpar.models import LlamaConfig
 
@@ -55,15 +57,17 @@ def planner_cost(cfg: LlamaConfig, dtype_bytes: int = 4, device_type: str = "cpu
 
 
 def device_figures(device_type: str) -> Hardware:
-    """The figures of the device this process trains on: ``flashpar.cost.load(device_type)`` (a ``use`` block's,
-    this machine's calibration file, else the device type's preset: ``cpu`` -> ``cpu-calibrated``, ``cuda`` ->
-    ``h100-ib``), except that on a visible GPU the ``cuda`` preset gives way to the GPU's own by its name
-    (``flashpar.cost.gpu_hardware``: NVLink within a node; one InfiniBand port per GPU when the job spans nodes,
-    as torchrun's ``LOCAL_WORLD_SIZE`` below the world size says)."""
-    hw = cost_store.load(device_type)
-    if device_type != "cuda" or not torch.cuda.is_available() or hw != preset(cost_store.device_preset("cuda")):
-        return hw  # not a GPU, or figures from a use block or a calibration file
-    return gpu_hardware(torch.cuda.get_device_name(), across_nodes=_spans_nodes())
+    """The figures of the device this process trains on (``flashpar.links.device_hardware``: a ``use`` block's,
+    this machine's calibration file, else the device type's preset, a visible GPU's own by its name)."""
+    return links.device_hardware(device_type)
+
+
+def group_figures(hw: Hardware, dims: ParallelDims, group: tuple[str, ...], device_type: str) -> Hardware:
+    """``hw`` (rank 0's device figures) for rank 0's group over mesh dims ``group``: ``flashpar.cost.group_hardware``
+    of its ranks, with ``flashpar.links.inter_hardware``'s link where they span nodes (``ranks_per_node``) -- the
+    function the simulator's ``Cluster.group`` and the runtime's ``mode="auto"`` ask."""
+    per_node = links.ranks_per_node() if links.spans_nodes() else dims.world_size
+    return group_hardware(hw, links.inter_hardware(device_type), dims.group_ranks(group), per_node)
 
 
 def core_burst(device_type: str, group: int = 1) -> float:
@@ -73,9 +77,9 @@ def core_burst(device_type: str, group: int = 1) -> float:
     size) of ``t`` threads (``torch.get_num_threads``) on ``C`` cores (``host_cores``: the CPU affinity, or a
     container's quota), ``flashpar.cp.cost.shared_burst(L, t, C, group)``: ``L min(t, C) / C`` for ``group`` 1.
     1 when the job spans nodes: the cp group's ranks may then not share one host's cores."""
-    if device_type != "cpu" or _spans_nodes():
+    if device_type != "cpu" or links.spans_nodes():
         return 1.0
-    return shared_burst(_local_world_size(), torch.get_num_threads(), host_cores(), group)
+    return shared_burst(links.ranks_per_node(), torch.get_num_threads(), host_cores(), group)
 
 
 CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
@@ -94,23 +98,6 @@ def host_cores(cpu_max: Path | None = None) -> int:
     except (OSError, ValueError, ZeroDivisionError):
         pass  # no cgroup v2 quota here: the affinity alone
     return cores
-
-
-def _local_world_size() -> int:
-    """This node's ranks: torchrun's ``LOCAL_WORLD_SIZE``, else the world size (1 without a process group)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return 1
-    try:
-        return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    except ValueError:
-        raise ValueError(f"LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']!r} is not an integer") from None
-
-
-def _spans_nodes() -> bool:
-    """Whether this job's ranks are on more than one node (torchrun's ``LOCAL_WORLD_SIZE`` < world size)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return False
-    return _local_world_size() < dist.get_world_size()
 
 
 def planning_device(device_type: str, group: int = 1) -> tuple[Hardware, float]:
@@ -165,14 +152,12 @@ def zero_workload(config, device_type: str):
     from flashpar.sim.workload import Workload
 
     hw, burst = planning_device(device_type, config.tp * config.ulysses)
-    world = config.dp * config.cp * config.ulysses * config.tp
-    per_node = world if device_type != "cuda" or not _spans_nodes() else max(_local_world_size(), 1)
-    inter = gpu_hardware(torch.cuda.get_device_name(), across_nodes=True) if device_type == "cuda" else hw
     layout = Layout(config.dp, config.cp, config.ulysses, config.tp)
+    per_node = links.ranks_per_node() if links.spans_nodes() else layout.world_size
     elem = torch.finfo(torch.bfloat16 if config.dtype == "bf16" else torch.float32).bits // 8
-    w = Workload(config.model, layout, Cluster(hw, inter, per_node), ((config.seq_len,),), elem_bytes=elem,
-                 checkpoint=config.checkpoint_activations, zero_prefetch=config.prefetch,
-                 zero_collective=config.zero_collective, plan_hardware=hw,
-                 plan_burst=burst, shared_cores=burst, regather=config.regather)
+    w = Workload(config.model, layout, Cluster(hw, links.inter_hardware(device_type), per_node), ((config.seq_len,),),
+                 elem_bytes=elem, checkpoint=config.checkpoint_activations, zero_prefetch=config.prefetch,
+                 zero_collective=config.zero_collective, plan_burst=burst, shared_cores=burst,
+                 regather=config.regather)
     peer = dataclasses.replace(PEERS["flashpar" if config.mode != "none" else "baseline"], mode=config.mode)
     return w, peer
