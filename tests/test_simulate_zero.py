@@ -4,6 +4,7 @@ selective checkpointing, eager elementwise) and torch_async_tp: pure Python, che
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -241,3 +242,37 @@ def test_auto_moves_units_by_doubling_only_where_nccl_is_slower():
     assert zero.data_parallel(wide, fp).total < zero.data_parallel(ring, fp).total
     with pytest.raises(ValueError, match="zero_collective"):
         dataclasses.replace(wide, zero_collective="tree")
+
+
+def test_the_expected_slowest_of_n_devices():
+    """``z(n)`` against closed forms: z(1) = 0, z(2) = 1 / sqrt(pi), z(3) = 3 / (2 sqrt(pi)); growing with n; the
+    step of a synchronous layout is (1 + s z(GPUs)) x its own, the same share for every configuration."""
+    from flashpar.sim import sync
+
+    assert sync.expected_max(1) == 0.0
+    assert sync.expected_max(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-9)
+    assert sync.expected_max(3) == pytest.approx(1.5 / math.sqrt(math.pi), rel=1e-9)
+    zs = [sync.expected_max(n) for n in (2, 8, 64, 512)]
+    assert zs == sorted(zs) and 3.0 < zs[-1] < 3.1
+    w = _w(Layout(2, 1, 1, 2))
+    spread = dataclasses.replace(w, cluster=dataclasses.replace(w.cluster, spread=0.03))
+    for peer in (PEERS["flashpar"], PEERS["torch"]):
+        plain, slow = simulate(w, peer), simulate(spread, peer)
+        assert plain["sync_s"] == 0.0
+        assert slow["step_s"] == pytest.approx(plain["step_s"] * (1 + 0.03 * sync.expected_max(4)), rel=1e-12)
+        assert slow["sync_s"] == pytest.approx(slow["step_s"] - plain["step_s"], rel=1e-9)
+
+
+def test_the_lanes_share_a_port_only_with_transfers_on_the_same_kind_of_link():
+    """dp 2 x cp 4 x tp 2 on nodes of 8: tp and cp on NVLink, the shard group (dp x cp, 8 ranks on 2 nodes) on
+    the ports: no block transfer shares the lanes' port.  dp 4 x cp 2 on nodes of 2: cp's K/V and the shard group
+    both ride the ports."""
+    cfg = load_model("llama3-8b")
+    inside = Workload(cfg, Layout(2, 4, 1, 2), H100, ((4096,),))
+    assert zero.port_keys(inside, PEERS["flashpar"]) == ()
+    across = Workload(cfg, Layout(4, 2, 1, 1), dataclasses.replace(H100, gpus_per_node=1), ((4096,),))
+    assert zero.port_keys(across, PEERS["flashpar"]) == ("cp",)
+    pieces = zero._Pieces(across, PEERS["flashpar"])
+    units = zero._units(across, PEERS["flashpar"], (zero.PREFETCH,) * cfg.layers, pieces)
+    kv = pieces.blocks[zero.PREFETCH][0].sent["cp"]
+    assert kv > 0 and units[1].port_fwd == pytest.approx(kv)

@@ -78,21 +78,27 @@ def simulate(schedule: Schedule, shape: Shape, hw: Hardware) -> Timing:
     done: dict[int, float] = {}
     compute = comm = 0.0
     in_flight = _InFlight(hw.comm_cpu_s_per_byte)
+    widths = {b.name: shape.dims.get(b.width, 0) for b in schedule.buffers}  # Shape.width, looked up once
+    spans: dict[Piece, int] = {}  # rows of each piece, computed once
+
+    def span(piece: Piece) -> int:
+        got = spans.get(piece)
+        if got is None:
+            lo, hi = rows.rows(piece)
+            got = spans[piece] = hi - lo
+        return got
 
     def nbytes(buffer: str, piece: Piece) -> float:
-        lo, hi = rows.rows(piece)
-        return (hi - lo) * shape.width(schedule, buffer) * shape.elem_bytes
+        return span(piece) * widths[buffer] * shape.elem_bytes
 
     for step in schedule.steps:
         if isinstance(step, Compute):
-            lo, hi = rows.rows(step.piece)
             k, m = shape.gemm_dims[step.gemm]
-            dt = hw.gemm_time(hi - lo, k * step.peers, m)
+            dt = hw.gemm_time(span(step.piece), k * step.peers, m)
             t_main = in_flight.run(t_main, dt)
             compute += dt
         elif isinstance(step, Add):
-            lo, hi = rows.rows(step.piece)
-            dt = hw.memory_time(3 * (hi - lo) * shape.width(schedule, step.dst) * shape.elem_bytes)
+            dt = hw.memory_time(3 * span(step.piece) * widths[step.dst] * shape.elem_bytes)
             t_main = in_flight.run(t_main, dt)
             compute += dt
         elif isinstance(step, Wait):
@@ -103,7 +109,7 @@ def simulate(schedule: Schedule, shape: Shape, hw: Hardware) -> Timing:
                 recv = sum(nbytes(t.buffer, t.piece) for t in step.recvs)
                 dt, moved = hw.transfer_time(max(sent, recv)), sent + recv
             else:
-                dt, moved = _collective_time(step, rows, shape.width(schedule, step.src), shape, hw, n)
+                dt, moved = _collective_time(step, rows, widths[step.src], shape, hw, n)
             start = max(t_main, t_lane)
             t_lane = start + dt
             in_flight.add(start, t_lane, moved)
@@ -225,12 +231,20 @@ def predict(op: str, mode: str, chunks: int, n: int, rows: int, n_in: int, n_out
     default)."""
     out = {}
     for name, shape in op_shapes(op, n, rows, n_in, n_out, elem_bytes).items():
-        extra = {"grad_bias": True} if name == "matmul_rs_bwd" and grad_bias else {}
-        if name == "ag_matmul_bwd" and not regather:
-            extra = {"regather": False}
-        schedule = build_schedule(name, mode, n, 0, chunks=chunks, peers_per_piece=peers_per_piece, **extra)
+        schedule = _schedule(name, mode, n, chunks, peers_per_piece, name == "matmul_rs_bwd" and grad_bias,
+                             name != "ag_matmul_bwd" or regather)
         out[name] = simulate(schedule, shape, hw)
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _schedule(name: str, mode: str, n: int, chunks: int, peers_per_piece: int, grad_bias: bool,
+              regather: bool) -> Schedule:
+    """Rank 0's schedule of ``name`` (a schedule does not depend on the rows: built once per shape of call)."""
+    extra = {"grad_bias": True} if grad_bias else {}
+    if not regather:
+        extra["regather"] = False
+    return build_schedule(name, mode, n, 0, chunks=chunks, peers_per_piece=peers_per_piece, **extra)
 
 
 Pick = tuple[str, int, int]

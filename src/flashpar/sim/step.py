@@ -208,14 +208,15 @@ def linears(w: Workload, peer: Peer, fused: bool = False, rows: float | None = N
     g, e, mode = w.groups(peer), w.elem_bytes, peer.mode
     shard_n, shard_hw = g["shard"][:2]
     fwd, bwd = Part(), Part()
+    mean = max(int(round(w.sizes(peer)["t_u"])), 1)
     for c in linear_calls(w, peer, fused, rows):
         of, ob = _op(c.op, mode, c.n, c.rows, c.n_in, c.n_out, c.elem, c.hw, c.key, c.regather, c.split)
-        if fused and shard_n > 1:
+        if fused and shard_n > 1:  # (the shard group's schedule on the mean rows, the same on every rank of it)
             n_in, n_out = c.n_in, c.n_out
             zb_elem = (e + w.zero_rs_elem_bytes) // 2  # backward: the weight gathered again, the fp32 gradient out
-            zf = _op("sharded", mode, shard_n, c.rows, n_in, n_out, e, shard_hw, "dp")[0]
-            zb = _op("sharded", mode, shard_n, c.rows, n_in, n_out, zb_elem, shard_hw, "dp")[1]
-            pf, pb = _op("sharded", "none", shard_n, c.rows, n_in, n_out, e, shard_hw, "dp")
+            zf = _op("sharded", mode, shard_n, mean, n_in, n_out, e, shard_hw, "dp")[0]
+            zb = _op("sharded", mode, shard_n, mean, n_in, n_out, zb_elem, shard_hw, "dp")[1]
+            pf, pb = _op("sharded", "none", shard_n, mean, n_in, n_out, e, shard_hw, "dp")
             of, ob = _with_zero((of, ob), (zf, zb), (pf, pb))
         fwd.add(of)
         bwd.add(ob)

@@ -20,6 +20,7 @@ import time
 from flashpar.sim.report import write_json
 
 DEFAULT_CONFIGS = "flashpar,torch,torch_async_tp"
+TITAN_NOTE = "; the torch configurations with torchtitan's own: sac (selective, per op) for 8B, full for 70B"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--flashpar-mode", choices=("flash", "auto", "best"), default="best",
                    help="flashpar's tp / Ulysses mode, as simulate train's (default best)")
+    p.add_argument("--torch-recompute", choices=("auto", "titan"), default="auto",
+                   help="the torch configurations' activation checkpointing: auto (none where the step fits, else "
+                        "full, as flashpar's) or titan (torchtitan's defaults: selective for llama3-8b, full for "
+                        "llama3-70b)")
     p.add_argument("--json", default=None, help="write {\"setup\": ..., \"rows\": [...]} to this file")
 
 
@@ -56,8 +61,9 @@ def _grid(args) -> tuple[list[str], list[int], list[int], list[str]]:
 
 
 def cell(model: str, gpus: int, seq: int, configs: list[str], hardware: str, inter: str, lengths: str,
-         gpus_per_node: int = 8, flashpar_mode: str = "best") -> dict:
-    """One (model, GPUs, seq) search: per configuration the fastest fitting row and the count that fit."""
+         gpus_per_node: int = 8, flashpar_mode: str = "best", torch_recompute: str = "auto") -> dict:
+    """One (model, GPUs, seq) search: per configuration the fastest fitting row and the count that fit
+    (``torch_recompute`` "titan": the torch configurations with torchtitan's checkpointing for the model)."""
     from flashpar.cost import preset, preset_name
     from flashpar.cost.presets import STEP_SPREAD
     from flashpar.cp.lengths import resolve_lengths
@@ -65,7 +71,7 @@ def cell(model: str, gpus: int, seq: int, configs: list[str], hardware: str, int
     from flashpar.sim.memory import GPU_MEMORY_GB
     from flashpar.sim.model_configs import load_model
     from flashpar.sim.topology import Cluster
-    from flashpar.sim.train import fastest, simulate_rows
+    from flashpar.sim.train import TITAN_RECOMPUTE, fastest, simulate_rows
 
     cfg = load_model(model)
     name = preset_name(hardware)
@@ -78,8 +84,12 @@ def cell(model: str, gpus: int, seq: int, configs: list[str], hardware: str, int
     if not layouts:
         raise ValueError(f"no layout of {gpus} GPUs runs {model} at seq {seq}")
     packs = tuple(tuple(p) for p in resolve_lengths(lengths).packs(seq, 1))
+    titan = TITAN_RECOMPUTE.get(model) if torch_recompute == "titan" else None
+    if torch_recompute == "titan" and titan is None:
+        raise ValueError(f"--torch-recompute titan: torchtitan's default for {model} is not on record "
+                         f"(known: {', '.join(TITAN_RECOMPUTE)})")
     rows = simulate_rows(cfg, cluster, packs, layouts, capacity, configs, elem_bytes=2, checkpoint="auto",
-                         flashpar_mode=flashpar_mode)
+                         flashpar_mode=flashpar_mode, torch_recompute=titan)
     best = fastest(rows, configs)
     fits = {c: sum(r["config"] == c and r["fits"] == "yes" for r in rows) for c in configs}
     return {"model": model, "gpus": gpus, "seq": seq, "layouts": len(layouts), "best": best, "fits": fits}
@@ -89,7 +99,8 @@ def _cfg_cells(r: dict | None) -> list[str]:
     if r is None:
         return ["none fits", "-", "-", "-", "-"]
     extra = [r["tp_mode"] if r["config"] == "flashpar" and r["tp"] * r["ulysses"] > 1 else "",
-             "ckpt" if r["ckpt"] == "on" else "", r["zero"] if r["zero"].split("/")[0] not in ("fsdp", "0") else ""]
+             {"on": "ckpt", "selective": "sac"}.get(r["ckpt"], ""),
+             r["zero"] if r["zero"].split("/")[0] not in ("fsdp", "0") else ""]
     dims = [f"{k}{r[k]}" for k in ("dp", "cp", "ulysses", "tp") if r[k] > 1 or k == "dp"]
     layout = " ".join(dims).replace("ulysses", "u") + (f" ({', '.join(x for x in extra if x)})" if any(extra) else "")
     return [layout, f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['mfu']:.1%}", f"{r['exposed_ms'] / r['step_ms']:.0%}",
@@ -127,18 +138,19 @@ def run(args: argparse.Namespace) -> int:
                 for seq in seqs:
                     t = time.perf_counter()
                     cells.append(cell(model, g, seq, configs, args.hardware, args.inter, args.lengths,
-                                      args.gpus_per_node, args.flashpar_mode))
+                                      args.gpus_per_node, args.flashpar_mode, args.torch_recompute))
                     cells[-1]["search_s"] = time.perf_counter() - t
     except (OSError, ValueError) as err:
         print(f"flashpar simulate table: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
     print(f"simulated, {args.hardware} preset ({args.gpus_per_node} GPUs per node, {args.inter} between nodes), bf16, "
           f"{args.lengths} documents, one packed sequence per dp rank; each configuration's fastest layout that fits "
-          f"(checkpointing where needed; flashpar's tp mode: {args.flashpar_mode})")
+          f"(checkpointing where needed{TITAN_NOTE if args.torch_recompute == 'titan' else ''}; "
+          f"flashpar's tp mode: {args.flashpar_mode})")
     print(markdown(cells, configs))
     print(f"{len(cells)} searches in {time.perf_counter() - t0:.0f} s")
     setup = {"hardware": args.hardware, "inter": args.inter, "lengths": args.lengths, "configs": configs,
-             "flashpar_mode": args.flashpar_mode,
+             "flashpar_mode": args.flashpar_mode, "torch_recompute": args.torch_recompute,
              "gpus_per_node": args.gpus_per_node, "simulated": True}
     rows = [{**{k: v for k, v in c.items() if k != "best"}, **{f"{n}_best": c["best"][n] for n in configs}}
             for c in cells]

@@ -18,6 +18,7 @@ nodes, with the nodes it spans): the function the runtime's ``mode="auto"`` asks
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from flashpar.cost import Hardware, group_hardware
@@ -50,13 +51,18 @@ class Cluster:
         """(size, hardware, "nvlink" | "ib" | "-") of the group spanning mesh dims ``dims`` (e.g. ``("dp", "cp")``:
         the ranks that share every other coordinate), as rank 0's group: ``flashpar.cost.group_hardware`` of its
         ranks, the function the runtime asks with a process group's ranks (``flashpar.links``)."""
-        ranks = layout.group_ranks(dims)
-        if len(ranks) == 1:
-            return 1, self.device, "-"
-        hw = group_hardware(self.device, self.inter, ranks, self.gpus_per_node)
-        return len(ranks), hw, "ib" if hw.nodes > 1 else "nvlink"
+        return _group(self, layout, tuple(dims))
 
     def describe(self) -> str:
         return (f"{self.gpus_per_node} GPUs/node, {self.device_name} in a node "
                 f"({self.device.link_bytes_per_s / 1e9:.0f} GB/s per GPU each way), {self.inter_name} between nodes "
                 f"({self.inter.link_bytes_per_s / 1e9:.0f} GB/s per GPU)")
+
+
+@functools.lru_cache(maxsize=4096)
+def _group(cluster: Cluster, dims: ParallelDims, names: tuple[str, ...]) -> tuple[int, Hardware, str]:
+    ranks = dims.group_ranks(names)
+    if len(ranks) == 1:
+        return 1, cluster.device, "-"
+    hw = group_hardware(cluster.device, cluster.inter, ranks, cluster.gpus_per_node)
+    return len(ranks), hw, "ib" if hw.nodes > 1 else "nvlink"

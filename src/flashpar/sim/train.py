@@ -157,7 +157,8 @@ def row(w, name: str, capacity: float, flashpar_mode: str = "best") -> dict:
     collective = zero_collective(w, dataclasses.replace(peer, mode=mode))
     zero = "fsdp" if is_torch(peer) else f"{r['schedule'].count(FUSED)}/{len(r['schedule'])} fused, {collective}"
     return {"config": name, "layout": L.label(), "dp": L.dp, "cp": L.cp, "ulysses": L.ulysses, "tp": L.tp,
-            "gpus": L.gpus, "seq": w.seq, "batch": w.batch, "ckpt": "on" if w.checkpoint else "off", "tp_mode": mode,
+            "gpus": L.gpus, "seq": w.seq, "batch": w.batch,
+            "ckpt": "on" if w.checkpoint else ("selective" if w.selective else "off"), "tp_mode": mode,
             "zero": zero, "zero_collective": collective,
             "schedule": list(r["schedule"]), "tail_ms": 1e3 * r["tail_s"],
             "step_ms": 1e3 * r["step_s"], "no_comm_ms": 1e3 * r["no_comm_s"],
@@ -169,20 +170,31 @@ def row(w, name: str, capacity: float, flashpar_mode: str = "best") -> dict:
             "links": " ".join(f"{k}:{v}" for k, v in links.items())}
 
 
+TITAN_RECOMPUTE = {"llama3-8b": "selective", "llama3-70b": "full"}
+"""torchtitan's own activation checkpointing per model (``train_configs/llama3_8b.toml``: selective, per op;
+``llama3_70b.toml``: full)."""
+
+
 def simulate_rows(cfg, cluster, packs, layouts, capacity, configs, *, elem_bytes: int, checkpoint: str,
                   batch: int = 1, prefetch: int = 1, flashpar_mode: str = "best",
-                  zero_collective: str = "auto") -> list[dict]:
+                  zero_collective: str = "auto", torch_recompute: str | None = None) -> list[dict]:
     """Every configuration on every layout: with ``checkpoint`` "auto", without activation checkpointing where
-    that fits, else with it."""
+    that fits, else with it.  ``torch_recompute`` ("selective" or "full"): the torch configurations run that
+    instead, fitting or not (torchtitan's defaults: ``TITAN_RECOMPUTE``)."""
+    from flashpar.sim.peers import PEERS
+    from flashpar.sim.step import is_torch
     from flashpar.sim.workload import Workload
 
     rows = []
     for layout in layouts:
         for name in configs:
             modes = {"on": [True], "off": [False], "auto": [False, True]}[checkpoint]
+            selective = False
+            if torch_recompute is not None and is_torch(PEERS[name]):
+                modes, selective = [torch_recompute == "full"], torch_recompute == "selective"
             for ckpt in modes:
                 w = Workload(cfg, layout, cluster, packs, elem_bytes=elem_bytes, checkpoint=ckpt, batch=batch,
-                             zero_prefetch=prefetch, zero_collective=zero_collective)
+                             zero_prefetch=prefetch, zero_collective=zero_collective, selective=selective)
                 r = row(w, name, capacity, flashpar_mode)
                 if r["fits"] == "yes" or ckpt == modes[-1]:
                     rows.append(r)
