@@ -37,7 +37,12 @@ def plan(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_
     first = greedy.calibrate()  # the pass (tol 0, force 0, share 1), where the mean did not move
     @functools.cache
     def whole() -> ArrayPlacement:  # the whole_doc baseline: planned once, where it can matter (see scored)
-        return greedy.run(float("inf"), 0, subgroups=False)
+        # as the whole_doc strategy plans it: with the mean of every document whole, not the calibrated one
+        calibrated, greedy.mean = greedy.mean, lower
+        try:
+            return greedy.run(float("inf"), 0, subgroups=False)
+        finally:
+            greedy.mean = calibrated
 
     ring_of = functools.cache(lambda: [f(doc_lens, n, starts) for f in (headtail, contiguous)])
     # per_doc, and torch_per_doc where the policy has it; in the order the baselines have always been compared in
