@@ -333,8 +333,9 @@ def _varlen_bwd(batch: Batch, dout, q, k, v, out, lse, scale):
     if q.device.type in VARLEN_DEVICES:
         _check_varlen(q)
         # dropout 0: the kernel never reads the generator state; these have the shapes and dtype the forward returns
-        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
-        unused = torch.zeros((), dtype=torch.uint64, device=q.device)
+        # (uninitialised: CUDA has few uint64 kernels, and nothing reads them)
+        rng = torch.empty(2, dtype=torch.uint64, device=q.device)
+        unused = torch.empty((), dtype=torch.uint64, device=q.device)
         return torch.ops.aten._flash_attention_backward(
             dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.T.to(torch.float32).contiguous(), batch.cu_q, batch.cu_k,
             batch.max_q, batch.max_k, 0.0, batch.causal, rng, unused, scale=scale)

@@ -126,8 +126,9 @@ def backward(dout, q, k, v, out, lse, causal: bool, mask, scale: float, ops: Ops
     qp, kp, vp, dop, op = (_pad_dim(x) for x in (q, k, v, dout.to(q.dtype), out.to(q.dtype)))
     lse = lse.to(torch.float32)
     if kernel == "flash":
-        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout 0: never read
-        unused = torch.zeros((), dtype=torch.uint64, device=q.device)
+        # dropout 0: never read; the forward's shapes and dtype, left uninitialised (torch has few uint64 CUDA kernels)
+        rng = torch.empty(2, dtype=torch.uint64, device=q.device)
+        unused = torch.empty((), dtype=torch.uint64, device=q.device)
         dq, dk, dv = ops.flash_bwd(dop.contiguous(), qp, kp, vp, op.contiguous(), lse.contiguous(), None, None, Lq, Lk,
                                    0.0, causal, rng, unused, scale=scale)[:3]
     else:
