@@ -123,25 +123,13 @@ def test_varlen_flash_calls_match_the_op_schemas_on_meta():
         assert dq.shape == (b.q_rows.numel(), h, d) and dk.shape == dv.shape == (b.k_rows.numel(), hkv, d)
         assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
     # operands FlashAttention-2 refuses (its TORCH_CHECKs, which the meta functions skip): one clear line
-    with pytest.raises(ValueError, match=r"float16 or bfloat16, got torch.float32\); use backend='math'"):
+    with pytest.raises(ValueError, match=r"bfloat16, got torch.float32\); use backend='flash' \(the default\)"):
         kernels.batch_forward(batches[0], q.float(), k.float(), v.float(), 0.125, "varlen")
     q12, k12 = torch.empty(t, h, 12, device=meta, dtype=torch.bfloat16), torch.empty(t, hkv, 12, device=meta,
                                                                                     dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="multiple of 8 and at most 256, got 12"):
         kernels.batch_forward(make_batches([Task(0, t, -1, 0, t, True)], True)[0].to(meta), q12, k12, k12, 0.125,
                               "varlen")
-
-
-def test_cuda_default_backend_is_one_constant(monkeypatch):
-    from flashpar.cp import kernels
-
-    cuda = torch.device("cuda", 0)
-    assert kernels.default_backend(torch.device("cpu"), torch.bfloat16, 128) == "flash"
-    assert kernels.default_backend(cuda, torch.bfloat16, 128) == kernels.CUDA_DEFAULT_BACKEND == "math"
-    monkeypatch.setattr(kernels, "CUDA_DEFAULT_BACKEND", "varlen")  # the flip, once gpu-check passes varlen
-    assert kernels.default_backend(cuda, torch.bfloat16, 128) == "varlen"
-    assert kernels.default_backend(cuda, torch.float32, 128) == "math"  # operands the kernel cannot take
-    assert kernels.default_backend(cuda, torch.float16, 12) == "math"
 
 
 @pytest.mark.cuda  # run by make gpu-check (python -m flashpar.gpu_check) on a GPU

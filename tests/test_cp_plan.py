@@ -132,17 +132,27 @@ def test_invalid_input_is_named(bad, words):
 
 
 def test_flashcp_beats_ring_and_all_gather_baselines_on_real_packs():
-    """Packs of 16K tokens from the standard library's real file lengths: flashcp is balanced, within the
-    token cap, and estimated no slower than headtail (ring) or per_doc (all-gather)."""
+    """Packs of 16K tokens from the standard library's real file lengths: flashcp is within the token cap, estimated
+    no slower than headtail, contiguous (ring) or per_doc (all-gather), and balanced, unless its pick is one of those
+    baselines: at N = 8 (2K tokens a rank, every document of some packs longer than that) a head-tail split of a
+    document makes each member's tail read every member's K/V, tasks of a few hundred keys and their kernel launches,
+    and the contiguous baseline's few long tasks can be faster however unbalanced."""
     from flashpar.corpus import document_lengths
 
+    balanced = 0
     for doc_lens in pack(document_lengths(limit=400), 16384)[:4]:
         for n in (4, 8):
-            best = plan(doc_lens, n).stats()
+            p = plan(doc_lens, n)
+            best = p.stats()
             assert best["token_imbalance"] <= 1.05 + 1e-9
-            assert best["compute_imbalance"] <= 1.05, best["compute_imbalance"]
-            for strategy in ("headtail", "per_doc"):
-                assert best["est_step_time"] <= plan(doc_lens, n, strategy=strategy).stats()["est_step_time"]
+            baselines = {s: plan(doc_lens, n, strategy=s) for s in ("headtail", "contiguous", "per_doc")}
+            for b in baselines.values():
+                assert best["est_step_time"] <= b.stats()["est_step_time"]
+            if best["compute_imbalance"] <= 1.05:
+                balanced += 1
+            else:
+                assert any(p.segments == b.segments for b in baselines.values()), best["compute_imbalance"]
+    assert balanced >= 6, balanced  # (of 8; two picks are contiguous's today)
 
 
 def test_megatron_dynamic_groups_are_powers_of_two_by_length():

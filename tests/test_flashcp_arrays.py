@@ -43,8 +43,11 @@ def test_level_and_sized_work_on_arrays_equal_python():
         sizes = [rng.randint(0, 3000) for _ in range(m - 1)]
         sizes.append(length - sum(sizes)) if sum(sizes) < length else sizes.append(0)
         start, total = rng.randint(0, 10**6), sum(sizes)
-        ref = [sum(g.cost.attn_time(causal_pairs(a, b, start), b - a, b - start) for a, b in ps if b > a)
-               + g.cost.linear_time(sum(b - a for a, b in ps)) for ps in sized_pieces(sizes, start, total)]
+        members = sized_pieces(sizes, start, total)
+        placed = [(a, b, k) for k, ps in enumerate(members) for a, b in ps if b > a]
+        ahead = lambda a, placed=placed: len({k for _, y, k in placed if y <= a})  # noqa: E731 - holders ahead
+        ref = [sum(g.cost.piece_cost(b - a, a - start, ahead(a)) for a, b in ps if b > a)
+               + g.cost.linear_time(sum(b - a for a, b in ps)) for ps in members]
         assert g.sized_work(start, total, sizes) == ref
 
 

@@ -35,8 +35,12 @@ def test_dry_run_runs_every_part_and_writes_the_report(tmp_path, capsys):
     tests = parts["tests"]  # collected from the checkout, skipped without a GPU
     names = [t["test"] for t in tests["result"]["tests"]]
     assert tests["status"] == "skipped" and any("test_varlen_cuda_kernel_matches_math" in n for n in names)
+    default = [n for n in names if "cuda_default" in n]  # the default backend's GPU tests, the report's verdict
+    assert any("test_cuda_default_backend_matches_math_on_a_long_pack" in n for n in default) and len(default) >= 4
     assert {t["outcome"] for t in tests["result"]["tests"]} == {"skipped"}
-    assert rep["varlen"]["passed"] is None and rep["varlen"]["detail"].startswith("skipped: needs a CUDA GPU")
+    for verdict in ("cuda_default", "varlen"):
+        assert rep[verdict]["passed"] is None and rep[verdict]["detail"].startswith("skipped: needs a CUDA GPU")
+    assert "; cuda_default not run; varlen not run; report:" in last
 
     cases = parts["attention"]["result"]["rows"]
     assert len(cases) == 2 and cases[1]["received_tokens"] > 0  # the whole pack, and one rank of a cp 2 plan
@@ -60,6 +64,8 @@ def test_dry_run_runs_every_part_and_writes_the_report(tmp_path, capsys):
     md = (tmp_path / "gpu-check.md").read_text()
     assert "One GPU cannot host two NCCL ranks" in md and "`flashpar simulate`" in md
     assert "made on the CPU" in md and "## GEMM split into N row pieces" in md
+    assert "**CUDA default backend (`flash`: torch's FlashAttention-2 / memory-efficient SDPA kernels) against math " \
+           "and float64: not run**" in md
     assert (tmp_path / "gpu-check.log").is_file()
 
 

@@ -112,13 +112,13 @@ def _slowest_rank_s(plan, device: CostModel) -> float:
 
 def test_the_device_decides_the_plan_of_the_bench_pack():
     """On an H100 preset the bench model's step is microseconds: splitting the long document costs more K/V
-    time than it balances, and the planner keeps every document whole (1.11x compute imbalance by its own
-    estimate).  On the CPU it splits the long document; there the whole-document plan's slowest rank takes
-    1.15x as long by the cpu preset (1.18x by the curves ``bench train`` measured,
-    docs/benchmarks/train-default.json)."""
+    time than it balances, and the planner keeps every document whole (1.08x compute imbalance by its own
+    estimate, kernel launches included: 5 and 8 calls).  On the CPU it splits the long document; there the
+    whole-document plan's slowest rank takes 1.14x as long by the cpu preset (1.18x by the curves ``bench train``
+    measured, docs/benchmarks/train-default.json)."""
     gpu = cp.plan(BENCH_PACK, 2, strategy="flashcp", cost=planner_cost(BENCH_MODEL, device_type="cuda"))
     cpu = cp.plan(BENCH_PACK, 2, strategy="flashcp", cost=planner_cost(BENCH_MODEL))
-    assert gpu.stats()["total_kv_bytes"] == 0 and gpu.stats()["compute_imbalance"] > 1.1
+    assert gpu.stats()["total_kv_bytes"] == 0 and gpu.stats()["compute_imbalance"] > 1.05
     assert cpu.stats()["total_kv_bytes"] > 0 and cpu.stats()["compute_imbalance"] < 1.01
     device = planner_cost(BENCH_MODEL)
     assert _slowest_rank_s(gpu, device) > 1.1 * _slowest_rank_s(cpu, device)

@@ -127,10 +127,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan, *
     """Causal document-masked attention of this rank's tokens (see the module docstring).
 
     ``group``: the context-parallel group (None: the default group; a ProcessGroup or a 1-D
-    DeviceMesh); its size must be ``plan.cp_size``.  ``backend``: ``"flash"`` (torch's CPU flash
-    attention, padded batches; the default on CPU), ``"math"`` (explicit per-batch matrices; the
-    default elsewhere) or ``"varlen"`` (FlashAttention-2's variable-length kernel on CUDA, fp16 /
-    bf16; not yet run on a GPU, hence not the default there; on CPU it runs per task, for tests).  ``counter``: a
+    DeviceMesh); its size must be ``plan.cp_size``.  ``backend``: ``"flash"`` (an SDPA-class kernel per
+    padded batch: torch's CPU flash attention on CPU, its fused FlashAttention-2 / memory-efficient kernels
+    on CUDA; the default on both), ``"math"`` (explicit per-batch matrices; the default on other devices
+    and for float64 on CUDA) or ``"varlen"`` (FlashAttention-2's variable-length kernel on CUDA, fp16 /
+    bf16; on CPU it runs per task, for tests).  ``counter``: a
     ``CommCounter`` that accumulates the bytes sent and received.  ``check``: validate shapes and
     cross-rank agreement (one small all-gather); every rank raises the same error on bad input.  With
     ``check=False`` (a caller that checked its step once, as ``ParallelLlama`` does) a call communicates

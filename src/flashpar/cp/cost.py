@@ -14,6 +14,9 @@ device's figures are one :class:`flashpar.cost.Hardware` (``hardware``, default 
     K/V bytes of one token                    2 kv_heads head_dim dtype_bytes
     attention task time   hardware.attn_time(pairs * 4 h d, q_len, k_len)
                           = pairs 4 h d / (flops attn_peak q/(q + attn_half) k/(k + attn_half))
+                          per task of the default backend (a piece's causal square, and a full task per
+                          rank holding keys before it: flashpar.cp.calls), at its own shape
+    attention launches    hardware.gemm_overhead_s per kernel call (a batch of tasks, flashpar.cp.calls)
     linear time           tokens * linear flops / hardware.gemm_flops     (the large-M rate: a
                                                                            rank holds thousands of rows)
     K/V time              bytes / hardware.link_bytes_per_s               (bandwidth only: the messages
@@ -133,10 +136,13 @@ class CostModel:
         A linear layer's backward is two GEMMs of its forward's size, 3x the forward in all; attention's
         backward takes ``BWD_ATTN_TIME`` x its forward, ``1 + BWD_ATTN_TIME`` in all.  Against the linears,
         attention therefore weighs ``(1 + BWD_ATTN_TIME) / 3`` (1.17x) what the forward alone says: the
-        attention rate is divided by that, every time stays per forward.  K/V time is unchanged (dK / dV
-        travel back in backward as K / V came in forward, overlapped the same way)."""
+        attention rate is divided by that, every time stays per forward.  An attention kernel call launches once
+        forward and once backward: its launch weighs ``2 / 3`` of a forward launch (``gemm_overhead_s``, which the
+        model charges for attention calls alone).  K/V time is unchanged (dK / dV travel back in backward as K / V
+        came in forward, overlapped the same way)."""
         step_weight = (1.0 + BWD_ATTN_TIME) / 3.0
-        return self.with_hardware(attn_peak=self.hardware.attn_peak / step_weight)
+        return self.with_hardware(attn_peak=self.hardware.attn_peak / step_weight,
+                                  gemm_overhead_s=self.hardware.gemm_overhead_s * 2.0 / 3.0)
 
     def with_hardware(self, **figures) -> CostModel:
         """This model on a device whose figures differ by ``figures`` (``Hardware`` field names)."""
@@ -169,6 +175,60 @@ class CostModel:
         work = np.asarray(pairs, dtype=np.float64) * self.flops_per_pair
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(work > 0, work / (self.hardware.flops * self.hardware.attn_efficiency(q_len, k_len)), 0.0)
+
+    def full_attn_time(self, length: int, keys: int, tasks: int) -> float:
+        """Attention time of ``tasks`` full tasks of ``length`` queries over ``keys`` keys in all, each at its own shape
+        (:mod:`flashpar.cp.calls`), in closed form: a task of ``h`` keys takes ``L h fpp / (flops attn_peak L / (L + c)
+        h / (h + c)) = fpp (L + c)(h + c) / (flops attn_peak)`` (``c = attn_half``, ``fpp`` the FLOPs per pair), so
+        they add up to ``fpp (L + c)(keys + tasks c) / (flops attn_peak)``: how the keys are shared out matters only
+        through the count."""
+        if length <= 0 or tasks <= 0:
+            return 0.0
+        hw = self.hardware
+        return self.flops_per_pair * (length + hw.attn_half) * (keys + tasks * hw.attn_half) / (hw.flops * hw.attn_peak)
+
+    def full_attn_times(self, length, keys, tasks):
+        """:meth:`full_attn_time` on arrays (numpy, elementwise; the same floats)."""
+        length, keys, tasks = (np.asarray(x, dtype=np.int64) for x in (length, keys, tasks))
+        hw = self.hardware
+        t = self.flops_per_pair * (length.astype(np.float64) + hw.attn_half) * (keys + tasks * hw.attn_half) / (
+            hw.flops * hw.attn_peak)
+        return np.where((length > 0) & (tasks > 0), t, 0.0)
+
+    def piece_attn_time(self, length: int, before: int, holders: int) -> float:
+        """Attention time of a piece of ``length`` queries whose document has ``before`` tokens ahead of it, held by
+        ``holders`` ranks: its causal square and a full task per holder (:meth:`full_attn_time`)."""
+        if length <= 0:
+            return 0.0
+        return self.attn_time(length * (length + 1) // 2, length, length) + self.full_attn_time(length, before, holders)
+
+    def piece_attn_times(self, length, before, holders):
+        """:meth:`piece_attn_time` on arrays (numpy, elementwise; the same floats)."""
+        length = np.asarray(length, dtype=np.int64)
+        q = length.astype(np.float64)
+        return self.attn_times(length * (length + 1) // 2, q, q) + self.full_attn_times(length, before, holders)
+
+    def piece_cost(self, length: int, before: int, holders: int) -> float:
+        """:meth:`piece_attn_time` and a launch (``gemm_overhead_s``) for each of the piece's ``1 + holders`` tasks:
+        what the planner's greedy charges a piece of a cut document (its tasks rarely share a batch: each reads
+        another rank's buffer; the launches of whole documents, one per ladder length a rank holds, are left to
+        the figures, which count batches).  (Inlined: the greedy asks for thousands.)"""
+        if length <= 0:
+            return 0.0
+        hw = self.hardware
+        t = self.attn_time(length * (length + 1) // 2, length, length)
+        if holders > 0:
+            t += self.flops_per_pair * (length + hw.attn_half) * (before + holders * hw.attn_half) / (
+                hw.flops * hw.attn_peak)
+        return t + (1 + holders) * hw.gemm_overhead_s
+
+    def piece_costs(self, length, before, holders):
+        """:meth:`piece_cost` on arrays (numpy, elementwise; the same floats)."""
+        hw = self.hardware
+        q = length.astype(np.float64)
+        full = self.flops_per_pair * (q + hw.attn_half) * (before + holders * hw.attn_half) / (hw.flops * hw.attn_peak)
+        t = self.attn_times(length * (length + 1) // 2, q, q) + np.where(holders > 0, full, 0.0)
+        return np.where(length > 0, t + (1 + holders) * hw.gemm_overhead_s, 0.0)
 
     def linear_time(self, tokens: int) -> float:
         return tokens * self.flops_per_token / self.hardware.gemm_flops

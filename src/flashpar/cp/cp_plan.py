@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from flashpar.cp.calls import ahead, full_calls, square_calls
 from flashpar.cp.cost import CostModel
 
 Segment = tuple[int, int]
@@ -47,21 +48,25 @@ class RankFigures:
     tokens: list[int]
     attn_pairs: list[int]
     recv_tokens: list[int]
-    compute: list[float]  # linear + all attention
-    remote: list[float]  # attention whose keys come from other ranks
+    compute: list[float]  # linear + all attention, its kernel launches included
+    remote: list[float]  # attention whose keys come from other ranks, its launches included
     comm: list[float]
     time: list[float]  # max(compute, comm + remote)
     step: float  # the plan's estimated step: CostModel.step_time (the slowest rank's time, unless ranks share cores)
+    calls: list[int]  # attention kernel calls of the rank, one direction (flashpar.cp.calls)
+    launch: list[float]  # their launch time (calls x gemm_overhead_s), within compute
 
 
 def rank_figures(segments, doc_lens, doc_starts, cost: CostModel, comm: str) -> RankFigures:
     """Work and traffic of every rank of a placement (the planner scores candidates with this).
 
-    Per rank, over its pieces ``[a, b)`` in token order (document ``d`` from ``s``; ``h`` the tokens of ``d`` it
-    holds before the piece): ``p = causal_pairs(a, b, s)`` pairs, of them ``(b - a) h + (b - a)(b - a + 1) / 2``
-    on local keys; the piece's attention time ``t`` splits in that ratio into local and remote time.  It
-    receives, per document, ``[s, end of its last piece)`` less what it holds.  Computed on arrays (numpy),
-    with every float rounded as the scalar formulas round it and the per-rank sums taken in token order."""
+    Per rank, over its pieces ``[a, b)`` in token order (document ``d`` from ``s``; ``L = b - a``), the kernel calls
+    the default backend makes (:mod:`flashpar.cp.calls`): the causal square ``(L, L)`` on local keys, and per rank
+    ``o`` holding ``h_o`` tokens of ``d`` before ``a`` a full task ``(L, h_o)``, local where ``o`` is the rank, else
+    remote; each at the efficiency of its own shape (``CostModel.attn_times``), and one launch
+    (``gemm_overhead_s``) per batch of them, local or remote as the batch's keys are.  ``p = causal_pairs(a, b, s)``
+    pairs in all.  It receives, per document, ``[s, end of its last piece)`` less what it holds.  Computed on arrays
+    (numpy), the per-rank sums taken in token order."""
     n = len(segments)
     counts = np.fromiter((len(s) for s in segments), dtype=np.int64, count=n)
     m = int(counts.sum())
@@ -97,7 +102,8 @@ def figures_of_arrays(rank, a, b, n: int, total: int, doc_starts, cost: CostMode
     """:func:`rank_figures` of the pieces ``[a_i, b_i)`` held by ``rank_i`` (arrays, in any order).  ``whole``:
     (lengths, :func:`whole_doc_times`) of the documents, where known: a piece that is a whole document then takes its
     time from there (the same float) and the formulas below run on the other pieces alone (a whole document is a
-    group of its own, receives nothing and has no remote work, and adding 0.0 changes no sum)."""
+    group of its own, receives nothing, has no full task and no remote work, and adding 0.0 changes no sum; the
+    kernel calls of its causal square are counted with every piece's)."""
     order = by_rank_start(rank, a)  # per rank, by start: sorted(segs)
     if order is not None:
         a, b, rank = a[order], b[order], rank[order]
@@ -115,80 +121,85 @@ def figures_of_arrays(rank, a, b, n: int, total: int, doc_starts, cost: CostMode
         if len(part) * 2 > len(a):  # (mostly cut: the formulas on all of them)
             part = None
     if part is None:
-        local_t, remote_t, recv_r, part_counts = _cut_figures(rank, a, b, doc, s, length, pairs, n, total, cost)
+        local_t, remote_t, recv_r, part_counts, calls = _cut_figures(rank, a, b, doc, s, length, n, total, cost)
     else:
         local_t = times[doc]
         if len(part):
-            lt_p, remote_t, recv_r, part_counts = _cut_figures(rank[part], a[part], b[part], doc[part], s[part],
-                                                               length[part], pairs[part], n, total, cost)
+            lt_p, remote_t, recv_r, part_counts, calls = _cut_figures(rank[part], a[part], b[part], doc[part], s[part],
+                                                                      length[part], n, total, cost)
             local_t[part] = lt_p
         else:
             remote_t, recv_r, part_counts = np.zeros(0), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+            calls = (np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
     lt, rt = _sums_in_order(local_t, counts), _sums_in_order(remote_t, part_counts)
     recv = (total - tokens_r) if comm == "all" else recv_r
-    return _figures(tokens_r, pairs_r, recv, lt, rt, cost)
+    return _figures(tokens_r, pairs_r, recv, lt, rt, square_calls(rank, length, n) + calls[0], calls[1], cost)
 
 
-def _figures(tokens_r, pairs_r, recv, lt, rt, cost: CostModel) -> RankFigures:
-    """Per-rank sums (arrays: tokens, pairs, tokens received, local and remote attention time) -> RankFigures:
-    ``compute = linear_time(tokens) + lt + rt``, the K/V time, ``max(compute, comm + rt)`` and the step."""
+def _figures(tokens_r, pairs_r, recv, lt, rt, local_calls, remote_calls, cost: CostModel) -> RankFigures:
+    """Per-rank sums (arrays: tokens, pairs, tokens received, local and remote attention time, kernel calls on local
+    and on remote keys) -> RankFigures: each call adds a launch to its side, ``compute = linear_time(tokens) + lt +
+    rt``, the K/V time, ``max(compute, comm + rt)`` and the step."""
     hw = cost.hardware
+    lt = lt + local_calls * hw.gemm_overhead_s
+    rt = rt + remote_calls * hw.gemm_overhead_s
     compute = tokens_r * cost.flops_per_token / hw.gemm_flops + lt + rt  # linear_time(tokens) + lt + rt
     comm_t = (recv * cost.kv_bytes_per_token) / hw.link_bytes_per_s
     time = np.maximum(compute, comm_t + rt)
+    calls = local_calls + remote_calls
     return RankFigures(tokens_r.tolist(), pairs_r.tolist(), recv.tolist(), compute.tolist(), rt.tolist(),
-                       comm_t.tolist(), time.tolist(), cost.step_time(compute, rt, comm_t))
+                       comm_t.tolist(), time.tolist(), cost.step_time(compute, rt, comm_t), calls.tolist(),
+                       (calls * hw.gemm_overhead_s).tolist())
 
 
-def _cut_figures(rank, a, b, doc, s, length, pairs, n: int, total: int, cost: CostModel):
-    """Per piece (sorted by rank and start; ``doc`` and its start ``s``), its local and remote attention time; per
-    rank, the tokens it receives (sharding-aware) and its count of pieces."""
+def _cut_figures(rank, a, b, doc, s, length, n: int, total: int, cost: CostModel):
+    """Per piece (sorted by rank and start; ``doc`` and its start ``s``), its local and remote attention time: its
+    causal square and full task on its own rank's keys ahead, its full tasks on the other ranks' (closed form,
+    ``CostModel.full_attn_times``); per rank, the tokens it receives (sharding-aware), its count of pieces and the
+    kernel calls of its full tasks on local and on remote keys (:mod:`flashpar.cp.calls`)."""
     m = len(a)
     # groups: consecutive pieces of one document on one rank
     new = np.ones(m, dtype=bool)
     new[1:] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1])
-    gid = np.cumsum(new) - 1
     csum = np.cumsum(length)
     group_first = np.flatnonzero(new)
     before_group = (csum - length)[group_first]  # tokens of the rank's earlier groups (running over all)
-    held_before = csum - length - before_group[gid]
-    local_p = length * held_before + length * (length + 1) // 2
-    t = cost.attn_times(pairs, length.astype(np.float64), (b - s).astype(np.float64))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        local_t = t * local_p.astype(np.float64) / pairs
-        remote_t = t * (pairs - local_p).astype(np.float64) / pairs
+    keys = ahead(rank, a, doc, length, n)
+    mine = (keys.own > 0).astype(np.int64)
+    q = length.astype(np.float64)
+    local_t = cost.attn_times(length * (length + 1) // 2, q, q) + cost.full_attn_times(length, keys.own, mine)
+    remote_t = cost.full_attn_times(length, (a - s) - keys.own, keys.holders - mine)
     # receive: per group, (last end - doc start) - held tokens
     group_last = np.append(group_first[1:], m) - 1
     held = csum[group_last] - before_group
     recv_g = (b[group_last] - s[group_first]) - held
-    return local_t, remote_t, _int_sums(rank[group_first], recv_g, n, total), np.bincount(rank, minlength=n)
+    return (local_t, remote_t, _int_sums(rank[group_first], recv_g, n, total), np.bincount(rank, minlength=n),
+            full_calls(rank, a, doc, length, keys, n))
 
 
 def whole_doc_times(lens, cost: CostModel, attn=None):
-    """Attention time of each document (lengths ``lens``, an int64 array) held whole on one rank: all of it on local
-    keys, rounded as :func:`figures_of_arrays` rounds a piece that is a whole document (``t p / p``).  ``attn``:
-    ``cost.attn_times(pairs, L, L)`` of the documents, where the caller has them (``t``)."""
-    pairs = lens * (lens + 1) // 2
-    if attn is None:
-        q = lens.astype(np.float64)
-        attn = cost.attn_times(pairs, q, q)
-    t = attn
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return t * pairs.astype(np.float64) / pairs
+    """Attention time of each document (lengths ``lens``, an int64 array) held whole on one rank: its causal square,
+    ``cost.attn_times(L (L + 1) / 2, L, L)``, the float :func:`figures_of_arrays` gives such a piece.  ``attn``: those
+    times, where the caller has them."""
+    if attn is not None:
+        return attn
+    q = lens.astype(np.float64)
+    return cost.attn_times(lens * (lens + 1) // 2, q, q)
 
 
 def figures_of_whole(rank, docs, n: int, lens, times, cost: CostModel) -> RankFigures:
     """:func:`figures_of_arrays` (sharding-aware) of a placement of whole documents: document ``docs[i]`` on rank
     ``rank[i]``, sorted by (rank, start); ``lens`` and ``times`` (:func:`whole_doc_times`) per document.  The same
     floats: nothing is received and no attention is remote, so a rank's compute is its linear time plus its
-    documents' attention times, added in token order."""
+    documents' attention times, added in token order, and a launch per distinct ladder length of its documents."""
     length = lens[docs]
     total = int(lens.sum())
     tokens_r = _int_sums(rank, length, n, total)
     pairs_r = _int_sums(rank, length * (length + 1) // 2, n, total)
     counts = np.bincount(rank, minlength=n)
     lt, rt = _sums_in_order(times[docs], counts), np.zeros(n)
-    return _figures(tokens_r, pairs_r, np.zeros(n, dtype=np.int64), lt, rt, cost)
+    none = np.zeros(n, dtype=np.int64)
+    return _figures(tokens_r, pairs_r, none, lt, rt, square_calls(rank, length, n), none, cost)
 
 
 def aware_send_tokens(segments, doc_starts, total: int) -> list[int]:

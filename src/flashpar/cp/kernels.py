@@ -22,21 +22,35 @@ backward takes them) is that task's exact share of the gradient:
 and the shares add up over tasks to the gradient of the whole attention.
 
 Batching: tasks of a phase with the same kind and similar lengths run as one padded batch (lengths
-rounded up on a ladder of steps at most 1.25x; above ``PAD_LIMIT`` only equal lengths share a batch),
-so many short documents make a few kernel calls, not thousands.  Padding is exact: query pads sit
-after the real queries (a causal query never sees a later key; pad outputs are dropped and pad rows
-get zero gradient input), key pads of a full task are masked with ``-inf``.
+rounded up on a ladder of steps at most 1.25x, ``flashpar.cp.ladder``; above ``PAD_LIMIT`` only equal
+lengths share a batch), so many short documents make a few kernel calls, not thousands.  Padding is
+exact: query pads sit after the real queries (a causal query never sees a later key; pad outputs are
+dropped and pad rows get zero gradient input), key pads of a full task are masked with ``-inf``.  A
+causal batch is square (query and key lengths pad alike), so a causal kernel's alignment (upper-left
+or lower-right) does not matter.
 
-Backends: ``flash`` is torch's flash attention for CPU
-(``_scaled_dot_product_flash_attention_for_cpu`` and its backward: GQA native, never a T x T mask);
-``math`` computes the same with explicit matrices per batch, on any device (the reference for tests
-and, until ``make gpu-check`` passes ``varlen`` on a GPU, the default on CUDA: ``CUDA_DEFAULT_BACKEND``);
-``varlen`` packs a phase's tasks of one kind without padding, with cumulative offsets, for
-FlashAttention-2's variable-length kernel on CUDA (``_flash_attention_forward`` /
-``_flash_attention_backward``: one launch per phase and kind; fp16 and bf16, head dimension a multiple
-of 8 up to 256; the calls are checked against the op schemas on the meta device, the kernel has not
-yet run on a GPU), and runs the same batches task by task with the CPU kernel elsewhere, which is how
-its packing is tested.
+Backends:
+
+* ``flash``, the default on CPU and on CUDA: one SDPA-class kernel call per batch, forward and
+  backward.  On CPU torch's flash attention for CPU (``_scaled_dot_product_flash_attention_for_cpu``
+  and its backward: GQA native, the key mask as ``attn_mask``, never a T x T matrix).  On CUDA torch's
+  fused kernels that return the log-sum-exp (``flashpar.cp.sdpa_cuda``): FlashAttention-2
+  (``_scaled_dot_product_flash_attention``: fp16 / bf16, GQA native, no mask) for every batch it can
+  take, the memory-efficient kernel (``_scaled_dot_product_efficient_attention``: fp32, or a key-padded
+  full batch through its additive bias; K/V heads expanded for GQA) for the rest.  Neither builds a
+  score matrix, so memory stays linear in the chunk: at 128K tokens an explicit matrix per batch is not
+  slower but impossible.  The calls are checked against the op schemas on the meta device and run on
+  CPU against stand-ins of the kernels' documented semantics (``tests/test_cp_sdpa_cuda.py``);
+  ``make gpu-check`` runs them against ``math`` on a GPU.
+* ``math`` computes the same with explicit matrices per batch, on any device: the reference for
+  tests, and the default where no fused kernel applies (devices other than CPU and CUDA; float64 on
+  CUDA, which no fused CUDA kernel takes).
+* ``varlen`` packs a phase's tasks of one kind without padding, with cumulative offsets, for
+  FlashAttention-2's variable-length kernel on CUDA (``_flash_attention_forward`` /
+  ``_flash_attention_backward``: one launch per phase and kind; fp16 and bf16, head dimension a
+  multiple of 8 up to 256; the calls are checked against the op schemas on the meta device), and runs
+  the same batches task by task with the CPU kernel elsewhere, which is how its packing is tested.
+  Selectable by name.
 """
 
 from __future__ import annotations
@@ -46,8 +60,8 @@ from dataclasses import dataclass
 
 import torch
 
-PAD_LIMIT = 2048  # above this length a task is batched only with tasks of exactly its shape
-MIN_PAD = 8
+from flashpar.cp import sdpa_cuda
+from flashpar.cp.ladder import PAD_LIMIT, padded_len  # noqa: F401 - PAD_LIMIT: the batching rule's, named here too
 
 
 @dataclass(frozen=True)
@@ -58,16 +72,6 @@ class Task:
     k0: int
     k1: int
     causal: bool
-
-
-def padded_len(n: int) -> int:
-    """``n`` rounded up to ``m 2^e`` with ``m`` in 4..8 (at most 1.25x above ``n``); exact above PAD_LIMIT."""
-    if n > PAD_LIMIT:
-        return n
-    if n <= MIN_PAD:
-        return MIN_PAD
-    e = max(0, n.bit_length() - 3)
-    return -(-n >> e) << e
 
 
 @dataclass
@@ -208,14 +212,38 @@ def _mask(batch: Batch, dtype: torch.dtype) -> torch.Tensor | None:
 # kernels on [B, H, L, D] operands
 
 
-def _flash_fwd(q, k, v, causal, mask, scale):
+def _cpu_flash_fwd(q, k, v, causal, mask, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
                                                                       scale=scale)
 
 
-def _flash_bwd(dout, q, k, v, out, lse, causal, mask, scale):
+def _cpu_flash_bwd(dout, q, k, v, out, lse, causal, mask, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+FLASH_KERNELS = {
+    "cpu": (_cpu_flash_fwd, _cpu_flash_bwd),
+    "cuda": (sdpa_cuda.forward, sdpa_cuda.backward),
+    "meta": (sdpa_cuda.forward, sdpa_cuda.backward),  # torch's shape functions of the CUDA ops (tests check the calls)
+}
+"""The ``flash`` backend's (forward, backward) per device type, each taking ``[B, H, L, D]`` operands, the batch's
+kind, its additive key mask (or ``None``) and the scale."""
+
+
+def _flash_kernels(device: torch.device):
+    try:
+        return FLASH_KERNELS[device.type]
+    except KeyError:
+        raise ValueError(f"cp flash backend: no fused attention kernel on {device.type}; use backend='math'") from None
+
+
+def _flash_fwd(q, k, v, causal, mask, scale):
+    return _flash_kernels(q.device)[0](q, k, v, causal, mask, scale)
+
+
+def _flash_bwd(dout, q, k, v, out, lse, causal, mask, scale):
+    return _flash_kernels(q.device)[1](dout, q, k, v, out, lse, causal, mask, scale)
 
 
 def _scores(q, k, causal, mask, scale):
@@ -272,7 +300,7 @@ def _check_varlen(q: torch.Tensor) -> None:
     why = varlen_unsupported(q.dtype, q.shape[-1])
     if why is not None:
         raise ValueError(f"cp varlen backend on {q.device.type}: FlashAttention-2's variable-length kernel cannot "
-                         f"run these operands ({why}); use backend='math'")
+                         f"run these operands ({why}); use backend='flash' (the default)")
 
 
 def _varlen_fwd(batch: Batch, q, k, v, scale):
@@ -291,7 +319,7 @@ def _varlen_fwd(batch: Batch, q, k, v, scale):
         return out, lse.T
     outs, lses = [], []
     for (a, b), (c, d) in zip(_spans(batch.cu_q), _spans(batch.cu_k), strict=True):
-        o, m = _flash_fwd(_bhld(q[a:b], 1), _bhld(k[c:d], 1), _bhld(v[c:d], 1), batch.causal, None, scale)
+        o, m = _cpu_flash_fwd(_bhld(q[a:b], 1), _bhld(k[c:d], 1), _bhld(v[c:d], 1), batch.causal, None, scale)
         outs.append(_rows_of(o, None))
         lses.append(_lse_rows(m, None))
     return torch.cat(outs), torch.cat(lses)
@@ -305,14 +333,15 @@ def _varlen_bwd(batch: Batch, dout, q, k, v, out, lse, scale):
     if q.device.type in VARLEN_DEVICES:
         _check_varlen(q)
         # dropout 0: the kernel never reads the generator state; these have the shapes and dtype the forward returns
-        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
-        unused = torch.zeros((), dtype=torch.uint64, device=q.device)
+        # (uninitialised: CUDA has few uint64 kernels, and nothing reads them)
+        rng = torch.empty(2, dtype=torch.uint64, device=q.device)
+        unused = torch.empty((), dtype=torch.uint64, device=q.device)
         return torch.ops.aten._flash_attention_backward(
             dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.T.to(torch.float32).contiguous(), batch.cu_q, batch.cu_k,
             batch.max_q, batch.max_k, 0.0, batch.causal, rng, unused, scale=scale)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for (a, b), (c, d) in zip(_spans(batch.cu_q), _spans(batch.cu_k), strict=True):
-        g = _flash_bwd(_bhld(dout[a:b], 1).contiguous(), _bhld(q[a:b], 1), _bhld(k[c:d], 1), _bhld(v[c:d], 1),
+        g = _cpu_flash_bwd(_bhld(dout[a:b], 1).contiguous(), _bhld(q[a:b], 1), _bhld(k[c:d], 1), _bhld(v[c:d], 1),
                        _bhld(out[a:b], 1).contiguous(), lse[a:b].T.unsqueeze(0).contiguous(), batch.causal, None,
                        scale)
         dq[a:b], dk[c:d], dv[c:d] = (_rows_of(x, None) for x in g)
@@ -328,21 +357,22 @@ BACKENDS = {"flash": (_flash_fwd, _flash_bwd), "math": (_math_fwd, _math_bwd), "
 
 
 CPU_DEFAULT_BACKEND = "flash"
-CUDA_DEFAULT_BACKEND = "math"
-"""The backend ``attention`` and ``segment_attention`` use on CUDA when none is named.  ``varlen`` once
-``make gpu-check`` reports ``test_varlen_cuda_kernel_matches_math`` passing on a GPU (its report says
-so); until then ``math``.  Operands the varlen kernel cannot take (``varlen_unsupported``: fp32, odd
-head dimensions) fall back to ``math`` either way."""
+CUDA_DEFAULT_BACKEND = "flash"
+"""The backend ``attention`` and ``segment_attention`` use on CUDA when none is named: torch's fused SDPA kernels
+per batch (FlashAttention-2, else the memory-efficient kernel: ``sdpa_cuda``), the path CPU runs with its own
+flash kernel.  Never ``math`` there for the dtypes those kernels take (fp16, bf16, fp32): an explicit score matrix
+per batch is quadratic in the chunk's memory.  ``make gpu-check`` reports whether it matched ``math`` on a GPU."""
 
 
 def default_backend(device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None) -> str:
-    """The backend for operands on ``device`` (of ``dtype`` and ``head_dim``, where known)."""
+    """The backend for operands on ``device`` (of ``dtype``, where known; ``head_dim`` changes nothing: the fused
+    kernels pad it).  ``math`` only where no fused kernel applies: devices other than CPU and CUDA, and float64 on
+    CUDA."""
     if device.type == "cpu":
         return CPU_DEFAULT_BACKEND
-    if CUDA_DEFAULT_BACKEND == "varlen" and (
-            dtype is None or head_dim is None or varlen_unsupported(dtype, head_dim) is not None):
-        return "math"
-    return CUDA_DEFAULT_BACKEND
+    if device.type == "cuda":
+        return "math" if dtype is not None and sdpa_cuda.unsupported(dtype) else CUDA_DEFAULT_BACKEND
+    return "math"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ the op schemas and the CPU tests.  This command spends such minutes on four part
 child process with its own hard time limit, so a hang or a crash costs one part, not the lease::
 
     part       what it runs                                                        limit (s)
-    tests      pytest -m cuda: every CUDA-only test (the varlen FlashAttention-2       90
-               backend against math, forward and backward; cp.attention on CUDA)
+    tests      pytest -m cuda: every CUDA-only test (the default backend, torch's      90
+               fused SDPA kernels, and the varlen FlashAttention-2 backend against
+               math, forward and backward; cp.attention on CUDA)
     attention  TFLOP/s of the CP segment-attention backends on real packs (shipped    150
                length lists, 32K-128K tokens, Llama-8B heads, bf16), forward and
                backward, against dense causal FlashAttention (SDPA) of the same

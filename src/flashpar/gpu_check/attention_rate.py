@@ -14,7 +14,8 @@ Lq Lk), never padding:
 The reference is dense causal attention through SDPA's flash backend over ``L`` tokens with about the
 same useful pairs (``L = sqrt(2 pairs)``, one sequence), timed the same way; ``vs dense`` is the
 backend's TFLOP/s over the reference's.  ``predicted`` is the cost model's rate for the same tasks
-(``Hardware.attn_time`` per task, the device's preset), so a calibration can be read off the table.
+(``Hardware.attn_time`` per task and a launch per kernel call of the default backend, the device's
+preset), so a calibration can be read off the table.
 The ``math`` backend builds every batch's score matrix; batches that would need more than
 ``MATH_LIMIT_BYTES`` are not run (the row says so).
 """
@@ -71,8 +72,9 @@ TINY = Sizes((Case("sotu", 512, 1, scale=32), Case("sotu", 512, 2, scale=32)),
 
 
 def backends_for(device: torch.device) -> tuple[str, ...]:
-    """``flash`` is torch's CPU kernel; on CUDA the segment backends are ``math`` and ``varlen``."""
-    return ("math", "varlen") if device.type == "cuda" else ("math", "flash", "varlen")  # math first: the reference
+    """Every backend, ``math`` first (the reference): ``flash`` is torch's CPU flash kernel on the CPU and its fused
+    SDPA kernels on CUDA (the default on both); ``varlen`` FlashAttention-2's variable-length kernel on CUDA."""
+    return ("math", "flash", "varlen")
 
 
 def useful_pairs(layout) -> int:
@@ -85,9 +87,10 @@ def useful_pairs(layout) -> int:
     return total
 
 
-def predicted_seconds(layout, hw: costs.Hardware, heads: int, head_dim: int, factor: float) -> float:
-    """The cost model's time of the rank's tasks: ``attn_time`` per task, ``factor`` FLOPs per pair and head dim."""
-    total = 0.0
+def predicted_seconds(layout, hw: costs.Hardware, heads: int, head_dim: int, factor: float, calls: int = 0) -> float:
+    """The cost model's time of the rank's tasks: ``attn_time`` per task, ``factor`` FLOPs per pair and head dim, and
+    one launch (``gemm_overhead_s``) per kernel call of the default backend (``calls``: its batches)."""
+    total = calls * hw.gemm_overhead_s
     for phase in layout.phases:
         for b in phase:
             for q, k in zip(b.cu_q.diff().tolist(), b.cu_k.diff().tolist(), strict=True):
@@ -186,12 +189,13 @@ def run_case(case: Case, sizes: Sizes, device: torch.device, hw: costs.Hardware,
     dout = mk(layout.tokens, h)
     scale = d ** -0.5
     fwd_flops, bwd_flops = 4 * pairs * h * d, 10 * pairs * h * d
+    calls = sum(len(p) for p in rank_layout(plan, case.rank).phases)  # the default backend's batches
     row = {"case": case.label, "rank": rank, "documents": len(lens), "longest": max(lens),
            "local_tokens": layout.tokens,
            "received_tokens": sum(layout.recv_tokens(o) for o in bufs if o != -1), "pairs": pairs,
            "fwd_gflop": fwd_flops / 1e9, "backends": [],
-           "predicted_fwd_tflops": fwd_flops / predicted_seconds(layout, hw, h, d, 4) / 1e12,
-           "predicted_bwd_tflops": bwd_flops / predicted_seconds(layout, hw, h, d, 10) / 1e12}
+           "predicted_fwd_tflops": fwd_flops / predicted_seconds(layout, hw, h, d, 4, calls) / 1e12,
+           "predicted_bwd_tflops": bwd_flops / predicted_seconds(layout, hw, h, d, 10, calls) / 1e12}
     t0 = time.perf_counter()
     share = budget_s / (len(backends_for(device)) + 1)
     reference = None

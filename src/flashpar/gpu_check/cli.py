@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from flashpar.gpu_check import report
+from flashpar.gpu_check.cuda_tests import VERDICTS
 from flashpar.gpu_check.parts import NAMES, PARTS, Context, run_part
 from flashpar.gpu_check.runner import Outcome
 
@@ -49,7 +50,9 @@ def setup(device: str, tiny: bool, root: Path) -> dict:
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
     schemas = {}
-    for op in ("_flash_attention_forward", "_flash_attention_backward"):
+    for op in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+               "_flash_attention_forward", "_flash_attention_backward"):
         packet = getattr(torch.ops.aten, op, None)
         schemas[op] = str(packet.default._schema) if packet is not None else "missing"
     return {"device": device, "device_name": name, "tiny": tiny, "torch": torch.__version__,
@@ -91,15 +94,16 @@ def main(argv: list[str] | None = None) -> int:
         info["wall_s"] = time.perf_counter() - t0
         info["limit_s"] = float(sum(q.limit_s for q in parts))
         tests = next((o for o in outcomes if o.name == "tests"), None)
-        varlen = tests.result.get("varlen") if tests is not None else None
+        absent = {"passed": None, "tests": 0, "detail": "the tests part did not run"}
         rep = {"setup": info, "notes": list(report.NOTES),
-               "varlen": varlen or {"passed": None, "tests": 0, "detail": "the tests part did not run"},
+               **{name: (tests.result.get(name) if tests is not None else None) or absent for name in VERDICTS},
                "parts": [o.row() for o in outcomes]}
         js, md = report.write(rep, out)
         log = out / "gpu-check.log"
         log.write_text("\n".join(f"===== {o.name}: {o.status} =====\n{o.output}" for o in outcomes))
     bad = [o.name for o in outcomes if o.status not in ("passed", "skipped")]
-    print(f"gpu-check: {'all parts passed' if not bad else 'NOT passed: ' + ', '.join(bad)}; varlen "
-          f"{ {True: 'passed', False: 'FAILED', None: 'not run'}[rep['varlen']['passed']] }; report: {md} "
-          f"(and {js.name}, {log.name})", flush=True)
+    said = {True: "passed", False: "FAILED", None: "not run"}
+    print(f"gpu-check: {'all parts passed' if not bad else 'NOT passed: ' + ', '.join(bad)}; "
+          + "; ".join(f"{name} {said[rep[name]['passed']]}" for name in VERDICTS)
+          + f"; report: {md} (and {js.name}, {log.name})", flush=True)
     return 0 if not bad else 1

@@ -3,8 +3,10 @@
 The files are those of ``tests/`` that use the marker (found by their text, so pytest imports no
 other test module); ``-m cuda`` selects the tests; the outcome of each comes from pytest's JUnit XML.
 Without a GPU the tests skip themselves (``skipif``), which is what the CPU rehearsal reports.
-``varlen`` sums up the tests of the varlen FlashAttention-2 backend (their ids name it): whether
-``flashpar.cp.kernels.CUDA_DEFAULT_BACKEND`` may become ``"varlen"``.
+Two verdicts sum up groups of tests by their ids: ``cuda_default``, the tests of the backend
+``cp.attention`` runs by default on CUDA (``flashpar.cp.kernels.CUDA_DEFAULT_BACKEND``: torch's fused
+SDPA kernels) against ``math`` and float64 (ids naming ``cuda_default``); ``varlen``, those of the
+varlen FlashAttention-2 backend (ids naming ``varlen``).
 """
 
 from __future__ import annotations
@@ -45,21 +47,29 @@ def parse_junit(xml: Path) -> list[dict]:
     return rows
 
 
-def varlen_verdict(rows: list[dict]) -> dict:
-    """``passed``: True (every varlen test passed), False (one failed), None (none ran: skipped or absent)."""
-    mine = [r for r in rows if "varlen" in r["test"]]
+VERDICTS = ("cuda_default", "varlen")  # the report's verdicts: the tests whose ids hold the name
+
+
+def verdict(rows: list[dict], name: str) -> dict:
+    """Of the tests whose ids hold ``name``: ``passed`` True (every one passed), False (one failed), None (none ran:
+    skipped or absent)."""
+    mine = [r for r in rows if name in r["test"]]
     ran = [r for r in mine if r["outcome"] != "skipped"]
     if not ran:
-        why = "skipped: " + mine[0]["message"] if mine else "no varlen test was collected"
+        why = "skipped: " + mine[0]["message"] if mine else f"no {name} test was collected"
         return {"passed": None, "tests": len(mine), "detail": why}
     bad = [r["test"] for r in ran if r["outcome"] != "passed"]
     return {"passed": not bad, "tests": len(ran), "detail": ("failed: " + ", ".join(bad)) if bad else "all passed"}
 
 
+def verdicts(rows: list[dict]) -> dict:
+    return {name: verdict(rows, name) for name in VERDICTS}
+
+
 def run(part, ctx) -> Outcome:
     files = test_files(ctx.root)
     if not files:
-        return Outcome(part.name, "skipped", 0.0, part.limit_s, {"tests": [], "varlen": varlen_verdict([])}, "",
+        return Outcome(part.name, "skipped", 0.0, part.limit_s, {"tests": [], **verdicts([])}, "",
                        f"no test file under {ctx.root / 'tests'} uses {MARK} (run from a checkout)")
     xml = ctx.work / "cuda-tests.xml"
     xml.unlink(missing_ok=True)
@@ -69,7 +79,7 @@ def run(part, ctx) -> Outcome:
     rows = parse_junit(xml) if xml.is_file() else []
     counts = {k: sum(r["outcome"] == k for r in rows) for k in ("passed", "failed", "error", "skipped")}
     got.result = {"files": [str(f.relative_to(ctx.root)) for f in files], "tests": rows, "counts": counts,
-                  "varlen": varlen_verdict(rows), "rc": got.result.get("rc")}
+                  **verdicts(rows), "rc": got.result.get("rc")}
     if got.status != "timeout" and rows:
         got.status = ("failed" if counts["failed"] or counts["error"] else
                       "skipped" if counts["skipped"] == len(rows) else "passed")

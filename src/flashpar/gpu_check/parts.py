@@ -28,10 +28,11 @@ class Part:
 
 
 PARTS = (
-    Part("tests", 90, "pytest -m cuda: the CUDA-only tests (varlen FlashAttention-2 vs math, forward and backward; "
-                      "cp.attention on CUDA)"),
-    Part("attention", 150, "CP segment-attention TFLOP/s (math, varlen) on 32K-128K-token packs of shipped length "
-                           "lists, Llama-8B heads, bf16, forward and backward, against dense SDPA flash attention"),
+    Part("tests", 90, "pytest -m cuda: the CUDA-only tests (the default flash backend, torch's fused SDPA kernels, "
+                      "and varlen FlashAttention-2 vs math, forward and backward; cp.attention on CUDA)"),
+    Part("attention", 150, "CP segment-attention TFLOP/s (math, flash, varlen) on 32K-128K-token packs of shipped "
+                           "length lists, Llama-8B heads, bf16, forward and backward, against dense SDPA flash "
+                           "attention"),
     Part("gemm", 60, "GEMM efficiency of N = 2..8 row pieces written into output slices vs one GEMM, 8B-model "
                      "shapes at TP 2, 4, 8, bf16"),
     Part("train", 150, "flashpar train --device cuda at world size 1 (NCCL): --check, then 20 steps; loss, tokens/s"),

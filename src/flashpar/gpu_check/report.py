@@ -1,6 +1,7 @@
 """The report of ``make gpu-check``: ``gpu-check.json`` (everything) and ``gpu-check.md`` (the tables).
 
-JSON: ``{"setup": {...}, "notes": [...], "varlen": {...}, "parts": [Outcome.row(), ...]}``.
+JSON: ``{"setup": {...}, "notes": [...], "cuda_default": {...}, "varlen": {...}, "parts": [Outcome.row(), ...]}``
+(the verdicts of ``cuda_tests.verdict``).
 """
 
 from __future__ import annotations
@@ -39,11 +40,14 @@ def markdown(report: dict) -> str:
         lines += ["**This report was made on the CPU** (a rehearsal of the code paths at tiny sizes): it says "
                   "nothing about a GPU.", ""]
     lines += [f"- {n}" for n in report["notes"]] + [""]
+    d = report["cuda_default"]
+    said = {True: "PASSED", False: "FAILED: fix `flashpar.cp.sdpa_cuda` (or pass backend='math' meanwhile)",
+            None: "not run"}[d["passed"]]
+    lines += [f"**CUDA default backend (`flash`: torch's FlashAttention-2 / memory-efficient SDPA kernels) against "
+              f"math and float64: {said}** ({d['detail']}).", ""]
     v = report["varlen"]
-    verdict = {True: "PASSED: set `flashpar.cp.kernels.CUDA_DEFAULT_BACKEND = \"varlen\"`",
-               False: "FAILED: keep `CUDA_DEFAULT_BACKEND = \"math\"` and fix the varlen path",
-               None: "not run"}[v["passed"]]
-    lines += [f"**varlen FlashAttention-2 backend against math: {verdict}** ({v['detail']}).", ""]
+    said = {True: "PASSED", False: "FAILED", None: "not run"}[v["passed"]]
+    lines += [f"**varlen FlashAttention-2 backend (selectable by name) against math: {said}** ({v['detail']}).", ""]
     lines += ["## Parts", ""] + _table(["part", "status", "wall s", "limit s", "error"],
                                        [[p["name"], p["status"], p["wall_s"], p["limit_s"], p["error"]]
                                         for p in report["parts"]])

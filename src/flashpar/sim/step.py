@@ -347,11 +347,25 @@ def attention(w: Workload, peer: Peer) -> list[tuple[float, Part, Part]]:
                     calls = chunk_calls(p.segments[r], p.doc_lens, p.doc_starts, n)
                     comps = [sum(h.attn_time(pairs * fwd_cost.flops_per_pair, q, k) for q, k, pairs in calls)
                              for h in (hw, bwd_cost.hardware)]
-                else:
-                    comps = [ff.compute[r], fb.compute[r]]
+                else:  # FlexAttention over document blocks: each piece against its document's keys, in one kernel
+                    comps = [flex_time(p.segments[r], p.doc_starts, c) for c in (fwd_cost, bwd_cost)]
                 parts = [Part.of(c, {"cp": comm}, cp=comm) for c in comps]
             out.append((scale, parts[0].scaled(w.batch), parts[1].scaled(w.batch)))
     return out
+
+
+def flex_time(pieces, doc_starts, cost) -> float:
+    """The torch peer's ``flex`` kernel on one cp rank: FlexAttention's block mask visits, for every piece ``[a, b)``
+    of a document from ``s``, its causal pairs against the keys ``[s, b)`` in the one kernel, at the efficiency of
+    ``b - a`` queries over ``b - s`` keys (``cost.attn_time``; not flashpar's segment tasks, whose calls
+    ``flashpar.cp.cp_plan.rank_figures`` charges)."""
+    import bisect
+
+    t = 0.0
+    for a, b in pieces:
+        s = doc_starts[bisect.bisect_right(doc_starts, a) - 1]
+        t += cost.attn_time((b - a) * (a + b - 2 * s + 1) // 2, b - a, b - s)
+    return t
 
 
 def chunk_calls(pieces, doc_lens, doc_starts, n: int) -> list[tuple[int, int, int]]:

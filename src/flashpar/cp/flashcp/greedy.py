@@ -24,7 +24,6 @@ import math
 
 import numpy as np
 
-from flashpar.cp.cp_plan import causal_pairs
 from flashpar.cp.flashcp.groups import GroupSearch
 from flashpar.cp.flashcp.ranks import Mins, Ranked
 from flashpar.cp.flashcp.refine import refine
@@ -47,9 +46,11 @@ class Greedy(GroupSearch, WholeDocStep):
         p = self.run(0.0, 0)
         fig = p.figures(self.lens, self.starts_np, self.cost, whole=self.whole_times())
         self.first_figures = fig
-        if sum(fig.compute) / self.n <= self.mean * (1 + 1e-9):  # (sums of the same work in another order)
+        # (the mean is of work without kernel launches, as whole documents' loads are: compared and re-based so)
+        work = sum(c - x for c, x in zip(fig.compute, fig.launch, strict=True)) / self.n
+        if work <= self.mean * (1 + 1e-9):  # (sums of the same work in another order)
             return p, self.peak_share
-        self.mean = sum(fig.compute) / self.n
+        self.mean = work
         return None
 
     def forcing_changes_nothing(self, tolerances, shares) -> bool:
@@ -78,8 +79,8 @@ class Greedy(GroupSearch, WholeDocStep):
             b = end if r == by_load[-1] else min(end, a + max(self.cap - toks[r], 0))
             if b > a:
                 p.add(r, a, b)
-                load[r] += self.cost.linear_time(b - a) + self.cost.attn_time(causal_pairs(a, b, start), b - a,
-                                                                                 b - start)
+                # (every earlier piece on a rank of its own: as many holders of the keys ahead)
+                load[r] += self.cost.linear_time(b - a) + self.cost.piece_cost(b - a, a - start, len(changed))
                 toks[r] += b - a
                 a = b
                 changed.append(r)

@@ -28,15 +28,21 @@ def plan(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_
     """The hybrid search (see the module docstring); ``lens_np``: ``doc_lens`` as an int64 array, where the caller
     has it."""
     cap = token_cap(doc_lens, n, token_slack, None if lens_np is None else int(lens_np.sum()))
-    # attention alone: balance the attention work itself (pairs), as the solvers it is compared with do
+    # attention alone: balance the attention work itself (pairs, no launches), as the solvers it is compared with do
     policy = Policy.for_ranks(n)
-    greedy = Greedy(doc_lens, n, cost if cost.linear else cost.with_hardware(attn_half=0.0), cap, lens_np, policy)
+    pairs_only = cost.with_hardware(attn_half=0.0, gemm_overhead_s=0.0)
+    greedy = Greedy(doc_lens, n, cost if cost.linear else pairs_only, cap, lens_np, policy)
     starts = greedy.starts_np
     lower = greedy.mean  # no plan's step time is below the mean compute of every document whole (cuts only add)
     first = greedy.calibrate()  # the pass (tol 0, force 0, share 1), where the mean did not move
     @functools.cache
     def whole() -> ArrayPlacement:  # the whole_doc baseline: planned once, where it can matter (see scored)
-        return greedy.run(float("inf"), 0, subgroups=False)
+        # as the whole_doc strategy plans it: with the mean of every document whole, not the calibrated one
+        calibrated, greedy.mean = greedy.mean, lower
+        try:
+            return greedy.run(float("inf"), 0, subgroups=False)
+        finally:
+            greedy.mean = calibrated
 
     ring_of = functools.cache(lambda: [f(doc_lens, n, starts) for f in (headtail, contiguous)])
     # per_doc, and torch_per_doc where the policy has it; in the order the baselines have always been compared in
@@ -101,7 +107,9 @@ def plan(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_
     if cost.linear and first is not None:
         fig_of[first[0].key()] = greedy.first_figures
         best, fig = scored([first[0]])
-        if sum(fig.recv_tokens) == 0 and fig.step <= lower * (1 + PERFECT):  # nothing left to gain
+        # nothing left to gain: every document whole at the mean compute (kernel launches aside: the slowest
+        # rank's are at most the most any rank makes)
+        if sum(fig.recv_tokens) == 0 and fig.step <= (lower + max(fig.launch)) * (1 + PERFECT):
             return best
     forced, tolerances, shares = policy.forced, policy.tolerances, policy.shares  # the grid (see Policy)
     # the longest document fits whole nowhere: forcing it to split changes nothing (past the token cap, by assumption;

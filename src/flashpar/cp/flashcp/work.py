@@ -3,8 +3,9 @@ of each member of a head-tail group over it, and of each member of an unequal sp
 greedy pass takes them (longest first), and the mean compute per rank ``W``.
 
 A document of ``L`` tokens whole: ``L`` tokens of linear work and ``L (L + 1) / 2`` causal pairs; a piece ``[x, y)``
-of it: ``y - x`` tokens and ``(y - x)(x + y + 1) / 2`` pairs, at the efficiency of ``y - x`` queries over ``y`` keys
-(``CostModel.attn_time``)."""
+of it: ``y - x`` tokens and ``(y - x)(x + y + 1) / 2`` pairs, run as the default backend runs them: its causal square
+and a full task per member holding keys ahead of it, each at its own shape (``CostModel.piece_cost``: the
+piece's length, the ``x`` keys ahead and how many members hold them)."""
 
 from __future__ import annotations
 
@@ -110,11 +111,12 @@ class DocWork:
             self._shares[key] = (work.tolist(), tok.tolist())
         if key not in self._shares:
             b = chunk_bounds(0, length, 2 * g)
+            holders = chunk_holders(b, [c if c < g else 2 * g - 1 - c for c in range(2 * g)])
             work, toks = [], []
             for i in range(g):
-                pieces = ((b[i], b[i + 1]), (b[2 * g - 1 - i], b[2 * g - i]))
-                t = sum(self.cost.attn_time(causal_pairs(x, y, 0), y - x, y) for x, y in pieces if y > x)
-                n_tok = sum(y - x for x, y in pieces)
+                pieces = ((b[i], b[i + 1], holders[i]), (b[2 * g - 1 - i], b[2 * g - i], holders[2 * g - 1 - i]))
+                t = sum(self.cost.piece_cost(y - x, x, m) for x, y, m in pieces if y > x)
+                n_tok = sum(y - x for x, y, _ in pieces)
                 work.append(t + self.cost.linear_time(n_tok))
                 toks.append(n_tok)
             self._shares[key] = (work, toks)
@@ -130,7 +132,7 @@ class DocWork:
             x = length * np.concatenate((i, two - 1 - i)) // two  # heads, then tails
             y = length * np.concatenate((i + 1, two - i)) // two
             n_tok = (y[:g] - x[:g]) + (y[g:] - x[g:])
-            t = self._piece_time(x, y)
+            t = self._piece_time(x, y, headtail_holders(y[:g] > x[:g], y[g:] > x[g:]))
             work = (t[:g] + t[g:]) + n_tok.astype(np.float64) * (
                 self.cost.flops_per_token) / self.cost.hardware.gemm_flops
             self._big[key] = (work, n_tok)
@@ -146,10 +148,10 @@ class DocWork:
                 length * (two - i) // two - length * (two - 1 - i) // two)
         return self._tok_arrays[key]
 
-    def _piece_time(self, x, y):
-        """``CostModel.attn_time`` of the pieces ``[x, y)`` of a document from 0, on arrays (the same floats)."""
-        # (an empty piece has no pairs: 0)
-        return self.cost.attn_times(((y - x) * (x + y + 1)) // 2, (y - x).astype(np.float64), y.astype(np.float64))
+    def _piece_time(self, x, y, holders):
+        """``CostModel.piece_cost`` of the pieces ``[x, y)`` of a document from 0, the keys ahead of each held by
+        ``holders`` members, on arrays (the same floats; an empty piece: 0)."""
+        return self.cost.piece_costs(y - x, x, holders)
 
 
     def sized_work(self, start: int, length: int, sizes: list[int], as_array: bool = False):
@@ -165,12 +167,41 @@ class DocWork:
             tail1 = length - np.concatenate(([0], np.cumsum(s - h)[:-1]))
             tail0 = tail1 - (s - h)
             tail0[-1] = tail1[-1]
-            work = (self._piece_time(head0, head0 + h) + self._piece_time(tail0, tail1)) + s.astype(np.float64) * (
-                self.cost.flops_per_token) / self.cost.hardware.gemm_flops
+            m = headtail_holders(h > 0, tail1 > tail0)  # (the last member's middle as its head)
+            g = len(s)
+            work = (self._piece_time(head0, head0 + h, m[:g]) + self._piece_time(tail0, tail1, m[g:])) + s.astype(
+                np.float64) * (self.cost.flops_per_token) / self.cost.hardware.gemm_flops
             return work if as_array else work.tolist()
+        members = sized_pieces(sizes, start, length)
+        placed = sorted((a, b, k) for k, pieces in enumerate(members) for a, b in pieces if b > a)
+        holders = dict(zip(placed, chunk_holders([start] + [b for _, b, _ in placed], [k for *_, k in placed]),
+                           strict=True))
         out = []
-        for pieces in sized_pieces(sizes, start, length):
-            t = sum(self.cost.attn_time(causal_pairs(a, b, start), b - a, b - start) for a, b in pieces if b > a)
+        for k, pieces in enumerate(members):
+            t = sum(self.cost.piece_cost(b - a, a - start, holders[(a, b, k)]) for a, b in pieces if b > a)
             out.append(t + self.cost.linear_time(sum(b - a for a, b in pieces)))
         return floats(out) if as_array else out
+
+
+def chunk_holders(bounds: list[int], owners: list[int]) -> list[int]:
+    """Per chunk ``[bounds[c], bounds[c + 1])`` of a document (in order), how many distinct owners hold a nonempty
+    chunk ahead of it: the ranks its full tasks read."""
+    seen: set[int] = set()
+    out = []
+    for c, owner in enumerate(owners):
+        out.append(len(seen))
+        if bounds[c + 1] > bounds[c]:
+            seen.add(owner)
+    return out
+
+
+def headtail_holders(head, tail):
+    """:func:`chunk_holders` of a head-tail split on arrays (``head``, ``tail``: whether member ``i``'s head and tail
+    are nonempty; heads in member order, then tails in reverse): ``(per member, its head's; its tail's)``.  A head
+    has the nonempty heads before it ahead; a tail every nonempty head and the nonempty tails of later members."""
+    head, tail = np.asarray(head, dtype=np.int64), np.asarray(tail, dtype=np.int64)
+    before = np.cumsum(head) - head
+    tail_only = tail * (1 - head)
+    later = tail_only[::-1].cumsum()[::-1] - tail_only  # members after i holding a tail and no head
+    return np.concatenate((before, head.sum() + later))
 
