@@ -72,9 +72,10 @@ class TrainConfig:
                                       "than 2 percent)", choices=ZERO_SCHEDULES)
     prefetch: int = _opt(1, "ZeRO-3 blocks gathered ahead of the one computing (--mode none: 0, blocking)")
     zero_collective: str = _opt("auto", "how ZeRO-3's prefetched units travel: ring (the backend's all-gather and "
-                                        "reduce-scatter, n - 1 steps), doubling (the same bytes in ceil(log2 n) "
-                                        "point-to-point steps), or auto (the cost model's choice: doubling where it "
-                                        "is predicted more than 2 percent faster; --mode none: ring)",
+                                        "reduce-scatter: NCCL's algorithms, gloo's ring), doubling (the same bytes "
+                                        "in ceil(log2 n) point-to-point steps), or auto (the cost model's choice: "
+                                        "doubling where it is predicted more than 2 percent faster; --mode none: "
+                                        "ring)",
                                 choices=ZERO_COLLECTIVES)
     device: str = _opt("cpu", "cpu (gloo) or cuda (NCCL, one GPU per rank)", choices=DEVICES)
     threads: int = _opt(1, "torch threads per CPU rank")
