@@ -47,7 +47,6 @@ def prefill(model, tokens_cp: torch.Tensor, plan: CPPlan, cache: RankCache | Non
     dtype = model.compute_dtype
     positions = to_device(plan.position_ids(model.cp_rank), tokens_cp.device)
     tables = rope_tables(positions, cfg, dtype)
-    vocab = cfg.vocab_size
     x = model.embed_tokens(tokens_cp, rows, model.embed.weight)[0]
     for i, block in enumerate(model.blocks):
         block.kv_sink = cache.sink(i) if cache is not None else None
@@ -55,6 +54,14 @@ def prefill(model, tokens_cp: torch.Tensor, plan: CPPlan, cache: RankCache | Non
             x = block(x, tables, plan, split, [t_cp])
         finally:
             block.kv_sink = None
+    return last_logits(model, x, plan, split)
+
+
+def last_logits(model, x: torch.Tensor, plan: CPPlan, split: list[int]) -> torch.Tensor:
+    """Every prompt's last-token logits ``[prompts, V]`` (fp32, the same on every rank) from the last layer's
+    output ``x`` (this tp rank's rows ``split[tp_rank]`` of the cp rank's tokens)."""
+    tp, group, dtype = model.tp, model.tp_group, model.compute_dtype
+    start = sum(split[: model.tp_rank])
     # the last token of each prompt this cp rank holds (the prompts' lengths: the plan's documents)
     lens = torch.tensor(plan.doc_lens, dtype=torch.long)
     docs = plan.doc_ids(model.cp_rank)
@@ -69,6 +76,6 @@ def prefill(model, tokens_cp: torch.Tensor, plan: CPPlan, cache: RankCache | Non
         h = torch.cat(all_gather_blocks(h, counts, group))
     head = model.embed.weight if model.head is None else model.head.weight
     logits = all_gather_cat(model.norm(h).to(dtype) @ head.to(dtype).T, group, tp, dim=-1).float()
-    out = torch.zeros(len(plan.doc_lens), vocab, dtype=torch.float32, device=x.device)
+    out = torch.zeros(len(plan.doc_lens), model.cfg.vocab_size, dtype=torch.float32, device=x.device)
     out.index_copy_(0, to_device(docs[last], x.device), logits)
     return all_reduce(out, model.cp_group, plan.cp_size)
