@@ -5,9 +5,10 @@ prompts, to every prompt's first token.
     batch   = make_batch(prompts)                 the per-document head-tail shard and its attention
                                                   layout, built once with the runner (outside the timing)
     h       = model.hidden(tokens, positions)     [1, S_loc, hidden], Shard(1) over tp
-    logits  = first_logits(h)                     [prompts, V] on every rank: the head (ColwiseParallel,
-                                                  vocabulary columns) gathered over tp, the rows of the
-                                                  prompts' last tokens this cp rank holds, summed over cp
+    logits  = first_logits(h)                     [prompts, V] on every rank: the final norm, the rows of the
+                                                  prompts' last tokens this rank holds, the head on those
+                                                  rows (ColwiseParallel: gathered over tp, vocabulary
+                                                  columns, gathered whole), summed over cp
     token   = argmax(logits)
 
 It has no KV cache, so it does not decode.
@@ -39,10 +40,21 @@ class TorchPrefill:
         tokens = torch.tensor(sum(ids, []))
         lens = [len(p) for p in ids]
         self.batch = torch_parallel.make_batch(tokens, tokens, lens, mesh, torch.device("cpu"))
-        # this rank's original positions (the layout's), and which of them ends a prompt: (prompt, local row)
+        # the prompts' last tokens among this rank's positions (the layout's), by the tp rank whose sequence shard
+        # holds them (SequenceParallel: tp rank t the t-th contiguous S_loc / tp rows), and where each lands in the
+        # head's gathered rows: tp rank t's picks at [t m, t m + count_t), m the most any tp rank picks
         ends = torch.tensor(lens).cumsum(0) - 1
         mine = self.batch.layout.mine
-        self.last = [(p, int(i)) for p, end in enumerate(ends.tolist()) for i in torch.nonzero(mine == end).flatten()]
+        tp, t = mesh["tp"].size(), mesh["tp"].get_local_rank()
+        shard = mine.numel() // tp
+        picks = [[] for _ in range(tp)]  # per tp rank: (row in its shard, prompt)
+        for p, end in enumerate(ends.tolist()):
+            for i in torch.nonzero(mine == end).flatten().tolist():
+                picks[i // shard].append((i % shard, p))
+        m = max(1, max(len(x) for x in picks))
+        self.pick = torch.tensor([i for i, _ in picks[t]] + [0] * (m - len(picks[t])), dtype=torch.long)
+        self.slots = torch.tensor([r * m + j for r in range(tp) for j in range(len(picks[r]))], dtype=torch.long)
+        self.prompts = torch.tensor([p for r in range(tp) for _, p in picks[r]], dtype=torch.long)
 
     def kv_bytes(self) -> int:
         """The K/V a rank all-gathers per layer, times the layers: what a cache of it would hold."""
@@ -59,22 +71,26 @@ class TorchPrefill:
     def first_token(self) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.batch
         h = self.model.hidden(b.tokens, b.positions, b.layout)
-        logits = first_logits(self.model, h, self.last, len(self.ids), self.mesh)
-        return logits, logits.argmax(-1)
+        return first_logits(self.model, h, self.pick, self.slots, self.prompts, len(self.ids), self.mesh)
 
 
-def first_logits(model: TorchLlama, h, last: list[tuple[int, int]], prompts: int, mesh) -> torch.Tensor:
-    """Every prompt's last-token logits ``[prompts, V]`` (the same on every rank) from the last block's output
-    ``h``: the head over this cp rank's tokens, gathered over tp, its rows ``last`` ((prompt, local row) pairs),
-    summed over cp (a prompt's last token is on one cp rank)."""
+def first_logits(model: TorchLlama, h, pick: torch.Tensor, slots: torch.Tensor, prompts: torch.Tensor, n: int,
+                 mesh) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every prompt's last-token logits ``[n, V]`` (the same on every rank) and its first token, from the last
+    block's output ``h``: the final norm on this rank's sequence shard, its last tokens' rows ``pick`` (padded to
+    the same count on every tp rank), the head (its ColwiseParallel plan: those rows all-gathered over tp, its
+    vocabulary columns, gathered whole), the rows ``slots`` of the gathered rows in the rows of their ``prompts``,
+    summed over cp (a prompt's last token is on one cp rank): the logits of the last tokens only, as
+    transformers' ``logits_to_keep``."""
     from torch.distributed.tensor import DTensor
 
-    logits = model.head(model.norm(h))
+    x = model.norm(h)
+    local = x.to_local() if isinstance(x, DTensor) else x
+    logits = model.head(local[:, pick])  # with tp: the plan's input hook takes the local rows as a Shard(1) part
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
-    first = torch.zeros(prompts, model.cfg.vocab_size)
-    for p, i in last:
-        first[p] = logits[0, i]
+    first = torch.zeros(n, model.cfg.vocab_size, dtype=logits.dtype)
+    first.index_copy_(0, prompts, logits[0].index_select(0, slots))
     if mesh["cp"].size() > 1:
         dist.all_reduce(first, group=mesh["cp"].get_group())
-    return first
+    return first, first.argmax(-1)
