@@ -3,7 +3,9 @@ DTensor TP-SP, K/V all-gathered over cp, SDPA per (document, chunk)) run forward
 prompts, to every prompt's first token.
 
     batch   = make_batch(prompts)                 the per-document head-tail shard and its attention
-                                                  layout, built once with the runner (outside the timing)
+                                                  layout (SDPA per (document, chunk): square chunks
+                                                  is_causal, the others with their additive lower-right
+                                                  mask), built once with the runner (outside the timing)
     h       = model.hidden(tokens, positions)     [1, S_loc, hidden], Shard(1) over tp
     logits  = first_logits(h)                     [prompts, V] on every rank: the final norm, the rows of the
                                                   prompts' last tokens this rank holds, the head on those
@@ -40,6 +42,12 @@ class TorchPrefill:
         tokens = torch.tensor(sum(ids, []))
         lens = [len(p) for p in ids]
         self.batch = torch_parallel.make_batch(tokens, tokens, lens, mesh, torch.device("cpu"))
+        # each non-square chunk's lower-right mask as the additive mask SDPA turns a boolean one into on every call
+        # (0 where a key is seen, -inf elsewhere), made once here in the activations' dtype
+        dtype = model.norm.weight.dtype
+        for chunk in self.batch.layout.chunks:
+            if chunk.mask is not None:
+                chunk.mask = torch.zeros(chunk.mask.shape, dtype=dtype).masked_fill_(~chunk.mask, -torch.inf)
         # the prompts' last tokens among this rank's positions (the layout's), by the tp rank whose sequence shard
         # holds them (SequenceParallel: tp rank t the t-th contiguous S_loc / tp rows), and where each lands in the
         # head's gathered rows: tp rank t's picks at [t m, t m + count_t), m the most any tp rank picks
