@@ -7,18 +7,22 @@ emulated links (``--link-rate``), as ``bench train`` runs its configurations:
                context-parallel decode
     baseline   the same path with mode "none" (blocking collectives) and "per_doc" plans (every prompt cut
                into 2 cp head-tail chunks, all K/V all-gathered)
-    torch      the ``bench train`` peer forward-only (``flashpar.bench.torch_parallel``: DTensor TP-SP, K/V
-               all-gathered over cp, SDPA with the document-causal mask of torch's per-document head-tail
-               order); prefill only: it has no KV cache to decode from
+    torch      the ``bench train`` peer forward-only (``flashpar.bench.torch_prefill``: DTensor TP-SP, K/V
+               all-gathered over cp, SDPA per (document, chunk) of torch's per-document head-tail layout, the
+               head on the prompts' last tokens); prefill only: it has no KV cache to decode from
 
 The batch: ``--lengths`` (a shipped name, a file, or a comma list of lengths) divided by ``--scale``, packed into
 one sequence of ``--tokens`` tokens in units of ``2 cp`` (torch's head-tail chunks), each document one prompt of
 seeded random tokens.  Every configuration built once, ``--warmup`` runs, then ``--rounds`` rounds with the
-order rotated; a run is the prefill and ``--decode-steps`` decode steps (greedy).  Then each configuration again,
-fresh, for its peak memory.  Figures per configuration (medians over rounds of the slowest rank): ``ttft_ms``
-(planning + prefill + the first token), ``prefill_tokens_per_s`` (the batch's tokens / ttft),
-``decode_tokens_per_s`` (prompts x steps / decode time), ``kv_bytes`` (the largest rank's K/V at the end;
-torch: the K/V a rank all-gathers per layer, times the layers, what a cache of it would hold), ``peak_mem_mb``.
+order rotated; a run is the prefill and ``--decode-steps`` decode steps (greedy).  Then one more time to first
+token of each configuration, timed by part (``time_parts``), and each configuration again, fresh, for its peak
+memory.  Figures per configuration (medians over rounds of the slowest rank): ``ttft_ms`` (planning, the cache's
+set-up, prefill and the first token; torch: its forward to the first token), ``prefill_tokens_per_s`` (the
+batch's tokens / ttft), ``decode_tokens_per_s`` (prompts x steps / decode time), ``kv_bytes`` (the largest rank's
+K/V at the end; torch: the K/V a rank all-gathers per layer, times the layers, what a cache of it would hold),
+``peak_mem_mb``; ``breakdown_ms`` (``PARTS``, each part's mean over the ranks; ``breakdown_ms_per_rank``,
+``breakdown_wall_ms`` the timed run, which the parts add up to, ``breakdown_ttft_ms`` the plain run before it),
+``breakdown_cpu_ms`` (each part's CPU time, the stepping thread) and ``breakdown_process_cpu_ms`` (every thread).
 The first logits (every prompt's last token) must agree across the configurations (relative 1e-4) or the
 command exits 1.
 """
@@ -201,7 +205,10 @@ def worker(config: dict) -> None:
 
 
 PARTS = ("planning", "setup", "linear", "attention_fwd", "elementwise", "logits", "exposed_comm", "other")
-"""The parts of a time to first token (``flashpar.bench.breakdown``'s, with the regions of ``regions()``)."""
+"""The parts of a time to first token (``flashpar.bench.breakdown``'s, with the regions of ``regions()``):
+planning (``cp.plan``), setup (the cache's schedule and buffers, the rows' index tensors, the tokens' shard),
+the ops by kind, logits (the head, the sum over cp, the first choice), communication blocked on, and what no
+op covers."""
 
 
 def shown_parts(per_rank: list[dict]) -> tuple[str, ...]:
