@@ -146,7 +146,8 @@ class DeviceLayout:
 def device_layout(plan: CPPlan, rank: int, varlen: bool, device: torch.device,
                   queries: tuple[int, ...] | None = None) -> DeviceLayout:
     """``rank_layout(plan, rank, varlen, queries)`` with its index tensors copied to ``device`` once."""
-    layout = rank_layout(plan, rank, varlen, queries)
+    # (every row: the call of three arguments, whose cache entry the other callers of rank_layout share)
+    layout = rank_layout(plan, rank, varlen) if queries is None else rank_layout(plan, rank, varlen, queries)
     phases = tuple(tuple(_batch_on(b, device) for b in phase) for phase in layout.phases)
     rows = tuple(None if r is None else to_device(r, device) for r in layout.send_rows)
     return DeviceLayout(layout, device, phases, rows)
