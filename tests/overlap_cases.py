@@ -267,3 +267,32 @@ def auto_splits(rank: int, n: int) -> dict[str, tuple[str | None, list[tuple[str
     finally:
         ops.run_schedule, simulate.choose_modes = real_run, real_choose
     return out
+
+
+def gathered_kept(rank: int, n: int) -> dict[str, tuple[int, bool]]:
+    """``all_gather_matmul(save_gathered=True)`` in flash mode with grad and under ``no_grad``: per run, how many
+    times the gathered ``x`` was assembled for backward (``Buffers.materialize``) and whether the output equals
+    the run with grad bit for bit."""
+    from flashpar.overlap import buffers
+
+    gen = torch.Generator().manual_seed(3)
+    x_full, w = torch.randn(4 * n, 8, generator=gen), torch.randn(6, 8, generator=gen)
+    x = x_full[4 * rank : 4 * rank + 4].clone()
+    real, calls = buffers.Buffers.materialize, []
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    buffers.Buffers.materialize = counted
+    out, ys = {}, {}
+    try:
+        for name, grad in (("grad", True), ("no_grad", False)):
+            calls.clear()
+            with torch.set_grad_enabled(grad):
+                ys[name] = all_gather_matmul(x.clone().requires_grad_(grad), w, None, mode="flash",
+                                             save_gathered=True)
+            out[name] = (len(calls), bool(torch.equal(ys[name].detach(), ys["grad"].detach())))
+    finally:
+        buffers.Buffers.materialize = real
+    return out

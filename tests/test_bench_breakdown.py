@@ -92,3 +92,49 @@ def test_flashpar_loss_counts_as_loss_forward_and_backward():
     # gradient (ones_like) and its accumulation into ``logits.grad`` (detach), against dozens of loss ops
     assert ms["loss"] > 0 and clock.entries["elementwise"] <= 2 < 20 <= clock.entries["loss"], clock.entries
     assert vocab.vocab_parallel_loss.__name__ == "vocab_parallel_loss"  # rebound back
+
+
+def test_a_region_counts_its_ops_and_its_communication_apart():
+    """A region (``breakdown(regions={function: part})``) holds the ops of its function's calls, made through the
+    module that binds it; a collective inside it still counts for ``exposed_comm``; the function is its own again
+    after the block.  The clock moves only on the thread that made it: another thread's enter / leave (a lane's
+    worker posting through a re-bound call) changes nothing."""
+    import threading
+
+    from flashpar.infer import sampling
+
+    original = sampling.choose
+    logits, u = torch.randn(8, 64), torch.rand(8, dtype=torch.float64)
+    how = sampling.Sampling(temperature=0.7, top_k=5)
+    with bd.breakdown(regions={original: "logits"}) as clock:
+        clock.restart()
+        sampling.choose(logits, u, how)
+        worker = threading.Thread(target=lambda: (clock.enter("linear"), clock.leave()))
+        worker.start()
+        worker.join()
+        ms = clock.finish()
+    # the call and each of the sampler's ops (softmax, sort, cumsum, ...) enter it; none counts elsewhere
+    assert ms["logits"] > 0 and clock.entries["logits"] > 5, clock.entries
+    assert clock.entries["elementwise"] == 0 and clock.entries["linear"] == 0, clock.entries
+    assert clock.cpu_ms["logits"] > 0 and set(clock.cpu_ms) == set(ms) - {"wall_ms"}
+    assert sampling.choose is original
+
+
+def test_a_collective_inside_a_region_counts_for_communication(monkeypatch):
+    def slow_all_reduce(tensor, *args, **kwargs):
+        time.sleep(SLEEP_S)
+
+    monkeypatch.setattr(c10d, "all_reduce", slow_all_reduce)
+
+    def summed(x):  # stands for a region that reduces across ranks
+        return c10d.all_reduce(x.mul_(2))
+
+    from flashpar.infer import comm
+
+    monkeypatch.setattr(comm, "summed", summed, raising=False)
+    with bd.breakdown(regions={summed: "logits"}) as clock:
+        clock.restart()
+        comm.summed(torch.ones(4))
+        ms = clock.finish()
+    assert ms["exposed_comm"] >= 1e3 * SLEEP_S and ms["logits"] < 1e3 * SLEEP_S, ms
+    assert clock.entries["logits"] == 2 and clock.entries["exposed_comm"] == 1, clock.entries  # the call and mul_

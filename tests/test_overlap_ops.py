@@ -7,7 +7,17 @@ from __future__ import annotations
 import pytest
 
 from dist_harness import SpawnCache
-from overlap_cases import SPLITS, all_cases, auto_cases, auto_merges, auto_splits, run_all, split_cases, split_id
+from overlap_cases import (
+    SPLITS,
+    all_cases,
+    auto_cases,
+    auto_merges,
+    auto_splits,
+    gathered_kept,
+    run_all,
+    split_cases,
+    split_id,
+)
 
 CASES = all_cases()
 WORLD_SIZES = [1, 2, 3, 4]
@@ -18,7 +28,8 @@ RAN = {"ag": ("ag_matmul", "ag_matmul_bwd"), "rs": ("matmul_rs", "matmul_rs_bwd"
 @pytest.fixture(scope="module")
 def results():
     """One spawn per world size runs every case; per-case assertions below read the outcome."""
-    return SpawnCache(lambda n: [("cases", run_all, CASES), ("auto", auto_merges), ("split", auto_splits)])
+    return SpawnCache(lambda n: [("cases", run_all, CASES), ("auto", auto_merges), ("split", auto_splits),
+                                 ("kept", gathered_kept)])
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
@@ -60,3 +71,11 @@ def test_auto_runs_forward_and_backward_in_the_schedules_picked_for_each_exactly
         expect = [(fwd_op, "none", 1, 1), (bwd_op, "none", 1, 1)] if n == 1 else \
             [(fwd_op, fm, fk, min(fg, n - 1)), (bwd_op, bm, bk, min(bg, n - 1))]
         assert ran == expect, f"N={n} rank {r} {split_id(i, case)}: ran {ran}, expected {expect}"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_forward_without_grad_keeps_no_gathered_input(results, n):
+    """``save_gathered=True`` assembles the gathered ``x`` for backward once with grad, never without it
+    (inference), and the output is the same either way."""
+    for r, out in enumerate(results(n)["kept"]):
+        assert out == {"grad": (1, True), "no_grad": (0, True)}, f"N={n} rank {r}: {out}"

@@ -58,6 +58,18 @@ def test_bench_prefill_reports_every_configuration_and_their_logits_agree(tmp_pa
         assert {"ttft_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "kv_bytes", "peak_mem_mb"} <= set(r)
         assert r["ttft_ms"] > 0 and r["kv_bytes"] > 0
     assert rows["torch"]["decode_tokens_per_s"] is None and rows["flashpar"]["decode_tokens_per_s"] > 0
+    # the breakdown of one more time to first token: every part, adding up to the measured run (each interval of it
+    # counted once, for one part: float rounding only); the regions where each configuration has them (the torch
+    # peer plans nothing in the timed work: its batch's layout is built with the runner)
+    from flashpar.bench.prefill import PARTS
+
+    for name, r in rows.items():
+        b = r["breakdown_ms"]
+        assert set(PARTS) <= set(b) and set(b) == set(r["breakdown_cpu_ms"]), (name, b)
+        assert sum(b.values()) == pytest.approx(r["breakdown_wall_ms"], rel=1e-9)
+        assert b["logits"] > 0 and b["linear"] > 0 and b["attention_fwd"] > 0, (name, b)
+        assert (b["planning"] > 0 and b["setup"] > 0) == (name != "torch"), (name, b)
+    assert "where the time to first token goes" in text.out
     # K/V of a token on one rank: 2 (K, V) x 2 layers x 1 kv head (tp 2) x head dim 8 x 4 bytes; the batch's
     # 256 prompt tokens + 7 prompts x 2 decode steps, over cp 2
     per_token = 2 * 2 * 1 * 8 * 4

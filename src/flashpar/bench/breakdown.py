@@ -21,12 +21,16 @@ of the block:
                    attention pieces)
     other          what no op covers: Python, autograd's engine, DTensor's and FSDP2's bookkeeping
                    between ops, hooks
+    (a region)     a named call of the caller's (``breakdown(regions={function: part})``: inference's
+                   ``planning``, ``setup`` and ``logits``) from its call to its return, every op inside it
+                   but communication counted for it
 
 The ops are seen by a ``TorchDispatchMode`` (below autograd: the ops that run, forward and backward,
 on the thread that steps); the calls by the same re-binding ``no_comm`` uses.  A functional
 collective is waited for inside its call (DTensor and FSDP2 use the result right away on CPU; the
 wait would otherwise land in the op that first reads it).  Communication on other threads (flashpar's
-lanes) is counted only where the stepping thread waits for it.  The mode's own cost (a Python call
+lanes) is counted only where the stepping thread waits for it: the clock moves only on the thread that
+opened the block (a lane's worker posting through a re-bound call leaves it alone).  The mode's own cost (a Python call
 per op) falls in the parts; a step measured here is compared with the same step timed without it.
 
     stack:  other ─┬─ linear ── ... ─┬─ optimizer ─┬─ exposed_comm
@@ -38,6 +42,8 @@ per op) falls in the parts; a step measured here is compared with the same step 
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 import time
 from collections.abc import Iterator
 
@@ -81,29 +87,44 @@ def part_of(func) -> str:
 
 class Clock:
     """The exclusive clock stack: ``enter(part)`` / ``leave()``; ``ms[part]`` the time each part was innermost,
-    ``entries[part]`` how many times it was entered (ops, calls, markers: what a test can check exactly)."""
+    ``cpu_ms[part]`` the stepping thread's CPU time in it (``time.thread_time``: where ranks share cores, the
+    work a part did, without the time it waited for a core), ``entries[part]`` how many times it was entered
+    (ops, calls, markers: what a test can check exactly).
+    ``regions``: parts besides ``PARTS`` (named calls), sticky as ``loss``.  Only the thread that made the clock
+    moves it."""
 
-    def __init__(self) -> None:
+    def __init__(self, regions: tuple[str, ...] = ()) -> None:
+        self.parts = PARTS + tuple(p for p in dict.fromkeys(regions) if p not in PARTS)
+        self.sticky = _STICKY | set(regions)
+        self.thread = threading.get_ident()
         self.stack = ["other"]
         self.restart()
 
     def restart(self) -> None:
         """Zero every part and start the wall clock now: what ran before (entering the block) is not counted."""
-        self.ms = dict.fromkeys(PARTS, 0.0)
-        self.entries = dict.fromkeys(PARTS, 0)
+        self.ms = dict.fromkeys(self.parts, 0.0)
+        self.cpu_ms = dict.fromkeys(self.parts, 0.0)
+        self.entries = dict.fromkeys(self.parts, 0)
+        self.last_cpu = time.thread_time()
         self.last = self.started = time.perf_counter()
 
     def _switch(self) -> None:
-        now = time.perf_counter()
-        self.ms[self.stack[-1]] += 1e3 * (now - self.last)
-        self.last = now
+        now, cpu = time.perf_counter(), time.thread_time()
+        top = self.stack[-1]
+        self.ms[top] += 1e3 * (now - self.last)
+        self.cpu_ms[top] += 1e3 * (cpu - self.last_cpu)
+        self.last, self.last_cpu = now, cpu
 
     def enter(self, part: str) -> None:
+        if threading.get_ident() != self.thread:
+            return
         self._switch()
         self.entries[part] += 1
         self.stack.append(part)
 
     def leave(self) -> None:
+        if threading.get_ident() != self.thread:
+            return
         self._switch()
         self.stack.pop()
 
@@ -133,7 +154,7 @@ class _OpMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         part = part_of(func)
-        if self.clock.top() in _STICKY and part != "exposed_comm":
+        if self.clock.top() in self.clock.sticky and part != "exposed_comm":
             part = self.clock.top()
         with opened(self.clock, part):
             return func(*args, **(kwargs or {}))
@@ -224,10 +245,20 @@ def _wrap_loss(original, clock: Clock):
     return call
 
 
-def _wrappers(clock: Clock) -> dict[int, object]:
+def _wrap_region(original, clock: Clock, part: str):
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        with opened(clock, part):
+            return original(*args, **kwargs)
+
+    return call
+
+
+def _wrappers(clock: Clock, regions: dict) -> dict[int, object]:
     from flashpar.models import vocab
 
     out = {id(vocab.vocab_parallel_loss): _wrap_loss(vocab.vocab_parallel_loss, clock)}
+    out.update({id(fn): _wrap_region(fn, clock, part) for fn, part in regions.items()})
     for names, module, wrap in ((_C10D_NAMES, c10d, _wrap_c10d), (_FUNCOL_NAMES, funcol, _wrap_funcol)):
         for name in names:
             original = getattr(module, name, None)
@@ -237,14 +268,17 @@ def _wrappers(clock: Clock) -> dict[int, object]:
 
 
 @contextlib.contextmanager
-def breakdown(optimizers=()) -> Iterator[Clock]:
+def breakdown(optimizers=(), regions: dict | None = None) -> Iterator[Clock]:
     """Measure the block's wall time by part (module docstring); ``optimizers``' ``step`` and ``zero_grad`` count
-    as ``optimizer``.  Inside the block: ``clock.restart()`` just before the step (the block's own entry left out),
-    ``clock.finish()`` just after it.  One block at a time, on the stepping thread."""
+    as ``optimizer``; ``regions`` ``{function: part}``: every call of a module-level function of torch.distributed
+    or flashpar (through any module that binds it) counts for its part.  Inside the block: ``clock.restart()``
+    just before the step (the block's own entry left out), ``clock.finish()`` just after it.  One block at a time,
+    on the stepping thread."""
     from flashpar.bench.no_comm import _bindings
 
-    clock = Clock()
-    wrappers = _wrappers(clock)
+    regions = regions or {}
+    clock = Clock(tuple(regions.values()))
+    wrappers = _wrappers(clock, regions)
     bound = _bindings(wrappers)
     patched = []
     for opt in optimizers:

@@ -7,18 +7,22 @@ emulated links (``--link-rate``), as ``bench train`` runs its configurations:
                context-parallel decode
     baseline   the same path with mode "none" (blocking collectives) and "per_doc" plans (every prompt cut
                into 2 cp head-tail chunks, all K/V all-gathered)
-    torch      the ``bench train`` peer forward-only (``flashpar.bench.torch_parallel``: DTensor TP-SP, K/V
-               all-gathered over cp, SDPA with the document-causal mask of torch's per-document head-tail
-               order); prefill only: it has no KV cache to decode from
+    torch      the ``bench train`` peer forward-only (``flashpar.bench.torch_prefill``: DTensor TP-SP, K/V
+               all-gathered over cp, SDPA per (document, chunk) of torch's per-document head-tail layout, the
+               head on the prompts' last tokens); prefill only: it has no KV cache to decode from
 
 The batch: ``--lengths`` (a shipped name, a file, or a comma list of lengths) divided by ``--scale``, packed into
 one sequence of ``--tokens`` tokens in units of ``2 cp`` (torch's head-tail chunks), each document one prompt of
 seeded random tokens.  Every configuration built once, ``--warmup`` runs, then ``--rounds`` rounds with the
-order rotated; a run is the prefill and ``--decode-steps`` decode steps (greedy).  Then each configuration again,
-fresh, for its peak memory.  Figures per configuration (medians over rounds of the slowest rank): ``ttft_ms``
-(planning + prefill + the first token), ``prefill_tokens_per_s`` (the batch's tokens / ttft),
-``decode_tokens_per_s`` (prompts x steps / decode time), ``kv_bytes`` (the largest rank's K/V at the end;
-torch: the K/V a rank all-gathers per layer, times the layers, what a cache of it would hold), ``peak_mem_mb``.
+order rotated; a run is the prefill and ``--decode-steps`` decode steps (greedy).  Then one more time to first
+token of each configuration, timed by part (``time_parts``), and each configuration again, fresh, for its peak
+memory.  Figures per configuration (medians over rounds of the slowest rank): ``ttft_ms`` (planning, the cache's
+set-up, prefill and the first token; torch: its forward to the first token), ``prefill_tokens_per_s`` (the
+batch's tokens / ttft), ``decode_tokens_per_s`` (prompts x steps / decode time), ``kv_bytes`` (the largest rank's
+K/V at the end; torch: the K/V a rank all-gathers per layer, times the layers, what a cache of it would hold),
+``peak_mem_mb``; ``breakdown_ms`` (``PARTS``, each part's mean over the ranks; ``breakdown_ms_per_rank``,
+``breakdown_wall_ms`` the timed run, which the parts add up to, ``breakdown_ttft_ms`` the plain run before it),
+``breakdown_cpu_ms`` (each part's CPU time, the stepping thread) and ``breakdown_process_cpu_ms`` (every thread).
 The first logits (every prompt's last token) must agree across the configurations (relative 1e-4) or the
 command exits 1.
 """
@@ -29,7 +33,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 CONFIGS = ("flashpar", "baseline", "torch")
 LOGITS_RTOL = 1e-4  # fp32 on every path, sums in another order only
@@ -67,12 +70,15 @@ def prompts(config: dict):
 
 
 class Runner:
-    """One configuration on this rank: ``run()`` -> ``(ttft_s, decode_s, kv_bytes, first logits [P, V])``."""
+    """One configuration on this rank: ``run()`` -> ``(ttft_s, decode_s, kv_bytes, first logits [P, V])``;
+    ``first_token()``: the time to first token's work alone (what the breakdown times)."""
 
     def __init__(self, name: str, config: dict, ids, full, meshes: dict) -> None:
         self.name, self.config, self.ids = name, config, ids
         if name == "torch":
-            self._build_torch(full, meshes["torch"])
+            from flashpar.bench.torch_prefill import TorchPrefill
+
+            self.peer = TorchPrefill(full, meshes["torch"], ids)
             return
         from flashpar.infer.planning import forward_cost
         from flashpar.models.parallel import ParallelLlama
@@ -81,62 +87,67 @@ class Runner:
                                    dp_mode="replicate", timeout_s=config["rank_timeout"])
         self.model.load_full(full)
         self.cost = forward_cost(full.cfg, self.model.compute_dtype, "cpu", config["tp"])
-
-    def _build_torch(self, full, mesh) -> None:
-        import torch
-
-        from flashpar.bench import torch_parallel
-        from flashpar.bench.torch_llama import TorchLlama
-
-        model = TorchLlama(full.cfg)
-        model.load_full(full)
-        if mesh["tp"].size() > 1:
-            torch_parallel.apply_tp(model, mesh["tp"])
-        if mesh["cp"].size() > 1:
-            for block in model.blocks:
-                block.attn.cp_group = mesh["cp"].get_group()
-        self.model, self.mesh = model, mesh
-        tokens = torch.tensor(sum(self.ids, []))
-        lens = [len(p) for p in self.ids]
-        self.batch = torch_parallel.make_batch(tokens, tokens, lens, mesh, torch.device("cpu"))
-        cp = mesh["cp"].size()
-        order = torch_parallel.DocumentHeadTail(lens, cp).order if cp > 1 else torch.arange(sum(lens))
-        order = order.view(cp, -1)  # the head-tail layout the batch was sharded by: rank r's original positions
-        mine = order[mesh["cp"].get_local_rank()]
-        ends = torch.tensor(lens).cumsum(0) - 1
-        self.last = [(p, int(i)) for p, end in enumerate(ends.tolist()) for i in torch.nonzero(mine == end).flatten()]
+        self.strategy = "flashcp" if name == "flashpar" else "per_doc"
 
     def run(self):
         if self.name == "torch":
-            return self._run_torch()
+            ttft, first, _ = self.peer.run()
+            return ttft, None, self.peer.kv_bytes(), first
         from flashpar.infer import generate
 
-        strategy = "flashcp" if self.name == "flashpar" else "per_doc"
-        out = generate(self.model, self.ids, max_new_tokens=self.config["decode_steps"] + 1, strategy=strategy,
+        out = generate(self.model, self.ids, max_new_tokens=self.config["decode_steps"] + 1, strategy=self.strategy,
                        cost=self.cost, keep_logits=True)
         return out.ttft_s, out.decode_s, out.kv_bytes, out.first_logits
 
-    def _run_torch(self):
-        import torch
-        import torch.distributed as dist
-        from torch.distributed.tensor import DTensor
+    def first_token(self) -> None:
+        if self.name == "torch":
+            self.peer.first_token()
+            return
+        from flashpar.infer.generate import first_token
+        from flashpar.infer.sampling import Sampling
 
-        cfg, cp = self.model.cfg, self.mesh["cp"].size()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            logits = self.model(self.batch.tokens, self.batch.positions, self.batch.layout)
-            if isinstance(logits, DTensor):
-                logits = logits.full_tensor()
-            first = torch.zeros(len(self.ids), cfg.vocab_size)
-            for p, i in self.last:
-                first[p] = logits[0, i]
-            if cp > 1:
-                dist.all_reduce(first, group=self.mesh["cp"].get_group())
-            first.argmax(-1)
-        ttft = time.perf_counter() - t0
-        tp = self.mesh["tp"].size()
-        kv = 2 * cfg.layers * (cfg.kv_heads // tp) * cfg.head_dim * 4 * sum(len(p) for p in self.ids)
-        return ttft, None, kv, first
+        first_token(self.model, self.ids, Sampling(), self.config["decode_steps"] + 1, self.strategy, self.cost)
+
+
+def regions() -> dict:
+    """The breakdown's named calls (``flashpar.bench.breakdown``): the planner, the cache's set-up, the last-token
+    logits and the first choice (flashpar's and the torch peer's)."""
+    from flashpar import cp
+    from flashpar.bench.torch_prefill import first_logits
+    from flashpar.infer.generate import set_up
+    from flashpar.infer.prefill import last_logits
+    from flashpar.infer.sampling import choose
+
+    return {cp.plan: "planning", set_up: "setup", last_logits: "logits", choose: "logits", first_logits: "logits"}
+
+
+def time_parts(runners: dict, names: list[str]) -> dict:
+    """Each configuration's parts (``flashpar.bench.breakdown``) of one more time to first token, right after a
+    plain run of it (``plain_ms``: its time to first token, which the parts are compared with): wall time by part,
+    the stepping thread's CPU time by part (``cpu``) and the process's CPU time, every thread (``process_cpu_ms``:
+    gloo's and the lanes' threads, and the kernel's work on the sends, besides the stepping thread's)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from flashpar.bench.breakdown import breakdown
+
+    with breakdown():  # the dispatch mode's first entry costs ~0.1 s once: not charged to the first configuration
+        torch.ones(1).add(1)
+    parts = {}
+    for name in names:
+        dist.barrier()
+        plain = runners[name].run()[0]
+        dist.barrier()
+        with breakdown(regions=regions()) as clock:
+            c0 = time.process_time()
+            clock.restart()  # the work alone: entering and leaving the block are not its
+            runners[name].first_token()
+            measured = clock.finish()
+            process = time.process_time() - c0
+        parts[name] = {**measured, "plain_ms": 1e3 * plain, "cpu": dict(clock.cpu_ms), "process_cpu_ms": 1e3 * process}
+    return parts
 
 
 def worker(config: dict) -> None:
@@ -173,6 +184,7 @@ def worker(config: dict) -> None:
             ttft, decode, kv, first = runners[name].run()
             samples[name].append((ttft, decode, kv))
             firsts[name] = first
+    parts = time_parts(runners, names)
     del runners
     mem = {}
     for name in names:
@@ -184,7 +196,7 @@ def worker(config: dict) -> None:
         del runner
     worst = max(float((firsts[n] - firsts[names[0]]).abs().max() / firsts[names[0]].abs().max()) for n in names)
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"samples": samples, "mem": mem, "worst": worst})
+    dist.all_gather_object(gathered, {"samples": samples, "mem": mem, "worst": worst, "parts": parts})
     if dist.get_rank() == 0:
         with open(config["out"], "w") as f:
             json.dump(make_report(config, gathered, [len(p) for p in ids]), f, indent=1)
@@ -192,7 +204,23 @@ def worker(config: dict) -> None:
     dist.destroy_process_group()
 
 
+PARTS = ("planning", "setup", "linear", "attention_fwd", "elementwise", "logits", "exposed_comm", "other")
+"""The parts of a time to first token (``flashpar.bench.breakdown``'s, with the regions of ``regions()``):
+planning (``cp.plan``), setup (the cache's schedule and buffers, the rows' index tensors, the tokens' shard),
+the ops by kind, logits (the head, the sum over cp, the first choice), communication blocked on, and what no
+op covers."""
+
+
+def shown_parts(per_rank: list[dict]) -> tuple[str, ...]:
+    """``PARTS`` and any other part a rank measured time in (none on these paths: then the parts still add up)."""
+    others = [p for r in per_rank for p, v in r.items() if p not in PARTS and isinstance(v, float) and v > 0
+              and not p.endswith("_ms")]
+    return PARTS + tuple(dict.fromkeys(others))
+
+
 def make_report(config: dict, gathered: list, lens: list[int]) -> dict:
+    from flashpar.bench.train import breakdown_figures
+
     rows = []
     tokens = sum(lens)
     for name in config["configs"]:
@@ -204,6 +232,13 @@ def make_report(config: dict, gathered: list, lens: list[int]) -> dict:
                      "decode_tokens_per_s": len(lens) * config["decode_steps"] / decode if decode else None,
                      "kv_bytes": max(s[2] for s in per_round[0]),
                      "peak_mem_mb": max(g["mem"][name] for g in gathered)})
+        if "parts" in gathered[0]:
+            per_rank = [g["parts"][name] for g in gathered]
+            parts = shown_parts(per_rank)
+            rows[-1].update(breakdown_figures(per_rank, parts, plain="ttft"))
+            if "cpu" in per_rank[0]:
+                rows[-1]["breakdown_cpu_ms"] = {p: sum(r["cpu"][p] for r in per_rank) / len(per_rank) for p in parts}
+                rows[-1]["breakdown_process_cpu_ms"] = sum(r["process_cpu_ms"] for r in per_rank) / len(per_rank)
     worst = max(g["worst"] for g in gathered)
     setup = {k: config[k] for k in ("tp", "cp", "hidden", "layers", "heads", "kv_heads", "ffn", "tokens", "lengths",
                                     "scale", "decode_steps", "rounds", "warmup", "threads", "seed", "link_rate",
@@ -228,10 +263,39 @@ def format_report(report: dict) -> str:
         lines.append(f"{r['name']:<10}{r['ttft_ms']:>9.1f}{r['prefill_tokens_per_s']:>15.0f}{decode}"
                      f"{r['kv_bytes'] / 2**20:>13.2f}{r['peak_mem_mb']:>8.1f}{ratio('baseline'):>13}"
                      f"{ratio('torch'):>14}")
+    lines += format_breakdown(rows)
     agree = "agree" if s["logits_agree"] else "DISAGREE"
     lines.append(f"first logits {agree}: largest relative difference {s['logits_rel_diff']:.2e} "
                  f"(tolerance {LOGITS_RTOL:g})")
     return "\n".join(lines)
+
+
+def format_breakdown(rows: list[dict]) -> list[str]:
+    """Each configuration's parts of one more time to first token (mean over the ranks), their sum, and the sum
+    against the plain run's time to first token just before it (``sum/ttft``)."""
+    rows = [r for r in rows if "breakdown_ms" in r]
+    if not rows:
+        return []
+    parts = list(dict.fromkeys(p for r in rows for p in r["breakdown_ms"]))
+    short = {"attention_fwd": "attention", "exposed_comm": "comm", "elementwise": "elemwise"}
+    lines = ["", "where the time to first token goes (ms, mean over the ranks of one more run, timed by part: "
+                 "flashpar.bench.breakdown)",
+             f"{'config':<10}" + "".join(f"{short.get(p, p):>10}" for p in parts) + f"{'sum':>8}{'sum/ttft':>9}"]
+    for r in rows:
+        b = r["breakdown_ms"]
+        total = sum(b.values())
+        lines.append(f"{r['name']:<10}" + "".join(f"{b.get(p, 0.0):>10.1f}" for p in parts)
+                     + f"{total:>8.0f}{total / r['breakdown_ttft_ms']:>9.2f}")
+    cpu = [r for r in rows if "breakdown_cpu_ms" in r]
+    if cpu:
+        lines += ["", "the same run's CPU time by part (ms, the stepping thread, mean over the ranks; 'process': every "
+                      "thread of the rank, the transport's included)",
+                  f"{'config':<10}" + "".join(f"{short.get(p, p):>10}" for p in parts) + f"{'sum':>8}{'process':>9}"]
+        for r in cpu:
+            b = r["breakdown_cpu_ms"]
+            lines.append(f"{r['name']:<10}" + "".join(f"{b.get(p, 0.0):>10.1f}" for p in parts)
+                         + f"{sum(b.values()):>8.0f}{r['breakdown_process_cpu_ms']:>9.0f}")
+    return lines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ One packed sequence per data-parallel rank, batch-first as torchtitan's model:
     h      += o_proj(attend(rope(q), gather_cp(rope(k)), gather_cp(v), layout))   per block
     h      += down(silu(gate(norm(h))) * up(norm(h)))
     logits  = head(norm(h))                                              [1, S_loc, vocab]
+                                                    (``hidden``: h, before the final norm)
 
 ``S_loc`` is this context-parallel rank's tokens (all of them without cp), ``positions [S_loc]`` their
 positions inside their documents and ``layout`` (:class:`flashpar.bench.torch_attention.DocLayout`, built
@@ -115,12 +116,16 @@ class TorchLlama(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, layout: DocLayout) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, layout: DocLayout) -> torch.Tensor:
+        """The last block's output ``[1, S_loc, hidden]`` (before the final norm)."""
         cos, sin = rope_tables(positions, self.cfg, self.norm.weight.dtype)
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, cos, sin, layout)
-        return self.head(self.norm(x))
+        return x
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, layout: DocLayout) -> torch.Tensor:
+        return self.head(self.norm(self.hidden(tokens, positions, layout)))
 
     def load_full(self, full: nn.Module) -> None:
         """Copy the weights of a single-process :class:`flashpar.models.Llama` (call before parallelizing)."""

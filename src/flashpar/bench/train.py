@@ -381,19 +381,21 @@ def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank
     return {"setup": setup, "configs": rows}
 
 
-def breakdown_figures(per_rank: list[dict]) -> dict:
-    """``breakdown_ms`` (each part's mean over the ranks), ``breakdown_ms_per_rank``, ``breakdown_wall_ms`` (the
-    mean over the ranks of the measured step's wall time, which the parts add up to) and ``breakdown_step_ms``
-    (the same of the plain step just before it, which they are compared with)."""
+def breakdown_figures(per_rank: list[dict], parts: tuple[str, ...] | None = None, plain: str = "step") -> dict:
+    """``breakdown_ms`` (each part's mean over the ranks; ``parts``, default ``breakdown.PARTS``),
+    ``breakdown_ms_per_rank``, ``breakdown_wall_ms`` (the mean over the ranks of the measured step's wall time,
+    which the parts add up to) and ``breakdown_<plain>_ms`` (the same of the plain step just before it, which
+    they are compared with)."""
     from flashpar.bench.breakdown import PARTS
 
     if not per_rank:
         return {}
+    parts = parts or PARTS
     n = len(per_rank)
-    return {"breakdown_ms": {p: sum(r[p] for r in per_rank) / n for p in PARTS},
-            "breakdown_ms_per_rank": [{p: r[p] for p in PARTS} for r in per_rank],
+    return {"breakdown_ms": {p: sum(r[p] for r in per_rank) / n for p in parts},
+            "breakdown_ms_per_rank": [{p: r[p] for p in parts} for r in per_rank],
             "breakdown_wall_ms": sum(r["wall_ms"] for r in per_rank) / n,
-            "breakdown_step_ms": sum(r.get("plain_ms", r["wall_ms"]) for r in per_rank) / n}
+            f"breakdown_{plain}_ms": sum(r.get("plain_ms", r["wall_ms"]) for r in per_rank) / n}
 
 
 def format_breakdown(rows: list[dict]) -> list[str]:

@@ -123,7 +123,8 @@ class _CPAttention(torch.autograd.Function):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan, *, group=None,
               softmax_scale: float | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
-              counter: CommCounter | None = None, check: bool = True) -> torch.Tensor:
+              counter: CommCounter | None = None, check: bool = True, rows: tuple[int, ...] | None = None
+              ) -> torch.Tensor:
     """Causal document-masked attention of this rank's tokens (see the module docstring).
 
     ``group``: the context-parallel group (None: the default group; a ProcessGroup or a 1-D
@@ -136,16 +137,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan, *
     cross-rank agreement (one small all-gather); every rank raises the same error on bad input.  With
     ``check=False`` (a caller that checked its step once, as ``ParallelLlama`` does) a call communicates
     only its K/V exchange and reads nothing back to the host; the plan's layout, schedules and index
-    tensors on the device are built by the first call on a plan and reused by the later ones.
+    tensors on the device are built by the first call on a plan and reused by the later ones.  ``rows``: only
+    these local query rows (a tuple of distinct row indices, each rank its own) are computed, the other rows of
+    the output are zero (a caller that reads a few rows: prefill's last layer, its prompts' last tokens); the K/V
+    exchange is the plan's either way.
     """
     info = resolve_group(group)
-    error = _local_error(q, k, v, plan, info, backend)
+    error = _local_error(q, k, v, plan, info, backend) or _rows_error(rows, q)
     if check:
         _agree(q, k, plan, info, error, timeout_s)
     elif error is not None:
         raise error
     backend = backend or kernels.default_backend(q.device, q.dtype, q.shape[-1])
-    placed = device_layout(plan, info.rank, backend == "varlen", q.device)
+    placed = device_layout(plan, info.rank, backend == "varlen", q.device, rows)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     run = _Run(placed, info, scale, backend, timeout_s, counter)
     if info.world_size > 1:
@@ -176,6 +180,18 @@ def _local_error(q, k, v, plan, info: GroupInfo, backend) -> ValueError | None:
                           f"{q.device}/{k.device}/{v.device}")
     if backend is not None and backend not in kernels.BACKENDS:
         return ValueError(f"{OP}: unknown backend {backend!r}; expected one of {sorted(kernels.BACKENDS)}")
+    return None
+
+
+def _rows_error(rows, q) -> ValueError | None:
+    if rows is None:
+        return None
+    t = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else 0
+    if (not isinstance(rows, tuple) or any(not isinstance(j, int) or isinstance(j, bool) for j in rows)
+            or len(set(rows)) != len(rows) or any(not 0 <= j < t for j in rows)):
+        got = repr(rows)
+        return ValueError(f"{OP}: rows must be a tuple of distinct local row indices in [0, {t}), got "
+                          + (got if len(got) <= 80 else got[:77] + "..."))
     return None
 
 

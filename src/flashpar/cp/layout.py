@@ -22,6 +22,14 @@ Tasks (see ``kernels.Task``): for every local query piece ``[a, b)`` of document
 block of the piece with itself, and one full task per contiguous run, in a key buffer, of the
 document's keys that end at or before ``a``.  Phase 0 holds the tasks on the rank's own K/V
 (computed while transfers are in flight); phase ``j`` those on the K/V from rank ``r - j``.
+
+With ``queries`` (a few local rows: prefill's last layer reads only its prompts' last tokens) each query
+row ``j`` of a piece starting at local row ``p`` is a task of its own: the full task of row ``j`` with
+the piece's rows ``[p, j]`` (the keys the causal block gives it), and the same full tasks as the piece's
+on the keys before ``a``; the transfers stay the plan's::
+
+    piece rows p .. p+4, queries {p+2}:   causal block (every row)     ->   row p+2 x keys p .. p+2 (full)
+                                          keys before a (every row)    ->   row p+2 x keys before a
 """
 
 from __future__ import annotations
@@ -72,8 +80,9 @@ class RankLayout:
 
 
 @functools.lru_cache(maxsize=64)
-def rank_layout(plan: CPPlan, rank: int, varlen: bool = False) -> RankLayout:
-    """``varlen``: batches for the variable-length kernel (one per buffer, kind and layer)."""
+def rank_layout(plan: CPPlan, rank: int, varlen: bool = False, queries: tuple[int, ...] | None = None) -> RankLayout:
+    """``varlen``: batches for the variable-length kernel (one per buffer, kind and layer).  ``queries``: only these
+    local query rows get tasks (module docstring); None: every row."""
     n, pattern = plan.cp_size, pattern_of(plan)
     starts = plan.doc_starts
     doc_of = lambda a: bisect.bisect_right(starts, a) - 1  # noqa: E731
@@ -102,13 +111,20 @@ def rank_layout(plan: CPPlan, rank: int, varlen: bool = False) -> RankLayout:
                 keys.setdefault((buf, doc_of(x)), []).append((x, y, row + x - a))
             row += b - a
     tasks: dict[int, list[Task]] = {}
+    wanted = sorted(set(queries)) if queries is not None else None
     row = 0
     for a, b in plan.segments[rank]:
         d = doc_of(a)
-        tasks.setdefault(-1, []).append(Task(row, row + b - a, -1, row, row + b - a, True))
-        for buf, _ in buffers:
-            for k0, k1 in _runs_before(keys.get((buf, d), ()), a):
-                tasks.setdefault(buf, []).append(Task(row, row + b - a, buf, k0, k1, False))
+        if wanted is None:
+            pieces = [(row, row + b - a, Task(row, row + b - a, -1, row, row + b - a, True))]
+        else:
+            lo, hi = bisect.bisect_left(wanted, row), bisect.bisect_left(wanted, row + b - a)
+            pieces = [(j, j + 1, Task(j, j + 1, -1, row, j + 1, False)) for j in wanted[lo:hi]]
+        for q0, q1, own in pieces:
+            tasks.setdefault(-1, []).append(own)
+            for buf, _ in buffers:
+                for k0, k1 in _runs_before(keys.get((buf, d), ()), a):
+                    tasks.setdefault(buf, []).append(Task(q0, q1, buf, k0, k1, False))
         row += b - a
     phase_bufs = [-1] + [(rank - j) % n for j in range(1, n)]
     phases = tuple(tuple(make_batches(tasks.get(buf, []), varlen)) for buf in phase_bufs)
@@ -127,9 +143,11 @@ class DeviceLayout:
 
 
 @functools.lru_cache(maxsize=8)  # a few plans' index tensors on the device (a step uses one)
-def device_layout(plan: CPPlan, rank: int, varlen: bool, device: torch.device) -> DeviceLayout:
-    """``rank_layout(plan, rank, varlen)`` with its index tensors copied to ``device`` once."""
-    layout = rank_layout(plan, rank, varlen)
+def device_layout(plan: CPPlan, rank: int, varlen: bool, device: torch.device,
+                  queries: tuple[int, ...] | None = None) -> DeviceLayout:
+    """``rank_layout(plan, rank, varlen, queries)`` with its index tensors copied to ``device`` once."""
+    # (every row: the call of three arguments, whose cache entry the other callers of rank_layout share)
+    layout = rank_layout(plan, rank, varlen) if queries is None else rank_layout(plan, rank, varlen, queries)
     phases = tuple(tuple(_batch_on(b, device) for b in phase) for phase in layout.phases)
     rows = tuple(None if r is None else to_device(r, device) for r in layout.send_rows)
     return DeviceLayout(layout, device, phases, rows)

@@ -49,10 +49,7 @@ class CacheSchedule:
 def cache_schedule(plan: CPPlan, steps: int) -> CacheSchedule:
     """The schedule of ``plan`` (one document per prompt) for ``steps`` decode steps."""
     n, lens = plan.cp_size, plan.doc_lens
-    held = [[0] * len(lens) for _ in range(n)]
-    for r in range(n):
-        for d in plan.doc_ids(r).tolist():
-            held[r][d] += 1
+    held = [torch.bincount(plan.doc_ids(r), minlength=len(lens)).tolist() for r in range(n)]
     count = [row[:] for row in held]
     groups = [[r for r in range(n) if held[r][p] > 0] for p in range(len(lens))]
     appends = []
@@ -98,19 +95,21 @@ class RankCache:
         self.columns = col.to(device)
         self.lens = torch.tensor(self.prefill_tokens, dtype=torch.long, device=device)
         self.steps_done = 0
-        row_of = {p: i for i, p in enumerate(self.rows)}
         self.append = torch.tensor([[step[p] == rank for p in self.rows] for step in schedule.appends],
                                    dtype=torch.bool, device=device).reshape(len(schedule.appends), len(self.rows))
-        # prefill: local token j (the plan's local order) -> its slot (its prompt's region, global order)
-        docs, where = plan.doc_ids(rank).tolist(), plan.local_indices(rank).tolist()
-        order = sorted(range(len(docs)), key=lambda j: where[j])
-        seen = dict.fromkeys(self.rows, 0)
-        slot = [0] * len(docs)
-        for j in order:
-            p = docs[j]
-            slot[j] = offsets[row_of[p]] + seen[p]
-            seen[p] += 1
-        self.prefill_slots = torch.tensor(slot, dtype=torch.long, device=device)
+        # prefill: local token j (the plan's local order) -> its slot (its prompt's region, global order).  A
+        # prompt's tokens are contiguous in the sequence, so in global order each prompt's tokens here follow one
+        # another: the k-th of them in that order goes to its region's slot k
+        docs = plan.doc_ids(rank)
+        order = torch.argsort(plan.local_indices(rank))  # local tokens in global order
+        ranked = docs[order]
+        counts = torch.tensor(held, dtype=torch.long)
+        first = counts.cumsum(0) - counts  # where each prompt's tokens begin in that order
+        region = torch.zeros(len(held), dtype=torch.long)
+        region[torch.tensor(self.rows, dtype=torch.long)] = torch.tensor(offsets, dtype=torch.long)
+        slot = torch.empty_like(docs)
+        slot[order] = region[ranked] + torch.arange(docs.numel()) - first[ranked]
+        self.prefill_slots = slot.to(device)
         self.k = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
 

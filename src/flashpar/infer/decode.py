@@ -13,6 +13,7 @@ parallelism: a step has one row per prompt, too few to split)::
     x       += sum_tp o w_o[:, t]^T                                  one all-reduce over tp
     x       += sum_tp swiglu(norm(x) w_gu[t]^T) w_down[:, t]^T       one all-reduce over tp
     logits   = gather_tp(norm(x) head_t^T)                           [R, V]
+                                                     (the last three: flashpar.infer.replicated)
 
 The all-reduces are blocking: at a decode step's few rows a GEMM is far too short to hide a transfer behind,
 so the overlapped decompositions could only add launches (``mode`` ``auto`` picks ``none`` there).  A step
@@ -24,11 +25,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashpar.dist import all_gather_cat
 from flashpar.infer.attention import combine_split, partial_attention
 from flashpar.infer.cache import RankCache
 from flashpar.infer.comm import all_reduce
-from flashpar.models.fused import rope_qkv, rope_tables, swiglu
+from flashpar.infer.replicated import block_tail, head_logits
+from flashpar.models.fused import rope_qkv, rope_tables
 
 
 @torch.no_grad()
@@ -53,9 +54,6 @@ def decode_step(model, cache: RankCache, tokens: torch.Tensor, positions: torch.
         if n_split:
             o = combine_split(o, lse, cache.split_rows, cache.split_slots, n_split, model.cp_group, cp_size)
         o = o.to(dtype).reshape(x.shape[0], block.heads * cfg.head_dim)  # (a rank may hold no rows)
-        x = x + all_reduce(o @ block.o_proj.weight.to(dtype).T, group, tp)
-        gu = block.mlp_norm(x).to(dtype) @ block.gate_up.weight.to(dtype).T
-        x = x + all_reduce(swiglu(gu) @ block.down.weight.to(dtype).T, group, tp)
+        x = block_tail(block, x, o, group, tp, dtype)
     cache.advance(step)
-    head = model.embed.weight if model.head is None else model.head.weight
-    return all_gather_cat(model.norm(x).to(dtype) @ head.to(dtype).T, group, tp, dim=-1).float()
+    return head_logits(model, x)

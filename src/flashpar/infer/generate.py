@@ -123,24 +123,15 @@ def generate(model, prompts, *, max_new_tokens: int = 16, sampling: Sampling | N
         cost = forward_cost(model.cfg, model.compute_dtype, device.type, model.tp)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
-    t0 = time.perf_counter()  # time to first token: planning, cache set-up, prefill and the first choice
+    t0 = time.perf_counter()
     lens = [len(p) for p in ids]
-    plan = cp.plan(lens, model.mesh["cp"].size(), strategy=strategy, cost=cost)
-    steps = max_new_tokens - 1
-    schedule = cache_schedule(plan, steps)
-    cfg = model.cfg
-    cache = RankCache(plan, schedule, model.cp_rank, cfg.layers, model.blocks[0].kv_heads, cfg.head_dim,
-                      model.compute_dtype, device)
-    rows = torch.tensor(cache.rows, dtype=torch.long, device=device)
-    u = uniforms(how.seed, max_new_tokens, len(ids)).to(device)[:, rows]  # [steps, rows]
-    out = torch.zeros(len(cache.rows), max_new_tokens, dtype=torch.long, device=device)
-    tokens = torch.cat([torch.tensor(p, dtype=torch.long) for p in ids]).to(device)
-    logits = prefill(model, cp.shard(tokens, plan, model.cp_rank), plan, cache)
-    out[:, 0] = choose(logits.index_select(0, rows), u[0], how)
+    first = first_token(model, ids, how, max_new_tokens, strategy, cost)
     sync()
     ttft = time.perf_counter() - t0
+    plan, cache, rows, u, out, logits = first.plan, first.cache, first.rows, first.u, first.out, first.logits
     positions = torch.tensor([lens[p] for p in cache.rows], dtype=torch.long, device=device)
     done = out[:, 0] == eos_id if eos_id is not None else None
+    steps = max_new_tokens - 1
     bar = _progress(steps) if progress and steps else None
     t1, ran = time.perf_counter(), 0
     for s in range(steps):
@@ -168,6 +159,43 @@ def generate(model, prompts, *, max_new_tokens: int = 16, sampling: Sampling | N
     held = cache.tokens()
     return Generation(result, lens, ttft, decode_s, ran, held * cache.bytes_per_token(), held, plan,
                       logits if keep_logits else None)
+
+
+@dataclass
+class Started:
+    """What the time to first token makes: the ``plan``, this rank's ``cache``, its ``rows`` (``cache.rows`` on
+    the device), their uniform numbers ``u [max_new_tokens, rows]``, the chosen tokens ``out [rows,
+    max_new_tokens]`` (column 0 filled: the first token) and the prefill's ``logits [prompts, V]``."""
+
+    plan: cp.CPPlan
+    cache: RankCache
+    rows: torch.Tensor
+    u: torch.Tensor
+    out: torch.Tensor
+    logits: torch.Tensor
+
+
+def first_token(model, ids: list[list[int]], how: Sampling, max_new_tokens: int, strategy: str, cost) -> Started:
+    """The time to first token of checked prompts ``ids``: planning, the cache's set-up, the prefill and the first
+    choice (every rank of the mesh calls it with the same arguments)."""
+    plan = cp.plan([len(p) for p in ids], model.mesh["cp"].size(), strategy=strategy, cost=cost)
+    cache, rows, u, out, tokens_cp = set_up(model, ids, plan, how, max_new_tokens)
+    logits = prefill(model, tokens_cp, plan, cache)
+    out[:, 0] = choose(logits.index_select(0, rows), u[0], how)
+    return Started(plan, cache, rows, u, out, logits)
+
+
+def set_up(model, ids: list[list[int]], plan: cp.CPPlan, how: Sampling, max_new_tokens: int):
+    """``(cache, rows, u, out, tokens_cp)`` of ``Started`` for ``plan``, and this cp rank's prompt tokens."""
+    device, cfg = model.embed.weight.device, model.cfg
+    schedule = cache_schedule(plan, max_new_tokens - 1)
+    cache = RankCache(plan, schedule, model.cp_rank, cfg.layers, model.blocks[0].kv_heads, cfg.head_dim,
+                      model.compute_dtype, device)
+    rows = torch.tensor(cache.rows, dtype=torch.long, device=device)
+    u = uniforms(how.seed, max_new_tokens, len(ids)).to(device)[:, rows]  # [steps, rows]
+    out = torch.zeros(len(cache.rows), max_new_tokens, dtype=torch.long, device=device)
+    tokens = torch.cat([torch.tensor(p, dtype=torch.long) for p in ids]).to(device)
+    return cache, rows, u, out, cp.shard(tokens, plan, model.cp_rank)
 
 
 def _all_ended(model, done: torch.Tensor) -> bool:

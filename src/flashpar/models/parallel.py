@@ -188,6 +188,21 @@ class ParallelBlock(nn.Module):
         """``x`` this rank's rows; ``split`` the tp ranks' rows of the ulysses rank's block, ``blocks`` the
         ulysses ranks' blocks of the cp rank's T_cp tokens (``tables``: the step's cos / sin tables of all T_cp
         of them, ``flashpar.models.fused.rope_tables``)."""
+        o = self.attend(x, tables, plan, split, blocks)
+        if self.ulysses_group is None:
+            x = x + self.o_proj(o, split_sizes=split, check=False)
+        else:  # back to this rank's rows: head group g's columns of w_o are [g H/U D, (g + 1) H/U D)
+            w_o = self.o_proj.source() if self.o_proj.source is not None else self.o_proj.weight.to(o.dtype)
+            x = x + all_to_all_matmul(o, w_o, group=self.ulysses_group,
+                                      mode=self.mode, split_sizes=blocks, check=False, timeout_s=self.timeout_s)
+        gu = self.gate_up(self.mlp_norm(x).to(x.dtype), split_sizes=split, check=False)
+        return x + self.down(swiglu(gu), split_sizes=split, check=False)
+
+    def attend(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], plan, split: list[int],
+               blocks: list[int], rows: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The block's attention output ``[T_cp, heads * D]`` (every token of the cp rank, this rank's heads),
+        before ``o_proj``; the arguments are ``forward``'s.  ``rows``: only these local rows computed, the others
+        zero (``cp.attention``'s ``rows``)."""
         t = tables[0].shape[0]
         a = self.attn_norm(x).to(x.dtype)  # the norm computes in fp32; its output in the compute dtype
         # check=False on every op: ParallelLlama.forward checked this step's inputs across ranks once
@@ -204,16 +219,8 @@ class ParallelBlock(nn.Module):
         q, k, v = rope_qkv(qkv, tables, self.heads, self.kv_heads)  # one autograd node (models/fused.py)
         if self.kv_sink is not None:
             self.kv_sink(k, v)
-        o = cp.attention(q, k, v, plan, group=self.cp_group, counter=self.kv_counter,
-                         timeout_s=self.timeout_s, check=False).reshape(t, self.heads * self.cfg.head_dim)
-        if self.ulysses_group is None:
-            x = x + self.o_proj(o, split_sizes=split, check=False)
-        else:  # back to this rank's rows: head group g's columns of w_o are [g H/U D, (g + 1) H/U D)
-            w_o = self.o_proj.source() if self.o_proj.source is not None else self.o_proj.weight.to(o.dtype)
-            x = x + all_to_all_matmul(o, w_o, group=self.ulysses_group,
-                                      mode=self.mode, split_sizes=blocks, check=False, timeout_s=self.timeout_s)
-        gu = self.gate_up(self.mlp_norm(x).to(x.dtype), split_sizes=split, check=False)
-        return x + self.down(swiglu(gu), split_sizes=split, check=False)
+        return cp.attention(q, k, v, plan, group=self.cp_group, counter=self.kv_counter, timeout_s=self.timeout_s,
+                            check=False, rows=rows).reshape(t, self.heads * self.cfg.head_dim)
 
 
 class ParallelLlama(nn.Module):

@@ -24,6 +24,7 @@ computes the local block last, so that its GEMM covers the last send::
 With ``save_gathered=True`` the forward keeps the gathered ``x`` (``S x in``
 extra activation memory per layer) and the backward has no x exchange; the
 default keeps only ``x_shard``, as Megatron does with sequence parallelism.
+A forward without grad (no input needs it) keeps nothing gathered.
 
 matmul_reduce_scatter (row-parallel linear)
 -------------------------------------------
@@ -211,7 +212,9 @@ class _AllGatherMatmul(torch.autograd.Function):
             return {"y": gemm_y}
 
         buffers = run(call, "ag_matmul", kernels, dims={"out": weight.shape[0]}, bind={"x": x2}, like=x2)
-        keep = buffers.materialize("x") if call.save_gathered and info.world_size > 1 else x2
+        # the gathered x is kept only for a backward that reads it (none without grad: inference's forward)
+        gathered = call.save_gathered and info.world_size > 1 and any(ctx.needs_input_grad[:3])
+        keep = buffers.materialize("x") if gathered else x2
         ctx.save_for_backward(keep, weight)
         ctx.call, ctx.has_bias, ctx.x_shape = call, bias is not None, x.shape
         return buffers.tensor("y").view(rows.total // rows.row_width, *call.mid_shape, weight.shape[0])
