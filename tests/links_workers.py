@@ -47,3 +47,24 @@ def group_links(rank, world, local):
     mesh = init_device_mesh("cpu", (2, 1, 1, 2), mesh_dim_names=MESH_DIMS)
     return {d: (group_hardware_of(mesh[d].get_group(), "cpu").nodes, dist.get_process_group_ranks(mesh[d].get_group()))
             for d in ("tp", "dp")}
+
+
+def sharded_pick_rows(rank, world, shape):
+    """One step of the (dp, cp, ulysses, tp) mesh ``shape``, mode auto, every block fused ZeRO-3: the rows each
+    ``pick_mode`` call of the shard group's side (sim op ``sharded``) was given, and this rank's own tokens."""
+    from flashpar.train.check import one_step
+
+    rows, real = [], call.pick_mode
+
+    def spy(mode, chunks, n, sim_op, r, n_in, n_out, x, **kw):
+        if sim_op == "sharded":
+            rows.append(r)
+        return real(mode, chunks, n, sim_op, r, n_in, n_out, x, **kw)
+
+    call.pick_mode = spy
+    try:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS)
+        one_step(CFG, mesh, sequences(shape[0]), strategy="flashcp", mode="auto", zero_schedule="fused")
+    finally:
+        call.pick_mode = real
+    return sorted(set(rows))

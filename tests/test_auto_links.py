@@ -27,7 +27,7 @@ from flashpar.sim.model_configs import load_model
 from flashpar.sim.peers import PEERS
 from flashpar.sim.topology import Cluster, Layout
 from flashpar.sim.workload import Workload
-from links_workers import group_links, recorded_picks
+from links_workers import group_links, recorded_picks, sharded_pick_rows
 from train_workers import CFG, sequences
 
 TABLE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "simulate-table.json"
@@ -49,6 +49,14 @@ def test_the_simulators_linears_are_the_calls_the_runtime_makes(shape):
     runtime = {tuple(r) for r in got[0]}
     head = {r for r in runtime if r[4] == CFG.vocab_size // 2}
     assert len(sim) == (4 if shape[3] == 2 else 2) and runtime - head == sim, (runtime, sim)
+
+
+def test_a_fused_zero3_linear_picks_on_the_same_rows_on_every_rank_of_its_shard_group():
+    """cp 2 (flashcp keeps the 107 tokens' documents whole: the two cp ranks hold different counts), every block
+    fused, mode auto, calls unchecked: each rank would pick the shard group's schedule on its own tokens and the
+    two could differ; both pick on the sequence's tokens over cp (107 // 2), as the simulator does."""
+    got = run_ranks(2, sharded_pick_rows, (1, 2, 1, 1))
+    assert got[0] == got[1] == [sum(sequences(1)[0][2]) // 2], got
 
 
 def test_a_process_groups_figures_follow_its_nodes():

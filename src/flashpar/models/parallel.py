@@ -162,6 +162,7 @@ class ParallelBlock(nn.Module):
         kw = {"bias": False, "group": tp_group, "mode": mode, "timeout_s": timeout_s}
         self.timeout_s = timeout_s
         zero3 = zero_group is not None  # ZeRO-3: each rank keeps its rows of the tp shards over the shard group
+        self.zero3 = zero3
         if zero3:
             kw["dp_group"] = zero_group
         # a column-parallel linear keeps its gathered input for backward (a fused ZeRO-3 linear gathers it again)
@@ -189,14 +190,21 @@ class ParallelBlock(nn.Module):
         ulysses ranks' blocks of the cp rank's T_cp tokens (``tables``: the step's cos / sin tables of all T_cp
         of them, ``flashpar.models.fused.rope_tables``)."""
         o = self.attend(x, tables, plan, split, blocks)
+        zkw = self._pick(plan)
         if self.ulysses_group is None:
-            x = x + self.o_proj(o, split_sizes=split, check=False)
+            x = x + self.o_proj(o, split_sizes=split, check=False, **zkw)
         else:  # back to this rank's rows: head group g's columns of w_o are [g H/U D, (g + 1) H/U D)
             w_o = self.o_proj.source() if self.o_proj.source is not None else self.o_proj.weight.to(o.dtype)
             x = x + all_to_all_matmul(o, w_o, group=self.ulysses_group,
                                       mode=self.mode, split_sizes=blocks, check=False, timeout_s=self.timeout_s)
-        gu = self.gate_up(self.mlp_norm(x).to(x.dtype), split_sizes=split, check=False)
-        return x + self.down(swiglu(gu), split_sizes=split, check=False)
+        gu = self.gate_up(self.mlp_norm(x).to(x.dtype), split_sizes=split, check=False, **zkw)
+        return x + self.down(swiglu(gu), split_sizes=split, check=False, **zkw)
+
+    def _pick(self, plan) -> dict:
+        """The ops' ``pick_rows`` (ZeRO-3): with ``check=False`` each rank picks mode auto's schedules itself, and a
+        fused ZeRO-3 linear's shard group spans cp ranks holding different token counts, so it picks on the
+        sequence's tokens over cp, the same number on every rank of it (the rows the simulator picks on)."""
+        return {"pick_rows": max(plan.total_tokens // plan.cp_size, 1)} if self.zero3 else {}
 
     def attend(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], plan, split: list[int],
                blocks: list[int], rows: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -208,7 +216,7 @@ class ParallelBlock(nn.Module):
         # check=False on every op: ParallelLlama.forward checked this step's inputs across ranks once
         # (models/step_check.py)
         if self.ulysses_group is None:  # every token of the cp rank, this tp rank's heads
-            qkv = self.qkv(a, split_sizes=split, check=False)
+            qkv = self.qkv(a, split_sizes=split, check=False, **self._pick(plan))
         else:  # every token of the cp rank, this ulysses rank's head group
             if self.qkv.source is not None:  # ZeRO-3: gathered ahead, already regrouped, in the compute dtype
                 w_qkv = self.qkv.source()

@@ -154,35 +154,39 @@ class _ZeroRows:
 
 class ZeroColumnParallelLinear(_ZeroRows, ColumnParallelLinear):
     """``ColumnParallelLinear`` whose ``weight [o_s, in]`` (and bias ``[o_s]``) are this rank's rows of the tp
-    shard; ``forward(x_shard, *, split_sizes=None, check=True)`` as the parent's."""
+    shard; ``forward(x_shard, *, split_sizes=None, check=True, pick_rows=None)`` as the parent's (``pick_rows``: a
+    fused block's ``zero_all_gather_matmul``)."""
 
     def __init__(self, *args, dp_group, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._keep_rows(dp_group)
 
     def forward(self, x_shard: torch.Tensor, *, split_sizes: list[int] | None = None,
-                check: bool = True) -> torch.Tensor:
+                check: bool = True, pick_rows: int | None = None) -> torch.Tensor:
         if self.source is not None:  # the whole W_t, gathered ahead: the plain tensor-parallel op
             return all_gather_matmul(x_shard, self.source(), None, group=self.group, mode=self.mode,
                                      chunks=self.chunks, split_sizes=split_sizes, save_gathered=self.save_gathered,
                                      check=check, timeout_s=self.timeout_s)
         return zero_all_gather_matmul(x_shard, self.weight, self.bias, group=self.group, dp_group=self.dp_group,
                                       total_rows=self.total_rows, mode=self.mode, chunks=self.chunks,
-                                      split_sizes=split_sizes, check=check, timeout_s=self.timeout_s)
+                                      split_sizes=split_sizes, check=check, timeout_s=self.timeout_s,
+                                      pick_rows=pick_rows)
 
 
 class ZeroRowParallelLinear(_ZeroRows, RowParallelLinear):
     """``RowParallelLinear`` whose ``weight [o_s, in_t]`` (and bias ``[o_s]``) are this rank's output rows;
-    ``forward(x, *, split_sizes=None, check=True)`` as the parent's."""
+    ``forward(x, *, split_sizes=None, check=True, pick_rows=None)`` as the parent's."""
 
     def __init__(self, *args, dp_group, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._keep_rows(dp_group)
 
-    def forward(self, x: torch.Tensor, *, split_sizes: list[int] | None = None, check: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, split_sizes: list[int] | None = None, check: bool = True,
+                pick_rows: int | None = None) -> torch.Tensor:
         if self.source is not None:
             return matmul_reduce_scatter(x, self.source(), None, group=self.group, mode=self.mode, chunks=self.chunks,
                                          split_sizes=split_sizes, check=check, timeout_s=self.timeout_s)
         return zero_matmul_reduce_scatter(x, self.weight, self.bias, group=self.group, dp_group=self.dp_group,
                                           total_rows=self.total_rows, mode=self.mode, chunks=self.chunks,
-                                          split_sizes=split_sizes, check=check, timeout_s=self.timeout_s)
+                                          split_sizes=split_sizes, check=check, timeout_s=self.timeout_s,
+                                          pick_rows=pick_rows)

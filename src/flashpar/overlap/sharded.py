@@ -150,13 +150,16 @@ def zero_all_gather_matmul(x_shard: torch.Tensor, w_rows: torch.Tensor, bias: to
                            group=None, dp_group=None, total_rows: int | None = None, mode: str = "flash",
                            chunks: int | None = None, split_sizes: list[int] | None = None, check: bool = True,
                            timeout_s: float = DEFAULT_TIMEOUT_S, average: bool = False,
-                           counter: ZeroCounter | None = None) -> torch.Tensor:
+                           counter: ZeroCounter | None = None, pick_rows: int | None = None) -> torch.Tensor:
     """``all_gather_matmul(x_shard, W_t, b_t)`` over the tp ``group`` with ``W_t`` / ``b_t`` ZeRO-3 sharded over
     ``dp_group``: ``w_rows [o_d, in]`` are this dp rank's rows ``shard_rows(total_rows, D, d)`` of ``W_t``.
 
     x_shard ``[s_r, ..., in]``; returns ``[S, ..., total_rows]``.  ``split_sizes``: the sequence blocks of the
     tp ranks (as ``all_gather_matmul``).  Gradient of ``w_rows``: summed over dp (``average=True``: averaged).
-    A dp group of one runs ``all_gather_matmul`` itself.
+    A dp group of one runs ``all_gather_matmul`` itself.  ``pick_rows``: the rows ``mode="auto"`` picks the dp
+    side's schedule on (default: this rank's tokens).  With ``check=False`` each rank keeps its own pick, so a
+    caller whose ranks hold different numbers of tokens gives every rank of ``dp_group`` the same number here
+    (``flashpar.models.parallel``: the sequence's tokens over cp, what the simulator picks on).
     """
     if resolve_group(dp_group).world_size == 1:
         w_rows, bias = _in_dtype(w_rows, bias, x_shard.dtype)
@@ -165,7 +168,7 @@ def zero_all_gather_matmul(x_shard: torch.Tensor, w_rows: torch.Tensor, bias: to
     z = _prepare("zero_all_gather_matmul", "column", x_shard, w_rows, bias, tp_group=group, has_tp=True,
                  dp_group=dp_group, mode=mode, chunks=chunks, seq_split=split_sizes,
                  dp_split=_rows(total_rows, dp_group), check=check, timeout_s=timeout_s, average=average,
-                 counter=counter)
+                 counter=counter, pick_rows=pick_rows)
     return _ZeroLinear.apply(x_shard, w_rows, bias, z)
 
 
@@ -173,12 +176,13 @@ def zero_matmul_reduce_scatter(x: torch.Tensor, w_rows: torch.Tensor, bias: torc
                                group=None, dp_group=None, total_rows: int | None = None, mode: str = "flash",
                                chunks: int | None = None, split_sizes: list[int] | None = None, check: bool = True,
                                timeout_s: float = DEFAULT_TIMEOUT_S, average: bool = False,
-                               counter: ZeroCounter | None = None) -> torch.Tensor:
+                               counter: ZeroCounter | None = None, pick_rows: int | None = None) -> torch.Tensor:
     """``matmul_reduce_scatter(x, W_t) + b`` over the tp ``group`` with ``W_t [R, in_t]`` and ``b [R]`` ZeRO-3
     sharded over ``dp_group`` by output rows: ``w_rows [o_d, in_t]``, bias ``[o_d]`` (the same on every tp rank).
 
     x ``[S, ..., in_t]``; returns this tp rank's block ``[s_r, ..., total_rows]``.  ``split_sizes``: how ``S``
     is split over tp (omitted: equal blocks).  A dp group of one runs ``matmul_reduce_scatter`` itself.
+    ``pick_rows``: as ``zero_all_gather_matmul``'s.
     """
     if resolve_group(dp_group).world_size == 1:
         w_rows, bias = _in_dtype(w_rows, bias, x.dtype)
@@ -187,7 +191,7 @@ def zero_matmul_reduce_scatter(x: torch.Tensor, w_rows: torch.Tensor, bias: torc
     z = _prepare("zero_matmul_reduce_scatter", "row", x, w_rows, bias, tp_group=group, has_tp=True,
                  dp_group=dp_group, mode=mode, chunks=chunks, seq_split=split_sizes,
                  dp_split=_rows(total_rows, dp_group), check=check, timeout_s=timeout_s, average=average,
-                 counter=counter)
+                 counter=counter, pick_rows=pick_rows)
     return _ZeroLinear.apply(x, w_rows, bias, z)
 
 
@@ -225,7 +229,7 @@ class _Zero:
 
 
 def _prepare(op_name, kind, x, weight, bias, *, tp_group, has_tp, dp_group, mode, chunks, seq_split, dp_split,
-             check, timeout_s, average, counter) -> _Zero:
+             check, timeout_s, average, counter, pick_rows: int | None = None) -> _Zero:
     # weight and bias are the master rows (one dtype), x the compute dtype: the rows are cast to x's dtype
     # before they travel (mixed precision); x's dtype is what the ranks compare
     tensors = {"x": x}
@@ -284,7 +288,7 @@ def _prepare(op_name, kind, x, weight, bias, *, tp_group, has_tp, dp_group, mode
         validate()
         check_split(op_name, dp_split, info.world_size, info.rank, local=weight.shape[0], what="weight rows")
         out_total = sum(dp_split) if dp_split is not None else weight.shape[0] * info.world_size
-        tokens = max(x.numel() // max(x.shape[-1], 1), 1)
+        tokens = pick_rows if pick_rows is not None else max(x.numel() // max(x.shape[-1], 1), 1)
         named = [("in features", weight.shape[1]), ("dtype", dtype_code(x.dtype)),
                  ("bias present", int(bias is not None))]
         return Local(weight.shape[0], ("sharded", tokens, weight.shape[1], out_total), named)
