@@ -51,7 +51,7 @@ def build(shape, full: Llama, mode: str = "flash") -> ParallelLlama:
     """The parallel model on mesh (tp, cp) = ``shape`` with ``full``'s weights (replicated over cp)."""
     tp, cpn = shape
     mesh = init_device_mesh("cpu", (1, cpn, 1, tp), mesh_dim_names=MESH_DIMS)
-    model = ParallelLlama(full.cfg, mesh, mode=mode, dp_mode="replicate", timeout_s=300.0)  # 6 ranks on a loaded box
+    model = ParallelLlama(full.cfg, mesh, mode=mode, dp_mode="replicate", timeout=300.0)  # 6 ranks on a loaded box
     model.load_full(full)
     return model
 

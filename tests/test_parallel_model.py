@@ -21,7 +21,7 @@ from train_workers import (
     vocab_loss_cases,
 )
 
-# (dp, cp, ulysses, tp), dp mode, model (train_workers.MODELS)[, strategy, mode, save_gathered, zero_schedule,
+# (dp, cp, ulysses, tp), dp mode, model (train_workers.MODELS)[, strategy, mode, regather, zero_schedule,
 # prefetch, zero_collective] -> world size
 MESH_CASES = {
     4: [((1, 2, 1, 2), "zero3", "base"), ((2, 2, 1, 1), "zero3", "base"), ((2, 1, 1, 2), "zero3", "base"),
@@ -31,21 +31,21 @@ MESH_CASES = {
         ((1, 2, 2, 1), "zero3", "base"), ((2, 1, 2, 1), "zero3", "base"), ((2, 1, 2, 1), "replicate", "untied"),
         ((1, 1, 4, 1), "zero3", "base"), ((1, 1, 4, 1), "zero3", "untied"),
         # --regather: the column-parallel linears and the head gather their input again in backward
-        ((1, 2, 1, 2), "replicate", "untied", "flashcp", "flash", False),
+        ((1, 2, 1, 2), "replicate", "untied", "flashcp", "flash", True),
         # small vocabularies: the embedding / head weight gathered over tp (flashpar.models.vocab.gathers_weight)
         ((1, 2, 1, 2), "zero3", "vocab16"), ((2, 1, 1, 2), "zero3", "vocab16-untied"),
         ((1, 1, 1, 4), "replicate", "vocab16-untied"), ((1, 2, 1, 2), "zero3", "vocab54", "per_doc", "none"),
         # ZeRO-3's schedules over the shard group (dp x cp x ulysses): fused, one per block, two blocks ahead
-        ((2, 1, 1, 2), "zero3", "base", "flashcp", "flash", True, "fused"),
-        ((1, 2, 1, 2), "zero3", "untied", "flashcp", "flash", True, ("fused", "prefetch")),
-        ((2, 2, 1, 1), "zero3", "untied", "flashcp", "flash", True, "prefetch", 2),
-        ((1, 4, 1, 1), "zero3", "base", "per_doc", "none", True, ("prefetch", "fused")),
+        ((2, 1, 1, 2), "zero3", "base", "flashcp", "flash", False, "fused"),
+        ((1, 2, 1, 2), "zero3", "untied", "flashcp", "flash", False, ("fused", "prefetch")),
+        ((2, 2, 1, 1), "zero3", "untied", "flashcp", "flash", False, "prefetch", 2),
+        ((1, 4, 1, 1), "zero3", "base", "per_doc", "none", False, ("prefetch", "fused")),
         # the units moved by the doubling steps (flashpar.overlap.doubling) over a shard group of 4, and of 3
-        ((4, 1, 1, 1), "zero3", "untied", "flashcp", "flash", True, "prefetch", 1, "doubling")],
+        ((4, 1, 1, 1), "zero3", "untied", "flashcp", "flash", False, "prefetch", 1, "doubling")],
     3: [((1, 1, 3, 1), "zero3", "heads6"), ((1, 1, 3, 1), "zero3", "heads6-mqa"),
         ((1, 1, 1, 3), "zero3", "heads6-vocab12"),
-        ((1, 3, 1, 1), "zero3", "untied", "flashcp", "flash", True, "fused"),
-        ((3, 1, 1, 1), "zero3", "base", "flashcp", "flash", True, "prefetch", 2, "doubling")],
+        ((1, 3, 1, 1), "zero3", "untied", "flashcp", "flash", False, "fused"),
+        ((3, 1, 1, 1), "zero3", "base", "flashcp", "flash", False, "prefetch", 2, "doubling")],
     2: [((1, 1, 2, 1), "zero3", "base"), ((1, 1, 2, 1), "replicate", "untied")],
 }
 CASE_IDS = [(n, case) for n, cases in MESH_CASES.items() for case in cases]

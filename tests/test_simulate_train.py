@@ -71,7 +71,7 @@ def test_memory_per_gpu_by_hand_on_a_small_model():
     assert memory.buffers(w, PEERS["flashpar"], fused) == 512 * (2 + 4) + 512 * 2
     mem = memory.memory(w, PEERS["flashpar"], 0.0)
     assert mem["total"] == pytest.approx((16 * p + acts + 2 * 1152 * 2 + 1152 * 4 + kept) / 1e9)
-    ckpt = dataclasses.replace(w, checkpoint=True)  # block inputs (h / tp per token) + one block
+    ckpt = dataclasses.replace(w, checkpoint_activations=True)  # block inputs (h / tp per token) + one block
     assert memory.activations(ckpt, PEERS["flashpar"], 0.0) == 2 * 64 * 8 * 2 + 64 * 136 * 2 + 64 * 16 * 2 + \
         64 * 32 * 10
     # dp 1: the head keeps its gathered input, 64 x 16 / 2 more than its own rows, and the block linears theirs;

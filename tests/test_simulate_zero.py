@@ -166,11 +166,11 @@ def test_selective_recompute_by_hand():
     by_hand = (hw.gemm_time(64, 16, 8) + hw.gemm_time(64, 16, 32) + hw.gemm_time(64, 16, 16)
                + hw.memory_time(step.elementwise_bytes(w, PEERS["torch"])) + 16 * hw.gemm_overhead_s)
     assert step.selective_recompute(w, PEERS["torch"]).total == pytest.approx(by_hand)
-    full, sac, none = (step.block(dataclasses.replace(w, checkpoint=c, selective=s), PEERS["torch"])[1].total
-                       for c, s in ((True, False), (False, True), (False, False)))
+    full, sac, none = (step.block(dataclasses.replace(w, checkpoint_activations=c, selective=s),
+                                  PEERS["torch"])[1].total for c, s in ((True, False), (False, True), (False, False)))
     assert none < sac < full
     with pytest.raises(ValueError, match="exclude"):
-        _w(Layout(1, 1, 1, 1), selective=True, checkpoint=True)
+        _w(Layout(1, 1, 1, 1), selective=True, checkpoint_activations=True)
 
 
 def test_eager_elementwise_bytes_by_hand():

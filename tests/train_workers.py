@@ -47,13 +47,13 @@ def sequences(dp: int, seed: int = 0, vocab: int = 256):
 
 
 def check_mesh(rank, world, shape, dp_mode="zero3", model="base", strategy="flashcp", mode="flash",
-               save_gathered=True, zero_schedule="prefetch", prefetch=1, zero_collective="ring"):
+               regather=False, zero_schedule="prefetch", prefetch=1, zero_collective="ring"):
     """``one_step``'s errors over ``TOL`` and their count on the (dp, cp, ulysses, tp) mesh ``shape``
-    (``save_gathered=False``: ``--regather``; ``zero_schedule`` / ``prefetch`` / ``zero_collective``: ZeRO-3's)."""
+    (``regather``, ``zero_schedule`` / ``prefetch`` / ``zero_collective``: the ``ParallelOptions``')."""
     dp = shape[0]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS)
     errors = one_step(MODELS[model], mesh, sequences(dp, vocab=MODELS[model].vocab_size), strategy=strategy,
-                      mode=mode, dp_mode=dp_mode, save_gathered=save_gathered, zero_schedule=zero_schedule,
+                      mode=mode, dp_mode=dp_mode, regather=regather, zero_schedule=zero_schedule,
                       prefetch=prefetch, zero_collective=zero_collective)
     return {k: v for k, v in errors.items() if not v <= TOL}, len(errors)
 

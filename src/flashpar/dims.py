@@ -134,7 +134,8 @@ class ParallelDims:
             raise ValueError(where + bad)
 
     def mesh(self, device_type: str):
-        """The device mesh of these sizes, dims named ``DIMS`` (every rank calls it; the process group is up)."""
-        from torch.distributed.device_mesh import init_device_mesh
+        """The device mesh of these sizes, dims named ``DIMS`` (every rank calls it; the process group is up;
+        ``flashpar.mesh``: every group flashpar makes)."""
+        from flashpar.mesh import device_mesh
 
-        return init_device_mesh(device_type, (self.dp, self.cp, self.ulysses, self.tp), mesh_dim_names=DIMS)
+        return device_mesh(device_type, (self.dp, self.cp, self.ulysses, self.tp), DIMS)

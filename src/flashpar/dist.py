@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from flashpar.mesh import twin_group
+
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -126,7 +128,7 @@ def p2p_group(info: GroupInfo, src: int, dst: int, *, op_name: str = "p2p", time
             return info.group
         ranks = [info.global_rank(r) for r in range(info.world_size)]
         try:
-            twin = dist.new_group(ranks, timeout=as_timedelta(timeout_s), use_local_synchronization=True)
+            twin = twin_group(ranks, timeout_s)
         except RuntimeError as err:
             others = ", ".join(f"rank {p}" for p in range(info.world_size) if p != info.rank)
             raise RuntimeError(
@@ -198,17 +200,6 @@ def exchange_metadata(
     if int(table[:, 1].min()) != int(table[:, 1].max()):
         raise RuntimeError(f"{op_name}: ranks disagree on the number of input dimensions: {table[:, 1].tolist()}")
     return table[:, 2 : 2 + len(values)]
-
-
-def host_group(ranks: list[int]):
-    """A gloo group of the global ``ranks`` for cross-rank checks of host integers (``None``: the default
-    group, where that is gloo over exactly these ranks).  On an NCCL mesh such a check then never waits
-    for the device: its integers stay on the host.  Collective where it creates a group: every rank of
-    the world calls it, in the same order (``new_group``)."""
-    ranks = sorted(ranks)
-    if dist.get_backend() == "gloo" and ranks == list(range(dist.get_world_size())):
-        return None
-    return dist.new_group(ranks, backend="gloo")
 
 
 def all_gather_blocks(rows: torch.Tensor, sizes: list[int], group=None, *,

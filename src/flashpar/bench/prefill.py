@@ -84,7 +84,7 @@ class Runner:
         from flashpar.models.parallel import ParallelLlama
 
         self.model = ParallelLlama(full.cfg, meshes["flashpar"], mode=config["mode"] if name == "flashpar" else "none",
-                                   dp_mode="replicate", timeout_s=config["rank_timeout"])
+                                   dp_mode="replicate", timeout=config["rank_timeout"])
         self.model.load_full(full)
         self.cost = forward_cost(full.cfg, self.model.compute_dtype, "cpu", config["tp"])
         self.strategy = "flashcp" if name == "flashpar" else "per_doc"
@@ -153,17 +153,16 @@ def time_parts(runners: dict, names: list[str]) -> dict:
 def worker(config: dict) -> None:
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
+    from flashpar.dims import ParallelDims
     from flashpar.dist import as_timedelta
     from flashpar.models import Llama
-    from flashpar.models.parallel import MESH_DIMS
     from flashpar.peak_memory import peak_memory, reset_peak_memory
 
     dist.init_process_group("gloo", timeout=as_timedelta(config["rank_timeout"]))
     torch.set_num_threads(config["threads"])
     tp, cpn = config["tp"], config["cp"]
-    meshes = {"flashpar": init_device_mesh("cpu", (1, cpn, 1, tp), mesh_dim_names=MESH_DIMS)}
+    meshes = {"flashpar": ParallelDims(1, cpn, 1, tp).mesh("cpu")}
     if "torch" in config["configs"]:
         from flashpar.bench.torch_parallel import make_mesh
 

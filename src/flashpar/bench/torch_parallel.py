@@ -1,6 +1,6 @@
 """The ``torch`` peer parallelized with torch's own APIs only, the way torchtitan parallelizes its Llama.
 
-Mesh ``("dp", "cp", "tp")`` (``init_device_mesh``), one packed sequence per dp rank:
+Mesh ``("dp", "cp", "tp")`` (``make_mesh``), one packed sequence per dp rank:
 
 * tensor + sequence parallelism (``parallelize_module``; torchtitan's ``apply_tp`` plans): the
   embedding ``RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))`` (vocabulary rows,
@@ -53,9 +53,10 @@ from flashpar.models.llama import IGNORE, document_positions
 
 
 def make_mesh(dp: int, cp: int, tp: int, device_type: str):
-    from torch.distributed.device_mesh import init_device_mesh
+    """The torch peer's ``("dp", "cp", "tp")`` mesh (``flashpar.mesh``: every group flashpar makes)."""
+    from flashpar.mesh import device_mesh
 
-    return init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+    return device_mesh(device_type, (dp, cp, tp), ("dp", "cp", "tp"))
 
 
 def apply_tp(model: TorchLlama, tp_mesh) -> None:

@@ -188,12 +188,13 @@ class Runner:
             self._step = lambda: torch_parallel.train_step(self.model, self.opt, batch, count, tp)
             return
         from flashpar import cp
-        from flashpar.train.planning import planner_cost
+        from flashpar.train.planning import planner_cost, planning_device, resolve_options
         from flashpar.train.step import build, train_step
 
         tc = train_config(config, name)
         mesh = meshes["flashpar"]
-        _, self.model, self.opt = build(tc, mesh, device)
+        options = resolve_options(tc, device.type, planning_device(device.type, tc.tp * tc.ulysses))
+        _, self.model, self.opt = build(tc, mesh, device, options)
         tokens, labels, doc_lens = seqs[mesh["dp"].get_local_rank()]
         cost = planner_cost(cfg, group=tc.tp * tc.ulysses)  # as flashpar.train.loop (burst: core_burst)
         plan = cp.plan(doc_lens, tc.cp, strategy=tc.strategy, cost=cost)

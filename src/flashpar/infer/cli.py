@@ -140,11 +140,11 @@ def rank_main(config: GenerateConfig) -> None:
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
+    from flashpar.dims import ParallelDims
     from flashpar.infer.generate import generate
     from flashpar.infer.sampling import Sampling
-    from flashpar.models.parallel import MESH_DIMS, ParallelLlama
+    from flashpar.models.parallel import ParallelLlama
 
     cfg, prompts, decode, eos = check(config)  # every rank reads the same files: the same line on every rank
     cuda = config.device == "cuda"
@@ -154,9 +154,9 @@ def rank_main(config: GenerateConfig) -> None:
     if dist.get_world_size() != config.tp * config.cp:
         raise ValueError(f"--tp {config.tp} x --cp {config.cp} = {config.tp * config.cp} ranks, the job has "
                          f"{dist.get_world_size()}")
-    mesh = init_device_mesh(config.device, (1, config.cp, 1, config.tp), mesh_dim_names=MESH_DIMS)
-    dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
-    model = ParallelLlama(cfg, mesh, mode=config.mode, dp_mode="replicate", dtype=dtype, timeout_s=config.timeout)
+    mesh = ParallelDims(1, config.cp, 1, config.tp).mesh(config.device)
+    model = ParallelLlama(cfg, mesh, mode=config.mode, dp_mode="replicate", dtype=config.dtype,
+                          timeout=config.timeout)
     if cuda:
         model = model.cuda()
     if config.init_from is not None:

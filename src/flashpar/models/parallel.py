@@ -75,7 +75,7 @@ norms and the loss compute in fp32, and every gradient is fp32 when it is summed
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -86,18 +86,20 @@ from torch import nn
 from flashpar import cp
 from flashpar.cp.layout import to_device
 from flashpar.dims import DIMS, ParallelDims
-from flashpar.dist import DEFAULT_TIMEOUT_S, all_gather_cat
+from flashpar.dist import all_gather_cat
+from flashpar.mesh import model_groups
 from flashpar.models.config import LlamaConfig
 from flashpar.models.fused import rope_qkv, rope_tables, swiglu
 from flashpar.models.grad_sync import GradSync
 from flashpar.models.layout import LAYOUT, Piece, layout_of, stack
 from flashpar.models.llama import Llama, RMSNorm
-from flashpar.models.precision import compute_dtype
+from flashpar.models.precision import DTYPES, compute_dtype
 from flashpar.models.recompute import run_checkpointed
 from flashpar.models.step_check import StepCheck
 from flashpar.models.vocab import embed_rows, gathers_weight, own_rows_loss, vocab_parallel_loss
 from flashpar.models.zero import all_gather_rows, gather_rows, keep_rows
-from flashpar.models.zero_units import block_schedules, build_prefetcher, zero_groups
+from flashpar.models.zero_units import block_schedules, build_prefetcher
+from flashpar.options import ParallelOptions
 from flashpar.overlap.a2a import all_to_all_matmul, matmul_all_to_all
 from flashpar.overlap.ops import all_gather_matmul
 from flashpar.overlap.ulysses import head_layout
@@ -146,11 +148,17 @@ class WholeProjection(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp_group, cp_group, mode: str, timeout_s: float, zero_group=None,
-                 ulysses_group=None, save_gathered: bool = True) -> None:
+    """One decoder block on its groups, run with ``options`` (``ParallelLlama``'s): ``zero_group`` the shard group its
+    weights' rows are kept over (ZeRO-3; None: whole tp shards), ``ulysses_group`` Ulysses' (None: tp splits the
+    heads)."""
+
+    def __init__(self, cfg: LlamaConfig, tp_group, cp_group, options: ParallelOptions, zero_group=None,
+                 ulysses_group=None) -> None:
         super().__init__()
         tp = dist.get_world_size(tp_group) if tp_group is not None else 1
         u = dist.get_world_size(ulysses_group) if ulysses_group is not None else 1
+        mode, timeout_s = options.mode, options.timeout
+        self.options = options
         self.cfg, self.tp, self.cp_group, self.mode = cfg, tp, cp_group, mode
         self.ulysses_group = ulysses_group if u > 1 else None
         if self.ulysses_group is None:
@@ -166,7 +174,7 @@ class ParallelBlock(nn.Module):
         if zero3:
             kw["dp_group"] = zero_group
         # a column-parallel linear keeps its gathered input for backward (a fused ZeRO-3 linear gathers it again)
-        gather_kw = {"save_gathered": save_gathered}
+        gather_kw = {"save_gathered": options.save_gathered}
         qkv_rows = (cfg.heads + 2 * cfg.kv_heads) * d
         if self.ulysses_group is None:
             self.qkv = LAYOUT["qkv"].linear(zero3)(h, qkv_rows, **kw, **gather_kw)
@@ -236,34 +244,42 @@ class ParallelLlama(nn.Module):
     1; a mesh without ``"ulysses"`` is one with U = 1).  Ulysses and tensor parallelism both split the heads:
     ulysses > 1 needs tp = 1.
 
-    ``dtype``: the compute dtype (``torch.float32`` or ``torch.bfloat16``; the parameters stay fp32, see
-    ``flashpar.models.precision``).  ``checkpoint_activations``: recompute each block's activations in
-    backward (``flashpar.models.recompute``).  ``save_gathered``: each tensor-parallel all-gather + GEMM (q/k/v,
-    gate/up, the head) keeps the gathered ``x [T, in]`` for its weight gradient, as torch's DTensor linear does,
-    instead of gathering ``x_shard [T/tp, in]`` again in backward (Megatron's choice): one all-gather fewer per
-    column-parallel linear and step, for ``(tp - 1) / tp x T x in`` more activation memory each.  A fused ZeRO-3
-    linear gathers again either way (``flashpar.overlap.sharded``).  ``gather_vocab_weight``: where the
-    vocabulary is smaller than the cp (ulysses) rank's tokens, the tp ranks all-gather the embedding and head
-    weights and compute their own rows whole, instead of moving the activations (``flashpar.models.vocab``);
-    False keeps the activation path always.
+    How it runs is ``options`` (``flashpar.options.ParallelOptions``; none given: its defaults, with any of its
+    fields given by name in ``settings`` changed, e.g. ``ParallelLlama(cfg, mesh, mode="auto", dp_mode="replicate")``):
 
-    ZeRO-3 (``dp_mode="zero3"`` over a shard group of more than one rank: ``flashpar.models.zero_units``):
-    ``zero_schedule`` is ``"prefetch"`` or ``"fused"`` for every block, or one per block; ``prefetch``: the units
-    gathered ahead of the one computing (``mode="none"``: 0, blocking); ``zero_collective``: how the units travel,
-    ``"ring"`` (the backend's all-gather / reduce-scatter) or ``"doubling"`` (``ceil(log2 n)`` point-to-point
-    steps, ``flashpar.overlap.doubling``)."""
+    * ``dtype``: the compute dtype (``"fp32"`` or ``"bf16"``; the parameters stay fp32, see
+      ``flashpar.models.precision``); ``checkpoint_activations``: recompute each block's activations in backward
+      (``flashpar.models.recompute``).
+    * ``regather``: each tensor-parallel all-gather + GEMM (q/k/v, gate/up, the head) gathers ``x_shard [T/tp, in]``
+      again in backward (Megatron's choice) instead of keeping the gathered ``x [T, in]`` for its weight gradient,
+      as torch's DTensor linear does (the default): one all-gather more per column-parallel linear and step, for
+      ``(tp - 1) / tp x T x in`` less activation memory each.  A fused ZeRO-3 linear gathers again either way
+      (``flashpar.overlap.sharded``).
+    * ``gather_vocab``: where the vocabulary is smaller than the cp (ulysses) rank's tokens, the tp ranks all-gather
+      the embedding and head weights and compute their own rows whole, instead of moving the activations
+      (``flashpar.models.vocab``); False keeps the activation path always.
+    * ZeRO-3 (``dp_mode="zero3"`` over a shard group of more than one rank: ``flashpar.models.zero_units``):
+      ``zero_schedule`` is ``"prefetch"`` or ``"fused"`` for every block, or one per block; ``prefetch``: the units
+      gathered ahead of the one computing (``mode="none"``: 0, blocking); ``zero_collective``: how the units
+      travel, ``"ring"`` (the backend's all-gather / reduce-scatter) or ``"doubling"`` (``ceil(log2 n)``
+      point-to-point steps, ``flashpar.overlap.doubling``).  ``auto`` for either is chosen before the model is
+      built (``flashpar.train.planning.resolve_options``), not here.
+    """
 
-    def __init__(self, cfg: LlamaConfig, mesh, *, mode: str = "flash", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 dp_mode: str = "zero3", dtype: torch.dtype = torch.float32,
-                 checkpoint_activations: bool = False, save_gathered: bool = True,
-                 gather_vocab_weight: bool = True, zero_schedule: str | Sequence[str] = "prefetch",
-                 prefetch: int = 1, zero_collective: str = "ring") -> None:
+    def __init__(self, cfg: LlamaConfig, mesh, options: ParallelOptions | None = None, **settings) -> None:
         super().__init__()
-        self.save_gathered, self.gather_vocab_weight = bool(save_gathered), bool(gather_vocab_weight)
-        self.compute_dtype = compute_dtype(dtype)  # ValueError (one line) on another dtype
-        self.checkpoint_activations = bool(checkpoint_activations)
-        if dp_mode not in ("zero3", "replicate"):
-            raise ValueError(f"ParallelLlama: dp_mode must be 'zero3' or 'replicate', got {dp_mode!r}")
+        options = options or ParallelOptions()
+        if settings:
+            options = options.replace(**settings)  # unknown names: TypeError; bad values: one line
+        if not options.resolved:
+            raise ValueError(f"ParallelLlama: zero_schedule {options.zero_schedule!r} / zero_collective "
+                             f"{options.zero_collective!r}: 'auto' is chosen before the model is built "
+                             "(flashpar.train.planning.resolve_options); give the choice")
+        self.options = options
+        mode, dp_mode, timeout_s = options.mode, options.dp_mode, options.timeout
+        self.save_gathered = options.save_gathered
+        self.compute_dtype = compute_dtype(DTYPES[options.dtype])
+        self.checkpoint_activations = options.checkpoint_activations
         self.cfg, self.mesh = cfg, mesh
         self.dims = dims = ParallelDims.of_mesh(mesh)  # (a mesh without "ulysses": U = 1)
         dims.check(cfg, mode, where="ParallelLlama: ")
@@ -277,34 +293,31 @@ class ParallelLlama(nn.Module):
         # ZeRO-3 over the shard group: the dp x cp x ulysses ranks of this tp index (flashpar.models.zero_units)
         self.shard_size = dims.shard_size
         self.zero = dp_mode == "zero3" and self.shard_size > 1
-        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
-            raise ValueError(f"ParallelLlama: prefetch must be an integer >= 0, got {prefetch!r}")
-        schedules = block_schedules(zero_schedule, cfg.layers, self.ulysses) if self.zero else [None] * cfg.layers
+        schedules = (block_schedules(options.zero_schedule, cfg.layers, self.ulysses) if self.zero
+                     else [None] * cfg.layers)
         self.zero_schedule = schedules
-        ranks = _mesh_ranks(mesh)
-        groups = zero_groups(ranks, fused="fused" in schedules) if self.zero else {}
+        groups = model_groups(mesh, zero=self.zero, fused="fused" in schedules)  # all of them, one fixed order
         self.mode, self.vocab_lo = mode, self.tp_rank * cfg.vocab_size // self.tp
         self.embed = nn.Embedding(cfg.vocab_size // self.tp, cfg.hidden)  # this tp rank's vocabulary rows
         self.blocks = nn.ModuleList(
-            ParallelBlock(cfg, self.tp_group, self.cp_group, mode, timeout_s,
-                          groups.get("fused" if schedule == "fused" else "gather"), ulysses_group, self.save_gathered)
+            ParallelBlock(cfg, self.tp_group, self.cp_group, options,
+                          groups.fused if schedule == "fused" else groups.gather, ulysses_group)
             for schedule in schedules)
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab_size // self.tp, bias=False)
         self.prefetcher, self.units = None, {}
         self.grad_tail: GradTail | None = None  # set by flashpar.train.step between backward and the norm
         if self.zero:  # the vocabulary rows too; the units gathered ahead, 0 ahead (blocking) in mode none
-            keep_rows(self.embed, groups["gather"])
+            keep_rows(self.embed, groups.gather)
             if self.head is not None:
-                keep_rows(self.head, groups["gather"])
-            self.prefetcher = build_prefetcher(self, schedules, groups, 0 if mode == "none" else prefetch, timeout_s,
-                                               zero_collective)
-        self._sum_groups = _sum_groups(mesh)
+                keep_rows(self.head, groups.gather)
+            self.prefetcher = build_prefetcher(self, schedules, groups, 0 if mode == "none" else options.prefetch,
+                                               timeout_s, options.zero_collective)
+        self._sum_groups = {"shard": groups.shard, "copy": groups.copy}
         self.grad_sync = GradSync([(p, self._sum_groups[kind]) for name, p in reversed(list(self.named_parameters()))
                                    if (kind := layout_of(name)[0].grad_sum(self.zero)) != "zero"], timeout_s=timeout_s)
-        signature = (cfg, mode, dp_mode, tuple(mesh.mesh.shape), mesh.mesh_dim_names, self.compute_dtype,
-                     self.checkpoint_activations, self.save_gathered, self.gather_vocab_weight, tuple(schedules),
-                     prefetch, zero_collective)
+        signature = (cfg, options.replace(zero_schedule=tuple(s or "prefetch" for s in schedules)),
+                     tuple(mesh.mesh.shape), mesh.mesh_dim_names)
         self.step_check = StepCheck(mesh, signature, timeout_s=timeout_s)  # the cross-rank check of each step's inputs
         self.kv_counter = cp.CommCounter()  # bytes this rank's attention sent and received, all layers
         self.kv_recompute = cp.CommCounter()  # the same, of the recomputed forwards (checkpoint_activations)
@@ -402,7 +415,7 @@ class ParallelLlama(nn.Module):
         vocabulary smaller than the tokens, ``flashpar.models.vocab``: the weight moves, not the activations;
         gathered in fp32 so that its gradient sums in fp32), else None."""
         vocab, dtype = self.cfg.vocab_size, self.compute_dtype
-        if self.gather_vocab_weight and gathers_weight(vocab, tokens_u.shape[0], self.tp):
+        if self.options.gather_vocab and gathers_weight(vocab, tokens_u.shape[0], self.tp):
             embed = all_gather_rows(embed_t.float(), self.tp_group, vocab)
             return F.embedding(tokens_u[rows], embed).to(dtype), embed
         return embed_rows(tokens_u, embed_t, self.vocab_lo, self.tp_group, dtype=dtype), None
@@ -461,34 +474,3 @@ class ParallelLlama(nn.Module):
         if pf is not None and self.head is not None:
             loss = pf.exit(units["head"], loss)
         return loss
-
-
-def _mesh_ranks(mesh) -> torch.Tensor:
-    """The mesh's global ranks as ``[dp, cp, ulysses, tp]`` (a mesh without ``"ulysses"``: U = 1)."""
-    ranks = mesh.mesh
-    if "ulysses" not in (mesh.mesh_dim_names or ()):
-        ranks = ranks.unsqueeze(2)
-    return ranks
-
-
-def _sum_groups(mesh) -> dict[str, dist.ProcessGroup | None]:
-    """The ranks a gradient is summed over: ``shard`` (a tp shard: the ranks with this rank's tp index,
-    dp x cp x ulysses; with ZeRO-3 it assembles the rows for checkpoints), ``copy`` (replicated: the whole
-    mesh).  Every rank creates every group in the same order (``new_group`` is collective); ``None``
-    where the group is this rank alone."""
-    ranks = _mesh_ranks(mesh)
-    dp, cpn, un, tp = ranks.shape
-    me = dist.get_rank()
-    groups: dict[str, dist.ProcessGroup | None] = {"shard": None, "copy": None}
-
-    def make(key: str, member_lists: list[list[int]]) -> None:
-        for members in member_lists:
-            g = dist.new_group(members)
-            if me in members:
-                groups[key] = g
-
-    if dp * cpn * un > 1:
-        make("shard", [ranks[..., t].flatten().tolist() for t in range(tp)])
-    if dp * cpn * un * tp > 1:
-        make("copy", [ranks.flatten().tolist()])
-    return groups

@@ -15,7 +15,7 @@ check compares once, at the top of ``ParallelLlama.forward``::
 plus the global target count (the loss's divisor).  Inside the layers every shape is a function of
 these: the linears' rows are ``row_sizes(tokens, tp)``, their features and the heads come from the
 config.  The check is one all-gather of a few integers over a gloo group of the mesh's ranks
-(``flashpar.dist.host_group``: on a GPU mesh it does not wait for the device); a rank whose own input
+(``flashpar.mesh.host_group``: on a GPU mesh it does not wait for the device); a rank whose own input
 is bad raises its error and every other rank raises one naming it (``flashpar.dist.exchange_metadata``),
 so a bad input stops every rank before any of the step's communication, each with one line.
 
@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from flashpar.cp.attention import plan_digest
 from flashpar.cp.cp_plan import CPPlan
-from flashpar.dist import DEFAULT_TIMEOUT_S, dtype_code, exchange_metadata, host_group, resolve_group
+from flashpar.dist import DEFAULT_TIMEOUT_S, dtype_code, exchange_metadata, resolve_group
+from flashpar.mesh import host_group
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 DTYPE_NAMES = {dtype_code(d): str(d).removeprefix("torch.") for d in DTYPES}

@@ -16,9 +16,9 @@ no weight and its unit is not gathered again (tied, the head's GEMM needs it: th
 of forward to the end of backward).  The last block and the head are the first units of backward: kept,
 backward starts without a gather (as FSDP2 leaves the last block unsharded after forward).
 
-Groups: the unit gathers and reduce-scatters ride two groups of their own (``zero_groups``: every rank creates
-every group, in the same order), and the fused blocks' transfers a third, so no lane's collectives interleave
-with another's.
+Groups: the unit gathers and reduce-scatters ride two groups of their own (``flashpar.mesh.model_groups``: every
+rank creates every group, in the same order), and the fused blocks' transfers a third, so no lane's collectives
+interleave with another's.
 """
 
 from __future__ import annotations
@@ -47,27 +47,12 @@ def block_schedules(spec: str | Sequence[str], layers: int, ulysses: int) -> lis
     return names
 
 
-def zero_groups(ranks: torch.Tensor, *, fused: bool) -> dict[str, dist.ProcessGroup]:
-    """This rank's shard-group copies (``ranks``: the mesh's global ranks as ``[dp, cp, ulysses, tp]``):
-    ``gather`` and ``scatter`` (the units' two lanes), and ``fused`` where a block runs the fused schedule."""
-    tp = ranks.shape[-1]
-    me = dist.get_rank()
-    out: dict[str, dist.ProcessGroup] = {}
-    for key in ("gather", "scatter", *(("fused",) if fused else ())):
-        for t in range(tp):
-            members = ranks[..., t].flatten().tolist()
-            g = dist.new_group(members)
-            if me in members:
-                out[key] = g
-    return out
-
-
-def build_prefetcher(model, schedules: list[str], groups: dict, depth: int, timeout_s: float,
+def build_prefetcher(model, schedules: list[str], groups, depth: int, timeout_s: float,
                      collective: str = "ring") -> Prefetcher:
     """The units of ``model`` (a ``ParallelLlama`` whose tp-split parameters hold their rows), their prefetcher,
     and each prefetched projection's ``source``; sets ``model.units`` (``{"embed": k, "blocks": [k or None],
     "head": k or None}``).  ``collective``: how every unit travels (``flashpar.overlap.unit.COLLECTIVES``)."""
-    gather = groups["gather"]
+    gather = groups.gather
     n, rank = dist.get_world_size(gather), dist.get_rank(gather)
     dtype = model.compute_dtype
     units: list[ShardedUnit] = []
@@ -97,7 +82,7 @@ def build_prefetcher(model, schedules: list[str], groups: dict, depth: int, time
     if not tied:
         where["head"] = add("head", [Member(model.head.weight, model.head.total_rows)], dtype, True)
         keep.add(where["head"])
-    pf = Prefetcher(units, gather_group=gather, scatter_group=groups["scatter"], depth=depth, keep=keep,
+    pf = Prefetcher(units, gather_group=gather, scatter_group=groups.scatter, depth=depth, keep=keep,
                     regather=again, timeout_s=timeout_s)
     for block, k in zip(model.blocks, where["blocks"], strict=True):
         if k is not None:

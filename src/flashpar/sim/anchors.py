@@ -103,7 +103,8 @@ def workload(a: Anchor, clock: float | None = None, spread: float | None = None)
     cluster = Cluster(device, preset("h100-ib"), 8, "h100-96gb", "h100-ib",
                       H100_96GB_SPREAD if spread is None else spread)
     return Workload(load_model(a.model), a.layout, cluster, ((a.seq,),), batch=a.batch,
-                    checkpoint=a.recompute == "full", selective=a.recompute == "selective", eager=not a.compiled,
+                    checkpoint_activations=a.recompute == "full", selective=a.recompute == "selective",
+                    eager=not a.compiled,
                     fsdp_root=True)
 
 

@@ -91,7 +91,7 @@ def activations(w: Workload, peer: Peer, kv_recv_tokens: float, schedule: tuple[
     h, r = cfg.hidden, s["split"]
     schedule = schedule or (PREFETCH,) * cfg.layers
     per_kind = {k: _one_block(w, peer, kv_recv_tokens, k == FUSED) for k in set(schedule)}
-    if w.checkpoint:
+    if w.checkpoint_activations:
         blocks = cfg.layers * s["t_cp"] * h / r * w.elem_bytes + max(per_kind.values())
     elif w.selective:  # what each block keeps, and the block in backward whole again (recomputed, its gradients)
         blocks = cfg.layers * _selective_block(w, peer, kv_recv_tokens) + max(per_kind.values())
@@ -118,7 +118,7 @@ def buffers(w: Workload, peer: Peer, schedule: tuple[str, ...] | None = None) ->
     if shard_size(w, peer) == 1:
         return largest * e
     schedule = schedule or (PREFETCH,) * cfg.layers
-    ahead = w.zero_prefetch if peer.mode != "none" else 0
+    ahead = w.prefetch if peer.mode != "none" else 0
     states = []
     if PREFETCH in schedule:
         states.append(unit * ((ahead + 1) * e + g))

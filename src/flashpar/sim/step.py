@@ -400,8 +400,8 @@ def _plan(lens: tuple[int, ...], n: int, strategy: str, cost):
 def block(w: Workload, peer: Peer, fused: bool = False) -> tuple[Part, Part, Part, Part]:
     """(forward, backward, forward compute-only, backward compute-only) of one block on its slowest cp rank
     (forward and backward each take their own slowest); backward includes what the run recomputes
-    (``Workload.checkpoint``: the rank's forward; ``Workload.selective``: ``selective_recompute``).  Where the
-    run's ranks share cores (``shared_cores`` > 1) a block's compute is when the last of the cp ranks'
+    (``Workload.checkpoint_activations``: the rank's forward; ``Workload.selective``: ``selective_recompute``).
+    Where the run's ranks share cores (``shared_cores`` > 1) a block's compute is when the last of the cp ranks'
     computes ends with the cores shared fairly (``CostModel.compute_span``: a rank that finishes early lends
     its cores), with the slowest rank's exposures."""
     from flashpar.cp import CostModel
@@ -420,7 +420,7 @@ def block(w: Workload, peer: Peer, fused: bool = False) -> tuple[Part, Part, Par
             rf, rb = lin_f.scaled(scale), lin_b.scaled(scale)
         fwd = rf.add(el_f, scale).add(af)
         bwd = rb.add(el_b, scale).add(ab).add(sums)
-        if w.checkpoint:
+        if w.checkpoint_activations:
             bwd.add(fwd)
         elif sac is not None:
             bwd.add(sac, scale)

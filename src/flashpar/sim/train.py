@@ -158,7 +158,7 @@ def row(w, name: str, capacity: float, flashpar_mode: str = "best") -> dict:
     zero = "fsdp" if is_torch(peer) else f"{r['schedule'].count(FUSED)}/{len(r['schedule'])} fused, {collective}"
     return {"config": name, "layout": L.label(), "dp": L.dp, "cp": L.cp, "ulysses": L.ulysses, "tp": L.tp,
             "gpus": L.gpus, "seq": w.seq, "batch": w.batch,
-            "ckpt": "on" if w.checkpoint else ("selective" if w.selective else "off"), "tp_mode": mode,
+            "ckpt": "on" if w.checkpoint_activations else ("selective" if w.selective else "off"), "tp_mode": mode,
             "zero": zero, "zero_collective": collective,
             "schedule": list(r["schedule"]), "tail_ms": 1e3 * r["tail_s"],
             "step_ms": 1e3 * r["step_s"], "no_comm_ms": 1e3 * r["no_comm_s"],
@@ -193,8 +193,8 @@ def simulate_rows(cfg, cluster, packs, layouts, capacity, configs, *, elem_bytes
             if torch_recompute is not None and is_torch(PEERS[name]):
                 modes, selective = [torch_recompute == "full"], torch_recompute == "selective"
             for ckpt in modes:
-                w = Workload(cfg, layout, cluster, packs, elem_bytes=elem_bytes, checkpoint=ckpt, batch=batch,
-                             zero_prefetch=prefetch, zero_collective=zero_collective, selective=selective)
+                w = Workload(cfg, layout, cluster, packs, elem_bytes=elem_bytes, checkpoint_activations=ckpt,
+                             batch=batch, prefetch=prefetch, zero_collective=zero_collective, selective=selective)
                 r = row(w, name, capacity, flashpar_mode)
                 if r["fits"] == "yes" or ckpt == modes[-1]:
                     rows.append(r)

@@ -10,7 +10,7 @@ their cp group is cp x U ranks)::
                                                                      gathers
     heads   = H / tp or H / U           kv_heads = H_kv / tp or max(H_kv / U, 1)   (flashpar.overlap.ulysses)
 
-What the run recomputes in backward: nothing; every block's forward (``checkpoint``, full activation
+What the run recomputes in backward: nothing; every block's forward (``checkpoint_activations``, full activation
 checkpointing); or what torchtitan's per-op selective checkpointing recomputes (``selective``,
 ``flashpar.sim.step.selective_recompute``).
 """
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from flashpar.cost import Hardware
 from flashpar.cp.cost import BWD_ATTN_TIME  # a GPU preset's backward attention; a calibrated CPU run measures its own
 from flashpar.models.config import LlamaConfig
+from flashpar.options import ParallelOptions
 from flashpar.sim.peers import Peer
 from flashpar.sim.topology import Cluster, Layout
 
@@ -35,11 +36,11 @@ class Workload:
     cluster: Cluster
     packs: tuple[tuple[int, ...], ...]
     elem_bytes: int = 2  # activations and GEMMs (bf16); master weights, gradient sums and AdamW state fp32
-    checkpoint: bool = False  # activation checkpointing: each block recomputed in backward
+    checkpoint_activations: bool = False  # each block recomputed in backward (full activation checkpointing)
     selective: bool = False  # torchtitan's per-op selective checkpointing instead (``step.selective_recompute``)
     batch: int = 1  # sequences per dp rank and step (torchtitan's local batch size)
     eager: bool = False  # the torch peers' elementwise ops unfused (no torch.compile; ``step.elementwise``)
-    zero_prefetch: int = 1  # flashpar's ZeRO-3: units gathered ahead (``--prefetch``; ``flashpar.sim.zero``)
+    prefetch: int = 1  # flashpar's ZeRO-3: units gathered ahead (``--prefetch``, 0: blocking; ``flashpar.sim.zero``)
     zero_collective: str = "auto"  # flashpar's ZeRO-3 units: "ring", "doubling" or "auto" (``zero.zero_collective``)
     fsdp_root: bool = False  # torch's FSDP2 wraps the embedding, final norm and head as one root unit
     torch_attention: str = "flex"  # the torch peer's kernel: "flex" (document blocks only), "docs" (SDPA per document
@@ -59,12 +60,23 @@ class Workload:
     def __post_init__(self) -> None:
         if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
             raise ValueError(f"batch must be a positive integer, got {self.batch!r}")
-        if isinstance(self.zero_prefetch, bool) or not isinstance(self.zero_prefetch, int) or self.zero_prefetch < 1:
-            raise ValueError(f"--prefetch must be a positive integer, got {self.zero_prefetch!r}")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"--prefetch must be an integer >= 0, got {self.prefetch!r}")
         if self.zero_collective not in ("auto", "ring", "doubling"):
             raise ValueError(f"zero_collective must be auto, ring or doubling, got {self.zero_collective!r}")
-        if self.checkpoint and self.selective:
+        if self.checkpoint_activations and self.selective:
             raise ValueError("full and selective activation checkpointing exclude each other")
+
+    @classmethod
+    def of(cls, cfg: LlamaConfig, layout: Layout, cluster: Cluster, packs, options: ParallelOptions,
+           **others) -> Workload:
+        """The workload of a model run with ``options`` (``flashpar.options.ParallelOptions``: dtype, activation
+        checkpointing, regather, vocabulary gather, ZeRO-3 prefetch and collective), ``others`` the simulator's own
+        fields."""
+        return cls(cfg, layout, cluster, packs, elem_bytes=options.dtype_bytes,
+                   checkpoint_activations=options.checkpoint_activations, regather=options.regather,
+                   gather_vocab=options.gather_vocab, prefetch=options.prefetch,
+                   zero_collective=options.zero_collective, **others)
 
     @property
     def seq(self) -> int:

@@ -18,7 +18,8 @@ baseline and the torch peers ride the ring (NCCL's all-gather and reduce-scatter
 
 A block is ``prefetch`` or ``fused``:
 
-* ``prefetch`` (``K = Workload.zero_prefetch``): the gathers of units i+1 .. i+K are posted on the gather lane
+* ``prefetch`` (``K = Workload.prefetch``; 0: each gather and reduce-scatter blocking, as the executor's
+  depth 0): the gathers of units i+1 .. i+K are posted on the gather lane
   when unit i starts computing (units 0 .. K at the start of forward, with nothing to hide behind); unit i
   waits for its own; its linears run the plain tp op.  Backward: the head and the last block keep their
   forward gather, the untied embedding (its lookup saves only indices) is not gathered again; when unit i's
@@ -321,7 +322,8 @@ def _run(w: Workload, peer: Peer, schedule: tuple[str, ...], pieces: _Pieces) ->
     if torch_peer:
         ahead, blocking = (1 if w.fsdp_prefetch else 0), False
     else:
-        ahead, blocking = (w.zero_prefetch if peer.mode != "none" else 0), peer.mode == "none"
+        ahead = w.prefetch if peer.mode != "none" else 0
+        blocking = ahead == 0  # (flashpar.overlap.prefetch: depth 0 is the blocking schedule)
     ln = lanes(units, ahead, blocking)
     tail_end, overlap = ln.scatter_end, 0.0
     if not torch_peer:  # the norms' gradients, one fp32 message summed over the whole mesh after the last unit's

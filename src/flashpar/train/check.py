@@ -30,7 +30,7 @@ from flashpar.dims import ParallelDims
 from flashpar.models import Llama, LlamaConfig, load_hf, next_token_loss
 from flashpar.models.layout import LAYOUT, label_of
 from flashpar.models.parallel import ParallelLlama
-from flashpar.models.precision import DTYPES
+from flashpar.options import ParallelOptions
 from flashpar.train.planning import group_figures, planner_cost, planning_device
 from flashpar.train.step import MicroBatch, gradients
 
@@ -39,31 +39,29 @@ CHECK_CLIP_RATIO = 0.5  # --check clips the gradients to half their norm: the co
 NORM = "grad norm"  # the row of the global gradient norm (before clipping)
 
 
-def one_step(cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, seed: int = 0,
-             timeout_s: float = 300.0, dp_mode: str = "zero3", micro_batches: int = 1,
-             clip_ratio: float | None = None, init_from: str | None = None, dtype: str = "fp32",
-             checkpoint_activations: bool = False, save_gathered: bool = True,
-             device: torch.device | None = None, zero_schedule: str = "prefetch",
-             prefetch: int = 1, zero_collective: str = "ring") -> dict[str, float]:
+def one_step(cfg: LlamaConfig, mesh, sequences, options: ParallelOptions | None = None, *, strategy: str,
+             seed: int = 0, micro_batches: int = 1, clip_ratio: float | None = None, init_from: str | None = None,
+             device: torch.device | None = None, **settings) -> dict[str, float]:
     """Relative errors of the loss, of the gradient norm (with ``clip_ratio``) and of every parameter's
-    gradient after clipping (names of the single-process model).  ``sequences``: ``micro_batches x dp``
-    ``(tokens, labels, doc_lens)``, dp rank ``d``'s micro-batch ``m`` at ``m * dp + d``.  ``init_from``:
-    the weights of that Hugging Face folder (the reference ``load_hf``, the mesh model its slices:
-    ``ParallelLlama.load_hf_slices``) instead of seeded ones.  ``dtype`` / ``checkpoint_activations`` /
-    ``save_gathered``: the mesh model's (``--dtype``, ``--checkpoint-activations``, not ``--regather``); the
-    reference stays the fp32 single-process model, on the CPU.  ``device``: the mesh model's (its mesh's
-    device type: NCCL reduces device tensors only; None: the CPU).  ``zero_schedule`` / ``prefetch``: ZeRO-3's
-    (``ParallelLlama``), and ``zero_collective``."""
+    gradient after clipping (names of the single-process model), the mesh model run with ``options``
+    (``flashpar.options.ParallelOptions``; none given: its defaults, any of its fields given by name in
+    ``settings`` changed: the trainer's ``--dtype``, ``--regather`` ...; the reference stays the fp32
+    single-process model, on the CPU).  ``sequences``: ``micro_batches x dp`` ``(tokens, labels, doc_lens)``, dp
+    rank ``d``'s micro-batch ``m`` at ``m * dp + d``.  ``init_from``: the weights of that Hugging Face folder
+    (the reference ``load_hf``, the mesh model its slices: ``ParallelLlama.load_hf_slices``) instead of seeded
+    ones.  ``device``: the mesh model's (its mesh's device type: NCCL reduces device tensors only; None: the
+    CPU)."""
+    options = options or ParallelOptions()
+    if settings:
+        options = options.replace(**settings)
     dp = mesh["dp"].size()
     if len(sequences) != micro_batches * dp:
         raise ValueError(f"one_step: {len(sequences)} sequences for {micro_batches} micro-batches x dp = {dp}")
     torch.manual_seed(seed)
     ref = load_hf(init_from, dtype=torch.float32) if init_from else Llama(cfg)
     want = _reference(ref, sequences, clip_ratio)
-    got = _mesh_step(ref, cfg, mesh, sequences, strategy=strategy, mode=mode, timeout_s=timeout_s, dp_mode=dp_mode,
-                     micro_batches=micro_batches, clip=want["clip"], init_from=init_from, dtype=dtype,
-                     checkpoint_activations=checkpoint_activations, save_gathered=save_gathered, device=device,
-                     zero_schedule=zero_schedule, prefetch=prefetch, zero_collective=zero_collective)
+    got = _mesh_step(ref, cfg, mesh, sequences, options, strategy=strategy, micro_batches=micro_batches,
+                     clip=want["clip"], init_from=init_from, device=device)
     return _errors(got, want, ref, clipped=clip_ratio is not None)
 
 
@@ -81,16 +79,12 @@ def _reference(ref: Llama, sequences, clip_ratio: float | None) -> dict:
     return {"loss": float(loss.detach()), "norm": norm, "count": count, "clip": clip}
 
 
-def _mesh_step(ref: Llama, cfg: LlamaConfig, mesh, sequences, *, strategy: str, mode: str, timeout_s: float,
-               dp_mode: str, micro_batches: int, clip: float, init_from: str | None = None, dtype: str = "fp32",
-               checkpoint_activations: bool = False, save_gathered: bool = True,
-               device: torch.device | None = None, zero_schedule: str = "prefetch", prefetch: int = 1,
-               zero_collective: str = "ring") -> dict:
+def _mesh_step(ref: Llama, cfg: LlamaConfig, mesh, sequences, options: ParallelOptions, *, strategy: str,
+               micro_batches: int, clip: float, init_from: str | None = None,
+               device: torch.device | None = None) -> dict:
     """The mesh model with ``ref``'s weights, through ``gradients`` on this rank's micro-batches: the loss
     summed over ranks, the global norm and the full gradients (collective)."""
-    model = ParallelLlama(cfg, mesh, mode=mode, timeout_s=timeout_s, dp_mode=dp_mode, dtype=DTYPES[dtype],
-                          checkpoint_activations=checkpoint_activations, save_gathered=save_gathered,
-                          zero_schedule=zero_schedule, prefetch=prefetch, zero_collective=zero_collective)
+    model = ParallelLlama(cfg, mesh, options)
     if init_from:
         model.load_hf_slices(init_from)  # the same weights as ref, read by this rank's slices
     else:
@@ -101,7 +95,7 @@ def _mesh_step(ref: Llama, cfg: LlamaConfig, mesh, sequences, *, strategy: str, 
     count = sum(int((lab != -100).sum()) for _, lab, _ in sequences)
     hw, burst = planning_device(device.type, mesh.size() // (mesh["dp"].size() * mesh["cp"].size()))  # tp x U
     hw = group_figures(hw, ParallelDims.of_mesh(mesh), ("cp",), device.type)
-    cost = planner_cost(cfg, DTYPES[dtype].itemsize, hardware=hw, burst=burst)  # the trainer's plans
+    cost = planner_cost(cfg, options.dtype_bytes, hardware=hw, burst=burst)  # the trainer's plans
     batch = []
     for m in range(micro_batches):
         tokens, labels, doc_lens = sequences[m * dp + d]

@@ -115,6 +115,7 @@ def save(path: Path, model, opt, step: int, config: TrainConfig, sequences: int 
     def publish(files):
         meta = {"step": step, "sequences": sequences, "mesh": [config.dp, config.cp, config.ulysses, config.tp],
                 "micro_batches": config.micro_batches, **config.kept(),
+                "options": model.options.to_dict(),  # how the run ran (the mesh may differ on resume)
                 "sources": handoff.sources(config)}  # what flashpar export puts beside the weights
         atomic.write_json(partial / "meta.json", meta)
         files = {**files, **atomic.describe(partial, ["meta.json"])}

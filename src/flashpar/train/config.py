@@ -25,12 +25,9 @@ from pathlib import Path
 from flashpar.cp import STRATEGIES
 from flashpar.dims import ParallelDims
 from flashpar.models import LlamaConfig
-from flashpar.models.precision import DTYPES
+from flashpar.options import FAULTS, MEMORY, MESH, OPTION_FIELDS, ParallelOptions
+from flashpar.options import of as options_of
 
-MODES = ("flash", "ring", "slice", "none", "auto")
-DP_MODES = ("zero3", "replicate")
-ZERO_SCHEDULES = ("auto", "prefetch", "fused")
-ZERO_COLLECTIVES = ("auto", "ring", "doubling")
 DEVICES = ("cpu", "cuda")
 MODEL_FLAGS = ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn")  # LlamaConfig fields that are flags
 
@@ -40,9 +37,16 @@ def _opt(default, doc: str, **cli):
     return field(default=default, metadata={"doc": doc, **cli})
 
 
+def _trainer_default(name: str, default):
+    """The field ``name`` of ``ParallelOptions`` with the trainer's own default (its documentation kept)."""
+    return field(default=default, metadata=OPTION_FIELDS[name].metadata)
+
+
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """One training run (or ``--check``) on a ``dp x cp x ulysses x tp`` mesh; see ``flashpar.train.run``."""
+class TrainConfig(ParallelOptions):
+    """One training run (or ``--check``) on a ``dp x cp x ulysses x tp`` mesh; see ``flashpar.train.run``.  How the
+    model runs on the mesh (overlap mode, ZeRO-3, dtype, checkpointing ...) is ``ParallelOptions``' fields, which it
+    inherits: each a flag in the ``--help`` group the field names (``options()``: them alone)."""
 
     # -- the model --
     model: LlamaConfig = field(default_factory=LlamaConfig,
@@ -60,23 +64,8 @@ class TrainConfig:
                            "output projections, inside each cp rank; needs --tp 1 (both split the heads)")
     tp: int = _opt(2, "tensor-parallel size of the mesh (1 with --ulysses > 1)")
     strategy: str = _opt("flashcp", "context-parallel plan", choices=STRATEGIES)
-    mode: str = _opt("flash", "TP overlap mode", choices=MODES)
-    dp_mode: str = _opt("zero3", "data parallelism: ZeRO-3 (every weight's rows split over the dp x cp x ulysses "
-                                 "ranks that hold its tp shard, with their gradients and AdamW state), or whole "
-                                 "copies", choices=DP_MODES)
-    zero_schedule: str = _opt("auto", "ZeRO-3 per block: prefetch (a block's weights gathered --prefetch blocks "
-                                      "ahead while earlier ones compute, its GEMMs undivided), fused (the gather "
-                                      "fused with the block's GEMMs, one piece per peer), or auto (the cost "
-                                      "model's choice per block: every block prefetched, block 0 fused, or every "
-                                      "block fused, the fastest where it beats prefetching every block by more "
-                                      "than 2 percent)", choices=ZERO_SCHEDULES)
-    prefetch: int = _opt(1, "ZeRO-3 blocks gathered ahead of the one computing (--mode none: 0, blocking)")
-    zero_collective: str = _opt("auto", "how ZeRO-3's prefetched units travel: ring (the backend's all-gather and "
-                                        "reduce-scatter: NCCL's algorithms, gloo's ring), doubling (the same bytes "
-                                        "in ceil(log2 n) point-to-point steps), or auto (the cost model's choice: "
-                                        "doubling where it is predicted more than 2 percent faster; --mode none: "
-                                        "ring)",
-                                choices=ZERO_COLLECTIVES)
+    zero_schedule: str | tuple[str, ...] = _trainer_default("zero_schedule", "auto")  # chosen at set-up
+    zero_collective: str = _trainer_default("zero_collective", "auto")
     device: str = _opt("cpu", "cpu (gloo) or cuda (NCCL, one GPU per rank)", choices=DEVICES)
     threads: int = _opt(1, "torch threads per CPU rank")
     master_addr: str = _opt("127.0.0.1", "the address the spawned ranks' rendezvous listens on (without torchrun); "
@@ -114,15 +103,7 @@ class TrainConfig:
     clip: float = _opt(1.0, "clip the gradients to this global norm (0: no clipping; the norm is reported either "
                             "way)")
 
-    # -- precision and memory --
-    dtype: str = _opt("fp32", "compute dtype: bf16 computes and communicates activations and weights in bf16 with "
-                              "fp32 master weights, AdamW state and gradient sums", choices=tuple(DTYPES))
-    checkpoint_activations: bool = _opt(False, "recompute each block's activations in backward (less memory, one "
-                                               "more forward per block)")
-    regather: bool = _opt(False, "gather each column-parallel linear's input (q/k/v, gate/up, head) again in backward, "
-                                 "as Megatron does, instead of keeping the gathered input as torch's DTensor linear "
-                                 "does: (tp - 1) / tp less activation memory per such linear, one more all-gather "
-                                 "each per step")
+    # -- precision and memory: ParallelOptions' dtype, checkpoint_activations, regather --
 
     # -- checkpoints --
     save_every: int = _opt(0, "checkpoint every K steps and at the end (0: never)")
@@ -131,8 +112,7 @@ class TrainConfig:
     keep: int = _opt(2, "keep the K newest complete checkpoints, deleting older ones after each save (0: keep "
                         "every one); 2 leaves one to fall back on if the newest is found broken")
 
-    # -- faults --
-    timeout: float = _opt(300.0, "seconds any distributed wait may take")
+    # -- faults: ParallelOptions' timeout, then --
     skip_nonfinite: int = _opt(0, "skip up to N steps whose loss or gradient norm is not finite (their weights and "
                                   "AdamW state untouched, each counted); the next such step ends the job (0: the "
                                   "first one does)")
@@ -144,18 +124,19 @@ class TrainConfig:
     plot: bool = _opt(False, "write train.png: loss curve and per-rank work of the plans")
 
     def __post_init__(self) -> None:
-        for name in ("strategy", "mode", "dp_mode", "zero_schedule", "zero_collective", "device"):
+        super().__post_init__()  # the parallel options
+        for name in ("strategy", "device"):
             choices = _FIELDS[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         for name, least in (("nproc", 1), ("dp", 1), ("cp", 1), ("ulysses", 1), ("tp", 1), ("steps", 1), ("epochs", 1),
                             ("threads", 1), ("workers", 0), ("save_every", 0), ("eval_every", 0), ("eval_docs", 1),
-                            ("micro_batches", 1), ("prefetch", 0)):
+                            ("micro_batches", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{_flag(name)} must be an integer >= {least}, got {value!r}")
-        if not self.timeout > 0 or not self.lr > 0:
-            raise ValueError(f"timeout and lr must be positive, got timeout {self.timeout}, lr {self.lr}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
         if self.max_docs is not None and self.max_docs < 1:
             raise ValueError(f"max-docs must be None or >= 1, got {self.max_docs}")
         dims = self.dims  # the mesh's rules, with the model and the overlap mode, then the sequence length
@@ -175,11 +156,6 @@ class TrainConfig:
         if not self.weight_decay >= 0 or not self.clip >= 0:
             raise ValueError(f"weight-decay and clip must be >= 0 (clip 0: off), got weight-decay {self.weight_decay}, "
                              f"clip {self.clip}")
-        # mixed precision and activation checkpointing
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if not isinstance(self.checkpoint_activations, bool):
-            raise ValueError(f"checkpoint-activations must be True or False, got {self.checkpoint_activations!r}")
         # faults
         for name in ("keep", "skip_nonfinite"):
             value = getattr(self, name)
@@ -187,9 +163,10 @@ class TrainConfig:
                 raise ValueError(f"{_flag(name)} must be an integer >= 0, got {value!r}")
         if not isinstance(self.master_addr, str) or not self.master_addr.strip():
             raise ValueError(f"master-addr must be a host address, got {self.master_addr!r}")
-        # tensor-parallel activations kept for backward
-        if not isinstance(self.regather, bool):
-            raise ValueError(f"regather must be True or False, got {self.regather!r}")
+
+    def options(self) -> ParallelOptions:
+        """How the model runs on the mesh: this config's ``ParallelOptions`` fields, as one value."""
+        return options_of(self)
 
     @property
     def check_micro_batches(self) -> int:
@@ -222,6 +199,7 @@ class TrainConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_FLAGS = [name for name, f in _FIELDS.items() if name not in OPTION_FIELDS or f.metadata["group"] is not None]
 
 
 
@@ -229,20 +207,26 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
+def _options_in(group: str) -> tuple[str, ...]:
+    """``ParallelOptions``' flags of ``--help`` group ``group``, in their field order."""
+    return tuple(name for name, f in OPTION_FIELDS.items() if f.metadata["group"] == group)
+
+
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the model", ("model", "init_from", "seed")),
-    ("mesh and parallelism", ("nproc", "dp", "cp", "ulysses", "tp", "strategy", "mode", "dp_mode", "zero_schedule",
-                              "prefetch", "zero_collective", "device", "threads", "master_addr")),
+    (MESH, ("nproc", "dp", "cp", "ulysses", "tp", "strategy", *_options_in(MESH), "device", "threads",
+            "master_addr")),
     ("data", ("seq_len", "tokenizer", "eod_token", "data", "max_docs", "epochs", "workers", "eval_every",
               "eval_docs")),
     ("optimizer", ("steps", "lr", "micro_batches", "warmup", "lr_min", "weight_decay", "clip")),
-    ("precision and memory", ("dtype", "checkpoint_activations", "regather")),
+    (MEMORY, _options_in(MEMORY)),
     ("checkpoints", ("save_every", "resume", "keep")),
-    ("faults", ("timeout", "skip_nonfinite")),
+    (FAULTS, (*_options_in(FAULTS), "skip_nonfinite")),
     ("output", ("out", "check", "trace", "plot")),
 )
-"""``TrainConfig``'s fields by concept, in the order ``flashpar train --help`` shows them (a test checks that
-every field is in exactly one group)."""
+"""``TrainConfig``'s flags by concept, in the order ``flashpar train --help`` shows them: its own fields, and
+``ParallelOptions``' in the group each names (a test checks that every flag is in exactly one group; a field of
+``ParallelOptions`` without a group is the library's setting, not a flag)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -278,7 +262,7 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
         model = LlamaConfig(**{name: getattr(args, name) for name in MODEL_FLAGS})
     if getattr(args, "init_from", None):  # the sizes are the folder's
         model = _init_from_model(args, model)
-    values = {name: getattr(args, name) for name in _FIELDS if name != "model"}
+    values = {name: getattr(args, name) for name in _FLAGS if name != "model"}
     return TrainConfig(model=model, **values)
 
 

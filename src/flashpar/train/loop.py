@@ -43,14 +43,13 @@ import torch.distributed as dist
 
 from flashpar import cp
 from flashpar.cost.calibrate import peak_flops
-from flashpar.models.precision import DTYPES
 from flashpar.train import checkpoint, where
 from flashpar.train.config import TrainConfig
 from flashpar.train.data import PlannedSequences, make_loader, training_data
 from flashpar.train.evaluate import at_step, held_out
 from flashpar.train.metrics import StepMetrics, largest, peak_since, reset_peak, summary
 from flashpar.train.nonfinite import NonFiniteGuard, StepTotals, checked_step
-from flashpar.train.planning import group_figures, planner_cost, planning_device
+from flashpar.train.planning import group_figures, planner_cost, planning_device, resolve_options
 from flashpar.train.schedule import lr_at
 from flashpar.train.step import MicroBatch, build
 from flashpar.train.stop import JobStop
@@ -86,13 +85,15 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     device, mesh = setup(config)
     where.install(Path(config.out) / ".where", dist.get_rank())  # what a peer that times out reads
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg, model, opt = build(config, mesh, device)
+    figures = planning_device(device.type, config.tp * config.ulysses)  # rank 0's, on every rank: read once
+    options = resolve_options(config, device.type, figures)  # ZeRO-3's auto choices made on them
+    cfg, model, opt = build(config, mesh, device, options)
     dp_group = mesh["dp"].get_group()
     dp_rank, cp_rank = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     data = training_data(config)  # the byte corpus, or the token cache of --data / --tokenizer
-    hw, burst = planning_device(device.type, config.tp * config.ulysses)  # rank 0's, on every rank
+    hw, burst = figures
     cp_hw = group_figures(hw, config.dims, ("cp",), device.type)  # the cp group's link: the K/V it plans for
-    cost = planner_cost(cfg, DTYPES[config.dtype].itemsize, hardware=cp_hw, burst=burst)
+    cost = planner_cost(cfg, options.dtype_bytes, hardware=cp_hw, burst=burst)
     evaluator = held_out(config, cost, mesh, device)  # --eval-every: the held-out sequences, planned once
     first_step, start = 0, 0
     if config.resume:
@@ -172,6 +173,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         bar.close()
         log.close()
         result = summary(history, wall_s, config, peak, peak_mem_mb=mem_mb)
+        result["options"] = options.to_dict()  # the run's, its set-up choices made
         result["skipped_nonfinite"] = guard.skipped
         result["data_ran_out_at"] = steps if steps < config.steps else None  # the report says so
         if config.plot and history:

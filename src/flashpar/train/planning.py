@@ -6,6 +6,7 @@ every rank.
     group_figures(hw, ..)       those figures for one of the mesh's groups (its link: NVLink, or the port across nodes)
     core_burst(type)            how much faster a rank computes while the ranks sharing its cores wait
     planning_device(type)       both, rank 0's on every rank (a collective call, once at setup)
+    resolve_options(config, ..) the run's ParallelOptions with ZeRO-3's auto choices made on those figures
 
 Ranks that share cores (``core_burst`` > 1; ``flashpar.cp.CostModel.burst``) are a CPU host running more
 threads than it has cores, as ``flashpar bench train`` does (4 ranks of 1 thread on 2 cores): a rank that
@@ -34,6 +35,8 @@ from flashpar.cp.cost import shared_burst
 from flashpar.dims import ParallelDims
 from flashpar.dist import from_rank0
 from flashpar.models import LlamaConfig
+from flashpar.options import ParallelOptions
+from flashpar.options import of as options_of
 
 
 def planner_cost(cfg: LlamaConfig, dtype_bytes: int = 4, device_type: str = "cpu",
@@ -118,46 +121,48 @@ def planning_device(device_type: str, group: int = 1) -> tuple[Hardware, float]:
     return figures
 
 
-def zero_choices(config, device_type: str) -> tuple[list[str], str]:
-    """ZeRO-3's schedule per block and how its units travel, for ``config``: each as given
-    (``--zero-schedule``, ``--zero-collective``; an ``auto`` collective in mode none: ``ring``), or for ``auto``
-    the cost model's choice on ``zero_workload`` (built once for both: one ``planning_device`` collective).
-    Schedules: ``flashpar.sim.zero.zero_schedule`` (the whole step simulated with every block prefetched, block
-    0 fused and the rest prefetched, and every block fused; the fastest where it beats every block prefetched
-    by more than ``ZERO_AUTO_MARGIN``); the collective: ``flashpar.sim.zero.zero_collective``."""
+def resolve_options(config, device_type: str, figures: tuple[Hardware, float]) -> ParallelOptions:
+    """``config``'s ``ParallelOptions`` with the set-up choices made: ZeRO-3's schedule per block and how its units
+    travel, each as given (``--zero-schedule``, ``--zero-collective``; an ``auto`` collective in mode none: ``ring``;
+    replicated weights: ``prefetch`` / ``ring``, unused), or for ``auto`` the cost model's choice on
+    ``zero_workload`` with ``figures`` (rank 0's device figures and core burst, ``planning_device``: read once by the
+    caller for this and the planner).  Schedules: ``flashpar.sim.zero.zero_schedule`` (the whole step simulated with
+    every block prefetched, block 0 fused and the rest prefetched, and every block fused; the fastest where it beats
+    every block prefetched by more than ``ZERO_AUTO_MARGIN``); the collective: ``flashpar.sim.zero.zero_collective``."""
     from flashpar.sim.zero import zero_collective, zero_schedule
 
-    schedules = None if config.zero_schedule == "auto" else [config.zero_schedule] * config.model.layers
-    collective = config.zero_collective
-    if collective == "auto" and config.mode == "none":
+    options = options_of(config)
+    if options.dp_mode != "zero3":
+        return options.replace(zero_schedule="prefetch", zero_collective="ring")
+    schedules = options.zero_schedule
+    collective = options.zero_collective
+    if collective == "auto" and options.mode == "none":
         collective = "ring"
-    if schedules is None or collective == "auto":
-        w, peer = zero_workload(config, device_type)
-        if schedules is None:
-            schedules = list(zero_schedule(w, peer))
+    if schedules == "auto" or collective == "auto":
+        w, peer = zero_workload(config, device_type, figures)
+        if schedules == "auto":
+            schedules = tuple(zero_schedule(w, peer))
         if collective == "auto":
             collective = zero_collective(w, peer)
-    return schedules, collective
+    return options.replace(zero_schedule=schedules, zero_collective=collective)
 
 
-def zero_workload(config, device_type: str):
-    """``(Workload, Peer)`` the trainer's ZeRO-3 choice is simulated on: rank 0's planning figures
-    (``planning_device``: a collective), the run's mesh, model, dtype, activation checkpointing, prefetch depth
-    and ranks sharing cores, one sequence of ``--seq-len`` tokens of one document (the trainer chooses before
-    it has read any data), the configuration of its ``--mode``; so every rank chooses the same."""
+def zero_workload(config, device_type: str, figures: tuple[Hardware, float]):
+    """``(Workload, Peer)`` the trainer's ZeRO-3 choice is simulated on: rank 0's planning figures ``figures``, the
+    run's mesh, model and ``ParallelOptions`` (``Workload.of``), one sequence of ``--seq-len`` tokens of one document
+    (the trainer chooses before it has read any data), the configuration of its ``--mode``; so every rank chooses the
+    same."""
     import dataclasses
 
     from flashpar.sim.peers import PEERS
     from flashpar.sim.topology import Cluster, Layout
     from flashpar.sim.workload import Workload
 
-    hw, burst = planning_device(device_type, config.tp * config.ulysses)
+    hw, burst = figures
     layout = Layout(config.dp, config.cp, config.ulysses, config.tp)
     per_node = links.ranks_per_node() if links.spans_nodes() else layout.world_size
-    elem = torch.finfo(torch.bfloat16 if config.dtype == "bf16" else torch.float32).bits // 8
-    w = Workload(config.model, layout, Cluster(hw, links.inter_hardware(device_type), per_node), ((config.seq_len,),),
-                 elem_bytes=elem, checkpoint=config.checkpoint_activations, zero_prefetch=config.prefetch,
-                 zero_collective=config.zero_collective, plan_burst=burst, shared_cores=burst,
-                 regather=config.regather)
+    cluster = Cluster(hw, links.inter_hardware(device_type), per_node)
+    w = Workload.of(config.model, layout, cluster, ((config.seq_len,),), options_of(config), plan_burst=burst,
+                    shared_cores=burst)
     peer = dataclasses.replace(PEERS["flashpar" if config.mode != "none" else "baseline"], mode=config.mode)
     return w, peer

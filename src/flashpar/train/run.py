@@ -36,8 +36,9 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flashpar.options import MODES, ParallelOptions
 from flashpar.train import where
-from flashpar.train.config import MODES, TrainConfig, add_arguments, from_args, ready
+from flashpar.train.config import TrainConfig, add_arguments, from_args, ready
 
 if TYPE_CHECKING:
     from flashpar.train.loop import Hooks
@@ -62,18 +63,15 @@ def _check(config: TrainConfig):
     from flashpar.train.check import CHECK_CLIP_RATIO, by_group, one_step
     from flashpar.train.data import training_data
     from flashpar.train.loop import setup
-    from flashpar.train.planning import zero_choices
+    from flashpar.train.planning import planning_device, resolve_options
 
     device, mesh = setup(config)
     data = training_data(config)  # the byte corpus, or the tokens of --data / --tokenizer
     micro = config.check_micro_batches  # accumulation always exercised
     seqs = [(data[i]["tokens"], data[i]["labels"], data[i]["doc_lens"]) for i in range(micro * config.dp)]
-    schedules, collective = zero_choices(config, device.type)
-    errors = one_step(config.model, mesh, seqs, strategy=config.strategy, mode=config.mode, seed=config.seed,
-                      timeout_s=config.timeout, dp_mode=config.dp_mode, micro_batches=micro,
-                      clip_ratio=CHECK_CLIP_RATIO, init_from=config.init_from, dtype=config.dtype,
-                      checkpoint_activations=config.checkpoint_activations, save_gathered=not config.regather,
-                      device=device, zero_schedule=schedules, prefetch=config.prefetch, zero_collective=collective)
+    options = resolve_options(config, device.type, planning_device(device.type, config.tp * config.ulysses))
+    errors = one_step(config.model, mesh, seqs, options, strategy=config.strategy, seed=config.seed,
+                      micro_batches=micro, clip_ratio=CHECK_CLIP_RATIO, init_from=config.init_from, device=device)
     rows = by_group(errors, CHECK_TOL[config.dtype])
     worst = torch.tensor([max(e for _, e, _ in rows)], dtype=torch.float64, device=device)  # NCCL: a device tensor
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -303,6 +301,8 @@ def _report(out, config: TrainConfig) -> int:
           f"{s['headtail_kv_bytes'] / 1e6:.1f} MB for headtail; estimated step (cost model) "
           f"{s['per_doc_est_step_ms'] / max(s['est_step_ms'], 1e-12):.2f}x faster than per_doc, "
           f"{s['headtail_est_step_ms'] / max(s['est_step_ms'], 1e-12):.2f}x than headtail")
+    if s.get("options"):
+        print(f"options: {ParallelOptions(**s['options']).describe()}")
     if ran_out is not None:
         print(f"the training data ran out at step {ran_out}, before --steps {config.steps} after --epochs "
               f"{config.epochs} pass{'es' if config.epochs > 1 else ''} (add documents, raise --epochs or lower "

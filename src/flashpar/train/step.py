@@ -1,7 +1,7 @@
 """One rank's model and one optimizer step, with no bookkeeping: the part of training tests call directly.
 
-    build(config, mesh, device)    -> (cfg, ParallelLlama with its shards of one seeded Llama, or of the
-                                      Hugging Face folder --init-from read by slices, AdamW)
+    build(config, mesh, device, o) -> (cfg, ParallelLlama run with options o, its shards of one seeded Llama or of
+                                      the Hugging Face folder --init-from read by slices, AdamW)
     forward_backward(model, ...)   one micro-batch: loss share; backward; gradients summed over copies
     accumulate(model, micro, n)    M micro-batches' gradients added up, summed over copies once
     gradients(model, micro, n)     accumulate, then the global gradient norm and clipping
@@ -37,11 +37,11 @@ import torch
 from flashpar.models import Llama
 from flashpar.models.grad_norm import clip_grads_
 from flashpar.models.parallel import ParallelLlama
-from flashpar.models.precision import DTYPES
+from flashpar.options import ParallelOptions
 from flashpar.train import where
 from flashpar.train.config import TrainConfig
 from flashpar.train.optimizer import adamw, set_lr
-from flashpar.train.planning import zero_choices
+from flashpar.train.planning import planning_device, resolve_options
 
 
 class MicroBatch(NamedTuple):
@@ -53,8 +53,10 @@ class MicroBatch(NamedTuple):
     plan: object
 
 
-def build(config: TrainConfig, mesh, device) -> tuple:
-    """``(cfg, model, opt)``: the mesh model holding this rank's shards of ``Llama(config.model)`` made after
+def build(config: TrainConfig, mesh, device, options: ParallelOptions | None = None) -> tuple:
+    """``(cfg, model, opt)``: the mesh model (run with ``options``: ``config``'s with the set-up choices made,
+    ``flashpar.train.planning.resolve_options``; None: made here, a collective) holding this rank's shards of
+    ``Llama(config.model)`` made after
     ``torch.manual_seed(config.seed)`` (every rank the same weights), and its AdamW (weight decay on the
     matrices only: ``flashpar.train.optimizer``).  With ``init_from`` each rank reads only its slices of that
     Hugging Face folder (no full model in any process), unless a ``resume`` checkpoint is about to
@@ -64,11 +66,9 @@ def build(config: TrainConfig, mesh, device) -> tuple:
     if not config.init_from:
         torch.manual_seed(config.seed)
         full = Llama(cfg)
-    zero, collective = zero_choices(config, device.type) if config.dp_mode == "zero3" else ("prefetch", "ring")
-    model = ParallelLlama(cfg, mesh, mode=config.mode, timeout_s=config.timeout, dp_mode=config.dp_mode,
-                          zero_schedule=zero, prefetch=config.prefetch, zero_collective=collective,
-                          dtype=DTYPES[config.dtype], checkpoint_activations=config.checkpoint_activations,
-                          save_gathered=not config.regather)
+    if options is None:
+        options = resolve_options(config, device.type, planning_device(device.type, config.tp * config.ulysses))
+    model = ParallelLlama(cfg, mesh, options)
     if full is not None:
         model.load_full(full)
     elif not config.resume:  # a Hugging Face folder's weights (a resumed checkpoint overwrites them)
