@@ -22,7 +22,7 @@ from train_workers import (
 )
 
 # (dp, cp, ulysses, tp), dp mode, model (train_workers.MODELS)[, strategy, mode, regather, zero_schedule,
-# prefetch, zero_collective] -> world size
+# prefetch, zero_collective, attention_backend] -> world size
 MESH_CASES = {
     4: [((1, 2, 1, 2), "zero3", "base"), ((2, 2, 1, 1), "zero3", "base"), ((2, 1, 1, 2), "zero3", "base"),
         ((4, 1, 1, 1), "zero3", "base"), ((1, 4, 1, 1), "zero3", "base"), ((2, 2, 1, 1), "replicate", "base"),
@@ -32,6 +32,8 @@ MESH_CASES = {
         ((1, 1, 4, 1), "zero3", "base"), ((1, 1, 4, 1), "zero3", "untied"),
         # --regather: the column-parallel linears and the head gather their input again in backward
         ((1, 2, 1, 2), "replicate", "untied", "flashcp", "flash", True),
+        # the context-parallel attention on its explicit-matrix kernels (ParallelOptions.attention_backend)
+        ((1, 2, 1, 2), "zero3", "base", "per_doc", "flash", False, "prefetch", 1, "ring", "math"),
         # small vocabularies: the embedding / head weight gathered over tp (flashpar.models.vocab.gathers_weight)
         ((1, 2, 1, 2), "zero3", "vocab16"), ((2, 1, 1, 2), "zero3", "vocab16-untied"),
         ((1, 1, 1, 4), "replicate", "vocab16-untied"), ((1, 2, 1, 2), "zero3", "vocab54", "per_doc", "none"),

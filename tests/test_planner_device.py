@@ -182,17 +182,22 @@ def test_the_trainers_zero3_schedule_is_the_fastest_simulated_candidate():
     from flashpar.sim import zero
     from flashpar.sim.predict import simulate
     from flashpar.train.config import TrainConfig
-    from flashpar.train.planning import zero_choices, zero_workload
+    from flashpar.train.planning import planning_device, resolve_options, zero_workload
 
     model = LlamaConfig(hidden=512, heads=8, kv_heads=4, ffn=1408, layers=4)
+    figures = planning_device("cpu")  # read once: what resolve_options and the planner share
     for kw in ({"dp": 2, "cp": 1, "tp": 2}, {"dp": 1, "cp": 2, "tp": 2}, {"dp": 2, "cp": 2, "tp": 1}):
         config = TrainConfig(**kw, model=model, seq_len=4096)
-        w, peer = zero_workload(config, "cpu")
+        w, peer = zero_workload(config, "cpu", figures)
         times = {c: simulate(w, peer, c)["step_s"] for c in zero.candidates(w, peer)}
         assert len(times) == 3  # every candidate exists here (no Ulysses, a shard group of 2)
         every, best = next(iter(times)), min(times, key=times.get)
         want = best if times[best] < zero.ZERO_AUTO_MARGIN * times[every] else every
-        assert tuple(zero_choices(config, "cpu")[0]) == want, (kw, times)
+        options = resolve_options(config, "cpu", figures)
+        assert options.zero_schedule == want and options.resolved, (kw, times)
     fused = TrainConfig(dp=2, cp=1, tp=2, model=model, zero_schedule="fused")
-    assert zero_choices(fused, "cpu")[0] == ["fused"] * 4
-    assert zero_choices(TrainConfig(dp=2, cp=1, tp=2, model=model, mode="none"), "cpu") == (["prefetch"] * 4, "ring")
+    assert resolve_options(fused, "cpu", figures).zero_schedule == "fused"
+    blocking = resolve_options(TrainConfig(dp=2, cp=1, tp=2, model=model, mode="none"), "cpu", figures)
+    assert (blocking.zero_schedule, blocking.zero_collective) == (("prefetch",) * 4, "ring")
+    whole = resolve_options(TrainConfig(dp=2, cp=1, tp=2, model=model, dp_mode="replicate"), "cpu", figures)
+    assert whole.resolved and whole.dp_mode == "replicate"

@@ -15,7 +15,7 @@ import pytest
 
 from dist_harness import run_ranks
 from flashpar.cp import STRATEGIES
-from flashpar.train.config import DP_MODES, MODES
+from flashpar.options import DP_MODES, MODES
 from train_workers import train_combinations
 
 A2A_MODES = [m for m in MODES if m != "ring"]  # ring does not apply to an all-to-all (TrainConfig refuses it)

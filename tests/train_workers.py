@@ -47,14 +47,15 @@ def sequences(dp: int, seed: int = 0, vocab: int = 256):
 
 
 def check_mesh(rank, world, shape, dp_mode="zero3", model="base", strategy="flashcp", mode="flash",
-               regather=False, zero_schedule="prefetch", prefetch=1, zero_collective="ring"):
+               regather=False, zero_schedule="prefetch", prefetch=1, zero_collective="ring", attention_backend="auto"):
     """``one_step``'s errors over ``TOL`` and their count on the (dp, cp, ulysses, tp) mesh ``shape``
-    (``regather``, ``zero_schedule`` / ``prefetch`` / ``zero_collective``: the ``ParallelOptions``')."""
+    (``regather``, ``zero_schedule`` / ``prefetch`` / ``zero_collective``, ``attention_backend``: the
+    ``ParallelOptions``')."""
     dp = shape[0]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS)
     errors = one_step(MODELS[model], mesh, sequences(dp, vocab=MODELS[model].vocab_size), strategy=strategy,
                       mode=mode, dp_mode=dp_mode, regather=regather, zero_schedule=zero_schedule,
-                      prefetch=prefetch, zero_collective=zero_collective)
+                      prefetch=prefetch, zero_collective=zero_collective, attention_backend=attention_backend)
     return {k: v for k, v in errors.items() if not v <= TOL}, len(errors)
 
 

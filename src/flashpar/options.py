@@ -10,6 +10,7 @@ flag with the help written here, in the ``--help`` group its ``group`` names)::
     checkpoint_activations  each block recomputed in backward
     regather                a column-parallel linear gathers its input again in backward (else keeps it)
     gather_vocab            tp ranks gather a vocabulary table smaller than their tokens (else move activations)
+    attention_backend       the context-parallel attention's kernels (auto: the device's default)
     zero_schedule           ZeRO-3 per block: prefetch, fused, one per block, or auto
     prefetch                ZeRO-3 units gathered ahead of the one computing
     zero_collective         how ZeRO-3's units travel: ring (the backend's), doubling, or auto
@@ -78,10 +79,13 @@ class ParallelOptions:
     gather_vocab: bool = _opt(True, "where the vocabulary is smaller than a cp rank's tokens, the tp ranks gather "
                                     "the embedding and head weights instead of moving the activations", MEMORY,
                               flag=False)
+    attention_backend: str = _opt("auto", "the context-parallel attention's kernels: auto (the device's default, "
+                                          "flashpar.cp.kernels.default_backend), flash, math or varlen", MEMORY,
+                                  flag=False, choices=("auto", "flash", "math", "varlen"))
     timeout: float = _opt(DEFAULT_TIMEOUT_S, "seconds any distributed wait may take", FAULTS)
 
     def __post_init__(self) -> None:
-        for name in ("mode", "dp_mode", "zero_collective", "dtype"):
+        for name in ("mode", "dp_mode", "zero_collective", "dtype", "attention_backend"):
             choices = OPTION_FIELDS[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ValueError(f"{flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")

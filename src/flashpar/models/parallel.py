@@ -235,8 +235,9 @@ class ParallelBlock(nn.Module):
         q, k, v = rope_qkv(qkv, tables, self.heads, self.kv_heads)  # one autograd node (models/fused.py)
         if self.kv_sink is not None:
             self.kv_sink(k, v)
+        backend = None if self.options.attention_backend == "auto" else self.options.attention_backend
         return cp.attention(q, k, v, plan, group=self.cp_group, counter=self.kv_counter, timeout_s=self.timeout_s,
-                            check=False, rows=rows).reshape(t, self.heads * self.cfg.head_dim)
+                            check=False, rows=rows, backend=backend).reshape(t, self.heads * self.cfg.head_dim)
 
 
 class ParallelLlama(nn.Module):
