@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpar.overlap import ShardedLinear, average_replicated_grads, shard_linears, sharded_linear
-from flashpar.overlap.sharded import shard_rows
+from flashpar.rows import shard_rows
 
 # fp32 unit roundoff 6e-8; the longest reduction here (grad_W over ranks x rows) has < 100 terms,
 # so order differences stay ~1e-6 relative; 1e-5 leaves margin while a wrong block is O(1).

@@ -9,15 +9,15 @@ import importlib
 _HOME = {
     "ColumnParallelLinear": "modules",
     "RowParallelLinear": "modules",
-    "ShardedLinear": "sharded",
+    "ShardedLinear": "sharded_modules",
     "UlyssesAttention": "ulysses",
     "all_gather_matmul": "ops",
     "all_to_all_matmul": "a2a",
-    "average_replicated_grads": "sharded",
+    "average_replicated_grads": "sharded_modules",
     "build_schedule": "schedule",
     "matmul_all_to_all": "a2a",
     "matmul_reduce_scatter": "ops",
-    "shard_linears": "sharded",
+    "shard_linears": "sharded_modules",
     "sharded_linear": "sharded",
 }
 

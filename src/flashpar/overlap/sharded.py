@@ -1,8 +1,9 @@
 """Sharded data parallelism (ZeRO-3 / FSDP style) with the weight all-gather and the gradient
 reduce-scatter fused into the layer's own GEMMs, alone or composed with tensor + sequence parallelism.
 
-This file is the one ZeRO-3 of flashpar: :func:`sharded_linear` / :class:`ShardedLinear` (data
-parallelism only) and the tensor-parallel layers of ``flashpar.models.zero`` run the same autograd
+This file is the one ZeRO-3 of flashpar: :func:`sharded_linear` / ``ShardedLinear`` (data parallelism only;
+its modules: ``flashpar.overlap.sharded_modules``) and the tensor-parallel layers of ``flashpar.models.zero`` run
+the same autograd
 function (:class:`_ZeroLinear`); without a tensor-parallel group the two kinds below are the same op.
 
 Notation: dp group of ``D`` ranks (different batches; the weight rows are split over it), tp group of
@@ -66,7 +67,7 @@ Gradient convention (``average``): :func:`sharded_linear` averages over the dp g
 and DDP (each rank's loss is a mean over its own batch); the tensor-parallel ops sum, as the trainer
 does (its loss is normalised by the global number of targets).  Parameters that are not in a
 ``ShardedLinear`` (norms, embeddings) stay replicated; average their gradients with a plain all-reduce
-(:func:`average_replicated_grads`).
+(``average_replicated_grads``).
 
 Mixed precision (FSDP2's ``param_dtype`` / ``reduce_dtype``): ``x`` may have a lower dtype than the rows
 (bf16 activations, fp32 master rows).  The rows are cast to ``x``'s dtype before the dp all-gather (forward
@@ -93,16 +94,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from flashpar.dist import DEFAULT_TIMEOUT_S, GroupInfo, dtype_code, resolve_group
 from flashpar.overlap.buffers import Buffers
 from flashpar.overlap.call import Call, Local, check_split, check_tensors, prepare
 from flashpar.overlap.executor import Traffic, run_schedule
-from flashpar.overlap.modules import init_linear_params
 from flashpar.overlap.ops import all_gather_matmul, flat, matmul_reduce_scatter
 from flashpar.overlap.schedule import Compute, build_schedule
-from flashpar.rows import row_sizes, shard_rows
+from flashpar.rows import row_sizes
 
 OP_NAME = "sharded_linear"
 
@@ -556,77 +555,3 @@ class _ZeroLinear(torch.autograd.Function):
             grad_shard[:, n_in] if need_b else None,
             None,
         )
-
-
-# ----------------------------------------------------------------------------------------------
-# modules
-
-
-class ShardedLinear(nn.Module):
-    """Drop-in for ``nn.Linear`` under sharded data parallelism: ``weight`` / ``bias`` are this rank's rows.
-
-    ``forward(x)``: ``x [..., in]`` (this rank's batch) -> ``[..., out]``.  Gradients of the shard are the
-    group average (FSDP / DDP convention).  ``mode``: flash | ring | slice | none | auto.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None, mode: str = "flash",
-                 chunks: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, device=None, dtype=None) -> None:
-        super().__init__()
-        info = resolve_group(group)
-        self.group, self.mode, self.chunks, self.timeout_s = group, mode, chunks, timeout_s
-        self.dp_size, self.dp_rank = info.world_size, info.rank
-        self.in_features, self.out_features = in_features, out_features
-        self.split_sizes = row_sizes(out_features, info.world_size)
-        rows = self.split_sizes[info.rank]
-        init_linear_params(self, (rows, in_features), rows if bias else None, in_features, device=device, dtype=dtype)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, **kwargs) -> ShardedLinear:
-        """This rank's rows of ``linear`` (every rank passes the same full layer)."""
-        mod = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
-                  device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
-        lo, hi = shard_rows(linear.out_features, mod.dp_size, mod.dp_rank)
-        with torch.no_grad():
-            mod.weight.copy_(linear.weight[lo:hi])
-            if mod.bias is not None:
-                mod.bias.copy_(linear.bias[lo:hi])
-        return mod
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sharded_linear(x, self.weight, self.bias, group=self.group, mode=self.mode, chunks=self.chunks,
-                              split_sizes=self.split_sizes, timeout_s=self.timeout_s)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"shard={tuple(self.weight.shape)}, dp={self.dp_size}, mode={self.mode}")
-
-
-def shard_linears(model: nn.Module, group=None, **kwargs) -> nn.Module:
-    """Replace every ``nn.Linear`` in ``model`` (in place) by its :class:`ShardedLinear`; returns ``model``,
-    or, for a bare ``nn.Linear`` (which cannot be replaced in place), its :class:`ShardedLinear`.
-
-    Every rank must call it on the same model (same weights).  Other parameters stay replicated:
-    average their gradients with :func:`average_replicated_grads` (or a DDP wrapper over them).
-    """
-    if isinstance(model, nn.Linear):
-        return ShardedLinear.from_linear(model, group, **kwargs)
-    for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(model, name, ShardedLinear.from_linear(child, group, **kwargs))
-        else:
-            shard_linears(child, group, **kwargs)
-    return model
-
-
-def average_replicated_grads(model: nn.Module, group=None) -> None:
-    """All-reduce (average) the gradients of every parameter not owned by a :class:`ShardedLinear`."""
-    import torch.distributed as dist
-
-    info = resolve_group(group)
-    if info.world_size == 1:
-        return
-    sharded = {id(p) for m in model.modules() if isinstance(m, ShardedLinear) for p in m.parameters()}
-    for p in model.parameters():
-        if id(p) not in sharded and p.grad is not None:
-            dist.all_reduce(p.grad, group=info.group)
-            p.grad.div_(info.world_size)
