@@ -341,7 +341,7 @@ def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank
     import dataclasses
 
     from flashpar.cost import store as cost_store
-    from flashpar.train.planning import core_burst, host_cores
+    from flashpar.links import core_burst, host_cores
 
     names, n = config["configs"], len(gathered)
     flops = step_flops(config, seqs)

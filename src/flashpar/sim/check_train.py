@@ -100,7 +100,7 @@ def plan_hardware(setup: dict):
 
 def plan_burst(setup: dict) -> float:
     """``CostModel.burst`` the report's trainer planned with: ``setup.plan_burst``
-    (``flashpar.train.planning.core_burst``), else 1 (a report without it: planned as if each rank had its own
+    (``flashpar.links.core_burst``), else 1 (a report without it: planned as if each rank had its own
     device)."""
     from flashpar import cp
 
@@ -113,9 +113,9 @@ def plan_burst(setup: dict) -> float:
 
 def run_burst(setup: dict, group: int) -> float:
     """``CostModel.burst`` of the run itself, its cp ranks of ``group`` processes sharing the box's cores
-    (``flashpar.cp.cost.shared_burst`` of ``world_size`` processes of ``threads`` threads on ``cores``: every rank
+    (``flashpar.cost.shared_burst`` of ``world_size`` processes of ``threads`` threads on ``cores``: every rank
     of ``flashpar bench train`` runs on the one host); 1 for a report that does not say its cores."""
-    from flashpar.cp.cost import shared_burst
+    from flashpar.cost import shared_burst
 
     if setup.get("cores") is None:
         return 1.0
