@@ -18,6 +18,7 @@ from bench_train_workers import peer_against_llama, solo_without_comm
 from dist_harness import SpawnCache
 from flashpar import cli, links
 from flashpar.bench import train as bench_train
+from flashpar.sim.bench_runs import packed_docs
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TINY = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--seq-len", "128",
@@ -90,7 +91,7 @@ def test_a_ulysses_mesh_is_accepted_and_tp_with_ulysses_refused():
 
 def test_packed_documents_are_multiples_of_two_cp_and_fill_the_sequence():
     config = _config(dp=2, cp=2, tp=1, seq_len=256)
-    packs = bench_train.packed_docs(config)
+    packs = packed_docs(config)
     assert len(packs) == 2
     for lens in packs:
         assert sum(lens) == 256 and all(n % 4 == 0 and n > 0 for n in lens)

@@ -50,9 +50,9 @@ def test_bench_cp_bad_arguments_are_one_line_before_any_rank_starts(argv, words,
 
 
 def test_bench_cp_takes_a_path_as_lengths(tmp_path):
-    from flashpar.bench.cp import _packs
+    from flashpar.sim.bench_runs import cp_packs
 
     path = tmp_path / "wlbllm.lengths"
     path.write_text("\n".join(map(str, resolve_lengths("wlbllm").values[:500])))
     config = {"lengths": str(path), "tokens": 4096, "packs": 2, "scale": 16}
-    assert _packs(config) == _packs({**config, "lengths": "wlbllm"})  # the same list by path or by name
+    assert cp_packs(config) == cp_packs({**config, "lengths": "wlbllm"})  # the same list by path or by name
