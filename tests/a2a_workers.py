@@ -129,89 +129,14 @@ def _one(rank: int, n: int, case: A2ACase) -> str | None:
     return "; ".join(bad) or None
 
 
-def reference_attention(x, q_proj, k_proj, v_proj, o_proj, heads, kv_heads, positions=None, theta=10000.0):
-    """Plain causal attention of the full sequence ``x [S, hidden]``: explicit scores, mask, softmax."""
-    from flashpar.overlap.ulysses import rotate
-
-    s = x.shape[0]
-    d = q_proj.out_features // heads
-    q = q_proj(x).view(s, heads, d).transpose(0, 1)
-    k = k_proj(x).view(s, kv_heads, d).transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
-    v = v_proj(x).view(s, kv_heads, d).transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
-    if positions is not None:
-        q, k = rotate(q, positions, theta), rotate(k, positions, theta)
-    scores = q @ k.transpose(1, 2) / d**0.5
-    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-    return o_proj((scores.softmax(-1) @ v).transpose(0, 1).reshape(s, heads * d))
-
-
-def attention_cases(rank: int, n: int) -> dict[str, str | None]:
-    """UlyssesAttention vs reference_attention in float64, for head layouts that fit ``n`` ranks."""
-    layouts = {1: [(4, 4), (4, 1)], 2: [(4, 4), (4, 2), (4, 1)], 3: [(6, 3), (3, 1), (6, 6)],
-               4: [(4, 4), (8, 2), (4, 1)]}[n]
-    out = {}
-    for i, (heads, kv_heads) in enumerate(layouts):
-        for mode, k in (("flash", 1), ("flash", 2), ("slice", 2), ("none", None), ("auto", None)):
-            uneven = i % 2 == 1
-            rope = "local" if mode == "flash" and k == 2 else ("full" if i == 0 else None)
-            out[f"h{heads}-kv{kv_heads}-{mode}-k{k}-rope{rope}-{'uneven' if uneven else 'even'}"] = _attention(
-                rank, n, heads, kv_heads, mode, k, uneven, rope, bias=i != 1)
-    return out
-
-
-def _attention(rank, n, heads, kv_heads, mode, k, uneven, rope, bias) -> str | None:
-    from torch import nn
-
-    from flashpar.overlap import UlyssesAttention
-
-    hidden, d = 8, 4
-    split = UNEVEN[n] if uneven else [4] * n
-    lo, hi = sum(split[:rank]), sum(split[: rank + 1])
-    torch.manual_seed(3)
-    projs = [nn.Linear(hidden, heads * d, bias=bias), nn.Linear(hidden, kv_heads * d, bias=bias),
-             nn.Linear(hidden, kv_heads * d, bias=bias), nn.Linear(heads * d, hidden, bias=bias)]
-    x_full = torch.randn(sum(split), hidden, dtype=torch.float64)
-    gy = torch.randn(sum(split), hidden, dtype=torch.float64)
-    positions = torch.randperm(sum(split)) if rope else None  # arbitrary (e.g. per-document) positions
-    attn = UlyssesAttention.from_linears(*projs, heads, kv_heads, mode=mode, chunks=k)
-    x = x_full[lo:hi].float().requires_grad_()
-    pos_arg = None if rope is None else (positions if rope == "full" else positions[lo:hi])
-    y = attn(x, position_ids=pos_arg, split_sizes=split if uneven else None)
-    y.backward(gy[lo:hi].float())
-    ref = [p.double() for p in projs]
-    xr = x_full.clone().requires_grad_()
-    yr = reference_attention(xr, *ref, heads, kv_heads, positions)
-    yr.backward(gy)
-    pairs = {"y": (y, yr[lo:hi]), "grad_x": (x.grad, xr.grad[lo:hi])}
-    for name, mine, theirs in zip("qkvo", (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj), ref, strict=True):
-        pairs[f"{name}_proj.weight"] = (mine.weight.grad, theirs.weight.grad)
-        if bias:
-            pairs[f"{name}_proj.bias"] = (mine.bias.grad, theirs.bias.grad)
-    # Some exact gradients vanish (without rotary embeddings, k_proj.bias shifts every key of a query
-    # alike, which softmax ignores): fp32 then leaves the rounding noise of terms that cancel, about
-    # 1e-7 of the terms' size, not of the zero result.  Errors are therefore relative to the larger of
-    # the reference's norm and 1e-2 of the layer's largest gradient norm (a wrong block is still O(1)).
-    floor = 1e-2 * max(float(r.detach().norm()) for _, r in pairs.values())
-    bad = []
-    for name, (got, r) in pairs.items():
-        err = float((got.detach().double() - r.detach()).norm()) / max(float(r.detach().norm()), floor) \
-            if got is not None else float("inf")
-        if not err <= FP32_TOL:
-            bad.append(f"{name}: rel err {err:.3g}")
-    return "; ".join(bad) or None
-
-
-def attention_errors(rank: int, n: int) -> dict[str, str]:
-    from flashpar.overlap import UlyssesAttention
+def op_errors(rank: int, n: int) -> dict[str, str]:
+    """The ops' one-line errors: features that differ across ranks, mode ring, weights of the wrong shape."""
     from overlap_workers import _outcome
 
     o = torch.randn(4 * n, 3)
     feat = 7 if rank == n - 1 else 8  # consistent on each rank, different across ranks
     out = {"features_differ": _outcome(lambda: matmul_all_to_all(torch.randn(4, feat), torch.randn(3 * n, feat)))}
     return out | {
-        "heads_not_divisible": _outcome(lambda: UlyssesAttention(8, n + 1, 1, head_dim=4)),
-        "kv_heads_not_divisible": _outcome(lambda: UlyssesAttention(8, n * (n + 1), n + 1, head_dim=4)),
-        "kv_heads_not_dividing": _outcome(lambda: UlyssesAttention(8, 12, 3, head_dim=4)),
         "ring_rejected": _outcome(lambda: matmul_all_to_all(torch.randn(4, 8), torch.randn(3 * n, 8), mode="ring")),
         "weight_columns": _outcome(lambda: all_to_all_matmul(o, torch.randn(5, 3 * n + 1))),
         "weight_rows": _outcome(lambda: matmul_all_to_all(torch.randn(4, 8), torch.randn(3 * n + 1, 8))),

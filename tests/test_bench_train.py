@@ -16,9 +16,9 @@ import pytest
 
 from bench_train_workers import peer_against_llama, solo_without_comm
 from dist_harness import SpawnCache
-from flashpar import cli
+from flashpar import cli, links
 from flashpar.bench import train as bench_train
-from flashpar.train import planning
+from flashpar.sim.bench_runs import packed_docs
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TINY = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--seq-len", "128",
@@ -91,7 +91,7 @@ def test_a_ulysses_mesh_is_accepted_and_tp_with_ulysses_refused():
 
 def test_packed_documents_are_multiples_of_two_cp_and_fill_the_sequence():
     config = _config(dp=2, cp=2, tp=1, seq_len=256)
-    packs = bench_train.packed_docs(config)
+    packs = packed_docs(config)
     assert len(packs) == 2
     for lens in packs:
         assert sum(lens) == 256 and all(n % 4 == 0 and n > 0 for n in lens)
@@ -201,7 +201,7 @@ def test_report_sums_the_ranks_cpu_per_step_and_spreads_the_extra_over_the_share
     gathered = [{"samples": {("flashpar", k): walls[k] for k in walls}
                  | {("flashpar", k + "_cpu"): c[k] for k in c}, "mem": {"flashpar": 1.0}} for c in cpus]
     for cores, shared in ((1, 1), (8, 2)):  # 2 ranks of 1 thread: they share min(cores, 2) cores
-        monkeypatch.setattr(planning, "host_cores", lambda cores=cores: cores)
+        monkeypatch.setattr(links, "host_cores", lambda cores=cores: cores)
         row = bench_train.make_report(config, gathered, [5.0], 1e9, seqs)["configs"][0]
         # step sums over the ranks: 2.0, 2.2, 3.1 -> median 2.2; no-comm 1.5, 1.6, 1.7 -> 1.6
         assert row["cpu_ms"] == pytest.approx(2200) and row["no_comm_cpu_ms"] == pytest.approx(1600)

@@ -50,23 +50,9 @@ def test_bench_cp_bad_arguments_are_one_line_before_any_rank_starts(argv, words,
 
 
 def test_bench_cp_takes_a_path_as_lengths(tmp_path):
-    from flashpar.bench.cp import _packs
+    from flashpar.sim.bench_runs import cp_packs
 
     path = tmp_path / "wlbllm.lengths"
     path.write_text("\n".join(map(str, resolve_lengths("wlbllm").values[:500])))
     config = {"lengths": str(path), "tokens": 4096, "packs": 2, "scale": 16}
-    assert _packs(config) == _packs({**config, "lengths": "wlbllm"})  # the same list by path or by name
-
-
-def test_shared_cores_prediction():
-    from flashpar.bench.cp import shared_finish
-
-    assert shared_finish([3.0, 1.0], 4) == [3.0, 1.0]  # a core per rank: nothing shared
-    # equal work on 4 ranks / 2 cores is what calibration measured: unchanged
-    assert shared_finish([2.0] * 4, 2) == [2.0] * 4
-    # one busy rank alone gets a whole core, twice the calibrated (half-core) rate
-    fin = shared_finish([2.0, 0.0, 0.0, 0.0], 2)
-    assert abs(fin[0] - 1.0) < 1e-12
-    # two ranks finish first; then the other two run at a full core each
-    fin = shared_finish([1.0, 1.0, 3.0, 3.0], 2)
-    assert [round(x, 12) for x in fin] == [1.0, 1.0, 2.0, 2.0]
+    assert cp_packs(config) == cp_packs({**config, "lengths": "wlbllm"})  # the same list by path or by name

@@ -1,4 +1,5 @@
-"""``ParallelDims``: the mesh's sizes, the rules between them and a model, and the numbering of its ranks."""
+"""``ParallelDims``: the mesh's sizes, the rules between them and a model, and the numbering of its ranks; how
+Ulysses splits the heads (``head_layout``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import itertools
 
 import pytest
 
-from flashpar.dims import DIMS, ParallelDims
+from flashpar.dims import DIMS, ParallelDims, head_layout
 from flashpar.models import LlamaConfig
 
 
@@ -33,6 +34,25 @@ def test_each_rule_is_one_line_naming_the_sizes(dims, model, mode, needle):
     assert bad is not None and needle in bad and "\n" not in bad, bad
     with pytest.raises(ValueError, match="^ParallelLlama: "):
         dims.check(model, mode, where="ParallelLlama: ")
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "n", "per_rank"), [
+    (4, 4, 1, (4, 4)), (4, 4, 2, (2, 2)), (8, 2, 4, (2, 1)),  # MHA; GQA with kv_heads >= n
+    (4, 2, 4, (1, 1)), (6, 1, 3, (2, 1)), (3, 1, 3, (1, 1)),  # fewer kv heads than ranks: each replicated
+])
+def test_head_layout_gives_each_ulysses_rank_its_heads(heads, kv_heads, n, per_rank):
+    assert head_layout(heads, kv_heads, n) == per_rank
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "n", "needle"), [
+    (4, 3, 2, "heads = 4 must be a positive multiple of kv_heads = 3"),
+    (5, 1, 2, "heads = 5 is not divisible by the sequence-parallel size 2"),
+    (12, 6, 4, "kv_heads = 6 is not divisible by the sequence-parallel size 4"),
+    (12, 3, 4, "kv_heads = 3 < 4 ranks must divide 4"),
+])
+def test_head_layout_refuses_what_ulysses_cannot_split(heads, kv_heads, n, needle):
+    with pytest.raises(ValueError, match=needle):
+        head_layout(heads, kv_heads, n)
 
 
 def test_valid_dims_have_no_problem_and_their_sizes():

@@ -1,6 +1,6 @@
 """The trainer plans for the device it trains on, weighted for a training step (``planner_cost``), with
-rank 0's figures on every rank (``planning_device``; a GPU by its name, ``device_figures``); the simulator
-plans the same way, and reads what a bench report's trainer planned with (``setup.plan_hardware``,
+rank 0's figures on every rank (``flashpar.links.planning_device``; a GPU by its name, ``device_hardware``); the
+simulator plans the same way, and reads what a bench report's trainer planned with (``setup.plan_hardware``,
 ``setup.plan_burst``).  Ranks sharing cores: tests/test_shared_cores.py."""
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from flashpar import cost, cp
 from flashpar.cost import store as cost_store
 from flashpar.cp.cost import BWD_ATTN_TIME, CostModel
 from flashpar.cp.cp_plan import rank_figures
+from flashpar.links import device_hardware, planning_device
 from flashpar.links import spans_nodes as _spans_nodes
 from flashpar.models import LlamaConfig
 from flashpar.sim import check_train
-from flashpar.train.planning import device_figures, planner_cost, planning_device
+from flashpar.train.planning import planner_cost
 
 BENCH_MODEL = LlamaConfig(hidden=512, layers=4, heads=8, kv_heads=4, ffn=1408, tie_embeddings=False)
 BENCH_PACK = [172, 264, 40, 328, 180, 376, 212, 256, 248, 212, 296, 172, 3236, 340, 236, 384, 184, 384, 52, 8, 80,
@@ -59,14 +60,14 @@ def test_planner_cost_reads_the_training_device(monkeypatch):
 def test_a_visible_gpu_plans_with_its_own_figures(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
-    assert device_figures("cuda") == cost.preset("h200")  # the GPU by its name, not the cuda fallback
+    assert device_hardware("cuda") == cost.preset("h200")  # the GPU by its name, not the cuda fallback
     assert planner_cost(BENCH_MODEL, device_type="cuda") == planner_cost(BENCH_MODEL, hardware=cost.preset("h200"))
-    assert device_figures("cpu") == cost.preset("cpu")
+    assert device_hardware("cpu") == cost.preset("cpu")
     mine = dataclasses.replace(cost.preset("h200"), link_bytes_per_s=1e10)
     with cost_store.use(mine):  # a calibration in force wins over the name
-        assert device_figures("cuda") == mine
+        assert device_hardware("cuda") == mine
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Some Future GPU")
-    assert device_figures("cuda") == cost.preset("h100-ib")  # a GPU not listed: the cuda preset
+    assert device_hardware("cuda") == cost.preset("h100-ib")  # a GPU not listed: the cuda preset
 
 
 def test_a_group_across_nodes_takes_the_ports_link_and_keeps_the_devices_figures():
@@ -178,11 +179,12 @@ def test_the_trainers_zero3_schedule_is_the_fastest_simulated_candidate():
     is the shortest on the trainer's own workload (``zero_workload``), every block prefetched unless another
     wins by more than the margin; explicit schedules pass through; the baseline (``--mode none``) prefetches
     every block (blocking)."""
+    from flashpar.links import planning_device
     from flashpar.models import LlamaConfig
     from flashpar.sim import zero
     from flashpar.sim.predict import simulate
     from flashpar.train.config import TrainConfig
-    from flashpar.train.planning import planning_device, resolve_options, zero_workload
+    from flashpar.train.planning import resolve_options, zero_workload
 
     model = LlamaConfig(hidden=512, heads=8, kv_heads=4, ffn=1408, layers=4)
     figures = planning_device("cpu")  # read once: what resolve_options and the planner share

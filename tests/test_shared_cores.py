@@ -1,5 +1,6 @@
 """Ranks that share cores (``CostModel.burst``): the step the cost model estimates, the plans it leads to, and
-how the trainer finds its burst (``flashpar.train.planning.core_burst``)."""
+how the trainer finds its burst (``flashpar.links.core_burst``); the finish times of ranks sharing cores
+(``flashpar.cost.shared_finish``)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dist_harness import run_ranks
+from flashpar import links
+from flashpar.cost import shared_burst, shared_finish
 from flashpar.cp import CostModel, CPPlan, plan
-from flashpar.cp.cost import shared_burst
-from flashpar.train import planning
-from flashpar.train.planning import core_burst, host_cores
+from flashpar.links import core_burst, host_cores
 
 BASELINES = ("whole_doc", "per_doc", "headtail", "contiguous", "torch_per_doc")
 """The placements flashcp scores beside its own candidates (``flashcp.search.plan``, ``scored``): never estimated
@@ -122,11 +123,23 @@ def test_shared_burst_refuses_a_count_that_is_not_a_positive_integer(bad):
         shared_burst(4, 1, bad)
 
 
+def test_shared_finish_plays_the_ranks_work_on_the_shared_cores():
+    assert shared_finish([3.0, 1.0], 4) == [3.0, 1.0]  # a core per rank: nothing shared
+    # equal work on 4 ranks / 2 cores is what calibration measured: unchanged
+    assert shared_finish([2.0] * 4, 2) == [2.0] * 4
+    # one busy rank alone gets a whole core, twice the calibrated (half-core) rate
+    fin = shared_finish([2.0, 0.0, 0.0, 0.0], 2)
+    assert abs(fin[0] - 1.0) < 1e-12
+    # two ranks finish first; then the other two run at a full core each
+    fin = shared_finish([1.0, 1.0, 3.0, 3.0], 2)
+    assert [round(x, 12) for x in fin] == [1.0, 1.0, 2.0, 2.0]
+
+
 def _burst(rank: int, world_size: int, threads: int, cores: int, local: str | None, device: str,
            group: int) -> float:
     torch.set_num_threads(threads)
     os.sched_getaffinity = lambda pid: set(range(cores))  # (this rank's process only)
-    planning.CPU_MAX = Path("/nonexistent/cpu.max")  # no container quota, whatever the machine running this has
+    links.CPU_MAX = Path("/nonexistent/cpu.max")  # no container quota, whatever the machine running this has
     if local is None:
         os.environ.pop("LOCAL_WORLD_SIZE", None)
     else:

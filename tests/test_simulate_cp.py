@@ -118,22 +118,23 @@ def test_bad_arguments_are_one_line(argv, words, capsys):
 
 def synthetic_report(strategies=("contiguous", "headtail", "per_doc", "megatron_dynamic", "flashcp")) -> dict:
     """A bench cp report whose measurements are what the model predicts, built as the benchmark's rank 0 does
-    (``bench/cp.py: predict``, bytes from the plans' ``kv_send_bytes``): a perfect machine."""
-    from flashpar.bench.cp import _packs, predict, shared_finish
+    (``flashpar.sim.bench_runs.cp_predict``, bytes from the plans' ``kv_send_bytes``): a perfect machine."""
+    from flashpar.cost import shared_finish
     from flashpar.cp.cp_plan import rank_figures
+    from flashpar.sim.bench_runs import cp_packs, cp_predict
 
     config = {"lengths": "sotu", "tokens": 2048, "scale": 16, "packs": 2, "cores": 2.0, "strategies": list(strategies)}
     shape = {"hidden": 128, "heads": 2, "kv_heads": 1, "head_dim": 64, "dtype_bytes": 4, "linear": False}
     fwd, bwd = (CostModel(**shape).with_hardware(attn_peak=peak, attn_half=half, link_bytes_per_s=3.6e7)
                 for peak, half in ((5e-5, 60.0), (2e-5, 80.0)))
-    packs, n = _packs(config), 4
+    packs, n = cp_packs(config), 4
     rows = {}
     for s in strategies:
         row = {"overlapped": 0.0, "bytes": 0, "pred_step": 0.0, "compute": 0.0, "comm": 0.0, "per_pack": []}
         imb = []
         for lens in packs:
             p = plan(lens, n, strategy=s, cost=fwd)
-            step = predict(p, fwd, bwd, config["cores"])["step"]
+            step = cp_predict(p, fwd, bwd, config["cores"])["step"]
             row["overlapped"] += step
             row["pred_step"] += step
             row["bytes"] += sum(p.stats()["kv_send_bytes"])

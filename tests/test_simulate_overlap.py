@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 
 from flashpar import cost
-from flashpar.bench.overlap_ops import BenchShape
 from flashpar.overlap.simulate import predict
 from flashpar.sim import check as sim_check
 from flashpar.sim import check_overlap
 from flashpar.sim import overlap as sim_overlap
+from flashpar.sim.bench_runs import BenchShape
 
 H100 = cost.preset("h100-nvlink")
 TOL = check_overlap.TOLERANCE

@@ -17,7 +17,7 @@ COMMANDS = {  # command -> (module with add_arguments and run, help); bench: its
     "export": ("flashpar.train.export", "a training checkpoint as a Hugging Face Llama folder"),
     "plan": ("flashpar.cp.cli", "plan context parallelism for packed documents, every strategy side by side"),
     "simulate": ("flashpar.sim.cli", "cluster-scale predictions from the runtime's own schedules and plans"),
-    "generate": ("flashpar.infer.cli", "prefill and decode prompts over a (tp, cp) mesh"),
+    "generate": ("flashpar.generate_command", "prefill and decode prompts over a (tp, cp) mesh"),
 }
 BENCH_HELP = "benchmarks that compare alternatives side by side"
 BENCH = {

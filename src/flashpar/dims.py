@@ -13,8 +13,7 @@ The rules (each a one-line problem, ``None`` where there is none):
 - every size an integer >= 1 (``ValueError`` when made);
 - Ulysses and tensor parallelism both split the attention heads: ``ulysses > 1`` needs ``tp = 1``;
 - the ``ring`` overlap mode does not apply to Ulysses' all-to-alls;
-- ``tp`` divides the model's heads, kv heads, FFN and vocabulary; ``ulysses`` splits its heads
-  (``flashpar.overlap.ulysses.head_layout``);
+- ``tp`` divides the model's heads, kv heads, FFN and vocabulary; ``ulysses`` splits its heads (``head_layout``);
 - a packed sequence has at least two tokens per rank of a cp rank's group (``seq_len >= 2 cp ulysses tp``: head and
   tail of each).
 
@@ -28,6 +27,24 @@ import dataclasses
 
 DIMS = ("dp", "cp", "ulysses", "tp")
 """The mesh's dims, outermost first."""
+
+
+def head_layout(heads: int, kv_heads: int, n: int) -> tuple[int, int]:
+    """(query heads, kv heads) of each of ``n`` Ulysses ranks; a clear ``ValueError`` for layouts Ulysses cannot
+    split.  Rank ``g`` attends with query heads ``[g H / n, (g + 1) H / n)``; ``kv_heads >= n`` gives it
+    ``kv_heads / n`` of them (``kv_heads`` divisible by ``n``), ``kv_heads < n`` replicates each kv head on
+    ``n / kv_heads`` ranks (one each), the only layout in which every rank holds the kv head its query heads
+    read."""
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise ValueError(f"heads = {heads} must be a positive multiple of kv_heads = {kv_heads}")
+    if heads % n:
+        raise ValueError(f"heads = {heads} is not divisible by the sequence-parallel size {n}")
+    if kv_heads >= n and kv_heads % n:
+        raise ValueError(f"kv_heads = {kv_heads} is not divisible by the sequence-parallel size {n}")
+    if kv_heads < n and n % kv_heads:
+        raise ValueError(f"kv_heads = {kv_heads} < {n} ranks must divide {n} (each kv head replicated on "
+                         f"{n} / kv_heads ranks)")
+    return heads // n, max(kv_heads // n, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +124,6 @@ class ParallelDims:
             if size % self.tp:
                 return f"{name} = {size} is not divisible by tp = {self.tp}"
         if self.ulysses > 1:
-            from flashpar.overlap.ulysses import head_layout
-
             try:
                 head_layout(model.heads, model.kv_heads, self.ulysses)
             except ValueError as err:

@@ -22,10 +22,11 @@ Columns: measured step (forward + backward) and its parts, ``ideal = max(compute
 compute-only time over the mean); speedups over ``headtail`` and ``per_doc``; and the cost
 model's predictions of the step, the imbalance and the speedups beside them.  The prediction of a
 direction is ``max over ranks of max(compute, comm + compute on remote K/V)`` with that direction's
-calibrated attention rate; a step is forward + backward.  Where the ranks share fewer cores than
-there are ranks (4 ranks on this 2-core box), compute is played under processor sharing
-(``shared_finish``): a busy rank's speed depends on how many others are busy, which compresses the
-measured imbalance; the predicted imbalance column is the model's, per rank, without it.
+calibrated attention rate; a step is forward + backward (``flashpar.sim.bench_runs.cp_predict``).  Where
+the ranks share fewer cores than there are ranks (4 ranks on this 2-core box), compute is played under
+processor sharing (``flashpar.cost.shared_finish``): a busy rank's speed depends on how many others are
+busy, which compresses the measured imbalance; the predicted imbalance column is the model's, per rank,
+without it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import time
 
 from flashpar.cp import STRATEGIES
 from flashpar.cp.lengths import LENGTHS_HELP
+from flashpar.sim.bench_runs import cp_packs, cp_predict
 
 KINDS = ("overlapped", "compute", "comm")
 
@@ -60,14 +62,6 @@ def calibrate_costs(config: dict):
     shape = {"hidden": h * d, "heads": h, "kv_heads": hkv, "head_dim": d, "layers": 1,
              "dtype_bytes": torch.empty((), dtype=dtype).element_size(), "linear": False}
     return CostModel(**shape, hardware=fwd), CostModel(**shape, hardware=bwd)
-
-
-def _packs(config: dict) -> list[list[int]]:
-    """The benchmark's packs: ``--lengths`` divided by ``--scale``, cut into ``--tokens`` (sampled with seed 0)."""
-    from flashpar.cp.lengths import resolve_lengths
-
-    source = resolve_lengths(config["lengths"])
-    return source.packs(config["tokens"], config["packs"], seed=0, scale=config["scale"])
 
 
 def _measure(p, q, k, v, dout, rank, kind, group=None):
@@ -94,44 +88,6 @@ def _measure(p, q, k, v, dout, rank, kind, group=None):
     return t_fwd, t_bwd, counter.fwd_sent
 
 
-def shared_finish(work: list[float], cores: float) -> list[float]:
-    """Finish times of ranks with compute ``work`` (seconds at the calibrated rate, which is measured
-    with every rank busy) when the N ranks share ``cores`` cores: processor sharing, each busy rank
-    running at ``min(1, cores / busy)`` of a core.  With a core per rank it returns ``work``."""
-    n = len(work)
-    if cores >= n:
-        return list(work)
-    left = {r: w * cores / n for r, w in enumerate(work)}  # seconds on a whole core
-    finish, now = [0.0] * n, 0.0
-    while left:
-        share = min(1.0, cores / len(left))
-        first = min(left, key=left.get)
-        dt = left[first] / share
-        now += dt
-        for r in list(left):
-            left[r] -= dt * share
-            if left[r] <= 1e-15:
-                finish[r] = now
-                del left[r]
-    return finish
-
-
-def predict(p, fwd_cost, bwd_cost, cores: float) -> dict:
-    """The cost model's step (forward + backward, slowest rank each) and compute imbalance of plan ``p``
-    on this box: per rank ``max(compute, comm + compute on remote K/V)``, with compute played on
-    ``cores`` shared cores (``shared_finish``; remote compute stretched alike)."""
-    from flashpar.cp.cp_plan import rank_figures
-
-    step, compute = 0.0, [0.0] * p.cp_size
-    for cost in (fwd_cost, bwd_cost):
-        fig = rank_figures(p.segments, p.doc_lens, p.doc_starts, cost, p.comm)
-        done = shared_finish(fig.compute, cores)
-        stretch = [d / c if c > 0 else 1.0 for d, c in zip(done, fig.compute, strict=True)]
-        step += max(max(d, m + x * s) for d, m, x, s in zip(done, fig.comm, fig.remote, stretch, strict=True))
-        compute = [a + b for a, b in zip(compute, fig.compute, strict=True)]
-    return {"step": step, "compute": max(compute), "imbalance": max(compute) / (sum(compute) / len(compute))}
-
-
 def worker(config: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -145,7 +101,7 @@ def worker(config: dict) -> None:
     dtype = getattr(torch, config["dtype"])
     fwd_cost, bwd_cost = calibrate_costs(config)
     strategies = config["strategies"]
-    packs = _packs(config)
+    packs = cp_packs(config)
     h, hkv, d = config["heads"], config["kv_heads"], config["head_dim"]
     samples: dict[tuple, list] = {}
     plans = {}
@@ -191,7 +147,7 @@ def worker(config: dict) -> None:
                     row[kind] += med[kind]
                 sent = sum(gathered[r][(i, s, "overlapped")][0][2] for r in range(n))  # first round, all ranks
                 row["per_pack"].append({**med, **detail, "bytes": sent})
-                pred = predict(plans[i][s], fwd_cost, bwd_cost, config["cores"])
+                pred = cp_predict(plans[i][s], fwd_cost, bwd_cost, config["cores"])
                 row["pred_step"] += pred["step"]
                 row["pred_compute"] += pred["compute"]
                 pred_imb.append(pred["imbalance"])
@@ -279,7 +235,7 @@ def check_arguments(nproc: int, config: dict) -> str | None:
     if config["heads"] % config["kv_heads"]:
         return f"--heads {config['heads']} is not a multiple of --kv-heads {config['kv_heads']}"
     try:
-        packs = _packs(config)
+        packs = cp_packs(config)
     except (OSError, ValueError) as err:
         return f"--lengths: {err}"
     if not packs:

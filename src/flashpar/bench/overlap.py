@@ -1,6 +1,6 @@
 """``flashpar bench overlap``: every mode of every overlapped op side by side, in one run, on the same shapes.
 
-Ops (``--ops``, see :mod:`flashpar.bench.overlap_ops`): the tensor+sequence-parallel pair
+Ops (``--ops``, see :mod:`flashpar.sim.bench_runs`): the tensor+sequence-parallel pair
 (``ag``, ``rs``), the sharded data-parallel linear (``fsdp``) and the Ulysses pair (``qkv``, ``out``).
 
 The parent process starts N gloo ranks (each in its own network namespace behind
@@ -39,7 +39,7 @@ import sys
 import time
 from dataclasses import replace
 
-from flashpar.bench.overlap_ops import OP_KEYS, BenchShape, make_call, modes_for, with_free
+from flashpar.sim.bench_runs import OP_KEYS, BenchShape, modes_for, with_free
 
 VARIANTS = (("none", None), ("slice", 4), ("ring", 1), ("flash", 1), ("flash", 4), ("auto", None))
 DEFAULT_RATIO = {2: 0.4, 3: 0.5, 4: 0.6}
@@ -49,10 +49,36 @@ DEFAULT_RATIO = {2: 0.4, 3: 0.5, 4: 0.6}
 # worker (one per rank)
 
 
+def make_call(shape: BenchShape, n: int, dtype):
+    """``(fn, x, weight, grad_y)`` for one rank: ``fn(x, weight, **kw)`` is the op (its inputs:
+    ``flashpar.sim.bench_runs``' table of the ops)."""
+    import torch
+
+    from flashpar.overlap import (
+        all_gather_matmul,
+        all_to_all_matmul,
+        matmul_all_to_all,
+        matmul_reduce_scatter,
+        sharded_linear,
+    )
+
+    s, w, f = shape.seq_local, shape.width, shape.free
+    x_shape, w_shape, y_shape, fn = {
+        "ag": ((s, w), (f, w), (s * n, f), all_gather_matmul),
+        "rs": ((s * n, f), (w, f), (s, w), matmul_reduce_scatter),
+        "fsdp": ((s, w), (max(w // n, 1), w), (s, max(w // n, 1) * n), sharded_linear),
+        "qkv": ((s, f), (n * w, f), (s * n, w), matmul_all_to_all),
+        "out": ((s * n, w), (f, n * w), (s, f), all_to_all_matmul),
+    }[shape.op]
+    x = torch.randn(*x_shape, dtype=dtype, requires_grad=True)
+    weight = torch.randn(*w_shape, dtype=dtype, requires_grad=True)
+    return fn, x, weight, torch.randn(*y_shape, dtype=dtype)
+
+
 def _size_shapes(n: int, ratio: float, seq_local: int, width: int, ops: list[str], dtype) -> list[BenchShape]:
     """Shapes whose forward communication / compute is about ``ratio`` (and 1.5 for comm-heavy).
 
-    The communicated block fixes the communication; the free dim (see :mod:`flashpar.bench.overlap_ops`)
+    The communicated block fixes the communication; the free dim (see :mod:`flashpar.sim.bench_runs`)
     sets the compute and nothing else.  Both are measured on a probe shape with the flash schedule,
     forward only (communication-only and compute-only, slowest rank), and the free dim is scaled so
     that compute = communication / ratio.

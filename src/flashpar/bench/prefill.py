@@ -40,7 +40,7 @@ LOGITS_RTOL = 1e-4  # fp32 on every path, sums in another order only
 
 def model_config(config: dict):
     """bench train's Llama (untied), with positions for the batch and its decode steps."""
-    from flashpar.bench.train import model_config as bench_model
+    from flashpar.sim.bench_runs import model_config as bench_model
 
     return bench_model(config, max_positions=max(2048, config["tokens"] + config["decode_steps"] + 1))
 

@@ -23,7 +23,7 @@ may see and how the kernel visits them.  ``gather_cp`` is the identity without c
 autograd-aware functional all-gather over the cp group with it.  The head count is read from the
 projection's output (``view(.., -1, head_dim)``), so the block runs on a tensor-parallel rank's heads
 unchanged.  The rope tables are computed once per step, as torchtitan's precomputed ``freqs_cis``, in
-float64 and cast to the activations' dtype (``flashpar.overlap.ulysses.rotary_tables``, the model's).
+float64 and cast to the activations' dtype (``flashpar.models.rope.rotary_tables``, the model's).
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ from torch import nn
 
 from flashpar.bench.torch_attention import DocLayout, attend
 from flashpar.models.config import LlamaConfig
-from flashpar.models.rope import inverse_frequencies
-from flashpar.overlap.ulysses import rotary_tables
+from flashpar.models.rope import inverse_frequencies, rotary_tables
 
 
 def rope_tables(positions: torch.Tensor, cfg: LlamaConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

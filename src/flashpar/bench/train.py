@@ -59,6 +59,7 @@ import time
 import warnings
 
 from flashpar.peak_memory import peak_memory, reset_peak_memory
+from flashpar.sim.bench_runs import model_config, packed_docs, torch_cp
 
 CONFIGS = ("flashpar", "baseline", "torch", "torch_compile", "torch_dense")
 DEFAULT_CONFIGS = ("flashpar", "baseline", "torch")
@@ -70,15 +71,6 @@ LOSS_RTOL = 1e-4  # fp32 on every path; the sums differ in order only (observed 
 
 # ----------------------------------------------------------------------------------------------
 # the setup shared by the parent (validation) and the ranks
-
-
-def model_config(config: dict, **extra):
-    """The benchmark's Llama from ``add_model_arguments``' sizes (``extra``: other ``LlamaConfig`` fields)."""
-    from flashpar.models import LlamaConfig
-
-    # untied: torchtitan's Llama, and torch's TP plans cannot shard one tensor as both embedding and head
-    return LlamaConfig(hidden=config["hidden"], layers=config["layers"], heads=config["heads"],
-                       kv_heads=config["kv_heads"], ffn=config["ffn"], tie_embeddings=False, **extra)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,22 +106,6 @@ def dims(config: dict):
 
 def world_size(config: dict) -> int:
     return dims(config).world_size
-
-
-def torch_cp(config: dict) -> int:
-    """The torch peer's context-parallel size: cp x ulysses (torch has no Ulysses; the same ranks split the
-    sequence)."""
-    return config["cp"] * config["ulysses"]
-
-
-def packed_docs(config: dict) -> list[list[int]]:
-    """The ``dp`` sequences' document lengths: ``--lengths`` / ``--scale`` packed in units of ``2 torch_cp``."""
-    from flashpar.cp.lengths import resolve_lengths
-
-    unit = 2 * torch_cp(config)
-    source = resolve_lengths(config["lengths"])
-    packs = source.packs(config["seq_len"] // unit, config["dp"], seed=config["seed"], scale=config["scale"] * unit)
-    return [[n * unit for n in p] for p in packs]
 
 
 def sequences(config: dict):
@@ -188,7 +164,8 @@ class Runner:
             self._step = lambda: torch_parallel.train_step(self.model, self.opt, batch, count, tp)
             return
         from flashpar import cp
-        from flashpar.train.planning import planner_cost, planning_device, resolve_options
+        from flashpar.links import planning_device
+        from flashpar.train.planning import planner_cost, resolve_options
         from flashpar.train.step import build, train_step
 
         tc = train_config(config, name)
@@ -342,7 +319,7 @@ def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank
     import dataclasses
 
     from flashpar.cost import store as cost_store
-    from flashpar.train.planning import core_burst, host_cores
+    from flashpar.links import core_burst, host_cores
 
     names, n = config["configs"], len(gathered)
     flops = step_flops(config, seqs)

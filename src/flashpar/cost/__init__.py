@@ -10,6 +10,7 @@ trainer's MFU and the benchmarks.
   PAT), which :meth:`Hardware.collective` uses on the GPU presets.
 * :mod:`~flashpar.cost.groups`: the figures of one group of ranks (its link: NVLink on one node, the network
   port across nodes), asked by the simulator and the runtime alike.
+* :mod:`~flashpar.cost.cores`: ranks sharing a host's cores (:func:`shared_burst`, :func:`shared_finish`).
 * :mod:`~flashpar.cost.store`: the calibration file and :func:`load`, which ``mode="auto"`` asks.
 * :mod:`~flashpar.cost.calibrate`: measures a :class:`Hardware` on the running group (imports
   torch; the rest of this package is plain Python and imports neither torch nor
@@ -19,10 +20,12 @@ The model's shape (layer sizes, dtype) is the CP planner's :class:`flashpar.cp.C
 holds a :class:`Hardware` for its device figures.
 """
 
+from flashpar.cost.cores import shared_burst, shared_finish
 from flashpar.cost.groups import group_hardware, nodes_spanned
 from flashpar.cost.hardware import Hardware
 from flashpar.cost.presets import ALIASES, PRESETS, gpu_preset, preset, preset_name
 from flashpar.cost.store import default_path, device_preset, load, parse, save, use
 
 __all__ = ["ALIASES", "PRESETS", "Hardware", "default_path", "device_preset", "gpu_preset",
-           "group_hardware", "load", "nodes_spanned", "parse", "preset", "preset_name", "save", "use"]
+           "group_hardware", "load", "nodes_spanned", "parse", "preset", "preset_name", "save", "shared_burst",
+           "shared_finish", "use"]

@@ -55,18 +55,6 @@ _LEGACY = {"flops": "flops", "bandwidth": "link_bytes_per_s", "attn_peak": "attn
 """Device keys of the flat ``to_dict`` before the device moved into ``hardware`` -> Hardware field."""
 
 
-def shared_burst(processes: int, threads: int, cores: int, group: int = 1) -> float:
-    """``CostModel.burst`` of ``processes`` processes of ``threads`` threads on one host of ``cores`` cores, in
-    ranks of ``group`` processes each (a cp rank: its tp x ulysses processes compute together): a rank gets
-    ``cores / ranks`` cores with every rank busy and ``min(group threads, cores)`` alone; 1 where every
-    thread has a core."""
-    for name, v in (("processes", processes), ("threads", threads), ("cores", cores), ("group", group)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"shared_burst: {name} must be an integer >= 1, got {v!r}")
-    ranks = max(processes / group, 1.0)
-    return max(1.0, ranks * min(group * threads, cores) / cores)
-
-
 @dataclass(frozen=True)
 class CostModel:
     """A model's layer shape on a device: ``hardware`` is a :class:`flashpar.cost.Hardware` or a preset's
@@ -74,8 +62,9 @@ class CostModel:
 
     ``burst``: how many times faster one rank computes while the ranks it shares cores with wait (1: each
     rank has its own device).  A host running ``L`` ranks of ``t`` threads on ``C`` cores, ``L t > C``, gives a
-    busy rank ``C / L`` cores and a rank alone ``min(t, C)``: ``burst = L min(t, C) / C`` (:func:`shared_burst`;
-    a cp rank of ``g`` processes, tp x ulysses, counts as one rank of ``g t`` threads).  The device's figures
+    busy rank ``C / L`` cores and a rank alone ``min(t, C)``: ``burst = L min(t, C) / C``
+    (``flashpar.cost.shared_burst``; a cp rank of ``g`` processes, tp x ulysses, counts as one rank of ``g t``
+    threads).  The device's figures
     are then one rank's with every rank busy; with ``k`` of the ``N`` ranks still busy each computes
     ``min(burst, N / k)`` times as fast (the cores shared fairly, none idle while a rank has work), so the ranks'
     computes end as ranks leave the cores to the others (``compute_span``), not at the slowest rank's time at
@@ -248,3 +237,11 @@ class CostModel:
         legacy = {_LEGACY[k]: d.pop(k) for k in list(d) if k in _LEGACY}
         hardware = Hardware(**hw) if hw is not None else dataclasses.replace(preset(DEFAULT_HARDWARE), **legacy)
         return cls(**d, hardware=hardware)
+
+
+def cost_model_of(cfg, dtype_bytes: int, hardware: Hardware | str = DEFAULT_HARDWARE, burst: float = 1.0) -> CostModel:
+    """The cost model of a model config ``cfg`` (``flashpar.models.LlamaConfig``, or any object with ``hidden``,
+    ``ffn``, ``heads``, ``kv_heads``, ``head_dim`` and ``layers``): its layer shape, all its layers, activations
+    of ``dtype_bytes``, on ``hardware`` with ``burst`` (per forward pass; ``per_step`` for a training step)."""
+    return CostModel(hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                     layers=cfg.layers, dtype_bytes=dtype_bytes, hardware=hardware, burst=burst)

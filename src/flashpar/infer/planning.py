@@ -4,7 +4,7 @@ pass alone.
 A training step weighs attention ``(1 + BWD_ATTN_TIME) / 3`` times what its forward says against the linears
 (``CostModel.per_step``); a prefill runs the forward only, so its plans use the cost model as it is: the
 per-forward times of ``flashpar.cp.cost``.  The device's figures are rank 0's on every rank
-(``flashpar.train.planning.planning_device``: a collective call), so every rank makes the same plan.
+(``flashpar.links.planning_device``: a collective call), so every rank makes the same plan.
 """
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ from __future__ import annotations
 import torch
 
 from flashpar.cp import CostModel
+from flashpar.cp.cost import cost_model_of
+from flashpar.links import planning_device
 from flashpar.models import LlamaConfig
 
 
 def forward_cost(cfg: LlamaConfig, dtype: torch.dtype, device_type: str, tp: int = 1) -> CostModel:
     """The forward-only cost model of ``cfg`` with activations of ``dtype`` on ``device_type`` (``tp``: the
     processes of one cp rank, for ranks that share a CPU's cores)."""
-    from flashpar.train.planning import planning_device
-
     hardware, burst = planning_device(device_type, group=tp)
-    return CostModel(hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                     layers=cfg.layers, dtype_bytes=torch.finfo(dtype).bits // 8, hardware=hardware, burst=burst)
+    return cost_model_of(cfg, torch.finfo(dtype).bits // 8, hardware, burst)

@@ -12,7 +12,7 @@ RoPE (Llama's half-split form; ``x = [x1 | x2]`` along the head dimension, ``c =
     y1 = x1 c - x2 s          dx1 =  dy1 c + dy2 s
     y2 = x2 c + x1 s          dx2 = -dy1 s + dy2 c
 
-The tables are made once per step (``rope_tables``: ``flashpar.overlap.ulysses.rotary_tables``, the ones
+The tables are made once per step (``rope_tables``: ``flashpar.models.rope.rotary_tables``, the ones
 ``rotate`` uses, in float64, then cast to the compute dtype) and shared by every layer.  ``rope_qkv``
 takes the q/k/v GEMM's output ``[T, (H + 2 H_kv) D]`` and returns ``q [T, H, D]`` and ``k [T, H_kv, D]``
 rotated and ``v`` as a copy; its backward writes ``dq``, ``dk`` (rotated back) and ``dv`` straight into
@@ -35,8 +35,7 @@ from __future__ import annotations
 import torch
 
 from flashpar.models.config import LlamaConfig
-from flashpar.models.rope import inverse_frequencies
-from flashpar.overlap.ulysses import rotary_tables
+from flashpar.models.rope import inverse_frequencies, rotary_tables
 
 
 def rope_tables(positions: torch.Tensor, cfg: LlamaConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

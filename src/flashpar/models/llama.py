@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpar.models.config import LlamaConfig
-from flashpar.models.rope import inverse_frequencies
-from flashpar.overlap.ulysses import rotate
+from flashpar.models.rope import inverse_frequencies, rotate
 
 IGNORE = -100
 
@@ -35,7 +34,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cfg: LlamaConfig) -> torch.Te
     """Rotary embedding of ``x [T, heads, D]`` at ``positions [T]`` with ``cfg``'s frequencies
     (``flashpar.models.rope``: plain or llama3-rescaled)."""
     inv_freq = inverse_frequencies(cfg, x.device)
-    return rotate(x.transpose(0, 1), positions, inv_freq=inv_freq).transpose(0, 1)
+    return rotate(x.transpose(0, 1), positions, inv_freq).transpose(0, 1)
 
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor, count: float | None = None) -> torch.Tensor:

@@ -85,7 +85,7 @@ from torch import nn
 
 from flashpar import cp
 from flashpar.cp.layout import to_device
-from flashpar.dims import DIMS, ParallelDims
+from flashpar.dims import DIMS, ParallelDims, head_layout
 from flashpar.dist import all_gather_cat
 from flashpar.mesh import model_groups
 from flashpar.models.config import LlamaConfig
@@ -102,7 +102,6 @@ from flashpar.models.zero_units import block_schedules, build_prefetcher
 from flashpar.options import ParallelOptions
 from flashpar.overlap.a2a import all_to_all_matmul, matmul_all_to_all
 from flashpar.overlap.ops import all_gather_matmul
-from flashpar.overlap.ulysses import head_layout
 from flashpar.rows import row_sizes
 
 MESH_DIMS = DIMS  # the mesh's dims, outermost first (a mesh without "ulysses": U = 1; flashpar.dims)

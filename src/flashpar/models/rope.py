@@ -1,5 +1,6 @@
-"""The rotary frequencies of a ``LlamaConfig``: ONE place, read by ``Llama``, ``ParallelLlama`` and the
-torch baseline of ``flashpar bench train`` (the rotation itself: ``flashpar.overlap.ulysses.rotate``).
+"""Rotary embeddings: the frequencies of a ``LlamaConfig``, their cos / sin tables and the rotation, ONE place,
+read by ``Llama``, by ``ParallelLlama`` and inference's decode through ``flashpar.models.fused`` (the tables
+once per step, the rotation as one autograd node), and by the torch baseline of ``flashpar bench train``.
 
 Plain rope (``rope_type: "default"``), head dim ``D``, base ``theta``::
 
@@ -13,7 +14,11 @@ factors ``a < b``, original context ``L``) stretches the long wavelengths ``w_i 
     w_i > L / a:          f'_i = f_i / s                              (low frequencies: s times slower)
     otherwise:            f'_i = (1 - m) f_i / s + m f_i,   m = (L / w_i - a) / (b - a)   (m runs 0 -> 1)
 
-The frequencies are computed in float64 (the rotation casts cos / sin to the activations' dtype).
+The frequencies and angles are computed in float64; the tables are cast to the activations' dtype
+(``rotary_tables``).  The rotation is Llama's half-split form: ``x = [x1 | x2]`` along the head dimension,
+``c = cos(p f)``, ``s = sin(p f)``::
+
+    rotate(x) = [x1 c - x2 s | x2 c + x1 s] = x [c | c] + [-x2 | x1] [s | s]
 """
 
 from __future__ import annotations
@@ -23,7 +28,12 @@ import math
 import torch
 
 from flashpar.models.config import LlamaConfig, RopeScaling
-from flashpar.overlap.ulysses import default_frequencies
+
+
+def default_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """Plain rope's frequencies ``f_i = theta^(-2i / D)``, ``i < D / 2`` (float64); a model's, with its
+    rope scaling: ``inverse_frequencies``."""
+    return theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
 
 
 def llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
@@ -40,3 +50,25 @@ def inverse_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
     """The rotary frequencies ``[head_dim / 2]`` (float64) of ``cfg``: plain, or llama3-rescaled."""
     inv_freq = default_frequencies(cfg.head_dim, cfg.rope_theta, device)
     return inv_freq if cfg.rope_scaling is None else llama3_frequencies(inv_freq, cfg.rope_scaling)
+
+
+def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of the angles ``positions [S] x inv_freq [D/2]`` (``[S, D/2]``), computed in float64 and
+    returned in ``dtype``."""
+    angles = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (the module docstring's half-split form) of ``x [..., S, D]`` at ``positions [S]`` with
+    the frequencies ``inv_freq [D/2]`` (``inverse_frequencies``): ``x cos(p f) + rotate_half(x) sin(p f)``."""
+    d = x.shape[-1]
+    if d % 2:
+        raise ValueError(f"rotary embeddings need an even head_dim, got {d}")
+    if inv_freq.shape != (d // 2,):
+        raise ValueError(f"rotate: inv_freq has shape {tuple(inv_freq.shape)}, expected ({d // 2},)")
+    cos, sin = rotary_tables(positions, inv_freq, x.dtype)  # inv_freq on x's device
+    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+    half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
+    return x * cos + half * sin

@@ -10,7 +10,6 @@ _HOME = {
     "ColumnParallelLinear": "modules",
     "RowParallelLinear": "modules",
     "ShardedLinear": "sharded_modules",
-    "UlyssesAttention": "ulysses",
     "all_gather_matmul": "ops",
     "all_to_all_matmul": "a2a",
     "average_replicated_grads": "sharded_modules",

@@ -2,14 +2,14 @@
 the file's calibration alone.
 
 The report holds the calibrated cost models (``fwd_cost``, ``bwd_cost``: ``CostModel.to_dict()``), the
-benchmark's ``config`` (lengths, tokens, scale, pack count, cores; the packs are sampled with seed 0, as
-``bench/cp.py: _packs`` does) and, per strategy, the measured medians.  The packs are rebuilt from the
-config and every strategy re-planned with the forward cost model, exactly as the ranks did (the planner
-is deterministic; the rebuilt packs must have the report's document counts, else the check falls back to
-the report's own ``pred_*`` figures and says so in every row's ``why``).  Per plan, per direction, the
-cost model gives each rank's compute and communication (``rank_figures``), played on the cores the ranks
-shared (``bench/cp.py: predict`` and ``shared_finish``).  Compared, as the README's bench cp table
-claims them:
+benchmark's ``config`` (lengths, tokens, scale, pack count, cores; the packs are sampled with seed 0 by
+``flashpar.sim.bench_runs.cp_packs``, as the benchmark's ranks did) and, per strategy, the measured medians.
+The packs are rebuilt from the config and every strategy re-planned with the forward cost model, exactly as
+the ranks did (the planner is deterministic; the rebuilt packs must have the report's document counts, else
+the check falls back to the report's own ``pred_*`` figures and says so in every row's ``why``).  Per plan,
+per direction, the cost model gives each rank's compute and communication (``rank_figures``), played on the
+cores the ranks shared (``flashpar.sim.bench_runs.cp_predict`` and ``flashpar.cost.shared_finish``, as the
+benchmark predicts).  Compared, as the README's bench cp table claims them:
 
     x headtail, x per_doc   baseline step / strategy step, steps summed over the packs
                             (measured: the overlapped forward + backward, median of the slowest rank)
@@ -75,15 +75,15 @@ def _ranks_off(pred: dict, row: dict) -> str:
 
 def _replan(report: dict):
     """``{strategy: [plan per pack]}`` rebuilt from the report, or ``(None, reason)`` when it cannot be."""
-    from flashpar.bench.cp import _packs
     from flashpar.cp import CostModel, plan
+    from flashpar.sim.bench_runs import cp_packs
 
     config = report.get("config", {})
     missing = [k for k in ("lengths", "tokens", "scale", "packs", "cores") if k not in config]
     if missing:
         return None, f"the report's config lacks {missing}: stored predictions used"
     try:
-        packs = _packs(config)
+        packs = cp_packs(config)
     except (OSError, ValueError) as err:
         return None, f"packs not rebuilt ({err}): stored predictions used"
     if [len(p) for p in packs] != list(report["packs"]):
@@ -96,9 +96,10 @@ def _replan(report: dict):
 def predictions(report: dict) -> tuple[dict, str]:
     """``{strategy: {"step", "imbalance", "bytes"}}`` from the file's calibration, and a note (``""`` when the
     packs were re-planned; else why the stored ``pred_*`` figures stand in, bytes then unknown)."""
-    from flashpar.bench.cp import predict, shared_finish
+    from flashpar.cost import shared_finish
     from flashpar.cp import CostModel
     from flashpar.cp.cp_plan import rank_figures
+    from flashpar.sim.bench_runs import cp_predict
 
     plans, note = _replan(report)
     if plans is None:
@@ -110,7 +111,7 @@ def predictions(report: dict) -> tuple[dict, str]:
     for s, ps in plans.items():
         step, imb, sent, compute, comm, ranks = 0.0, [], 0, 0.0, 0.0, []
         for p in ps:
-            step += predict(p, fwd, bwd, cores)["step"]
+            step += cp_predict(p, fwd, bwd, cores)["step"]
             per_rank, per_rank_comm = [0.0] * p.cp_size, [0.0] * p.cp_size
             for cost in (fwd, bwd):  # what a rank measures in the compute-only run: its finish time, shared cores
                 fig = rank_figures(p.segments, p.doc_lens, p.doc_starts, cost, p.comm)

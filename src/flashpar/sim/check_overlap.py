@@ -41,7 +41,7 @@ def check(report) -> list[dict]:
 
 
 def _check_one(report: dict) -> list[dict]:
-    from flashpar.bench.overlap_ops import BenchShape
+    from flashpar.sim.bench_runs import BenchShape
 
     n = int(report["world_size"])
     hw = Hardware(**report["hardware"])

@@ -2,7 +2,7 @@
 the calibration in the file, the tokens/s ratios compared.
 
 The bench's own run, rebuilt from ``report["setup"]``: its model (untied, the byte vocabulary), its mesh, its
-packed documents (``flashpar.bench.train.packed_docs``: the same lengths, scale and seed), fp32, on a one-node
+packed documents (``flashpar.sim.bench_runs.packed_docs``: the same lengths, scale and seed), fp32, on a one-node
 "cluster" whose every group rides the one emulated link of the calibration (``setup.hardware``: GEMM rate,
 the executor's overheads, link bandwidth and latency, memory; ``attn_fwd`` / ``attn_bwd``: the CPU flash
 kernel's curves).  What the bench runs that a GPU cluster would not, the simulator is told:
@@ -48,8 +48,8 @@ def peer_of(name: str):
 
 def workload(report: dict, name: str):
     """The bench's run of configuration ``name`` as a :class:`flashpar.sim.workload.Workload`."""
-    from flashpar.bench.train import model_config, packed_docs
     from flashpar.cost import Hardware
+    from flashpar.sim.bench_runs import model_config, packed_docs
     from flashpar.sim.topology import Cluster, Layout
     from flashpar.sim.workload import Workload
 
@@ -100,7 +100,7 @@ def plan_hardware(setup: dict):
 
 def plan_burst(setup: dict) -> float:
     """``CostModel.burst`` the report's trainer planned with: ``setup.plan_burst``
-    (``flashpar.train.planning.core_burst``), else 1 (a report without it: planned as if each rank had its own
+    (``flashpar.links.core_burst``), else 1 (a report without it: planned as if each rank had its own
     device)."""
     from flashpar import cp
 
@@ -113,9 +113,9 @@ def plan_burst(setup: dict) -> float:
 
 def run_burst(setup: dict, group: int) -> float:
     """``CostModel.burst`` of the run itself, its cp ranks of ``group`` processes sharing the box's cores
-    (``flashpar.cp.cost.shared_burst`` of ``world_size`` processes of ``threads`` threads on ``cores``: every rank
+    (``flashpar.cost.shared_burst`` of ``world_size`` processes of ``threads`` threads on ``cores``: every rank
     of ``flashpar bench train`` runs on the one host); 1 for a report that does not say its cores."""
-    from flashpar.cp.cost import shared_burst
+    from flashpar.cost import shared_burst
 
     if setup.get("cores") is None:
         return 1.0

@@ -35,6 +35,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from flashpar.dims import head_layout
 from flashpar.sim.report import table, write_json
 
 A2A_OPS = ("matmul_a2a", "a2a_matmul")
@@ -108,15 +109,13 @@ def block_linears(args) -> list[Linear]:
 
 
 def heads_per_rank(heads: int, kv_heads: int, n: int) -> tuple[int, int]:
-    """(query heads, kv heads) per rank of ``n``: the rule of ``flashpar.overlap.ulysses.head_layout`` (which
-    imports torch; this module does not): ``H / n`` and ``max(H_kv / n, 1)``, fewer kv heads replicated."""
-    if heads % kv_heads:
-        raise ValueError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
-    if heads % n:
-        raise ValueError(f"--heads {heads} is not divisible by the {n} ranks that split the heads")
-    if (kv_heads >= n and kv_heads % n) or (kv_heads < n and n % kv_heads):
-        raise ValueError(f"--kv-heads {kv_heads} and the {n} ranks that split the heads: one must divide the other")
-    return heads // n, max(kv_heads // n, 1)
+    """(query heads, kv heads) per rank of ``n``: ``H / n`` and ``max(H_kv / n, 1)``, fewer kv heads replicated
+    (the rule of ``flashpar.dims.head_layout``; its error names this command's flags)."""
+    try:
+        return head_layout(heads, kv_heads, n)
+    except ValueError as err:
+        raise ValueError(f"--heads {heads}, --kv-heads {kv_heads} over the {n} ranks that split the heads: {err}") \
+            from None
 
 
 def _single_op(args, tokens: int) -> Linear:

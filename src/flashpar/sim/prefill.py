@@ -53,12 +53,11 @@ def model(name: str) -> LlamaConfig:
 def node_cost(cfg: LlamaConfig, hardware: str, tp: int):
     """The forward-only cost model of one cp rank: ``tp`` GPUs of ``hardware`` computing as one device."""
     from flashpar.cost import preset
-    from flashpar.cp import CostModel
+    from flashpar.cp.cost import cost_model_of
 
     hw = preset(hardware)
     node = dataclasses.replace(hw, flops=hw.flops * tp, link_bytes_per_s=hw.link_bytes_per_s * tp)
-    return CostModel(hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                     layers=cfg.layers, dtype_bytes=2, hardware=node)
+    return cost_model_of(cfg, 2, node)
 
 
 def tp_seconds(cfg: LlamaConfig, tokens_per_rank: int, tp: int) -> float:

@@ -8,7 +8,7 @@ their cp group is cp x U ranks)::
     cp_size = cp (x U for torch)        T_cp = batch seq / cp_size   rows of a cp rank (the plan's, on average)
     u       = U (1 for torch)           T_u  = T_cp / u              rows of a ulysses rank = the rows a tp op
                                                                      gathers
-    heads   = H / tp or H / U           kv_heads = H_kv / tp or max(H_kv / U, 1)   (flashpar.overlap.ulysses)
+    heads   = H / tp or H / U           kv_heads = H_kv / tp or max(H_kv / U, 1)   (flashpar.dims.head_layout)
 
 What the run recomputes in backward: nothing; every block's forward (``checkpoint_activations``, full activation
 checkpointing); or what torchtitan's per-op selective checkpointing recomputes (``selective``,
@@ -84,7 +84,7 @@ class Workload:
 
     def sizes(self, peer: Peer) -> dict:
         """The per-rank sizes of ``peer`` on this layout (the module docstring's table)."""
-        from flashpar.overlap.ulysses import head_layout
+        from flashpar.dims import head_layout
 
         L, cfg = self.layout, self.cfg
         u = L.ulysses if peer.ulysses else 1

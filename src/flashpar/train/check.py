@@ -27,11 +27,12 @@ import torch.distributed as dist
 
 from flashpar import cp
 from flashpar.dims import ParallelDims
+from flashpar.links import planning_device
 from flashpar.models import Llama, LlamaConfig, load_hf, next_token_loss
 from flashpar.models.layout import LAYOUT, label_of
 from flashpar.models.parallel import ParallelLlama
 from flashpar.options import ParallelOptions
-from flashpar.train.planning import group_figures, planner_cost, planning_device
+from flashpar.train.planning import group_figures, planner_cost
 from flashpar.train.step import MicroBatch, gradients
 
 TOL = 1e-4  # fp32: the mesh only reorders sums (~1e-6 relative); one misplaced shard is O(1)

@@ -46,7 +46,7 @@ import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -56,9 +56,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from flashpar.models import LlamaConfig
 from flashpar.train import atomic, handoff
 from flashpar.train.stop import JobStop
-
-if TYPE_CHECKING:  # (the config's ready() reads checkpoints: the arrow runs from config to here)
-    from flashpar.train.config import TrainConfig
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # what a checkpoint without these keys was made with
@@ -73,6 +70,21 @@ class BrokenCheckpoint(ValueError):
     """A checkpoint folder that must not be read: one line naming the folder and the file."""
 
 
+class RunConfig(Protocol):
+    """What a checkpoint reads of its run's ``flashpar.train.config.TrainConfig``: the mesh, the micro-batches and
+    what must not change across a resume (``kept``); ``save`` hands it on to ``handoff.sources`` (the files
+    ``flashpar export`` puts beside the weights).  The config checks a resume against its checkpoint: the import
+    runs from the config to here."""
+
+    dp: int
+    cp: int
+    ulysses: int
+    tp: int
+    micro_batches: int
+
+    def kept(self) -> dict: ...
+
+
 def sequences_after(start: int, steps: int, dp: int, micro_batches: int) -> int:
     """The global sequences consumed once ``steps`` steps of ``micro_batches`` sequences per dp rank (``dp``
     ranks) have run from global sequence ``start``: dp rank ``d``'s micro-batch ``m`` of step ``s`` (0-based,
@@ -83,7 +95,7 @@ def sequences_after(start: int, steps: int, dp: int, micro_batches: int) -> int:
 # ---- saving ----------------------------------------------------------------------------------------------------
 
 
-def save(path: Path, model, opt, step: int, config: TrainConfig, sequences: int | None = None, *,
+def save(path: Path, model, opt, step: int, config: RunConfig, sequences: int | None = None, *,
          keep: int = 0) -> None:
     """Write step ``step`` to ``path`` atomically (collective: every rank calls it; see the module docstring);
     ``sequences``: the global sequences consumed (default: a run from sequence 0 with this config's dp and
@@ -292,7 +304,7 @@ def latest(path: Path, say: Callable[[str], None] | None = _say) -> Path:
                            f"{reasons[0]})")
 
 
-def read_meta(path: Path, config: TrainConfig) -> dict:
+def read_meta(path: Path, config: RunConfig) -> dict:
     """The checkpoint's meta data; ``ValueError`` if the run would not continue the same training."""
     path = Path(path)
     where = (path if _is_checkpoint(path) else latest(path)) / "meta.json"

@@ -43,13 +43,14 @@ import torch.distributed as dist
 
 from flashpar import cp
 from flashpar.cost.calibrate import peak_flops
+from flashpar.links import planning_device
 from flashpar.train import checkpoint, where
 from flashpar.train.config import TrainConfig
 from flashpar.train.data import PlannedSequences, make_loader, training_data
 from flashpar.train.evaluate import at_step, held_out
 from flashpar.train.metrics import StepMetrics, largest, peak_since, reset_peak, summary
 from flashpar.train.nonfinite import NonFiniteGuard, StepTotals, checked_step
-from flashpar.train.planning import group_figures, planner_cost, planning_device, resolve_options
+from flashpar.train.planning import group_figures, planner_cost, resolve_options
 from flashpar.train.schedule import lr_at
 from flashpar.train.step import MicroBatch, build
 from flashpar.train.stop import JobStop

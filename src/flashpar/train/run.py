@@ -59,11 +59,12 @@ def _check(config: TrainConfig):
     import torch
     import torch.distributed as dist
 
+    from flashpar.links import planning_device
     from flashpar.models.precision import CHECK_TOL
     from flashpar.train.check import CHECK_CLIP_RATIO, by_group, one_step
     from flashpar.train.data import training_data
     from flashpar.train.loop import setup
-    from flashpar.train.planning import planning_device, resolve_options
+    from flashpar.train.planning import resolve_options
 
     device, mesh = setup(config)
     data = training_data(config)  # the byte corpus, or the tokens of --data / --tokenizer

@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import torch
 
+from flashpar.links import planning_device
 from flashpar.models import Llama
 from flashpar.models.grad_norm import clip_grads_
 from flashpar.models.parallel import ParallelLlama
@@ -41,7 +42,7 @@ from flashpar.options import ParallelOptions
 from flashpar.train import where
 from flashpar.train.config import TrainConfig
 from flashpar.train.optimizer import adamw, set_lr
-from flashpar.train.planning import planning_device, resolve_options
+from flashpar.train.planning import resolve_options
 
 
 class MicroBatch(NamedTuple):
