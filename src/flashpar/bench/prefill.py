@@ -86,7 +86,7 @@ class Runner:
         self.model = ParallelLlama(full.cfg, meshes["flashpar"], mode=config["mode"] if name == "flashpar" else "none",
                                    dp_mode="replicate", timeout=config["rank_timeout"])
         self.model.load_full(full)
-        self.cost = forward_cost(full.cfg, self.model.compute_dtype, "cpu", config["tp"])
+        self.cost = forward_cost(full.cfg, self.model.options.dtype_bytes, "cpu", config["tp"])
         self.strategy = "flashcp" if name == "flashpar" else "per_doc"
 
     def run(self):

@@ -120,7 +120,7 @@ def generate(model, prompts, *, max_new_tokens: int = 16, sampling: Sampling | N
     if cost is None:
         from flashpar.infer.planning import forward_cost
 
-        cost = forward_cost(model.cfg, model.compute_dtype, device.type, model.tp)
+        cost = forward_cost(model.cfg, model.options.dtype_bytes, device.type, model.tp)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()

@@ -9,16 +9,15 @@ per-forward times of ``flashpar.cp.cost``.  The device's figures are rank 0's on
 
 from __future__ import annotations
 
-import torch
-
 from flashpar.cp import CostModel
 from flashpar.cp.cost import cost_model_of
 from flashpar.links import planning_device
 from flashpar.models import LlamaConfig
 
 
-def forward_cost(cfg: LlamaConfig, dtype: torch.dtype, device_type: str, tp: int = 1) -> CostModel:
-    """The forward-only cost model of ``cfg`` with activations of ``dtype`` on ``device_type`` (``tp``: the
-    processes of one cp rank, for ranks that share a CPU's cores)."""
+def forward_cost(cfg: LlamaConfig, dtype_bytes: int, device_type: str, tp: int = 1) -> CostModel:
+    """The forward-only cost model of ``cfg`` with activations of ``dtype_bytes`` (the model's
+    ``ParallelOptions.dtype_bytes``) on ``device_type`` (``tp``: the processes of one cp rank, for ranks that
+    share a CPU's cores)."""
     hardware, burst = planning_device(device_type, group=tp)
-    return cost_model_of(cfg, torch.finfo(dtype).bits // 8, hardware, burst)
+    return cost_model_of(cfg, dtype_bytes, hardware, burst)
