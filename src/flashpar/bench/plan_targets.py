@@ -155,14 +155,29 @@ def planning_time(n_packs: int) -> list[str]:
 
 def short_docs(tokens: int, docs: int) -> list[int]:
     """A pack of exactly ``docs`` documents adding up to ``tokens``: spamassassin's lengths (cycled), scaled to fit
-    (each at least 1 token; the rounding's remainder spread over the longest, one token each)."""
+    (see :func:`scaled_docs`)."""
     from flashpar.cp.lengths import resolve_lengths
 
+    return scaled_docs(resolve_lengths("spamassassin").values, tokens, docs)
+
+
+def source_docs(tokens: int, docs: int) -> list[int]:
+    """A pack of exactly ``docs`` of the Python standard library's source files (``flashpar.corpus``, in path order,
+    cycled), their lengths scaled to add up to ``tokens`` (see :func:`scaled_docs`): many short documents and a
+    long tail (a few files are 40-80x the median)."""
+    from flashpar.corpus import document_lengths
+
+    return scaled_docs(document_lengths(), tokens, docs)
+
+
+def scaled_docs(values, tokens: int, docs: int) -> list[int]:
+    """A pack of exactly ``docs`` documents adding up to ``tokens``: ``values`` (cycled), scaled to fit (each at
+    least 1 token; the rounding's remainder spread over the longest, one token each)."""
     if not 1 <= docs <= tokens:
         raise ValueError(f"a pack of {tokens} tokens holds 1 to {tokens} documents, not {docs}")
-    src = resolve_lengths("spamassassin").values
-    raw = [src[i % len(src)] for i in range(docs)]
-    lens = [max(1, v * tokens // sum(raw)) for v in raw]
+    raw = [values[i % len(values)] for i in range(docs)]
+    total = sum(raw)
+    lens = [max(1, v * tokens // total) for v in raw]
     rest, i = tokens - sum(lens), 0
     order = sorted(range(docs), key=lambda d: -lens[d])
     while rest:
