@@ -81,31 +81,28 @@ class GroupSearch(DocWork):
         hi = bisect.bisect_right(sizes, bisect.bisect_left(keys, (limit,)))  # (limit,): below every key at limit
         if lo >= hi:
             return None
-        if not ranked.arrays:  # few ranks: every size in Python (tokens first: their shares cost more)
-            candidates = sizes[lo:hi]
-        else:
-            most = sizes[hi - 1]  # (the members' room grows with g: every rank up to here is under the limit)
-            at = self._last_np[lo:hi]  # (the last member of each size)
-            fewest = self._fewest.get(length)  # the fewest tokens a member takes, per size
-            if fewest is None:
-                fewest = self._fewest[length] = 2 * (length // (2 * self.sizes_np))
-            top_toks = ranked.top_prefix(most)
-            ok = top_toks[at] + fewest[lo:hi] <= cap
-            if not np.logical_or.reduce(ok):  # (ok.any(), without its Python layer)
-                return None
-            gs = self.sizes_np[lo:hi]
-            if limit < math.inf:  # the members' room under the limit, all together, must hold the document's work
-                room = gs * (limit * (1 + 1e-9)) - ranked.sum_prefix(most)[at]
-                ok &= room >= whole * (1 - 1e-6)
-            candidates = gs[ok].tolist()
+        most = sizes[hi - 1]  # (the members' room grows with g: every rank up to here is under the limit)
+        at = self._last_np[lo:hi]  # (the last member of each size)
+        fewest = self._fewest.get(length)  # the fewest tokens a member takes, per size
+        if fewest is None:
+            fewest = self._fewest[length] = 2 * (length // (2 * self.sizes_np))
+        top_toks = ranked.top_prefix(most)
+        ok = top_toks[at] + fewest[lo:hi] <= cap
+        if not np.logical_or.reduce(ok):  # (ok.any(), without its Python layer)
+            return None
+        gs = self.sizes_np[lo:hi]
+        if limit < math.inf:  # the members' room under the limit, all together, must hold the document's work
+            room = gs * (limit * (1 + 1e-9)) - ranked.sum_prefix(most)[at]
+            ok &= room >= whole * (1 - 1e-6)
+        candidates = gs[ok].tolist()
         bound = share * self.mean
         for g in candidates:
             # (on arrays, at once: every member within the cap where the fullest of them, the prefix maximum, has room
             # for two of the longest chunks, ceil(L / 2g) tokens each; within the limit where the most loaded, the
             # last, has room for the largest share: then no member's sum can be over, as float sums are monotone;
             # any member over: the largest over, a maximum.reduce)
-            roomy = ranked.arrays and top_toks[g - 1] + 2 * -(-length // (2 * g)) <= cap
-            if ranked.arrays and g > 32:  # (on arrays: the same sums and comparisons; tokens first, cheaper)
+            roomy = top_toks[g - 1] + 2 * -(-length // (2 * g)) <= cap
+            if g > 32:  # (on arrays: the same sums and comparisons; tokens first, cheaper)
                 if not roomy and np.maximum.reduce(ranked.toks[:g] + self._share_tokens(length, g)) > cap:
                     continue
                 top = self._top.get((length, g))
@@ -155,32 +152,17 @@ class GroupSearch(DocWork):
         per_tok = self.whole(length) / length
         top = min(self.cap, share * self.mean / per_tok)
         need = (1 + FILL_MARGIN) * length
-        if self.policy.fill_arrays:  # (on arrays: the same rooms, order and running sum)
-            load_np, toks_np = rooms if rooms is not None else (floats(load), ints(toks))
-            acc, k, members, first = self._fill_rooms(load_np, toks_np, limit, per_tok, top, need)
-            if acc >= need:
-                self.peak_share = max(self.peak_share, first * per_tok / self.mean)
-            else:  # too little work room: lift the bound for all alike (the token cap stays)
-                members, top = np.flatnonzero(toks_np < self.cap), self.cap
-                if int((self.cap - toks_np[members]).sum()) < length:
-                    return None
-            if len(members) > 32:  # (many members: the same on arrays, _level's too)
-                return self._fill_arrays(length, start, members, load_np[members], toks_np[members], per_tok, top)
-            members = members.tolist()
-        else:
-            room = sorted(((min((limit - load[r]) / per_tok, self.cap - toks[r], top), r) for r in range(self.n)),
-                          reverse=True)
-            acc, k = 0.0, 0
-            while k < len(room) and acc < need and room[k][0] >= 1:
-                acc += room[k][0]
-                k += 1
-            members, first = [r for _, r in room[:k]], room[0][0]
-            if acc >= need:
-                self.peak_share = max(self.peak_share, first * per_tok / self.mean)
-            else:  # too little work room: lift the bound for all alike (the token cap stays)
-                members, top = [r for r in range(self.n) if toks[r] < self.cap], self.cap
-                if sum(self.cap - toks[r] for r in members) < length:
-                    return None
+        load_np, toks_np = rooms if rooms is not None else (floats(load), ints(toks))
+        acc, k, members, first = self._fill_rooms(load_np, toks_np, limit, per_tok, top, need)
+        if acc >= need:
+            self.peak_share = max(self.peak_share, first * per_tok / self.mean)
+        else:  # too little work room: lift the bound for all alike (the token cap stays)
+            members, top = np.flatnonzero(toks_np < self.cap), self.cap
+            if int((self.cap - toks_np[members]).sum()) < length:
+                return None
+        if len(members) > 32:  # (many members: the same on arrays, _level's too)
+            return self._fill_arrays(length, start, members, load_np[members], toks_np[members], per_tok, top)
+        members = members.tolist()
         sizes = self._level(length, [load[r] for r in members], [toks[r] for r in members], [per_tok] * len(members),
                             top)
         order = sorted(range(len(members)), key=lambda i: -sizes[i])  # largest part first: least K/V received

@@ -21,7 +21,7 @@ def whole_doc(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, 
     """Baseline: Whole-Doc wherever a document fits under the token cap, Per-Doc for the rest (``lens_np``: the
     lengths as an int64 array, where the caller has it)."""
     cap = token_cap(doc_lens, n, token_slack, None if lens_np is None else int(lens_np.sum()))
-    return Greedy(doc_lens, n, cost, cap, lens_np, Policy.for_ranks(n)).run(float("inf"), 0, subgroups=False)
+    return Greedy(doc_lens, n, cost, cap, lens_np).run(float("inf"), 0, subgroups=False)
 
 
 def plan(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_np=None) -> ArrayPlacement:
@@ -31,7 +31,7 @@ def plan(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_
     # attention alone: balance the attention work itself (pairs, no launches), as the solvers it is compared with do
     policy = Policy.for_ranks(n)
     pairs_only = cost.with_hardware(attn_half=0.0, gemm_overhead_s=0.0)
-    greedy = Greedy(doc_lens, n, cost if cost.linear else pairs_only, cap, lens_np, policy)
+    greedy = Greedy(doc_lens, n, cost if cost.linear else pairs_only, cap, lens_np)
     starts = greedy.starts_np
     lower = greedy.mean  # no plan's step time is below the mean compute of every document whole (cuts only add)
     first = greedy.calibrate()  # the pass (tol 0, force 0, share 1), where the mean did not move

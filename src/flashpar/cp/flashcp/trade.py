@@ -44,7 +44,7 @@ def exchange(work: DocWork, splits: list[Split], load, toks) -> None:
     # EXCHANGE_MIN; X stops at the first no heavier than B.  Between two trades nothing changes, so each step
     # finds the next trade of the scan at once: every (v, X) pair of the scan as arrays, in scan order, with
     # the part of X on v (0 once v holds none) and v's load kept in step with the trades.
-    pairs = scan_pairs_arrays(work, splits, over, under, rate, load) if work.policy.many_arrays else None
+    pairs = scan_pairs_arrays(work, splits, over, under, rate, load)
     if pairs is None:
         pairs = scan_pairs(work, splits, over, rate, load)
     if pairs is None:

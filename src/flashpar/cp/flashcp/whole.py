@@ -25,7 +25,7 @@ SKIP_MAX = 24
 
 @dataclasses.dataclass(frozen=True)
 class Prefix:
-    """Where the first greedy pass of force 0 (up to 64 ranks) stopped keying every rank by its tokens alone: its state
+    """Where the first greedy pass of force 0 stopped keying every rank by its tokens alone: its state
     before document ``k`` of pass order (loads, tokens, the heap, the runs placed in one sort, the ranks and places of
     the documents placed one by one), and its ``limit``.
 
@@ -51,14 +51,10 @@ class Prefix:
 class WholeDocStep(DocWork):
     """The Whole-Doc step's forms over many documents or ranks at once (see the module docstring)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._row_of = np.arange(self.n, dtype=np.int64)  # (each rank's row, for _batch_whole)
-
-    def _fitting(self, rooms, limit: float, tok_room: int, work_room: float) -> int:
+    def _fitting(self, lv, tv, limit: float, tok_room: int, work_room: float) -> int:
         """The rank of least key ``(max(load / limit, tokens / cap), load, rank)`` among those with
-        ``tokens <= tok_room`` and ``load <= work_room``; -1 if none.  ``rooms``: (loads, tokens) of every rank."""
-        lv, tv = rooms if isinstance(rooms[0], np.ndarray) else (floats(rooms[0]), ints(rooms[1]))
+        ``tokens <= tok_room`` and ``load <= work_room``; -1 if none (``lv``, ``tv``: every rank's load and tokens,
+        float64 and int64 arrays)."""
         ok = np.flatnonzero((tv <= tok_room) & (lv <= work_room))
         if not len(ok):
             return -1
@@ -125,19 +121,11 @@ class WholeDocStep(DocWork):
             m = min(k, 2 * m)
         if not len(take):
             return None
-        if self.policy.many_arrays:
-            changed = np.flatnonzero(counts)
-            at = changed * width + counts[changed]
-            changed = changed.tolist()
-            for r, x, t in zip(changed, ls[at].tolist(), ts[at].tolist(), strict=True):
-                load[r], toks[r] = x, t
-        else:  # (few ranks: every rank's row read at once, the changed ones written)
-            got = counts.tolist()
-            changed = [r for r in range(n) if got[r]]
-            at = self._row_of * width + counts
-            new_load, new_toks = ls[at].tolist(), ts[at].tolist()
-            for r in changed:
-                load[r], toks[r] = new_load[r], new_toks[r]
+        changed = np.flatnonzero(counts)
+        at = changed * width + counts[changed]
+        changed = changed.tolist()
+        for r, x, t in zip(changed, ls[at].tolist(), ts[at].tolist(), strict=True):
+            load[r], toks[r] = x, t
         return ranks, changed, same
 
     def _slots_needed(self, k: int, length: int, w: float, load, toks, limit: float) -> int:

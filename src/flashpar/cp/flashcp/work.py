@@ -16,7 +16,6 @@ import numpy as np
 from flashpar.cp.cost import CostModel
 from flashpar.cp.cp_plan import causal_pairs, whole_doc_times
 from flashpar.cp.flashcp.arrays import falls_to_nonnegative, floats, ints
-from flashpar.cp.flashcp.policy import Policy
 from flashpar.cp.strategies import chunk_bounds, sized_pieces
 
 
@@ -29,13 +28,10 @@ def token_cap(doc_lens: list[int], n: int, token_slack: float, total: int | None
 
 class DocWork:
     """The documents of one pack over ``n`` ranks under one cost model and token cap, with their costs per length
-    (and per (length, group size)) cached.  ``policy``: the planner's choices at ``n`` ranks (by default
-    :meth:`Policy.for_ranks`)."""
+    (and per (length, group size)) cached."""
 
-    def __init__(self, doc_lens: list[int], n: int, cost: CostModel, cap: int, lens_np=None,
-                 policy: Policy | None = None) -> None:
+    def __init__(self, doc_lens: list[int], n: int, cost: CostModel, cap: int, lens_np=None) -> None:
         """``lens_np``: ``doc_lens`` as an int64 array, where the caller has it."""
-        self.policy = Policy.for_ranks(n) if policy is None else policy
         self.lens, self.n, self.cost, self.cap = doc_lens, n, cost, cap
         if lens_np is None:
             lens_np = np.fromiter(doc_lens, dtype=np.int64, count=len(doc_lens))
