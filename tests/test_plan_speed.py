@@ -1,8 +1,7 @@
-"""The planner's speed-ups change no plan: every strategy's plan on a few packs (shipped lists, short documents,
-attention work alone) equals the one frozen in ``tests/data/frozen_plans.json``, written by the planner before
-its speed-ups (``python tests/test_plan_speed.py --write`` rewrites it: only for a deliberate change of plans; the
-1M / 64 and 2M / 128 cases were added by the second round of speed-ups, written by the planner before it, and the two
-512K / 256 cases by the third, written by the planner before that round).
+"""How the planner carries out its steps changes no plan: every strategy's plan on a few packs (shipped lists, short
+documents, attention work alone; 8 to 256 ranks) equals the one frozen in ``tests/data/frozen_plans.json``
+(``python tests/test_plan_speed.py --write`` rewrites it: only for a deliberate change of plans).  Packs of many
+short source files up to 1,024 ranks: ``tests/test_source_plans.py``.
 
 Compared: every rank's pieces and the plan's statistics (less its timing; its per-rank K/V bytes sent and
 received come from the receive lists)."""
@@ -35,9 +34,8 @@ def cases() -> dict[str, tuple[list[int], int, bool]]:
     out["long-context-512K-32"] = (resolve_lengths("long-context").packs(524288, 1, seed=1)[0], 32, True)
     out["short300-128K-8"] = (short_docs(131072, 300), 8, True)
     out["short600-512K-32"] = (short_docs(524288, 600), 32, True)
-    out["wlbllm-1M-64"] = (resolve_lengths("wlbllm").packs(1 << 20, 1)[0], 64, True)  # (arrays beyond 32 ranks,
-    out["prolong-2M-128"] = (resolve_lengths("prolong").packs(1 << 21, 1)[0], 128, True)  # heaps beyond 64)
-    # (from 256 ranks on the greedy keeps its ranked order in step with every document: the third round)
+    out["wlbllm-1M-64"] = (resolve_lengths("wlbllm").packs(1 << 20, 1)[0], 64, True)
+    out["prolong-2M-128"] = (resolve_lengths("prolong").packs(1 << 21, 1)[0], 128, True)
     out["short1500-512K-256"] = (short_docs(524288, 1500), 256, True)
     out["long-context-512K-256"] = (resolve_lengths("long-context").packs(524288, 1, seed=1)[0], 256, True)
     out["magi-64K-8-attention"] = (resolve_lengths("magi").packs(65536, 1, seed=0)[0], 8, False)

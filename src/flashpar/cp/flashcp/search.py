@@ -45,7 +45,7 @@ def plan(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_
             greedy.mean = calibrated
 
     ring_of = functools.cache(lambda: [f(doc_lens, n, starts) for f in (headtail, contiguous)])
-    # per_doc, and torch_per_doc where the policy has it; in the order the baselines have always been compared in
+    # per_doc, and torch_per_doc where the grid has it; in the order the baselines are compared in
     cut_all = lambda: ([per_doc_arrays(doc_lens, n)],  # noqa: E731
                        [ArrayPlacement.of(torch_per_doc(doc_lens, n, False))] if policy.torch_per_doc else [])
     fig_of: dict[bytes, object] = {}
@@ -63,7 +63,7 @@ def plan(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_
         # headtail and contiguous: neither planned nor scored where their lower bound (ring_bound) is slower than
         # the fastest candidate within the cap by more than a tie (as per_doc below: neither could be the fastest,
         # tie, nor lower the baselines' bound, nor change the skips below, which compare with that fastest), unless
-        # one might equal another placement (as many pieces as one): then in their places, as always
+        # one might equal another placement (as many pieces as one): then in their places in the order
         inside = [fig_of[p.key()].step for p in candidates if max(fig_of[p.key()].tokens) <= cap]
         ring, pieces = None, ()
         if inside:

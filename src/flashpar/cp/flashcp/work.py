@@ -15,8 +15,7 @@ import numpy as np
 
 from flashpar.cp.cost import CostModel
 from flashpar.cp.cp_plan import causal_pairs, whole_doc_times
-from flashpar.cp.flashcp.arrays import falls_to_nonnegative, floats, ints
-from flashpar.cp.strategies import chunk_bounds, sized_pieces
+from flashpar.cp.flashcp.arrays import falls_to_nonnegative, ints
 
 
 def token_cap(doc_lens: list[int], n: int, token_slack: float, total: int | None = None) -> int:
@@ -64,7 +63,7 @@ class DocWork:
         self.doc_work = whole_all = whole_runs[self.doc_run]  # (each document's whole compute: whole(length))
         self.works_rise = falls_to_nonnegative(whole_runs)  # (longest first: rising with the length)
         self._whole = dict(zip(distinct.tolist(), whole_runs.tolist(), strict=True))
-        # (added in document order, as always: cumsum adds in order, as sum() of floats does)
+        # (added in document order: cumsum adds in order, as sum() of floats does)
         self.mean = float(np.cumsum(whole_all)[-1]) / n
 
     @functools.cached_property
@@ -98,29 +97,21 @@ class DocWork:
         return self._whole[length]
 
     def shares(self, length: int, g: int) -> tuple[list[float], list[int]]:
-        """Compute and tokens of each member of a head-tail group of ``g`` over one document."""
-        key = (length, g)
+        """Compute and tokens of each member of a head-tail group of ``g`` over one document (lists of
+        :meth:`_share_arrays`)."""
         if g == 1:
             return [self.whole(length)], [length]
-        if key not in self._shares and g >= 16:
+        key = (length, g)
+        if key not in self._shares:
             work, tok = self._share_arrays(length, g)
             self._shares[key] = (work.tolist(), tok.tolist())
-        if key not in self._shares:
-            b = chunk_bounds(0, length, 2 * g)
-            holders = chunk_holders(b, [c if c < g else 2 * g - 1 - c for c in range(2 * g)])
-            work, toks = [], []
-            for i in range(g):
-                pieces = ((b[i], b[i + 1], holders[i]), (b[2 * g - 1 - i], b[2 * g - i], holders[2 * g - 1 - i]))
-                t = sum(self.cost.piece_cost(y - x, x, m) for x, y, m in pieces if y > x)
-                n_tok = sum(y - x for x, y, _ in pieces)
-                work.append(t + self.cost.linear_time(n_tok))
-                toks.append(n_tok)
-            self._shares[key] = (work, toks)
         return self._shares[key]
 
     def _share_arrays(self, length: int, g: int) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`shares` on arrays (the same floats: each piece's time as ``CostModel.attn_time`` rounds it, the
-        head's and the tail's added, then the linear time)."""
+        """Compute and tokens of each member of a head-tail group of ``g`` over one document, as arrays: member ``i``
+        holds chunks ``i`` and ``2g - 1 - i`` of ``2g``; each piece's time (``CostModel.piece_cost``: its causal
+        square, a full task per member holding keys ahead of it, their launches), the head's and the tail's added,
+        then the linear time."""
         key = (length, g)
         if key not in self._big:
             i = np.arange(g, dtype=np.int64)
@@ -151,44 +142,25 @@ class DocWork:
 
 
     def sized_work(self, start: int, length: int, sizes: list[int], as_array: bool = False):
-        """Compute of each member of an unequal head-tail split (cost model, pieces as placed; beyond 8 members on
-        arrays, the same floats: see :meth:`_piece_time`), a list (``as_array``: a float64 array)."""
-        if len(sizes) > 8:
-            if sum(sizes) != length:
-                raise ValueError(f"sizes {sizes} do not add up to the document's {length} tokens")
-            s = ints(sizes)
-            h = s // 2
-            h[-1] = s[-1]  # the last member: one piece, the middle
-            head0 = np.concatenate(([0], np.cumsum(h)[:-1]))  # (from the document's start)
-            tail1 = length - np.concatenate(([0], np.cumsum(s - h)[:-1]))
-            tail0 = tail1 - (s - h)
-            tail0[-1] = tail1[-1]
-            m = headtail_holders(h > 0, tail1 > tail0)  # (the last member's middle as its head)
-            g = len(s)
-            work = (self._piece_time(head0, head0 + h, m[:g]) + self._piece_time(tail0, tail1, m[g:])) + s.astype(
-                np.float64) * (self.cost.flops_per_token) / self.cost.hardware.gemm_flops
-            return work if as_array else work.tolist()
-        members = sized_pieces(sizes, start, length)
-        placed = sorted((a, b, k) for k, pieces in enumerate(members) for a, b in pieces if b > a)
-        holders = dict(zip(placed, chunk_holders([start] + [b for _, b, _ in placed], [k for *_, k in placed]),
-                           strict=True))
-        out = []
-        for k, pieces in enumerate(members):
-            t = sum(self.cost.piece_cost(b - a, a - start, holders[(a, b, k)]) for a, b in pieces if b > a)
-            out.append(t + self.cost.linear_time(sum(b - a for a, b in pieces)))
-        return floats(out) if as_array else out
-
-
-def chunk_holders(bounds: list[int], owners: list[int]) -> list[int]:
-    """Per chunk ``[bounds[c], bounds[c + 1])`` of a document (in order), how many distinct owners hold a nonempty
-    chunk ahead of it: the ranks its full tasks read."""
-    seen: set[int] = set()
-    out = []
-    for c, owner in enumerate(owners):
-        out.append(len(seen))
-        if bounds[c + 1] > bounds[c]:
-            seen.add(owner)
-    return out
+        """Compute of each member of an unequal head-tail split (pieces as placed: member ``i`` takes the next
+        ``s_i // 2`` tokens from the front and the next ``s_i - s_i // 2`` from the back, the last member the
+        middle as one piece; each piece's time as :meth:`_piece_time`, then the linear time), a list
+        (``as_array``: a float64 array).  ``start``: the document's start (the pieces' times depend only on where
+        they sit in the document)."""
+        if sum(sizes) != length:
+            raise ValueError(f"sizes {sizes} do not add up to the document's {length} tokens")
+        s = ints(sizes)
+        h = s // 2
+        h[-1] = s[-1]  # the last member: one piece, the middle
+        head0 = np.concatenate(([0], np.cumsum(h)[:-1]))  # (from the document's start)
+        tail1 = length - np.concatenate(([0], np.cumsum(s - h)[:-1]))
+        tail0 = tail1 - (s - h)
+        tail0[-1] = tail1[-1]
+        m = headtail_holders(h > 0, tail1 > tail0)  # (the last member's middle as its head)
+        g = len(s)
+        work = (self._piece_time(head0, head0 + h, m[:g]) + self._piece_time(tail0, tail1, m[g:])) + s.astype(
+            np.float64) * (self.cost.flops_per_token) / self.cost.hardware.gemm_flops
+        return work if as_array else work.tolist()
 
 
 def headtail_holders(head, tail):
