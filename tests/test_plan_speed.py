@@ -218,3 +218,35 @@ def test_whole_doc_bound_is_below_the_whole_doc_plans_step_and_binds_where_docum
                 assert bound <= step, (name, tokens, n, bound, step)
                 binding += bound > 1.05 * DocWork(doc_lens, n, cost, cap).mean
     assert binding >= 8, binding  # (of 24 packs; 12 today)
+
+
+def test_per_doc_bounds_are_below_the_baselines_steps_and_bind_on_source_files():
+    """``per_doc_bound`` (``cut_all_bound`` with the tasks and launches of every document cut over all ranks) and
+    ``whole_doc_bound`` let flashcp skip its per_doc and whole_doc baselines: neither may exceed that baseline's
+    estimated step (else a skip could drop the pick), on source-file packs, the files at their own lengths and
+    shipped lists from 2 to 256 ranks, under the default, per-step and no-launch-penalty cost models; and where
+    documents run over many ranks they must bind where ``cut_all_bound`` alone does not (about 6x it at 256 ranks on
+    the files at their own lengths, whose per_doc plan is estimated far slower than flashcp's)."""
+    from flashpar.bench.plan_targets import source_docs
+    from flashpar.corpus import document_lengths
+    from flashpar.cp.cp_plan import whole_doc_times
+    from flashpar.cp.flashcp import token_cap, whole_doc
+    from flashpar.cp.flashcp.bounds import cut_all_bound, per_doc_bound, whole_doc_bound
+    from flashpar.cp.lengths import pack
+    from flashpar.cp.strategies import per_doc_arrays
+
+    for cost in (CostModel(), CostModel().per_step(), CostModel().with_hardware(attn_half=0.0)):
+        for n in (2, 3, 8, 16, 64, 256):
+            for doc_lens in (source_docs(4096 * n, 30 * n), pack(document_lengths(), 8192 * n, 2)[-1],
+                             resolve_lengths("wlbllm").packs(8192 * n, 1)[0]):
+                lens = np.asarray(doc_lens, dtype=np.int64)
+                starts = np.cumsum(lens) - lens
+                step = per_doc_arrays(doc_lens, n).figures(doc_lens, starts, cost).step
+                bound = per_doc_bound(lens, n, cost)
+                assert cut_all_bound(lens, n, cost) <= bound <= step, (n, bound, step)
+                cap = token_cap(doc_lens, n, 0.05)
+                wd = whole_doc(doc_lens, n, cost, 0.05).figures(doc_lens, starts, cost).step
+                assert whole_doc_bound(lens, n, cost, cap, whole_doc_times(lens, cost)) <= wd, (n, wd)
+    doc_lens = pack(document_lengths(), 8192 * 256, 2)[-1]
+    lens = np.asarray(doc_lens, dtype=np.int64)
+    assert per_doc_bound(lens, 256, CostModel()) > 4 * cut_all_bound(lens, 256, CostModel())

@@ -245,9 +245,10 @@ class Greedy(GroupSearch, WholeDocStep):
             return ArrayPlacement.of_whole(n, doc_rank, self.starts_np, self.lens_np)
         whole = np.flatnonzero(doc_rank >= 0)
         ws = self.starts_np[whole]
+        equal, sized = [sp for sp in splits if sp.equal], [sp for sp in splits if not sp.equal]
         return ArrayPlacement.sorted_from(n, [(doc_rank[whole], ws, ws + self.lens_np[whole]), p.arrays(),
-                                              headtail_arrays([sp for sp in splits if sp.equal]),
-                                              sized_arrays([sp for sp in splits if not sp.equal])])
+                                              *([headtail_arrays(equal)] if equal else []),
+                                              *([sized_arrays(sized)] if sized else [])])
 
 
     def _place_other(self, k, d, length, start, force, load, toks, limit, share, subgroups, p, splits, ranked):

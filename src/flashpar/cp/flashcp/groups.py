@@ -28,15 +28,8 @@ class GroupSearch(DocWork):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        n = self.n
         self.peak_share = 0.0
         self._top: dict[tuple[int, int], float] = {}  # per (length, g): the largest of the shares
-        # group sizes tried: every size up to 8, then about 1.25x apart (and N itself)
-        sizes, g = [], 2
-        while g < n:
-            sizes.append(g)
-            g = g + 1 if g < 8 else math.ceil(g * 1.25)
-        self.sizes = [*sizes, n] if n >= 2 else []
         self.sizes_np = np.asarray(self.sizes, dtype=np.int64)
         self._last_np = self.sizes_np - 1  # (the last member of a group of each size)
         self._fewest: dict[int, tuple] = {}  # per length: the fewest tokens a member takes, the first's, per size

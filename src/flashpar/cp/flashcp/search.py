@@ -9,7 +9,7 @@ import math
 
 from flashpar.cp.cost import CostModel
 from flashpar.cp.cp_plan import whole_doc_times
-from flashpar.cp.flashcp.bounds import cut_all_bound, ring_bound, whole_doc_bound
+from flashpar.cp.flashcp.bounds import cut_all_bound, per_doc_bound, ring_bound, whole_doc_bound
 from flashpar.cp.flashcp.greedy import Greedy
 from flashpar.cp.flashcp.pick import PERFECT, TIME_TIE, balanced, pick, unique_placements
 from flashpar.cp.flashcp.policy import Policy
@@ -90,6 +90,8 @@ def plan(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_
         pd, tpd = [], []
         if not pool or cut_all_bound(greedy.lens_np, n, cost, runs) <= min(pool) * (1 + TIME_TIE):
             pd, tpd = cut_all()
+            if pool and per_doc_bound(greedy.lens_np, n, cost, runs) > min(pool) * (1 + TIME_TIE):
+                pd = []  # (per_doc's own bound, with its tasks and launches, is slower than a tie)
             for p in pd + tpd:
                 if p.key() not in fig_of:
                     fig_of[p.key()] = p.figures(doc_lens, starts, cost, whole=times)

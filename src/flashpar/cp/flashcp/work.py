@@ -10,12 +10,27 @@ piece's length, the ``x`` keys ahead and how many members hold them)."""
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
 from flashpar.cp.cost import CostModel
 from flashpar.cp.cp_plan import causal_pairs, whole_doc_times
 from flashpar.cp.flashcp.arrays import falls_to_nonnegative, ints
+
+SHARE_BLOCK = 256
+"""Members of head-tail groups over one document whose compute is made at once: consecutive sizes of
+:func:`group_sizes` up to this many members in all (one pass over arrays costs about what one size alone does)."""
+
+
+def group_sizes(n: int) -> list[int]:
+    """Head-tail group sizes the group search tries at ``n`` ranks: every size up to 8, then about 1.25x apart, and
+    ``n`` itself (Per-Doc)."""
+    sizes, g = [], 2
+    while g < n:
+        sizes.append(g)
+        g = g + 1 if g < 8 else math.ceil(g * 1.25)
+    return [*sizes, n] if n >= 2 else []
 
 
 def token_cap(doc_lens: list[int], n: int, token_slack: float, total: int | None = None) -> int:
@@ -58,6 +73,16 @@ class DocWork:
         self._whole: dict[int, float] = {}
         self._big: dict[tuple[int, int], tuple] = {}  # per (length, g): _share_arrays
         self._tok_arrays: dict[tuple[int, int], np.ndarray] = {}  # per (length, g): _share_tokens
+        self.sizes = group_sizes(n)
+        self._block_of: dict[int, np.ndarray] = {}  # per size: the sizes whose shares are made with it (SHARE_BLOCK)
+        block: list[int] = []
+        for g in [*self.sizes, None]:
+            if block and (g is None or sum(block) + g > SHARE_BLOCK):
+                arr = np.asarray(block, dtype=np.int64)
+                self._block_of.update(dict.fromkeys(block, arr))
+                block = []
+            if g is not None:
+                block.append(g)
         self._whole_times = None
         whole_runs = self._whole_arrays(distinct, keep=True)
         self.doc_work = whole_all = whole_runs[self.doc_run]  # (each document's whole compute: whole(length))
@@ -108,22 +133,44 @@ class DocWork:
         return self._shares[key]
 
     def _share_arrays(self, length: int, g: int) -> tuple[np.ndarray, np.ndarray]:
-        """Compute and tokens of each member of a head-tail group of ``g`` over one document, as arrays: member ``i``
-        holds chunks ``i`` and ``2g - 1 - i`` of ``2g``; each piece's time (``CostModel.piece_cost``: its causal
-        square, a full task per member holding keys ahead of it, their launches), the head's and the tail's added,
-        then the linear time."""
+        """Compute and tokens of each member of a head-tail group of ``g`` over one document, as arrays (see
+        :meth:`_share_rows`); made with those of the neighbouring sizes of :func:`group_sizes` (``SHARE_BLOCK``)."""
         key = (length, g)
         if key not in self._big:
-            i = np.arange(g, dtype=np.int64)
-            two = 2 * g
-            x = length * np.concatenate((i, two - 1 - i)) // two  # heads, then tails
-            y = length * np.concatenate((i + 1, two - i)) // two
-            n_tok = (y[:g] - x[:g]) + (y[g:] - x[g:])
-            t = self._piece_time(x, y, headtail_holders(y[:g] > x[:g], y[g:] > x[g:]))
-            work = (t[:g] + t[g:]) + n_tok.astype(np.float64) * (
-                self.cost.flops_per_token) / self.cost.hardware.gemm_flops
-            self._big[key] = (work, n_tok)
+            block = self._block_of.get(g)
+            gs = block if block is not None else np.asarray([g], dtype=np.int64)
+            work, n_tok = self._share_rows(length, gs)
+            at = 0
+            for size in gs.tolist():
+                self._big[(length, size)] = (work[at:at + size], n_tok[at:at + size])
+                at += size
         return self._big[key]
+
+    def _share_rows(self, length: int, gs) -> tuple[np.ndarray, np.ndarray]:
+        """Compute and tokens of each member of head-tail groups of each size of ``gs`` over one document, the groups'
+        members one after another: member ``i`` of ``g`` holds chunks ``i`` and ``2g - 1 - i`` of ``2g``; each
+        piece's time (``CostModel.piece_cost``: its causal square, a full task per member holding keys ahead of it,
+        their launches; ``headtail_holders`` within its group), the head's and the tail's added, then the linear
+        time.  Elementwise: a group's floats do not depend on the others'."""
+        m = int(gs.sum())
+        first = np.cumsum(gs) - gs
+        two = np.repeat(2 * gs, gs)
+        i = np.arange(m, dtype=np.int64) - np.repeat(first, gs)
+        x = length * np.concatenate((i, two - 1 - i)) // np.concatenate((two, two))  # heads, then tails
+        y = length * np.concatenate((i + 1, two - i)) // np.concatenate((two, two))
+        n_tok = (y[:m] - x[:m]) + (y[m:] - x[m:])
+        head, tail = (y[:m] > x[:m]).astype(np.int64), (y[m:] > x[m:]).astype(np.int64)
+        # headtail_holders within each group: the nonempty heads before a head; every nonempty head of its group and
+        # the later members holding a tail and no head, for a tail
+        upto = np.cumsum(head)
+        before = upto - head - np.repeat(upto[first] - head[first], gs)
+        heads = np.repeat(np.add.reduceat(head, first), gs)
+        tail_only = tail * (1 - head)
+        upto_t = np.cumsum(tail_only)
+        later = np.repeat(upto_t[first + gs - 1], gs) - upto_t  # (the group's tail-only members after each)
+        t = self._piece_time(x, y, np.concatenate((before, heads + later)))
+        return (t[:m] + t[m:]) + n_tok.astype(np.float64) * (
+            self.cost.flops_per_token) / self.cost.hardware.gemm_flops, n_tok
 
     def _share_tokens(self, length: int, g: int) -> np.ndarray:
         """The tokens of :meth:`_share_arrays` alone (chunks ``i`` and ``2g - 1 - i`` of ``2g``)."""
