@@ -166,7 +166,7 @@ class Greedy(GroupSearch, WholeDocStep):
                 tok_room, work_room = cap - length, limit - w
                 if run_end[k] - k >= BATCH:  # a run of equal lengths: place as many whole as the greedy would
                     before = (list(load), list(toks)) if tracking else None
-                    placed = self._batch_whole(k, run_end[k], length, w, load, toks, limit, tracking)
+                    placed = self._batch_whole(k, run_end[k], length, w, load, toks, limit, tracking, (lv, tv))
                     if placed and tracking and not placed[2]:
                         stop_tracking(*before)
                     if placed:

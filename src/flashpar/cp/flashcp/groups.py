@@ -32,7 +32,8 @@ class GroupSearch(DocWork):
         self._top: dict[tuple[int, int], float] = {}  # per (length, g): the largest of the shares
         self.sizes_np = np.asarray(self.sizes, dtype=np.int64)
         self._last_np = self.sizes_np - 1  # (the last member of a group of each size)
-        self._fewest: dict[int, tuple] = {}  # per length: the fewest tokens a member takes, the first's, per size
+        self._fewest: dict[int, tuple] = {}  # per length: the room _group's members need, per size
+        self._sizes_at = (math.nan, None)  # (a limit, g times it for every size g)
 
     def _group(self, length: int, ranked: Ranked, limit: float, share: float) -> list[int] | None:
         """The smallest head-tail group (of ``self.sizes`` least-loaded ranks, ``ranked`` order) whose members all stay
@@ -56,18 +57,21 @@ class GroupSearch(DocWork):
             return None
         most = sizes[hi - 1]  # (the members' room grows with g: every rank up to here is under the limit)
         at = self._last_np[lo:hi]  # (the last member of each size)
-        per_size = self._fewest.get(length)  # the fewest tokens a member takes, and the first member's, per size
-        if per_size is None:
+        per_size = self._fewest.get(length)  # the most tokens a rank may hold to take the fewest tokens a member
+        if per_size is None:  # takes, and to take the first member's, per size
             two = 2 * self.sizes_np
-            per_size = self._fewest[length] = (2 * (length // two), length // two + length - length * (two - 1) // two)
-        fewest, first_toks = per_size
+            per_size = self._fewest[length] = (cap - 2 * (length // two),
+                                               cap - (length // two + length - length * (two - 1) // two))
+        fewest_room, first_room = per_size
         top_toks = ranked.top_prefix(most)
-        ok = (top_toks[at] + fewest[lo:hi] <= cap) & (ranked.toks[0] + first_toks[lo:hi] <= cap)
+        ok = (top_toks[at] <= fewest_room[lo:hi]) & (first_room[lo:hi] >= keys[0][1])
         if not np.logical_or.reduce(ok):  # (ok.any(), without its Python layer)
             return None
         gs = self.sizes_np[lo:hi]
         if limit < math.inf:  # the members' room under the limit, all together, must hold the document's work
-            room = gs * (limit * (1 + 1e-9)) - ranked.sum_prefix(most)[at]
+            if self._sizes_at[0] != limit:  # (g limit for every size, per limit: the same products)
+                self._sizes_at = (limit, self.sizes_np * (limit * (1 + 1e-9)))
+            room = self._sizes_at[1][lo:hi] - ranked.sum_prefix(most)[at]
             ok &= room >= whole * (1 - 1e-6)
         candidates = gs[ok].tolist()
         bound = share * self.mean

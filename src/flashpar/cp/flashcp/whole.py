@@ -62,7 +62,8 @@ class WholeDocStep(DocWork):
         return int(ok[np.lexsort((ok, lv[ok], key0))[0]])
 
 
-    def _batch_whole(self, lo: int, hi: int, length: int, w: float, load, toks, limit: float, tracking: bool = False):
+    def _batch_whole(self, lo: int, hi: int, length: int, w: float, load, toks, limit: float, tracking: bool = False,
+                     rooms=None):
         """Documents ``order[lo:hi]`` (all of ``length`` tokens and compute ``w``, in pass order) placed whole as the
         one-by-one step places them, as far as they fit: returns (the ranks of those placed, in order; the ranks
         changed), or None where the first fits nowhere (``load`` and ``toks`` updated; the caller records the
@@ -76,11 +77,13 @@ class WholeDocStep(DocWork):
         to ``m`` (doubled while some rank took all of its ``m`` and more might follow).
 
         A third item: whether every slot fit within both bounds and was keyed by its tokens alone (``load / limit <=
-        tokens / cap``), as in a pass with any higher limit (see :class:`Prefix`; looked at only with ``tracking``)."""
+        tokens / cap``), as in a pass with any higher limit (see :class:`Prefix`; looked at only with ``tracking``).
+        ``rooms``: ``load`` and ``toks`` as float64 and int64 arrays, where the caller keeps them (the same values)."""
         n, cap, k = self.n, self.cap, hi - lo
         same = True
-        l0, t0 = floats(load), ints(toks)
-        m = min(k, 2 * -(-k // n) + 2, self._slots_needed(k, length, w, load, toks, limit))
+        l0, t0 = rooms if rooms is not None else (floats(load), ints(toks))
+        most_toks = int(np.maximum.reduce(t0))
+        m = min(k, 2 * -(-k // n) + 2, self._slots_needed(k, length, w, l0, t0, limit))
         while True:
             # slots 0..m of each rank, slot m too (the rows then ravel as views): it follows slot m - 1 in key and in
             # place, so it is among the least keys only where its rank took all its first m, where m doubles anyway
@@ -91,7 +94,7 @@ class WholeDocStep(DocWork):
             np.add.accumulate(lt, axis=1, out=lt)  # sequential (cumsum): lt[r, j] = load after j more documents
             ls, ts = lt.ravel(), (t0[:, None] + length * np.arange(width, dtype=np.int64)).ravel()
             # every slot fits where each rank's last does (loads and tokens rise along a row): then no selection
-            every = max(toks) + m * length <= cap - length and (
+            every = most_toks + m * length <= cap - length and (
                 limit == math.inf or np.maximum.reduce(lt[:, m]) <= limit - w)
             same = same and every
             if every:
@@ -134,10 +137,11 @@ class WholeDocStep(DocWork):
         slot ``c - 1`` is among the ``k`` least keys, and so is every slot of another rank ``s`` of lower key: every
         ``j`` with ``t_s + j L < t_r + (c - 1) L`` and ``l_s + j w < l_r + (c - 1) w`` (its tokens and its load both
         lower), at least ``c - 1 - S`` of them, ``S`` the spread of tokens over ``L`` or of loads over ``w``.  So
-        ``c + (N - 1)(c - 1 - S) <= k``: ``c <= (k + (N - 1)(1 + S)) / N``; one slot more for rounding."""
-        spread = (max(toks) - min(toks)) / length
+        ``c + (N - 1)(c - 1 - S) <= k``: ``c <= (k + (N - 1)(1 + S)) / N``; one slot more for rounding.  ``load``,
+        ``toks``: every rank's, as float64 and int64 arrays."""
+        spread = (int(np.maximum.reduce(toks)) - int(np.minimum.reduce(toks))) / length
         if limit < math.inf and w > 0:
-            spread = max(spread, (max(load) - min(load)) / w)
+            spread = max(spread, (float(np.maximum.reduce(load)) - float(np.minimum.reduce(load))) / w)
         n = self.n
         return math.ceil((k + (n - 1) * (2 + spread)) / n) + 1
 

@@ -18,7 +18,7 @@ from flashpar.cp.cost import CostModel
 from flashpar.cp.cp_plan import causal_pairs, whole_doc_times
 from flashpar.cp.flashcp.arrays import falls_to_nonnegative, ints
 
-SHARE_BLOCK = 256
+SHARE_BLOCK = 512
 """Members of head-tail groups over one document whose compute is made at once: consecutive sizes of
 :func:`group_sizes` up to this many members in all (one pass over arrays costs about what one size alone does)."""
 
