@@ -205,8 +205,8 @@ class DocWork:
         tail0[-1] = tail1[-1]
         m = headtail_holders(h > 0, tail1 > tail0)  # (the last member's middle as its head)
         g = len(s)
-        work = (self._piece_time(head0, head0 + h, m[:g]) + self._piece_time(tail0, tail1, m[g:])) + s.astype(
-            np.float64) * (self.cost.flops_per_token) / self.cost.hardware.gemm_flops
+        t = self._piece_time(np.concatenate((head0, tail0)), np.concatenate((head0 + h, tail1)), m)  # (heads, tails)
+        work = (t[:g] + t[g:]) + s.astype(np.float64) * (self.cost.flops_per_token) / self.cost.hardware.gemm_flops
         return work if as_array else work.tolist()
 
 
