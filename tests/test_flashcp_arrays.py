@@ -360,3 +360,23 @@ def test_force_one_is_skipped_only_where_its_passes_equal_force_zeros():
                     got = Greedy(lens, n, cost, cap).run(tol, 1, share)
                     assert got.key() == Greedy(lens, n, cost, cap).run(tol, 0, share).key(), (trial, tol, share)
     assert said[True] >= 3 and said[False] >= 3, said
+
+
+def test_fill_rooms_order_equals_a_sort_by_room_then_rank():
+    """``_fill_rooms``: the ranks by room (largest first, the higher rank on ties; rooms tied on purpose), their
+    running sum, how many join (while the sum is under ``need`` and the room at least one token) and the largest
+    room, against a sort and a loop in Python."""
+    g, rng = greedy(64, 2), random.Random(12)
+    for _ in range(200):
+        load = [rng.choice((0.0, g.mean * 0.5, rng.uniform(0, 1.2 * g.mean))) for _ in range(g.n)]
+        toks = [rng.choice((0, g.cap // 2, g.cap, rng.randint(0, g.cap))) for _ in range(g.n)]
+        per_tok, top = g.mean / g.cap * rng.uniform(0.5, 2.0), rng.choice((g.cap, rng.uniform(1, g.cap)))
+        need, limit = rng.uniform(1, 5 * g.cap), g.mean * rng.uniform(1.0, 1.1)
+        room = [min((limit - load[r]) / per_tok, float(g.cap - toks[r]), top) for r in range(g.n)]
+        order = sorted(range(g.n), key=lambda r: (-room[r], -r))
+        acc, k = 0.0, 0
+        while k < g.n and acc < need and room[order[k]] >= 1:
+            acc += room[order[k]]
+            k += 1
+        got = g._fill_rooms(np.asarray(load), np.asarray(toks), limit, per_tok, top, need)
+        assert (got[0], got[1], got[2].tolist(), got[3]) == (acc, k, order[:k], room[order[0]])

@@ -140,7 +140,7 @@ class GroupSearch(DocWork):
         n = self.n
         room = np.minimum(np.minimum((limit - np.asarray(load)) / per_tok,
                                      (self.cap - np.asarray(toks, dtype=np.int64)).astype(np.float64)), top)
-        order = np.lexsort((-np.arange(n), -room))
+        order = (n - 1) - np.argsort(-room[::-1], kind="stable")  # (by room, then rank, both descending: one sort)
         room = room[order]
         usable = int(np.count_nonzero(room >= 1))  # (a prefix: the rooms are in descending order)
         sums = np.cumsum(room[:usable])  # (in order, as the running sum adds)
