@@ -1,6 +1,7 @@
-"""The greedy pass's array forms (beyond a few ranks or members) give what its Python forms give, bit for bit: the
-level of an unequal split, the compute of its members, the head-tail layouts, the ranked order kept as loads change,
-and the group search with its filters (against the search over every size, member by member)."""
+"""The greedy pass's steps, written on arrays, give what plain references written here member by member give, bit
+for bit, at few members and at many: the level of an unequal split, the compute of its members and of a head-tail
+group's, the head-tail layouts, the ranked order kept as loads change, the group search with its filters (against the
+search over every size, member by member), the Whole-Doc step and the passes that start where the first stopped."""
 
 from __future__ import annotations
 
@@ -8,17 +9,17 @@ import math
 import random
 
 import numpy as np
+import pytest
 
 from flashpar.cp import CostModel
 from flashpar.cp.cp_plan import causal_pairs
 from flashpar.cp.flashcp import greedy as greedy_module
 from flashpar.cp.flashcp.arrays import falls_to_nonnegative
 from flashpar.cp.flashcp.greedy import Greedy
-from flashpar.cp.flashcp.groups import members_fit
 from flashpar.cp.flashcp.ranks import Ranked
 from flashpar.cp.flashcp.splits import Split, headtail_arrays, sized_arrays
-from flashpar.cp.flashcp.trade import next_trade, scan_pairs, scan_pairs_arrays
-from flashpar.cp.strategies import Placement, sized_pieces
+from flashpar.cp.flashcp.trade import next_trade
+from flashpar.cp.strategies import Placement, chunk_bounds, sized_pieces
 
 
 def greedy(n: int, seed: int = 0) -> Greedy:
@@ -28,18 +29,18 @@ def greedy(n: int, seed: int = 0) -> Greedy:
 
 
 def test_level_and_sized_work_on_arrays_equal_python():
+    """``_level`` (the parts of an unequal split at one level of compute) and ``sized_work`` (its members' compute)
+    equal a walk over the level's points and the cost model piece by piece, from 2 members to 200."""
     g, rng = greedy(256), random.Random(1)
-    for _ in range(20):
-        m = rng.randint(33, 200)
+    for trial in range(40):
+        m = rng.randint(2, 32) if trial % 2 else rng.randint(33, 200)
         length = rng.randint(m, 200000)
         load = [rng.uniform(0, g.mean) for _ in range(m)]
         toks = [rng.randint(0, g.cap) for _ in range(m)]
         rates = [g.whole(length) / length * rng.uniform(0.9, 1.3) for _ in range(m)]
         top = rng.choice([g.cap, rng.uniform(1, g.cap)])
-        want = Greedy._level(g, length, load[:32], toks[:32], rates[:32], top)  # (Python below 33 members)
-        assert g._level_arrays(length, load[:32], toks[:32], rates[:32], top) == want
-        got, want = g._level_arrays(length, load, toks, rates, top), python_level(g, length, load, toks, rates, top)
-        assert got == want
+        got = g._level(length, np.asarray(load), np.asarray(toks), np.asarray(rates), top).tolist()
+        assert got == python_level(g, length, load, toks, rates, top)
         sizes = [rng.randint(0, 3000) for _ in range(m - 1)]
         sizes.append(length - sum(sizes)) if sum(sizes) < length else sizes.append(0)
         start, total = rng.randint(0, 10**6), sum(sizes)
@@ -52,7 +53,7 @@ def test_level_and_sized_work_on_arrays_equal_python():
 
 
 def python_level(g, length, load, toks, rates, top):
-    """_level's walk as written for few members (the reference)."""
+    """``_level``'s walk over the points where the sum's slope changes, in Python (the reference)."""
     caps = [max(0.0, min(g.cap - t, top)) for t in toks]
     events = sorted([(ld, 1 / w) for ld, w in zip(load, rates, strict=True)]
                     + [(ld + w * c, -1 / w) for ld, w, c in zip(load, rates, caps, strict=True)])
@@ -69,6 +70,48 @@ def python_level(g, length, load, toks, rates, top):
         sizes[i] += add
         rest -= add
     return sizes
+
+
+def python_shares(g, length: int, size: int) -> tuple[list[float], list[int]]:
+    """Compute and tokens of each member of a head-tail group of ``size`` over a document of ``length``, member by
+    member (the reference): chunks ``i`` and ``2 size - 1 - i`` of ``2 size``, each piece at ``CostModel.piece_cost``
+    with as many holders as distinct members hold a nonempty chunk ahead of it."""
+    b = chunk_bounds(0, length, 2 * size)
+    owners = [c if c < size else 2 * size - 1 - c for c in range(2 * size)]
+    seen, holders = set(), []
+    for c, owner in enumerate(owners):
+        holders.append(len(seen))
+        if b[c + 1] > b[c]:
+            seen.add(owner)
+    work, toks = [], []
+    for i in range(size):
+        pieces = ((b[i], b[i + 1], holders[i]), (b[2 * size - 1 - i], b[2 * size - i], holders[2 * size - 1 - i]))
+        t = sum(g.cost.piece_cost(y - x, x, m) for x, y, m in pieces if y > x)
+        n_tok = sum(y - x for x, y, _ in pieces)
+        work.append(t + g.cost.linear_time(n_tok))
+        toks.append(n_tok)
+    return work, toks
+
+
+def test_head_tail_shares_on_arrays_equal_member_by_member():
+    """``shares`` (a head-tail group's compute and tokens per member, on arrays) equals the member-by-member
+    reference, and ``_share_tokens`` its tokens, from 2 members to 300 (the sizes the group search tries, made
+    several at once, and others), documents shorter than the group's chunks (empty chunks) included, under both cost
+    models."""
+    rng = random.Random(11)
+    for cost in (CostModel(), CostModel(linear=False).with_hardware(attn_half=0.0)):
+        g = Greedy([1000] * 300, 300, cost, 2000)
+        for _ in range(150):
+            size = rng.choice((*g.sizes, rng.randint(2, 300)))
+            length = rng.choice((1, size, rng.randint(1, 3 * size), rng.randint(1, 300000)))
+            assert g.shares(length, size) == python_shares(g, length, size), (length, size)
+            assert g._share_tokens(length, size).tolist() == python_shares(g, length, size)[1]
+
+
+def members_fit(keys, work, tok, limit: float, cap: int) -> bool:
+    """Whether the first ``len(work)`` ranks of ``keys`` ((load, tokens, rank), member ``i`` taking ``work[i]`` and
+    ``tok[i]``) all stay within ``limit`` and ``cap``, member by member (the reference)."""
+    return all(ld + w <= limit and t + x <= cap for (ld, t, _), w, x in zip(keys, work, tok, strict=False))
 
 
 def test_layouts_on_arrays_equal_placement():
@@ -98,16 +141,17 @@ def test_layouts_on_arrays_equal_placement():
     assert sorted(got) == want
 
 
-def test_ranked_order_and_group_search_equal_a_sort_and_every_size():
-    """Random loads (ties included) on 256 ranks: the ranked order equals a sort after single and wide changes, and
-    _group's answer equals the search over every size member by member (its filters pass no fitting size over)."""
-    g, rng = greedy(256, 3), random.Random(4)
+@pytest.mark.parametrize("ranks", [8, 256])
+def test_ranked_order_and_group_search_equal_a_sort_and_every_size(ranks):
+    """Random loads (ties included) on 8 and 256 ranks: the ranked order equals a sort after single and wide changes,
+    and _group's answer equals the search over every size member by member (its filters pass no fitting size over)."""
+    g, rng = greedy(ranks, 3), random.Random(4)
     g.peak_share = 0.0  # (what a pass starts from)
     n, ranked = g.n, Ranked(g.n)
     load, toks = [0.0] * n, [0] * n
     found = 0
     for step in range(300):
-        changed = rng.sample(range(n), rng.choice([1, 3, 100]))
+        changed = rng.sample(range(n), min(n, rng.choice([1, 3, 100])))
         for q in changed:
             load[q] = rng.choice([load[q] + rng.uniform(0, 0.2 * g.mean), round(load[q], 1)])
             toks[q] = min(g.cap, toks[q] + rng.randint(0, g.cap // 8))
@@ -134,7 +178,7 @@ def every_size(g, length, keys, limit, share):
             continue
         if keys[size - 1][0] >= limit:
             return None
-        work, tok = g.shares(length, size)
+        work, tok = python_shares(g, length, size)
         if max(work) > share * g.mean and size < g.n:
             continue
         if members_fit(keys, work, tok, limit, g.cap):
@@ -178,14 +222,15 @@ def test_next_trade_by_rate_equals_the_pair_by_pair_scan():
 
 
 def test_whole_doc_step_in_runs_and_in_short_equals_the_plain_greedy(monkeypatch):
-    """The Whole-Doc step, as the pass takes it (runs of one length in one sort, ``_batch_whole``; one by one in short
-    for up to 64 ranks; heaps and the ranked order beyond), places every document where the plain rule does: longest
-    first, on the rank of least ``(max(load / limit, tokens / cap), load, rank)`` among those it fits (loads added one
-    by one).  Packs of long runs of a few lengths (equal loads and tokens: ties) between single documents, all
-    fitting, where loads decide (a loose cap) and where tokens do (no work bound); the refinement off."""
+    """The Whole-Doc step, as the pass takes it (runs of one length in one sort, ``_batch_whole``; one by one from the
+    top of the heap; the least key on arrays after many full ranks), places every document where the plain rule
+    does: longest first, on the rank of least ``(max(load / limit, tokens / cap), load, rank)`` among those it fits
+    (loads added one by one).  Packs of long runs of a few lengths (equal loads and tokens: ties) between single
+    documents, all fitting, where loads decide (a loose cap) and where tokens do (no work bound); the refinement
+    off."""
     monkeypatch.setattr(greedy_module, "refine", lambda *args: None)
     rng = random.Random(5)
-    for n, docs in ((3, 300), (8, 600), (64, 700), (100, 500)):
+    for n, docs in ((3, 300), (8, 600), (64, 700), (100, 500), (300, 6000)):
         lens = [rng.choice((3, 40, 300)) if rng.random() < 0.6 else rng.randint(1, 400) for _ in range(docs)]
         for cap_over, tol in ((2.0, 0.15), (1.1, math.inf)):
             g = Greedy(lens, n, CostModel(), int(cap_over * sum(lens) / n) + 400)
@@ -206,39 +251,6 @@ def test_whole_doc_step_in_runs_and_in_short_equals_the_plain_greedy(monkeypatch
             assert got == want, (n, tol)
 
 
-def test_exchange_pairs_on_arrays_equal_the_python_pairs():
-    """trade.scan_pairs_arrays (many ranks) gives what trade.scan_pairs gives: the pairs in scan order, their rates,
-    parts and excesses, the rows per (v, X) and per v, and the sets of the ranks under the mean, iterated in the same
-    order; None where two splits of one rank over the mean have equal rates (their order is then that rank's set's)."""
-    g, rng = greedy(100), random.Random(7)
-    compared = 0
-    for trial in range(30):
-        tied = trial % 3 == 0  # (equal lengths: equal rates on the ranks that hold both)
-        lengths = [rng.choice((3000, 5000)) if tied else rng.randint(2000, 90000) for _ in range(rng.randint(5, 60))]
-        load = [rng.uniform(0.5, 1.5) * g.mean for _ in range(g.n)]
-        over = sorted((r for r in range(g.n) if load[r] > g.mean * 1.01), key=lambda r: -load[r])
-        under = sorted((r for r in range(g.n) if load[r] < g.mean * 0.99), key=load.__getitem__)
-        pool = [r for r in range(g.n) if r not in under] if trial % 5 == 1 else range(g.n)  # (none under holds any)
-        splits = []
-        for i, length in enumerate(lengths):
-            members = rng.sample(pool, rng.randint(2, 40))
-            splits.append(Split(i * 100000, length, {r: rng.randint(1, 3000) for r in members}, False))
-        rate = [g.whole(sp.length) / sp.length for sp in splits]
-        got, want = scan_pairs_arrays(g, splits, over, under, rate, load), scan_pairs(g, splits, over, rate, load)
-        if got is None:  # (no pairs at all, or equal rates on one rank)
-            pv, px = want[1:3] if want is not None else ([], [])
-            assert want is None or any(v == w and rate[x] == rate[y]
-                                       for v, w, x, y in zip(pv, pv[1:], px, px[1:], strict=False))
-            continue
-        compared += 1
-        assert [list(got[0][u]) for u in under] == [list(want[0][u]) for u in under]
-        assert got[1:3] == want[1:3] and got[6] == want[6]
-        for a, b in zip(got[3:6], want[3:6], strict=True):
-            assert a.dtype == b.dtype and np.array_equal(a, b)
-        assert got[7].keys() == want[7].keys() and all(np.array_equal(got[7][v], want[7][v]) for v in got[7])
-    assert 10 <= compared < 30  # (both kinds met)
-
-
 def test_per_doc_arrays_equals_per_doc():
     from flashpar.cp.strategies import ArrayPlacement, per_doc, per_doc_arrays
 
@@ -251,7 +263,7 @@ def test_per_doc_arrays_equals_per_doc():
 
 
 def test_passes_started_where_the_first_stopped_keying_by_tokens_equal_passes_from_the_start():
-    """A pass of force 0 after the first (up to 64 ranks) starts from the state where the first pass's keys stopped
+    """A pass of force 0 after the first starts from the state where the first pass's keys stopped
     being the tokens' alone (``_Prefix``): every such pass, of any higher limit, share or without sub-groups, gives the
     placement it gives from the start (a fresh pass).  Packs of many short documents (long runs of equal lengths: ties)
     after a few long ones, where that state lies inside the pass, and a pack of all-distinct lengths."""
@@ -260,7 +272,7 @@ def test_passes_started_where_the_first_stopped_keying_by_tokens_equal_passes_fr
     rng = random.Random(3)
     packs = [(short_docs(32768, 1000), 8), (short_docs(16384, 900), 3), (short_docs(8192, 600), 4),
              ([rng.choice((2, 5, 9, 60)) if rng.random() < 0.9 else rng.randint(100, 3000) for _ in range(600)], 16),
-             (rng.sample(range(1, 5000), 200), 64)]
+             (rng.sample(range(1, 5000), 200), 64), (short_docs(262144, 3000), 256)]
     inside = 0
     for lens, n in packs:
         cap = int(1.05 * sum(lens) / n)
@@ -348,3 +360,23 @@ def test_force_one_is_skipped_only_where_its_passes_equal_force_zeros():
                     got = Greedy(lens, n, cost, cap).run(tol, 1, share)
                     assert got.key() == Greedy(lens, n, cost, cap).run(tol, 0, share).key(), (trial, tol, share)
     assert said[True] >= 3 and said[False] >= 3, said
+
+
+def test_fill_rooms_order_equals_a_sort_by_room_then_rank():
+    """``_fill_rooms``: the ranks by room (largest first, the higher rank on ties; rooms tied on purpose), their
+    running sum, how many join (while the sum is under ``need`` and the room at least one token) and the largest
+    room, against a sort and a loop in Python."""
+    g, rng = greedy(64, 2), random.Random(12)
+    for _ in range(200):
+        load = [rng.choice((0.0, g.mean * 0.5, rng.uniform(0, 1.2 * g.mean))) for _ in range(g.n)]
+        toks = [rng.choice((0, g.cap // 2, g.cap, rng.randint(0, g.cap))) for _ in range(g.n)]
+        per_tok, top = g.mean / g.cap * rng.uniform(0.5, 2.0), rng.choice((g.cap, rng.uniform(1, g.cap)))
+        need, limit = rng.uniform(1, 5 * g.cap), g.mean * rng.uniform(1.0, 1.1)
+        room = [min((limit - load[r]) / per_tok, float(g.cap - toks[r]), top) for r in range(g.n)]
+        order = sorted(range(g.n), key=lambda r: (-room[r], -r))
+        acc, k = 0.0, 0
+        while k < g.n and acc < need and room[order[k]] >= 1:
+            acc += room[order[k]]
+            k += 1
+        got = g._fill_rooms(np.asarray(load), np.asarray(toks), limit, per_tok, top, need)
+        assert (got[0], got[1], got[2].tolist(), got[3]) == (acc, k, order[:k], room[order[0]])

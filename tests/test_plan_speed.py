@@ -1,8 +1,7 @@
-"""The planner's speed-ups change no plan: every strategy's plan on a few packs (shipped lists, short documents,
-attention work alone) equals the one frozen in ``tests/data/frozen_plans.json``, written by the planner before
-its speed-ups (``python tests/test_plan_speed.py --write`` rewrites it: only for a deliberate change of plans; the
-1M / 64 and 2M / 128 cases were added by the second round of speed-ups, written by the planner before it, and the two
-512K / 256 cases by the third, written by the planner before that round).
+"""How the planner carries out its steps changes no plan: every strategy's plan on a few packs (shipped lists, short
+documents, attention work alone; 8 to 256 ranks) equals the one frozen in ``tests/data/frozen_plans.json``
+(``python tests/test_plan_speed.py --write`` rewrites it: only for a deliberate change of plans).  Packs of many
+short source files up to 1,024 ranks: ``tests/test_source_plans.py``.
 
 Compared: every rank's pieces and the plan's statistics (less its timing; its per-rank K/V bytes sent and
 received come from the receive lists)."""
@@ -35,9 +34,8 @@ def cases() -> dict[str, tuple[list[int], int, bool]]:
     out["long-context-512K-32"] = (resolve_lengths("long-context").packs(524288, 1, seed=1)[0], 32, True)
     out["short300-128K-8"] = (short_docs(131072, 300), 8, True)
     out["short600-512K-32"] = (short_docs(524288, 600), 32, True)
-    out["wlbllm-1M-64"] = (resolve_lengths("wlbllm").packs(1 << 20, 1)[0], 64, True)  # (arrays beyond 32 ranks,
-    out["prolong-2M-128"] = (resolve_lengths("prolong").packs(1 << 21, 1)[0], 128, True)  # heaps beyond 64)
-    # (from 256 ranks on the greedy keeps its ranked order in step with every document: the third round)
+    out["wlbllm-1M-64"] = (resolve_lengths("wlbllm").packs(1 << 20, 1)[0], 64, True)
+    out["prolong-2M-128"] = (resolve_lengths("prolong").packs(1 << 21, 1)[0], 128, True)
     out["short1500-512K-256"] = (short_docs(524288, 1500), 256, True)
     out["long-context-512K-256"] = (resolve_lengths("long-context").packs(524288, 1, seed=1)[0], 256, True)
     out["magi-64K-8-attention"] = (resolve_lengths("magi").packs(65536, 1, seed=0)[0], 8, False)
@@ -220,3 +218,35 @@ def test_whole_doc_bound_is_below_the_whole_doc_plans_step_and_binds_where_docum
                 assert bound <= step, (name, tokens, n, bound, step)
                 binding += bound > 1.05 * DocWork(doc_lens, n, cost, cap).mean
     assert binding >= 8, binding  # (of 24 packs; 12 today)
+
+
+def test_per_doc_bounds_are_below_the_baselines_steps_and_bind_on_source_files():
+    """``per_doc_bound`` (``cut_all_bound`` with the tasks and launches of every document cut over all ranks) and
+    ``whole_doc_bound`` let flashcp skip its per_doc and whole_doc baselines: neither may exceed that baseline's
+    estimated step (else a skip could drop the pick), on source-file packs, the files at their own lengths and
+    shipped lists from 2 to 256 ranks, under the default, per-step and no-launch-penalty cost models; and where
+    documents run over many ranks they must bind where ``cut_all_bound`` alone does not (about 6x it at 256 ranks on
+    the files at their own lengths, whose per_doc plan is estimated far slower than flashcp's)."""
+    from flashpar.bench.plan_targets import source_docs
+    from flashpar.corpus import document_lengths
+    from flashpar.cp.cp_plan import whole_doc_times
+    from flashpar.cp.flashcp import token_cap, whole_doc
+    from flashpar.cp.flashcp.bounds import cut_all_bound, per_doc_bound, whole_doc_bound
+    from flashpar.cp.lengths import pack
+    from flashpar.cp.strategies import per_doc_arrays
+
+    for cost in (CostModel(), CostModel().per_step(), CostModel().with_hardware(attn_half=0.0)):
+        for n in (2, 3, 8, 16, 64, 256):
+            for doc_lens in (source_docs(4096 * n, 30 * n), pack(document_lengths(), 8192 * n, 2)[-1],
+                             resolve_lengths("wlbllm").packs(8192 * n, 1)[0]):
+                lens = np.asarray(doc_lens, dtype=np.int64)
+                starts = np.cumsum(lens) - lens
+                step = per_doc_arrays(doc_lens, n).figures(doc_lens, starts, cost).step
+                bound = per_doc_bound(lens, n, cost)
+                assert cut_all_bound(lens, n, cost) <= bound <= step, (n, bound, step)
+                cap = token_cap(doc_lens, n, 0.05)
+                wd = whole_doc(doc_lens, n, cost, 0.05).figures(doc_lens, starts, cost).step
+                assert whole_doc_bound(lens, n, cost, cap, whole_doc_times(lens, cost)) <= wd, (n, wd)
+    doc_lens = pack(document_lengths(), 8192 * 256, 2)[-1]
+    lens = np.asarray(doc_lens, dtype=np.int64)
+    assert per_doc_bound(lens, 256, CostModel()) > 4 * cut_all_bound(lens, 256, CostModel())

@@ -7,9 +7,10 @@
    given): packs of 128K tokens at N = 8 and 512K at N = 32, default cost model (attention + linear).
 3. Planning time for 1M tokens at N = 64 (5 packs, or ``--packs`` if fewer).
 4. With ``--scale``: planning time at scale against the targets (median of ``--scale-runs``): 128K tokens at
-   N = 8 and 512K at N = 32, on a pack of wlbllm, of about 2,000 and of 10,000 short documents
-   (:func:`short_docs`), and 8M tokens at N = 1,024 on wlbllm and the long-context mix (each row also shows
-   the plan's compute and token imbalance).
+   N = 8 and 512K at N = 32, on a pack of wlbllm, of 2,000 and of 10,000 short documents (:func:`short_docs`)
+   and of many short source files (450 and 2,059 of the standard library's files, :func:`source_docs`), and 8M
+   tokens at N = 1,024 on wlbllm, the long-context mix and 4,359 source files (each row also shows the plan's
+   compute and token imbalance).
 
 Figures: compute imbalance (max / mean of the cost model's per-rank compute), attention imbalance
 (max / mean of causal pairs), token imbalance, ``kv_worst_frac`` (the worst rank's K/V received
@@ -38,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "list and the long-context mix)")
     p.add_argument("--scale", action="store_true",
                    help="also time the planner at scale against its targets (128K / N=8 and 512K / N=32 with up to "
-                        "10,000 documents, 8M / N=1024)")
+                        "10,000 documents, 8M / N=1024; short documents and source files among them)")
     p.add_argument("--scale-runs", type=int, default=3, help="runs per --scale case, the median shown (default 3)")
 
 
@@ -155,14 +156,29 @@ def planning_time(n_packs: int) -> list[str]:
 
 def short_docs(tokens: int, docs: int) -> list[int]:
     """A pack of exactly ``docs`` documents adding up to ``tokens``: spamassassin's lengths (cycled), scaled to fit
-    (each at least 1 token; the rounding's remainder spread over the longest, one token each)."""
+    (see :func:`scaled_docs`)."""
     from flashpar.cp.lengths import resolve_lengths
 
+    return scaled_docs(resolve_lengths("spamassassin").values, tokens, docs)
+
+
+def source_docs(tokens: int, docs: int) -> list[int]:
+    """A pack of exactly ``docs`` of the Python standard library's source files (``flashpar.corpus``, in path order,
+    cycled), their lengths scaled to add up to ``tokens`` (see :func:`scaled_docs`): many short documents and a
+    long tail (a few files are 40-80x the median)."""
+    from flashpar.corpus import document_lengths
+
+    return scaled_docs(document_lengths(), tokens, docs)
+
+
+def scaled_docs(values, tokens: int, docs: int) -> list[int]:
+    """A pack of exactly ``docs`` documents adding up to ``tokens``: ``values`` (cycled), scaled to fit (each at
+    least 1 token; the rounding's remainder spread over the longest, one token each)."""
     if not 1 <= docs <= tokens:
         raise ValueError(f"a pack of {tokens} tokens holds 1 to {tokens} documents, not {docs}")
-    src = resolve_lengths("spamassassin").values
-    raw = [src[i % len(src)] for i in range(docs)]
-    lens = [max(1, v * tokens // sum(raw)) for v in raw]
+    raw = [values[i % len(values)] for i in range(docs)]
+    total = sum(raw)
+    lens = [max(1, v * tokens // total) for v in raw]
     rest, i = tokens - sum(lens), 0
     order = sorted(range(docs), key=lambda d: -lens[d])
     while rest:
@@ -179,12 +195,14 @@ def scale_packs() -> list[tuple[str, list[int], int, int]]:
     from flashpar.cp.lengths import resolve_lengths
 
     out = []
-    for tokens, n in ((131072, 8), (524288, 32)):
+    for tokens, n, files in ((131072, 8, 450), (524288, 32, 2059)):
         out.append(("wlbllm", resolve_lengths("wlbllm").packs(tokens, 1)[0], tokens, n))
         out += [(f"{docs:,} short docs", short_docs(tokens, docs), tokens, n) for docs in (2000, 10000)]
+        out.append((f"{files:,} source files", source_docs(tokens, files), tokens, n))
     for name in ("wlbllm", "long-context"):
         out.append((name if name != "long-context" else "long-context mix",
                     resolve_lengths(name).packs(8 << 20, 1)[0], 8 << 20, 1024))
+    out.append(("4,359 source files", source_docs(8 << 20, 4359), 8 << 20, 1024))
     return out
 
 

@@ -24,7 +24,7 @@ The modules, each importing only those below it::
     rankdocs   a rank's whole documents by length   splits   split documents and their pieces
     ranks      the ranks' orders as loads change
     work       what a document costs; token_cap
-    policy     the choices that depend on the number of ranks
+    policy     the search grid at N ranks
     arrays     lists as numpy arrays
 """
 

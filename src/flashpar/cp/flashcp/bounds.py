@@ -14,15 +14,17 @@ from flashpar.cp.cost import CostModel
 def whole_doc_bound(lens, n: int, cost: CostModel, cap: int, whole_times) -> float:
     """A lower bound on the estimated step time of the ``whole_doc`` baseline: the mean compute per rank, with
     every document longer than the token cap (it fits whole on no rank) Per-Doc over all ``N`` ranks (what
-    ``whole_doc`` does with it: ``2N`` chunks, bounded as in :func:`cut_all_bound`) and every other one at its
-    attention time whole (``whole_times``, :func:`~flashpar.cp.cp_plan.whole_doc_times`; one that ends up cut only
-    costs more), plus the linear work.  Less a millionth for rounding."""
+    ``whole_doc`` does with it: ``2N`` chunks, bounded as in :func:`cut_all_bound`, its tasks and launches too) and
+    every other one at its attention time whole (``whole_times``, :func:`~flashpar.cp.cp_plan.whole_doc_times`; one
+    that ends up cut only costs more), plus the linear work.  Less a millionth for rounding."""
     long = lens > cap
     if not np.logical_or.reduce(long):  # (none: the same sum, of the same array)
         attn = 0.0 + float(whole_times.sum())
-    else:
-        attn = float(cut_attn(lens[long], n, cost).sum()) + float(whole_times[~long].sum())
-    return (attn + cost.linear_time(int(lens.sum()))) / n * (1 - 1e-6)
+        return (attn + cost.linear_time(int(lens.sum()))) / n * (1 - 1e-6)
+    cut = lens[long]
+    attn = float(cut_attn(cut, n, cost).sum()) + float(split_tasks(cut, n, cost).sum()) + float(
+        whole_times[~long].sum())
+    return ((attn + cost.linear_time(int(lens.sum()))) / n + split_launches(cut, n, cost)) * (1 - 1e-6)
 
 
 def ring_bound(lens, starts, n: int, cost: CostModel, whole_times) -> tuple[float, tuple[int, int]]:
@@ -68,4 +70,43 @@ def cut_all_bound(lens, n: int, cost: CostModel, runs=None) -> float:
     rises with both, and a piece cut further only loses), plus the linear work.  Less a millionth for rounding.
     ``runs``: see :func:`cut_attn`."""
     return (float(cut_attn(lens, n, cost, runs).sum()) + cost.linear_time(int(lens.sum()))) / n * (1 - 1e-6)
+
+
+def per_doc_bound(lens, n: int, cost: CostModel, runs=None) -> float:
+    """A lower bound on the estimated step time of ``per_doc`` (rank ``r`` holds chunks ``r`` and ``2N - 1 - r`` of
+    every document): :func:`cut_all_bound`'s, with each document's tasks beyond one per piece
+    (:func:`split_tasks`) and the launches (:func:`split_launches`) added.  (Not ``torch_per_doc``'s: its shards
+    can hold a document's chunks on fewer ranks.)"""
+    tasks = split_tasks(lens, n, cost) if runs is None else split_tasks(runs[0], n, cost)[runs[1]]
+    attn = float(cut_attn(lens, n, cost, runs).sum()) + float(tasks.sum())
+    return ((attn + cost.linear_time(int(lens.sum()))) / n + split_launches(lens, n, cost)) * (1 - 1e-6)
+
+
+def split_tasks(lens, n: int, cost: CostModel):
+    """Per document (``lens``, an int64 array) cut into ``2N`` chunks over ``N`` ranks (rank ``r``: chunks ``r`` and
+    ``2N - 1 - r``): a lower bound on the attention time of its full tasks beyond one task per piece, 0 where
+    ``L < 2N`` (where a chunk may be empty).
+
+    A piece of ``l`` queries with keys ahead on ``h >= 1`` ranks runs ``h`` full tasks, ``fpp (l + c)(x + h c) /
+    (flops attn_peak)`` in all (``CostModel.full_attn_time``, ``x`` the keys ahead, ``c = attn_half``): one task
+    over the ``x`` keys (whose time :func:`cut_attn` bounds) and ``fpp (l + c)(h - 1) c / (flops attn_peak)`` more.
+    With every chunk holding ``l >= floor(L / 2N)`` tokens, the head chunk ``j`` has ``h = j`` and every tail ``h =
+    N``: ``sum (h - 1) = (N - 1)(N - 2) / 2 + N (N - 1)`` over the pieces.  A piece cut further (torch) only adds
+    tasks: its parts have no fewer ranks ahead and their ``l + c`` add up to more (in ``whole_doc``, the ranks in
+    another order: the same counts)."""
+    hw = cost.hardware
+    extra = (n - 1) * (n - 2) // 2 + n * (n - 1)
+    per_doc = cost.flops_per_pair * ((lens // (2 * n)).astype(np.float64) + hw.attn_half) * hw.attn_half * extra / (
+        hw.flops * hw.attn_peak)
+    return np.where(lens >= 2 * n, per_doc, 0.0)
+
+
+def split_launches(lens, n: int, cost: CostModel) -> float:
+    """A lower bound on each rank's launches where some document of ``lens`` is cut into ``2N`` chunks over ``N >= 2``
+    ranks with no chunk empty (``L >= 2N``): its tail chunk has keys ahead on every other rank, a full task on each
+    of their buffers, and tasks on different buffers never share a kernel call (:mod:`flashpar.cp.calls`); with its
+    causal square, ``N`` calls, a launch (``gemm_overhead_s``) each."""
+    if n < 2 or not np.logical_or.reduce(lens >= 2 * n):
+        return 0.0
+    return n * cost.hardware.gemm_overhead_s
 

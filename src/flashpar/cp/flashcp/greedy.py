@@ -18,14 +18,12 @@ everywhere) and ``force`` (how many of the longest documents are split even wher
 
 from __future__ import annotations
 
-import bisect
 import heapq
-import math
 
 import numpy as np
 
 from flashpar.cp.flashcp.groups import GroupSearch
-from flashpar.cp.flashcp.ranks import Mins, Ranked
+from flashpar.cp.flashcp.ranks import Ranked
 from flashpar.cp.flashcp.refine import refine
 from flashpar.cp.flashcp.splits import Split, headtail_arrays, sized_arrays
 from flashpar.cp.flashcp.trade import exchange
@@ -67,7 +65,7 @@ class Greedy(GroupSearch, WholeDocStep):
             if length <= self.cap and limit - w >= 0.0:  # (the step's own test: it fits whole on an empty rank)
                 return False
             for share in shares:
-                if self._group(length, Ranked(self.n, arrays=self.policy.ranked_arrays), limit, share) is None:
+                if self._group(length, Ranked(self.n), limit, share) is None:
                     return False
         return True
 
@@ -87,7 +85,7 @@ class Greedy(GroupSearch, WholeDocStep):
         return changed
 
     def run(self, tol: float, force: int, share: float = 1.0, subgroups: bool = True) -> ArrayPlacement:
-        n, cap, policy = self.n, self.cap, self.policy
+        n, cap = self.n, self.cap
         limit = (1 + tol) * self.mean
         self.peak_share = 0.0  # the largest share of the mean any split member took (see search.plan)
         load, toks = [0.0] * n, [0] * n
@@ -99,21 +97,21 @@ class Greedy(GroupSearch, WholeDocStep):
         # (key, load, rank, tokens) per rank; an entry whose load and tokens are no longer the rank's is stale
         heap = [(0.0, 0.0, q, 0) for q in range(n)]
         seq = 0
-        # the ranks by (load, tokens) too (with ``ranked_arrays`` also load and toks as arrays, by rank:
-        # ranked.load_of, ranked.toks_of, always current); ``ranked_eager``: kept in step with every document, as
-        # whether any rank fits a document whole comes from them there, else brought up to date where next needed
-        # (``pending``)
-        ranked, eager, pending = Ranked(n, arrays=policy.ranked_arrays), policy.ranked_eager, []
+        # the ranks by (load, tokens) too (for the group search), brought up to date where next needed: the ranks
+        # changed since are ``pending``; its arrays by rank (``lv``, ``tv``: load and tokens) are kept current
+        ranked, pending = Ranked(n), []
+        lv, tv = ranked.load_of, ranked.toks_of
         runs = []  # (where in pass order, ranks, first place) of each run _batch_whole placed
         k, prefix = 0, self._prefix
-        # ``reuse_prefix``: a pass of force 0 starts where the first such pass stopped keying by tokens alone, where
-        # its own limit is no lower (see Prefix); the first such pass keeps track of where that is (``tracking``)
-        tracking = policy.reuse_prefix and force == 0 and prefix is None
-        if policy.reuse_prefix and force == 0 and prefix is not None and limit >= prefix.limit:
+        # a pass of force 0 starts where the first such pass stopped keying ranks by tokens alone, where its own limit
+        # is no lower (see Prefix); the first such pass keeps track of where that is (``tracking``)
+        tracking = force == 0 and prefix is None
+        if force == 0 and prefix is not None and limit >= prefix.limit:
             k, seq, heap, runs = prefix.k, prefix.seq, list(prefix.heap), list(prefix.runs)
             load, toks = list(prefix.load), list(prefix.toks)
             doc_rank, doc_seq = prefix.rank.copy(), prefix.seq_of.copy()
             pending = list(range(n))  # (ranked: every rank brought up to date where next needed)
+            lv[:], tv[:] = load, toks
 
         def stop_tracking(at_load, at_toks) -> None:  # the state before document k, for the passes after this one
             nonlocal tracking
@@ -121,34 +119,28 @@ class Greedy(GroupSearch, WholeDocStep):
                                    doc_seq.copy())
             tracking = False
 
-        mins = Mins(load, toks) if policy.heap_mins else None  # min(toks), min(load) in O(log N)
-        heap_anew = False  # after many changes at once: the heaps are built anew where next needed
+        # after many changes at once (more than ``rebuild``): the heap is built anew where next needed (``heap_anew``)
+        rebuild, heap_anew = max(n // 4, 64), False
 
         def touched(ranks) -> None:  # new current entries for ranks whose load changed
             nonlocal heap_anew
-            if eager:
-                ranked.update_many(ranks, load, toks)
-            else:
-                pending.extend(ranks)
-                if ranked.arrays:
-                    for q in ranks:
-                        ranked.load_of[q], ranked.toks_of[q] = load[q], toks[q]
-            if heap_anew or len(ranks) > policy.heap_rebuild:
+            pending.extend(ranks)
+            for q in ranks:
+                lv[q], tv[q] = load[q], toks[q]
+            if heap_anew or len(ranks) > rebuild:
                 heap_anew = True
                 return
             for q in ranks:
                 heapq.heappush(heap, (max(load[q] / limit, toks[q] / cap), load[q], q, toks[q]))
-            if mins is not None:
-                mins.push(ranks)
 
         order, run_end = self.order, self.run_end
         count = len(order)
-        few, whole_of, lens = not eager and mins is None, self._whole, self.lens  # (few: neither of those)
+        whole_of, lens = self._whole, self.lens
         heappop, heapreplace = heapq.heappop, heapq.heapreplace
         while k < count:
             d = order[k]
-            if few and k >= force and run_end[k] - k < BATCH:  # the Whole-Doc step below, in short for few ranks:
-                # the top of the heap (stale entries dropped) has the least key, and where it fits, it is the rank
+            if not heap_anew and k >= force and run_end[k] - k < BATCH:  # the Whole-Doc step below, in short: the
+                # top of the heap (stale entries dropped) has the least key, and where it fits, it is the rank
                 length = lens[d]
                 w = whole_of[length]
                 e = heap[0]
@@ -163,18 +155,18 @@ class Greedy(GroupSearch, WholeDocStep):
                         stop_tracking(load, toks)
                     doc_rank[d], doc_seq[d] = r, seq
                     seq += 1
-                    load[r], toks[r] = lr, tr
+                    load[r], toks[r] = lv[r], tv[r] = lr, tr
                     pending.append(r)
                     heapreplace(heap, (y if y > x else x, lr, r, tr))  # (max(x, y), as max() picks)
                     k += 1
                     continue
-            length = self.lens[d]
+            length = lens[d]
             if k >= force:
-                w = self.whole(length)
+                w = whole_of[length]
                 tok_room, work_room = cap - length, limit - w
                 if run_end[k] - k >= BATCH:  # a run of equal lengths: place as many whole as the greedy would
                     before = (list(load), list(toks)) if tracking else None
-                    placed = self._batch_whole(k, run_end[k], length, w, load, toks, limit, tracking)
+                    placed = self._batch_whole(k, run_end[k], length, w, load, toks, limit, tracking, (lv, tv))
                     if placed and tracking and not placed[2]:
                         stop_tracking(*before)
                     if placed:
@@ -187,59 +179,36 @@ class Greedy(GroupSearch, WholeDocStep):
                 # key order that fits (the least key, the lowest rank on ties)
                 if tracking:  # (its fit might depend on the limit)
                     stop_tracking(load, toks)
-                r, skipped = -1, []
-                if tok_room < 0:  # (longer than the cap)
-                    fits = False
-                elif eager:  # some rank within both (those within the work room: a prefix of the ranked order)
-                    c = bisect.bisect_right(ranked.keys, (work_room, math.inf))
-                    fits = c > 0 and np.minimum.reduce(ranked.toks[:c]) <= tok_room  # (.min(), without its Python
-                    # layer; the tokens are integers, exact as floats)
-                elif mins is not None:
-                    if heap_anew:
-                        mins = Mins(load, toks)
-                    fits = mins.tok() <= tok_room and mins.load() <= work_room
-                else:
-                    fits = min(toks) <= tok_room and min(load) <= work_room  # (else no rank fits)
-                if heap_anew and (fits or mins is not None):  # one current entry per rank (the same entries)
-                    if ranked.arrays:  # (the same divisions and maxima on arrays)
-                        lv, tv = ranked.load_of, ranked.toks_of
-                        key0 = np.maximum(lv / limit, tv / cap).tolist()
-                        heap[:] = zip(key0, lv.tolist(), range(n), tv.tolist(), strict=True)
-                    else:
-                        heap[:] = [(max(load[q] / limit, toks[q] / cap), load[q], q, toks[q]) for q in range(n)]
+                # whether any rank fits (on the arrays by rank: only where the top of the heap does not fit)
+                fits = tok_room >= 0 and np.logical_or.reduce((tv <= tok_room) & (lv <= work_room))
+                r, skipped, at_top = -1, [], True
+                if fits and heap_anew:  # one current entry per rank (the same divisions and maxima on arrays)
+                    heap[:] = zip(np.maximum(lv / limit, tv / cap).tolist(), load, range(n), toks, strict=True)
                     heapq.heapify(heap)
                     heap_anew = False
-                at_top = True
                 while fits and heap:
                     e = heap[0]
                     q = e[2]
                     if e[1] != load[q] or e[3] != toks[q]:
-                        heapq.heappop(heap)  # stale
+                        heappop(heap)  # stale
                         continue
                     if toks[q] <= tok_room and load[q] <= work_room:
                         r = q
                         break
-                    skipped.append(heapq.heappop(heap))
+                    skipped.append(heappop(heap))
                     if len(skipped) >= SKIP_MAX:  # many full ranks first: the least key that fits, on arrays
-                        rooms = (ranked.load_of, ranked.toks_of) if ranked.arrays else (load, toks)
-                        r, at_top = self._fitting(rooms, limit, tok_room, work_room), False
+                        r, at_top = self._fitting(lv, tv, limit, tok_room, work_room), False
                         break
                 if r >= 0:
                     doc_rank[d], doc_seq[d] = r, seq
                     seq += 1
                     load[r] += w
                     toks[r] += length
-                    if eager:
-                        ranked.update(r, load[r], toks[r])
-                    else:
-                        pending.append(r)
-                        if ranked.arrays:
-                            ranked.load_of[r], ranked.toks_of[r] = load[r], toks[r]
-                        if mins is not None:
-                            mins.push((r,))
+                    lv[r], tv[r] = load[r], toks[r]
+                    pending.append(r)
                     entry = (max(load[r] / limit, toks[r] / cap), load[r], r, toks[r])
                     if at_top:
-                        heapq.heapreplace(heap, entry)
+                        heapreplace(heap, entry)
                     else:
                         heapq.heappush(heap, entry)
                 for e in skipped:
@@ -274,20 +243,12 @@ class Greedy(GroupSearch, WholeDocStep):
         refine(self, doc_rank, doc_seq, load, toks, seq)
         if not splits and not any(p.segments) and doc_rank.min() >= 0:  # every document whole
             return ArrayPlacement.of_whole(n, doc_rank, self.starts_np, self.lens_np)
-        parts = []
-        if policy.many_arrays:  # (many members: on arrays)
-            parts = [headtail_arrays([sp for sp in splits if sp.equal]),
-                     sized_arrays([sp for sp in splits if not sp.equal])]
-        else:
-            for sp in splits:
-                if sp.equal:  # member i takes chunks i and 2g - 1 - i
-                    p.headtail(list(sp.parts), sp.start, sp.length)
-                else:  # the largest parts outermost
-                    members = sorted(sp.parts, key=lambda r: -sp.parts[r])
-                    p.headtail_sized(members, [sp.parts[r] for r in members], sp.start, sp.length)
         whole = np.flatnonzero(doc_rank >= 0)
         ws = self.starts_np[whole]
-        return ArrayPlacement.sorted_from(n, [(doc_rank[whole], ws, ws + self.lens_np[whole]), p.arrays(), *parts])
+        equal, sized = [sp for sp in splits if sp.equal], [sp for sp in splits if not sp.equal]
+        return ArrayPlacement.sorted_from(n, [(doc_rank[whole], ws, ws + self.lens_np[whole]), p.arrays(),
+                                              *([headtail_arrays(equal)] if equal else []),
+                                              *([sized_arrays(sized)] if sized else [])])
 
 
     def _place_other(self, k, d, length, start, force, load, toks, limit, share, subgroups, p, splits, ranked):
@@ -300,7 +261,7 @@ class Greedy(GroupSearch, WholeDocStep):
         # rank), looked up once (nothing changes in between)
         room = ranked.first_with_room(cap - length) if group is None else -1
         cut = group is None and subgroups and room < 0
-        rooms = (ranked.load_of, ranked.toks_of) if ranked.arrays else None  # (kept current there, as for _fitting)
+        rooms = (ranked.load_of, ranked.toks_of)  # (current: the ranks were brought up to date before this)
         fill = self._fill(length, start, load, toks, limit, share, rooms) if cut else None
         if fill is not None and len(fill[0]) > 1:  # unequal parts by each rank's room
             members, sizes = fill

@@ -22,45 +22,18 @@ FILL_MARGIN = 0.02
 """Room the members of an unequal split must have beyond the document (cut pieces run less efficiently)."""
 
 
-def members_fit(keys, work, tok, limit: float, cap: int) -> bool:
-    """Whether the first ``len(work)`` ranks of ``keys`` ((load, tokens, rank), member ``i`` taking ``work[i]`` and
-    ``tok[i]``) all stay within ``limit`` and ``cap``."""
-    for (ld, t, _), w, x in zip(keys, work, tok, strict=False):  # noqa: SIM110 (faster than all() of a generator)
-        if ld + w > limit or t + x > cap:
-            return False
-    return True
-
-
-def _tokens_fit(keys, length: int, g: int, cap: int) -> bool:
-    """Whether the first ``g`` ranks of ``keys`` have room for the tokens of a head-tail group of ``g`` over
-    ``length`` (member ``i``: chunks ``i`` and ``2g - 1 - i`` of ``2g``, as :meth:`Greedy.shares` counts them)."""
-    two = 2 * g
-    for i in range(g):
-        x = length * (i + 1) // two - length * i // two + length * (two - i) // two - length * (two - 1 - i) // two
-        if keys[i][1] + x > cap:
-            return False
-    return True
-
-
-
 class GroupSearch(DocWork):
     """The group-size search and the unequal fill over the documents of :class:`DocWork`; ``peak_share``: the largest
     share of the mean compute any member of a split took since it was last set to 0 (a pass sets it)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        n = self.n
         self.peak_share = 0.0
         self._top: dict[tuple[int, int], float] = {}  # per (length, g): the largest of the shares
-        # group sizes tried: every size up to 8, then about 1.25x apart (and N itself)
-        sizes, g = [], 2
-        while g < n:
-            sizes.append(g)
-            g = g + 1 if g < 8 else math.ceil(g * 1.25)
-        self.sizes = [*sizes, n] if n >= 2 else []
         self.sizes_np = np.asarray(self.sizes, dtype=np.int64)
         self._last_np = self.sizes_np - 1  # (the last member of a group of each size)
-        self._fewest: dict[int, np.ndarray] = {}  # per length: _group's fewest tokens per member, per size
+        self._fewest: dict[int, tuple] = {}  # per length: the room _group's members need, per size
+        self._sizes_at = (math.nan, None)  # (a limit, g times it for every size g)
 
     def _group(self, length: int, ranked: Ranked, limit: float, share: float) -> list[int] | None:
         """The smallest head-tail group (of ``self.sizes`` least-loaded ranks, ``ranked`` order) whose members all stay
@@ -68,11 +41,12 @@ class GroupSearch(DocWork):
 
         Only sizes up to the number of ranks under ``limit`` can fit (the ranks are by load).  A size is passed over
         at once, before its shares are looked up, where the fullest member (by tokens, a prefix maximum) has no room
-        for the fewest tokens any member takes (``2 floor(L / 2g)``: each chunk holds at least ``floor(L / 2g)``), or
-        where the members' room under ``limit`` (``g limit - sum of their loads``, a prefix sum) is less than the
-        document's compute whole: the members' shares add up to at least that (the same causal pairs, in pieces no
-        longer than the document, which run no more efficiently; a millionth of it, and a billionth of ``g limit``,
-        spare for rounding)."""
+        for the fewest tokens any member takes (``2 floor(L / 2g)``: each chunk holds at least ``floor(L / 2g)``),
+        where the least loaded rank has no room for the first member's (chunks ``0`` and ``2g - 1``), or where the
+        members' room under ``limit`` (``g limit - sum of their loads``, a prefix sum) is less than the document's
+        compute whole: the members' shares add up to at least that (the same causal pairs, in pieces no longer than
+        the document, which run no more efficiently; a millionth of it, and a billionth of ``g limit``, spare for
+        rounding)."""
         # a member's share is about whole / g (a little more: cut pieces run less efficiently)
         whole = self.whole(length)
         first = max(2, min(self.n, math.ceil(whole / (share * self.mean)))) if share < math.inf else 2
@@ -81,64 +55,44 @@ class GroupSearch(DocWork):
         hi = bisect.bisect_right(sizes, bisect.bisect_left(keys, (limit,)))  # (limit,): below every key at limit
         if lo >= hi:
             return None
-        if not ranked.arrays:  # few ranks: every size in Python (tokens first: their shares cost more)
-            candidates = sizes[lo:hi]
-        else:
-            most = sizes[hi - 1]  # (the members' room grows with g: every rank up to here is under the limit)
-            at = self._last_np[lo:hi]  # (the last member of each size)
-            fewest = self._fewest.get(length)  # the fewest tokens a member takes, per size
-            if fewest is None:
-                fewest = self._fewest[length] = 2 * (length // (2 * self.sizes_np))
-            top_toks = ranked.top_prefix(most)
-            ok = top_toks[at] + fewest[lo:hi] <= cap
-            if not np.logical_or.reduce(ok):  # (ok.any(), without its Python layer)
-                return None
-            gs = self.sizes_np[lo:hi]
-            if limit < math.inf:  # the members' room under the limit, all together, must hold the document's work
-                room = gs * (limit * (1 + 1e-9)) - ranked.sum_prefix(most)[at]
-                ok &= room >= whole * (1 - 1e-6)
-            candidates = gs[ok].tolist()
+        most = sizes[hi - 1]  # (the members' room grows with g: every rank up to here is under the limit)
+        at = self._last_np[lo:hi]  # (the last member of each size)
+        per_size = self._fewest.get(length)  # the most tokens a rank may hold to take the fewest tokens a member
+        if per_size is None:  # takes, and to take the first member's, per size
+            two = 2 * self.sizes_np
+            per_size = self._fewest[length] = (cap - 2 * (length // two),
+                                               cap - (length // two + length - length * (two - 1) // two))
+        fewest_room, first_room = per_size
+        top_toks = ranked.top_prefix(most)
+        ok = (top_toks[at] <= fewest_room[lo:hi]) & (first_room[lo:hi] >= keys[0][1])
+        if not np.logical_or.reduce(ok):  # (ok.any(), without its Python layer)
+            return None
+        gs = self.sizes_np[lo:hi]
+        if limit < math.inf:  # the members' room under the limit, all together, must hold the document's work
+            if self._sizes_at[0] != limit:  # (g limit for every size, per limit: the same products)
+                self._sizes_at = (limit, self.sizes_np * (limit * (1 + 1e-9)))
+            room = self._sizes_at[1][lo:hi] - ranked.sum_prefix(most)[at]
+            ok &= room >= whole * (1 - 1e-6)
+        candidates = gs[ok].tolist()
         bound = share * self.mean
         for g in candidates:
-            # (on arrays, at once: every member within the cap where the fullest of them, the prefix maximum, has room
-            # for two of the longest chunks, ceil(L / 2g) tokens each; within the limit where the most loaded, the
-            # last, has room for the largest share: then no member's sum can be over, as float sums are monotone;
-            # any member over: the largest over, a maximum.reduce)
-            roomy = ranked.arrays and top_toks[g - 1] + 2 * -(-length // (2 * g)) <= cap
-            if ranked.arrays and g > 32:  # (on arrays: the same sums and comparisons; tokens first, cheaper)
-                if not roomy and np.maximum.reduce(ranked.toks[:g] + self._share_tokens(length, g)) > cap:
-                    continue
-                top = self._top.get((length, g))
-                if top is None:
-                    top = self._top[(length, g)] = float(self._share_arrays(length, g)[0].max())
-                if (top > bound and g < self.n) or (ranked.loads[g - 1] + top > limit and np.maximum.reduce(
-                        ranked.loads[:g] + self._share_arrays(length, g)[0]) > limit):
-                    continue
-            else:
-                top = self._size_fits(keys, length, g, bound, limit, cap, roomy)
-                if top is None:
-                    continue
+            # every member within the cap where the fullest of them (the prefix maximum) has room for two of the
+            # longest chunks, ceil(L / 2g) tokens each, else where no member's sum is over (the largest, a
+            # maximum.reduce); within the limit where the most loaded, the last, has room for the largest share (no
+            # member's sum can then be over: float sums are monotone), else where no member's sum is over
+            if top_toks[g - 1] + 2 * -(-length // (2 * g)) > cap and np.maximum.reduce(
+                    ranked.toks[:g] + self._share_tokens(length, g)) > cap:
+                continue
+            top = self._top.get((length, g))
+            if top is None:
+                top = self._top[(length, g)] = float(np.maximum.reduce(self._share_arrays(length, g)[0]))
+            if (top > bound and g < self.n) or (ranked.loads[g - 1] + top > limit and np.maximum.reduce(
+                    ranked.loads[:g] + self._share_arrays(length, g)[0]) > limit):
+                continue
             if share < math.inf:
                 self.peak_share = max(self.peak_share, top / self.mean)
             return [key[2] for key in keys[:g]]
         return None
-
-    def _size_fits(self, keys, length: int, g: int, bound: float, limit: float, cap: int,
-                   roomy: bool = False) -> float | None:
-        """In Python, for ``_group``: the largest share of head-tail over the ``g`` first ranks of ``keys`` where
-        every member keeps under ``limit`` and ``cap`` and that share under ``bound`` (any share at ``g = N``),
-        else None.  Tokens are checked first: their shares cost more.  ``roomy``: every member is known to have
-        token room (then the most loaded member, the last, with room for the largest share is enough)."""
-        if not roomy and (length, g) not in self._shares and not _tokens_fit(keys, length, g, cap):
-            return None
-        work, tok = self.shares(length, g)
-        top = self._top.get((length, g))
-        if top is None:
-            top = self._top[(length, g)] = max(work)
-        if (top > bound and g < self.n) or not (roomy and keys[g - 1][0] + top <= limit
-                                                  or members_fit(keys, work, tok, limit, cap)):
-            return None
-        return top
 
     def _fill(self, length: int, start: int, load, toks, limit: float, share: float, rooms=None):
         """Unequal head-tail (``Placement.headtail_sized``) over the fewest ranks whose room holds the document,
@@ -155,54 +109,27 @@ class GroupSearch(DocWork):
         per_tok = self.whole(length) / length
         top = min(self.cap, share * self.mean / per_tok)
         need = (1 + FILL_MARGIN) * length
-        if self.policy.fill_arrays:  # (on arrays: the same rooms, order and running sum)
-            load_np, toks_np = rooms if rooms is not None else (floats(load), ints(toks))
-            acc, k, members, first = self._fill_rooms(load_np, toks_np, limit, per_tok, top, need)
-            if acc >= need:
-                self.peak_share = max(self.peak_share, first * per_tok / self.mean)
-            else:  # too little work room: lift the bound for all alike (the token cap stays)
-                members, top = np.flatnonzero(toks_np < self.cap), self.cap
-                if int((self.cap - toks_np[members]).sum()) < length:
-                    return None
-            if len(members) > 32:  # (many members: the same on arrays, _level's too)
-                return self._fill_arrays(length, start, members, load_np[members], toks_np[members], per_tok, top)
-            members = members.tolist()
-        else:
-            room = sorted(((min((limit - load[r]) / per_tok, self.cap - toks[r], top), r) for r in range(self.n)),
-                          reverse=True)
-            acc, k = 0.0, 0
-            while k < len(room) and acc < need and room[k][0] >= 1:
-                acc += room[k][0]
-                k += 1
-            members, first = [r for _, r in room[:k]], room[0][0]
-            if acc >= need:
-                self.peak_share = max(self.peak_share, first * per_tok / self.mean)
-            else:  # too little work room: lift the bound for all alike (the token cap stays)
-                members, top = [r for r in range(self.n) if toks[r] < self.cap], self.cap
-                if sum(self.cap - toks[r] for r in members) < length:
-                    return None
-        sizes = self._level(length, [load[r] for r in members], [toks[r] for r in members], [per_tok] * len(members),
-                            top)
-        order = sorted(range(len(members)), key=lambda i: -sizes[i])  # largest part first: least K/V received
-        members, sizes = [members[i] for i in order], [sizes[i] for i in order]
-        nonzero = [i for i, s in enumerate(sizes) if s > 0]
-        rates = [per_tok] * len(members)
-        for i, w in zip(nonzero, self.sized_work(start, length, [sizes[i] for i in nonzero]), strict=True):
-            rates[i] = w / sizes[i]
-        sizes = self._level(length, [load[r] for r in members], [toks[r] for r in members], rates, top)
-        return [r for r, s in zip(members, sizes, strict=True) if s > 0], [s for s in sizes if s > 0]
+        load_np, toks_np = rooms if rooms is not None else (floats(load), ints(toks))
+        acc, k, members, first = self._fill_rooms(load_np, toks_np, limit, per_tok, top, need)
+        if acc >= need:
+            self.peak_share = max(self.peak_share, first * per_tok / self.mean)
+        else:  # too little work room: lift the bound for all alike (the token cap stays)
+            members, top = np.flatnonzero(toks_np < self.cap), self.cap
+            if int((self.cap - toks_np[members]).sum()) < length:
+                return None
+        return self._fill_parts(length, start, members, load_np[members], toks_np[members], per_tok, top)
 
-    def _fill_arrays(self, length: int, start: int, members, load, toks, per_tok: float, top: float):
-        """The end of :meth:`_fill` over more than 32 members (``members`` and their ``load`` and ``toks``, arrays),
-        on arrays: the same levels (``_level_np``, as ``_level`` takes them there), the same stable order by part
-        (largest first), the same rates (a float over an integer below 2^53, divided as Python divides)."""
-        sizes = self._level_np(length, load, toks, np.full(len(members), per_tok), top)
+    def _fill_parts(self, length: int, start: int, members, load, toks, per_tok: float, top: float):
+        """The end of :meth:`_fill` (``members`` and their ``load`` and ``toks``, arrays): the parts at one level
+        (:meth:`_level`), members by part (largest first, a stable order), then the parts again at each member's own
+        rate (its compute over its tokens, a float over an integer below 2^53, divided as Python divides)."""
+        sizes = self._level(length, load, toks, np.full(len(members), per_tok), top)
         order = np.argsort(-sizes, kind="stable")  # largest part first: least K/V received
         members, sizes, load, toks = members[order], sizes[order], load[order], toks[order]
         nonzero = np.flatnonzero(sizes > 0)
         rates = np.full(len(members), per_tok)
         rates[nonzero] = self.sized_work(start, length, sizes[nonzero].tolist(), as_array=True) / sizes[nonzero]
-        sizes = self._level_np(length, load, toks, rates, top)
+        sizes = self._level(length, load, toks, rates, top)
         keep = sizes > 0
         return members[keep].tolist(), sizes[keep].tolist()
 
@@ -213,7 +140,7 @@ class GroupSearch(DocWork):
         n = self.n
         room = np.minimum(np.minimum((limit - np.asarray(load)) / per_tok,
                                      (self.cap - np.asarray(toks, dtype=np.int64)).astype(np.float64)), top)
-        order = np.lexsort((-np.arange(n), -room))
+        order = (n - 1) - np.argsort(-room[::-1], kind="stable")  # (by room, then rank, both descending: one sort)
         room = room[order]
         usable = int(np.count_nonzero(room >= 1))  # (a prefix: the rooms are in descending order)
         sums = np.cumsum(room[:usable])  # (in order, as the running sum adds)
@@ -221,36 +148,11 @@ class GroupSearch(DocWork):
         k = int(full[0]) + 1 if len(full) else usable
         return (float(sums[k - 1]) if k else 0.0), k, order[:k], float(room[0])
 
-    def _level(self, length: int, load, toks, rates, top: float) -> list[int]:
+    def _level(self, length: int, load, toks, rates, top: float) -> np.ndarray:
         """Integer parts ``s_i = clip((lam - load_i) / rate_i, 0, c_i)``, ``c_i = min(cap - toks_i, top)``,
-        adding up to ``length``.  Their sum is piecewise linear in ``lam``, its slope rising by ``1 / rate_i``
-        at ``load_i`` and falling back at ``load_i + rate_i c_i``: walk those points in order (beyond 32 members on
-        arrays: the same running sums, ``np.cumsum`` adding in order as the walk does)."""
-        if len(load) > 32:
-            return self._level_arrays(length, load, toks, rates, top)
-        caps = [max(0.0, min(self.cap - t, top)) for t in toks]
-        events = sorted([(ld, 1 / w) for ld, w in zip(load, rates, strict=True)]
-                        + [(ld + w * c, -1 / w) for ld, w, c in zip(load, rates, caps, strict=True)])
-        total, slope, lam = 0.0, 0.0, events[0][0]
-        for x, step in events:
-            if total + slope * (x - lam) >= length - 1e-6:  # (float sums: a millionth of a token is enough)
-                lam += max(0.0, length - total) / slope if slope > 0 else 0.0
-                break
-            total, lam, slope = total + slope * (x - lam), x, slope + step
-        sizes = [int(max(0.0, min((lam - ld) / w, c))) for ld, w, c in zip(load, rates, caps, strict=True)]
-        rest = length - sum(sizes)
-        for i, t in enumerate(toks):  # rounding: fewer than one token per member, where the cap allows
-            add = max(0, min(rest, self.cap - t - sizes[i]))
-            sizes[i] += add
-            rest -= add
-        return sizes
-
-    def _level_arrays(self, length: int, load, toks, rates, top: float) -> list[int]:
-        """:meth:`_level` on arrays (the same floats and integers)."""
-        return self._level_np(length, load, toks, rates, top).tolist()
-
-    def _level_np(self, length: int, load, toks, rates, top: float) -> np.ndarray:
-        """:meth:`_level_arrays`, the parts as an int64 array."""
+        adding up to ``length`` (an int64 array).  Their sum is piecewise linear in ``lam``, its slope rising by
+        ``1 / rate_i`` at ``load_i`` and falling back at ``load_i + rate_i c_i``: those points in order, the sum at
+        each a running sum (``np.cumsum``, adding in order), ``lam`` where it reaches ``length``."""
         ld, w = np.asarray(load, dtype=np.float64), np.asarray(rates, dtype=np.float64)
         t = np.asarray(toks, dtype=np.int64)
         caps = np.maximum(0.0, np.minimum((self.cap - t).astype(np.float64), top))

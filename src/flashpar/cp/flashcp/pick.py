@@ -21,7 +21,7 @@ than 0.01% faster, nor receive less (packs of many short documents, where the kn
 
 def unique_placements(placements: list[ArrayPlacement]) -> list[ArrayPlacement]:
     """Distinct placements (the knobs often agree), each the first of its equals, ordered by where the last of
-    its equals stands (the order the search has always compared them in)."""
+    its equals stands (the order the search compares them in: ties go to the earlier)."""
     first: dict[bytes, ArrayPlacement] = {}
     last: dict[bytes, int] = {}
     for i, p in enumerate(placements):

@@ -29,14 +29,6 @@ class RankDocs:
         self.queues: dict[int, collections.deque] = {}
         self._arrays = self._other = None
 
-    @classmethod
-    def of(cls, mine, lens_np, doc_seq, whole: dict[int, float], rising: bool = False) -> RankDocs:
-        """Of the documents ``mine`` (few: in Python)."""
-        items = sorted(zip(lens_np[mine].tolist(), doc_seq[mine].tolist(), mine.tolist(), strict=True))
-        heads = [i for i in range(len(items)) if i == 0 or items[i][0] != items[i - 1][0]]
-        return cls([d for _, _, d in items], [items[i][0] for i in heads], [items[i][1] for i in heads], heads, whole,
-                   rising)
-
     @staticmethod
     def all_ranks(whole, n: int, doc_rank, lens_np, doc_seq, seq_end: int, work: dict[int, float],
                   in_order: bool = False, rising: bool = False, doc_work=None):
@@ -86,18 +78,16 @@ class RankDocs:
 
         return of_rank
 
-    def options(self):
-        return self.lens, self.work, self.first
-
     def arrays(self):
-        """:meth:`options` as arrays (made once per change): views of :meth:`other_arrays` past its first."""
+        """(lengths ascending, compute, place of the first document of each length) as arrays (made once per
+        change): views of :meth:`other_arrays` past its first."""
         if self._arrays is None:
             ol, ow, oj, _ = self.other_arrays()
             self._arrays = ol[1:], ow[1:], oj[1:]
         return self._arrays
 
     def other_arrays(self):
-        """:meth:`options` as the least busy rank's, arrays with nothing first (length 0, compute 0, place -1), and
+        """:meth:`arrays` as the least busy rank's, with nothing first (length 0, compute 0, place -1), and
         whether the compute rises along them (where it rises over all lengths, so over these: no compute is below 0)."""
         if self._other is None:
             work = floats([0.0, *self.work])

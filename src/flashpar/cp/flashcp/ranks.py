@@ -1,44 +1,14 @@
-"""The ranks of a greedy pass in two orders kept as loads change: the least load and tokens (:class:`Mins`, two heaps)
-and every rank by ``(load, tokens, rank)`` (:class:`Ranked`, the order the group search takes ranks in)."""
+"""The ranks of a greedy pass by ``(load, tokens, rank)``, kept as loads change (:class:`Ranked`, the order the group
+search takes ranks in)."""
 
 from __future__ import annotations
 
 import bisect
-import heapq
 import operator
 
 import numpy as np
 
 from flashpar.cp.flashcp.arrays import floats, ints
-
-
-class Mins:
-    """``min(toks)`` and ``min(load)`` of the greedy pass, kept in two heaps whose stale entries (no longer a
-    rank's value) are dropped when met: O(log N) where ``min()`` is O(N)."""
-
-    def __init__(self, load, toks) -> None:
-        self.load_v, self.toks_v = load, toks
-        self.loads = list(zip(load, range(len(load)), strict=True))
-        self.tokss = list(zip(toks, range(len(toks)), strict=True))
-        heapq.heapify(self.loads)
-        heapq.heapify(self.tokss)
-
-    def push(self, ranks) -> None:
-        for r in ranks:
-            heapq.heappush(self.loads, (self.load_v[r], r))
-            heapq.heappush(self.tokss, (self.toks_v[r], r))
-
-    def load(self) -> float:
-        h, cur = self.loads, self.load_v
-        while h[0][0] != cur[h[0][1]]:
-            heapq.heappop(h)
-        return h[0][0]
-
-    def tok(self) -> int:
-        h, cur = self.tokss, self.toks_v
-        while h[0][0] != cur[h[0][1]]:
-            heapq.heappop(h)
-        return h[0][0]
 
 
 class Ranked:
@@ -48,10 +18,9 @@ class Ranked:
     those tuples in order; ``loads`` and ``toks``: the ranks' loads and tokens in that order, the two rows of one
     float array (tokens are integers far below 2^53: exact as floats)."""
 
-    def __init__(self, n: int, arrays: bool = True) -> None:
+    def __init__(self, n: int) -> None:
         self.keys = [(0.0, 0, q) for q in range(n)]
         self.cur = list(self.keys)
-        self.arrays = arrays  # (without: the keys alone, for few ranks, where lists beat arrays)
         self._rows(np.zeros((2, n)))
         self.toks_of, self.load_of = np.zeros(n, dtype=np.int64), np.zeros(n)  # (by rank)
         self._top_toks, self._load_sums = np.zeros(n), np.zeros(n)  # (see top_prefix, sum_prefix)
@@ -98,8 +67,6 @@ class Ranked:
         j = bisect.bisect_left(keys, new, i) if new > old else bisect.bisect_left(keys, new, 0, i)
         keys.insert(j, new)
         self.cur[q] = new
-        if not self.arrays:
-            return
         lo = i if i < j else j
         if lo < self._valid_top:
             self._valid_top = lo
@@ -116,7 +83,7 @@ class Ranked:
         self.toks_of[q], self.load_of[q] = toks, load
 
     def update_many(self, ranks, load, toks) -> None:
-        if len(ranks) <= 64 or not self.arrays:
+        if len(ranks) <= 64:
             for q in ranks:
                 self.update(q, load[q], toks[q])
             return
@@ -139,9 +106,7 @@ class Ranked:
 
     def first_with_room(self, most: int) -> int:
         """The first rank in order with at most ``most`` tokens, or -1."""
-        if self.arrays:
-            room = self.toks <= most
-            at = int(room.argmax())
-            return self.keys[at][2] if room[at] else -1
-        return next((key[2] for key in self.keys if key[1] <= most), -1)
+        room = self.toks <= most
+        at = int(room.argmax())
+        return self.keys[at][2] if room[at] else -1
 

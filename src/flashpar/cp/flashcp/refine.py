@@ -27,17 +27,8 @@ def refine(work: DocWork, doc_rank, doc_seq, load, toks, seq: int) -> None:
     whole = np.flatnonzero(doc_rank >= 0)
     if not len(whole):
         return
-    if len(whole) >= 512:  # many: one sort of them all
-        docs_of = RankDocs.all_ranks(whole, work.n, doc_rank, work.lens_np, doc_seq, seq, work._whole, True,
-                                      work.works_rise, work.doc_work)
-    else:
-        by_rank: dict[int, RankDocs] = {}
-
-        def docs_of(r: int) -> RankDocs:
-            if r not in by_rank:
-                by_rank[r] = RankDocs.of(whole[doc_rank[whole] == r], work.lens_np, doc_seq, work._whole,
-                                          work.works_rise)
-            return by_rank[r]
+    docs_of = RankDocs.all_ranks(whole, work.n, doc_rank, work.lens_np, doc_seq, seq, work._whole, True,
+                                  work.works_rise, work.doc_work)  # (one sort of them all)
 
     def move(src: int, dst: int, length: int, at: int) -> int:
         """The first document of ``length`` on ``src`` goes to ``dst``, received at ``at``; the next seq."""
@@ -72,24 +63,11 @@ def best_move(work: DocWork, hi_docs: RankDocs, lo_docs: RankDocs, h: float, low
     peak ``p = max(h - w_a + w_b, low + w_a - w_b)`` below ``h (1 - 1e-12)`` with both ranks within the
     token cap, the first on equal peaks in (the busiest rank's order of its documents, then nothing, then
     the least busy rank's order); ``None`` if no pair lowers the peak.  ``*_docs``: per length a rank
-    holds, (lengths, compute, place in its order of the first document of that length) (``RankDocs.options``).
-    All pairs at once (lengths x lengths, in numpy), each peak rounded as the step writes it."""
-    la, wa, sa = hi_docs.options()
-    lb, wb, sb = lo_docs.options()
-    if not len(la):
+    holds, (lengths, compute, place in its order of the first document of that length) (``RankDocs.arrays``).
+    All pairs at once (lengths x lengths, in numpy; on large tables at most two options per row first, see
+    :func:`_best_move_rows`), each peak rounded as the step writes it."""
+    if not len(hi_docs.lens):
         return None
-    if len(la) * (len(lb) + 1) <= 256:  # few pairs: in Python (the same peaks, the same order on ties)
-        best, best_key = None, (h - 1e-12 * abs(h),)
-        opts = [(0, 0.0, -1), *zip(lb, wb, sb, strict=True)]
-        cap = work.cap
-        for x, w, i in zip(la, wa, sa, strict=True):
-            lo_b, hi_b = x + tok_lo - cap, cap - tok_hi + x
-            for y, v, j in opts:
-                if lo_b <= y <= hi_b:
-                    key = (max(h - w + v, low + w - v), i, j)
-                    if key < best_key:
-                        best, best_key = (x, y or None), key
-        return best
     la, wa, sa = hi_docs.arrays()
     ol, ow, oj, rising = lo_docs.other_arrays()  # nothing first on ties
     if len(la) * len(ol) > 2048:

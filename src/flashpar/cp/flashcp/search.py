@@ -9,7 +9,7 @@ import math
 
 from flashpar.cp.cost import CostModel
 from flashpar.cp.cp_plan import whole_doc_times
-from flashpar.cp.flashcp.bounds import cut_all_bound, ring_bound, whole_doc_bound
+from flashpar.cp.flashcp.bounds import cut_all_bound, per_doc_bound, ring_bound, whole_doc_bound
 from flashpar.cp.flashcp.greedy import Greedy
 from flashpar.cp.flashcp.pick import PERFECT, TIME_TIE, balanced, pick, unique_placements
 from flashpar.cp.flashcp.policy import Policy
@@ -21,7 +21,7 @@ def whole_doc(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, 
     """Baseline: Whole-Doc wherever a document fits under the token cap, Per-Doc for the rest (``lens_np``: the
     lengths as an int64 array, where the caller has it)."""
     cap = token_cap(doc_lens, n, token_slack, None if lens_np is None else int(lens_np.sum()))
-    return Greedy(doc_lens, n, cost, cap, lens_np, Policy.for_ranks(n)).run(float("inf"), 0, subgroups=False)
+    return Greedy(doc_lens, n, cost, cap, lens_np).run(float("inf"), 0, subgroups=False)
 
 
 def plan(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_np=None) -> ArrayPlacement:
@@ -31,7 +31,7 @@ def plan(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_
     # attention alone: balance the attention work itself (pairs, no launches), as the solvers it is compared with do
     policy = Policy.for_ranks(n)
     pairs_only = cost.with_hardware(attn_half=0.0, gemm_overhead_s=0.0)
-    greedy = Greedy(doc_lens, n, cost if cost.linear else pairs_only, cap, lens_np, policy)
+    greedy = Greedy(doc_lens, n, cost if cost.linear else pairs_only, cap, lens_np)
     starts = greedy.starts_np
     lower = greedy.mean  # no plan's step time is below the mean compute of every document whole (cuts only add)
     first = greedy.calibrate()  # the pass (tol 0, force 0, share 1), where the mean did not move
@@ -45,7 +45,7 @@ def plan(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_
             greedy.mean = calibrated
 
     ring_of = functools.cache(lambda: [f(doc_lens, n, starts) for f in (headtail, contiguous)])
-    # per_doc, and torch_per_doc where the policy has it; in the order the baselines have always been compared in
+    # per_doc, and torch_per_doc where the grid has it; in the order the baselines are compared in
     cut_all = lambda: ([per_doc_arrays(doc_lens, n)],  # noqa: E731
                        [ArrayPlacement.of(torch_per_doc(doc_lens, n, False))] if policy.torch_per_doc else [])
     fig_of: dict[bytes, object] = {}
@@ -63,7 +63,7 @@ def plan(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_
         # headtail and contiguous: neither planned nor scored where their lower bound (ring_bound) is slower than
         # the fastest candidate within the cap by more than a tie (as per_doc below: neither could be the fastest,
         # tie, nor lower the baselines' bound, nor change the skips below, which compare with that fastest), unless
-        # one might equal another placement (as many pieces as one): then in their places, as always
+        # one might equal another placement (as many pieces as one): then in their places in the order
         inside = [fig_of[p.key()].step for p in candidates if max(fig_of[p.key()].tokens) <= cap]
         ring, pieces = None, ()
         if inside:
@@ -90,6 +90,8 @@ def plan(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_
         pd, tpd = [], []
         if not pool or cut_all_bound(greedy.lens_np, n, cost, runs) <= min(pool) * (1 + TIME_TIE):
             pd, tpd = cut_all()
+            if pool and per_doc_bound(greedy.lens_np, n, cost, runs) > min(pool) * (1 + TIME_TIE):
+                pd = []  # (per_doc's own bound, with its tasks and launches, is slower than a tie)
             for p in pd + tpd:
                 if p.key() not in fig_of:
                     fig_of[p.key()] = p.figures(doc_lens, starts, cost, whole=times)

@@ -9,7 +9,6 @@ heavier one, which moves compute without moving the token counts::
 from __future__ import annotations
 
 import bisect
-import itertools
 
 import numpy as np
 
@@ -44,9 +43,7 @@ def exchange(work: DocWork, splits: list[Split], load, toks) -> None:
     # EXCHANGE_MIN; X stops at the first no heavier than B.  Between two trades nothing changes, so each step
     # finds the next trade of the scan at once: every (v, X) pair of the scan as arrays, in scan order, with
     # the part of X on v (0 once v holds none) and v's load kept in step with the trades.
-    pairs = scan_pairs_arrays(work, splits, over, under, rate, load) if work.policy.many_arrays else None
-    if pairs is None:
-        pairs = scan_pairs(work, splits, over, rate, load)
+    pairs = scan_pairs(work, splits, over, rate, load)
     if pairs is None:
         return
     held, pv, px, prate, ppart, excess, pair_at, rows_of = pairs
@@ -56,7 +53,7 @@ def exchange(work: DocWork, splits: list[Split], load, toks) -> None:
 
 
 def scan_pairs(work: DocWork, splits: list[Split], over: list[int], rate: list[float], load):
-    """:func:`exchange`'s pairs (see there), in Python: (the splits each rank has a part of, as sets; each pair's
+    """:func:`exchange`'s pairs (see there): (the splits each rank has a part of, as sets; each pair's
     v and X, lists; X's rate, X's part on v and v's load over the mean, arrays; each pair's row by (v, X); each
     v's rows), or None where there are none."""
     held: list[set[int]] = [set() for _ in range(work.n)]  # the splits each rank has a part of
@@ -77,52 +74,6 @@ def scan_pairs(work: DocWork, splits: list[Split], over: list[int], rate: list[f
     for i, v in enumerate(pv):
         rows_of.setdefault(v, []).append(i)
     rows_of = {v: np.asarray(rows, dtype=np.int64) for v, rows in rows_of.items()}
-    return held, pv, px, prate, ppart, excess, pair_at, rows_of
-
-
-def scan_pairs_arrays(work: DocWork, splits: list[Split], over: list[int], under: list[int], rate: list[float], load):
-    """:func:`scan_pairs` on arrays (many ranks): the same pairs in the same order, or None where two splits of one
-    rank over the mean have equal rates (their order is then the order of that rank's set: :func:`scan_pairs`).
-
-    Every part as (split, rank, tokens), in split order; the pairs: the parts on ranks over the mean, by (place
-    of the rank in ``over``, rate descending), a stable sort (the same order as ``sorted(set, key=-rate)`` where
-    no rates tie).  The sets are made for the ranks under the mean alone (the only ones :func:`_trades` reads;
-    the others' stay empty, and trades only add to and take from them), each from its splits in split order, as
-    the loop in :func:`scan_pairs` adds them (the same sets, iterated in the same order).  A rank's rows are one
-    range (the pairs are grouped by rank)."""
-    n = work.n
-    g = np.fromiter((len(sp.parts) for sp in splits), dtype=np.int64, count=len(splits))
-    m = int(g.sum())
-    part_rank = np.fromiter(itertools.chain.from_iterable(sp.parts for sp in splits), dtype=np.int64, count=m)
-    part_tok = np.fromiter(itertools.chain.from_iterable(sp.parts.values() for sp in splits), dtype=np.int64,
-                           count=m)
-    part_split = np.repeat(np.arange(len(splits), dtype=np.int64), g)
-    rate_np = floats(rate)
-    place = np.full(n, -1, dtype=np.int64)
-    place[np.asarray(over, dtype=np.int64)] = np.arange(len(over), dtype=np.int64)
-    sel = np.flatnonzero(place[part_rank] >= 0)
-    if not len(sel):
-        return None
-    sel = sel[np.lexsort((-rate_np[part_split[sel]], place[part_rank[sel]]))]
-    pv_np, px_np = part_rank[sel], part_split[sel]
-    prate = rate_np[px_np]
-    if ((pv_np[1:] == pv_np[:-1]) & (prate[1:] == prate[:-1])).any():
-        return None
-    held: list[set[int]] = [set() for _ in range(n)]
-    mine = np.zeros(n, dtype=bool)
-    mine[np.asarray(under, dtype=np.int64)] = True
-    sub = np.flatnonzero(mine[part_rank])
-    sub = sub[np.argsort(part_rank[sub], kind="stable")]  # (by rank, each rank's in split order)
-    ranks_sub, splits_sub = part_rank[sub], part_split[sub].tolist()
-    cuts = np.flatnonzero(np.concatenate(([True], ranks_sub[1:] != ranks_sub[:-1], [True]))).tolist()
-    for lo, hi in itertools.pairwise(cuts if len(sub) else ()):
-        held[int(ranks_sub[lo])] = set(splits_sub[lo:hi])
-    pv, px = pv_np.tolist(), px_np.tolist()
-    ppart = part_tok[sel].astype(np.float64)
-    excess = floats(load)[pv_np] - work.mean  # (v's load over the mean, per pair)
-    pair_at = dict(zip(zip(pv, px, strict=True), range(len(pv)), strict=True))
-    heads = np.flatnonzero(np.concatenate(([True], pv_np[1:] != pv_np[:-1], [True]))).tolist()
-    rows_of = {pv[lo]: np.arange(lo, hi, dtype=np.int64) for lo, hi in itertools.pairwise(heads)}
     return held, pv, px, prate, ppart, excess, pair_at, rows_of
 
 

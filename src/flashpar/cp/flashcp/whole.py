@@ -25,7 +25,7 @@ SKIP_MAX = 24
 
 @dataclasses.dataclass(frozen=True)
 class Prefix:
-    """Where the first greedy pass of force 0 (up to 64 ranks) stopped keying every rank by its tokens alone: its state
+    """Where the first greedy pass of force 0 stopped keying every rank by its tokens alone: its state
     before document ``k`` of pass order (loads, tokens, the heap, the runs placed in one sort, the ranks and places of
     the documents placed one by one), and its ``limit``.
 
@@ -51,14 +51,10 @@ class Prefix:
 class WholeDocStep(DocWork):
     """The Whole-Doc step's forms over many documents or ranks at once (see the module docstring)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._row_of = np.arange(self.n, dtype=np.int64)  # (each rank's row, for _batch_whole)
-
-    def _fitting(self, rooms, limit: float, tok_room: int, work_room: float) -> int:
+    def _fitting(self, lv, tv, limit: float, tok_room: int, work_room: float) -> int:
         """The rank of least key ``(max(load / limit, tokens / cap), load, rank)`` among those with
-        ``tokens <= tok_room`` and ``load <= work_room``; -1 if none.  ``rooms``: (loads, tokens) of every rank."""
-        lv, tv = rooms if isinstance(rooms[0], np.ndarray) else (floats(rooms[0]), ints(rooms[1]))
+        ``tokens <= tok_room`` and ``load <= work_room``; -1 if none (``lv``, ``tv``: every rank's load and tokens,
+        float64 and int64 arrays)."""
         ok = np.flatnonzero((tv <= tok_room) & (lv <= work_room))
         if not len(ok):
             return -1
@@ -66,7 +62,8 @@ class WholeDocStep(DocWork):
         return int(ok[np.lexsort((ok, lv[ok], key0))[0]])
 
 
-    def _batch_whole(self, lo: int, hi: int, length: int, w: float, load, toks, limit: float, tracking: bool = False):
+    def _batch_whole(self, lo: int, hi: int, length: int, w: float, load, toks, limit: float, tracking: bool = False,
+                     rooms=None):
         """Documents ``order[lo:hi]`` (all of ``length`` tokens and compute ``w``, in pass order) placed whole as the
         one-by-one step places them, as far as they fit: returns (the ranks of those placed, in order; the ranks
         changed), or None where the first fits nowhere (``load`` and ``toks`` updated; the caller records the
@@ -80,11 +77,13 @@ class WholeDocStep(DocWork):
         to ``m`` (doubled while some rank took all of its ``m`` and more might follow).
 
         A third item: whether every slot fit within both bounds and was keyed by its tokens alone (``load / limit <=
-        tokens / cap``), as in a pass with any higher limit (see :class:`Prefix`; looked at only with ``tracking``)."""
+        tokens / cap``), as in a pass with any higher limit (see :class:`Prefix`; looked at only with ``tracking``).
+        ``rooms``: ``load`` and ``toks`` as float64 and int64 arrays, where the caller keeps them (the same values)."""
         n, cap, k = self.n, self.cap, hi - lo
         same = True
-        l0, t0 = floats(load), ints(toks)
-        m = min(k, 2 * -(-k // n) + 2, self._slots_needed(k, length, w, load, toks, limit))
+        l0, t0 = rooms if rooms is not None else (floats(load), ints(toks))
+        most_toks = int(np.maximum.reduce(t0))
+        m = min(k, 2 * -(-k // n) + 2, self._slots_needed(k, length, w, l0, t0, limit))
         while True:
             # slots 0..m of each rank, slot m too (the rows then ravel as views): it follows slot m - 1 in key and in
             # place, so it is among the least keys only where its rank took all its first m, where m doubles anyway
@@ -95,7 +94,7 @@ class WholeDocStep(DocWork):
             np.add.accumulate(lt, axis=1, out=lt)  # sequential (cumsum): lt[r, j] = load after j more documents
             ls, ts = lt.ravel(), (t0[:, None] + length * np.arange(width, dtype=np.int64)).ravel()
             # every slot fits where each rank's last does (loads and tokens rise along a row): then no selection
-            every = max(toks) + m * length <= cap - length and (
+            every = most_toks + m * length <= cap - length and (
                 limit == math.inf or np.maximum.reduce(lt[:, m]) <= limit - w)
             same = same and every
             if every:
@@ -125,19 +124,11 @@ class WholeDocStep(DocWork):
             m = min(k, 2 * m)
         if not len(take):
             return None
-        if self.policy.many_arrays:
-            changed = np.flatnonzero(counts)
-            at = changed * width + counts[changed]
-            changed = changed.tolist()
-            for r, x, t in zip(changed, ls[at].tolist(), ts[at].tolist(), strict=True):
-                load[r], toks[r] = x, t
-        else:  # (few ranks: every rank's row read at once, the changed ones written)
-            got = counts.tolist()
-            changed = [r for r in range(n) if got[r]]
-            at = self._row_of * width + counts
-            new_load, new_toks = ls[at].tolist(), ts[at].tolist()
-            for r in changed:
-                load[r], toks[r] = new_load[r], new_toks[r]
+        changed = np.flatnonzero(counts)
+        at = changed * width + counts[changed]
+        changed = changed.tolist()
+        for r, x, t in zip(changed, ls[at].tolist(), ts[at].tolist(), strict=True):
+            load[r], toks[r] = x, t
         return ranks, changed, same
 
     def _slots_needed(self, k: int, length: int, w: float, load, toks, limit: float) -> int:
@@ -146,10 +137,11 @@ class WholeDocStep(DocWork):
         slot ``c - 1`` is among the ``k`` least keys, and so is every slot of another rank ``s`` of lower key: every
         ``j`` with ``t_s + j L < t_r + (c - 1) L`` and ``l_s + j w < l_r + (c - 1) w`` (its tokens and its load both
         lower), at least ``c - 1 - S`` of them, ``S`` the spread of tokens over ``L`` or of loads over ``w``.  So
-        ``c + (N - 1)(c - 1 - S) <= k``: ``c <= (k + (N - 1)(1 + S)) / N``; one slot more for rounding."""
-        spread = (max(toks) - min(toks)) / length
+        ``c + (N - 1)(c - 1 - S) <= k``: ``c <= (k + (N - 1)(1 + S)) / N``; one slot more for rounding.  ``load``,
+        ``toks``: every rank's, as float64 and int64 arrays."""
+        spread = (int(np.maximum.reduce(toks)) - int(np.minimum.reduce(toks))) / length
         if limit < math.inf and w > 0:
-            spread = max(spread, (max(load) - min(load)) / w)
+            spread = max(spread, (float(np.maximum.reduce(load)) - float(np.minimum.reduce(load))) / w)
         n = self.n
         return math.ceil((k + (n - 1) * (2 + spread)) / n) + 1
 

@@ -10,14 +10,27 @@ piece's length, the ``x`` keys ahead and how many members hold them)."""
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
 from flashpar.cp.cost import CostModel
 from flashpar.cp.cp_plan import causal_pairs, whole_doc_times
-from flashpar.cp.flashcp.arrays import falls_to_nonnegative, floats, ints
-from flashpar.cp.flashcp.policy import Policy
-from flashpar.cp.strategies import chunk_bounds, sized_pieces
+from flashpar.cp.flashcp.arrays import falls_to_nonnegative, ints
+
+SHARE_BLOCK = 512
+"""Members of head-tail groups over one document whose compute is made at once: consecutive sizes of
+:func:`group_sizes` up to this many members in all (one pass over arrays costs about what one size alone does)."""
+
+
+def group_sizes(n: int) -> list[int]:
+    """Head-tail group sizes the group search tries at ``n`` ranks: every size up to 8, then about 1.25x apart, and
+    ``n`` itself (Per-Doc)."""
+    sizes, g = [], 2
+    while g < n:
+        sizes.append(g)
+        g = g + 1 if g < 8 else math.ceil(g * 1.25)
+    return [*sizes, n] if n >= 2 else []
 
 
 def token_cap(doc_lens: list[int], n: int, token_slack: float, total: int | None = None) -> int:
@@ -29,13 +42,10 @@ def token_cap(doc_lens: list[int], n: int, token_slack: float, total: int | None
 
 class DocWork:
     """The documents of one pack over ``n`` ranks under one cost model and token cap, with their costs per length
-    (and per (length, group size)) cached.  ``policy``: the planner's choices at ``n`` ranks (by default
-    :meth:`Policy.for_ranks`)."""
+    (and per (length, group size)) cached."""
 
-    def __init__(self, doc_lens: list[int], n: int, cost: CostModel, cap: int, lens_np=None,
-                 policy: Policy | None = None) -> None:
+    def __init__(self, doc_lens: list[int], n: int, cost: CostModel, cap: int, lens_np=None) -> None:
         """``lens_np``: ``doc_lens`` as an int64 array, where the caller has it."""
-        self.policy = Policy.for_ranks(n) if policy is None else policy
         self.lens, self.n, self.cost, self.cap = doc_lens, n, cost, cap
         if lens_np is None:
             lens_np = np.fromiter(doc_lens, dtype=np.int64, count=len(doc_lens))
@@ -63,12 +73,22 @@ class DocWork:
         self._whole: dict[int, float] = {}
         self._big: dict[tuple[int, int], tuple] = {}  # per (length, g): _share_arrays
         self._tok_arrays: dict[tuple[int, int], np.ndarray] = {}  # per (length, g): _share_tokens
+        self.sizes = group_sizes(n)
+        self._block_of: dict[int, np.ndarray] = {}  # per size: the sizes whose shares are made with it (SHARE_BLOCK)
+        block: list[int] = []
+        for g in [*self.sizes, None]:
+            if block and (g is None or sum(block) + g > SHARE_BLOCK):
+                arr = np.asarray(block, dtype=np.int64)
+                self._block_of.update(dict.fromkeys(block, arr))
+                block = []
+            if g is not None:
+                block.append(g)
         self._whole_times = None
         whole_runs = self._whole_arrays(distinct, keep=True)
         self.doc_work = whole_all = whole_runs[self.doc_run]  # (each document's whole compute: whole(length))
         self.works_rise = falls_to_nonnegative(whole_runs)  # (longest first: rising with the length)
         self._whole = dict(zip(distinct.tolist(), whole_runs.tolist(), strict=True))
-        # (added in document order, as always: cumsum adds in order, as sum() of floats does)
+        # (added in document order: cumsum adds in order, as sum() of floats does)
         self.mean = float(np.cumsum(whole_all)[-1]) / n
 
     @functools.cached_property
@@ -102,41 +122,55 @@ class DocWork:
         return self._whole[length]
 
     def shares(self, length: int, g: int) -> tuple[list[float], list[int]]:
-        """Compute and tokens of each member of a head-tail group of ``g`` over one document."""
-        key = (length, g)
+        """Compute and tokens of each member of a head-tail group of ``g`` over one document (lists of
+        :meth:`_share_arrays`)."""
         if g == 1:
             return [self.whole(length)], [length]
-        if key not in self._shares and g >= 16:
+        key = (length, g)
+        if key not in self._shares:
             work, tok = self._share_arrays(length, g)
             self._shares[key] = (work.tolist(), tok.tolist())
-        if key not in self._shares:
-            b = chunk_bounds(0, length, 2 * g)
-            holders = chunk_holders(b, [c if c < g else 2 * g - 1 - c for c in range(2 * g)])
-            work, toks = [], []
-            for i in range(g):
-                pieces = ((b[i], b[i + 1], holders[i]), (b[2 * g - 1 - i], b[2 * g - i], holders[2 * g - 1 - i]))
-                t = sum(self.cost.piece_cost(y - x, x, m) for x, y, m in pieces if y > x)
-                n_tok = sum(y - x for x, y, _ in pieces)
-                work.append(t + self.cost.linear_time(n_tok))
-                toks.append(n_tok)
-            self._shares[key] = (work, toks)
         return self._shares[key]
 
     def _share_arrays(self, length: int, g: int) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`shares` on arrays (the same floats: each piece's time as ``CostModel.attn_time`` rounds it, the
-        head's and the tail's added, then the linear time)."""
+        """Compute and tokens of each member of a head-tail group of ``g`` over one document, as arrays (see
+        :meth:`_share_rows`); made with those of the neighbouring sizes of :func:`group_sizes` (``SHARE_BLOCK``)."""
         key = (length, g)
         if key not in self._big:
-            i = np.arange(g, dtype=np.int64)
-            two = 2 * g
-            x = length * np.concatenate((i, two - 1 - i)) // two  # heads, then tails
-            y = length * np.concatenate((i + 1, two - i)) // two
-            n_tok = (y[:g] - x[:g]) + (y[g:] - x[g:])
-            t = self._piece_time(x, y, headtail_holders(y[:g] > x[:g], y[g:] > x[g:]))
-            work = (t[:g] + t[g:]) + n_tok.astype(np.float64) * (
-                self.cost.flops_per_token) / self.cost.hardware.gemm_flops
-            self._big[key] = (work, n_tok)
+            block = self._block_of.get(g)
+            gs = block if block is not None else np.asarray([g], dtype=np.int64)
+            work, n_tok = self._share_rows(length, gs)
+            at = 0
+            for size in gs.tolist():
+                self._big[(length, size)] = (work[at:at + size], n_tok[at:at + size])
+                at += size
         return self._big[key]
+
+    def _share_rows(self, length: int, gs) -> tuple[np.ndarray, np.ndarray]:
+        """Compute and tokens of each member of head-tail groups of each size of ``gs`` over one document, the groups'
+        members one after another: member ``i`` of ``g`` holds chunks ``i`` and ``2g - 1 - i`` of ``2g``; each
+        piece's time (``CostModel.piece_cost``: its causal square, a full task per member holding keys ahead of it,
+        their launches; ``headtail_holders`` within its group), the head's and the tail's added, then the linear
+        time.  Elementwise: a group's floats do not depend on the others'."""
+        m = int(gs.sum())
+        first = np.cumsum(gs) - gs
+        two = np.repeat(2 * gs, gs)
+        i = np.arange(m, dtype=np.int64) - np.repeat(first, gs)
+        x = length * np.concatenate((i, two - 1 - i)) // np.concatenate((two, two))  # heads, then tails
+        y = length * np.concatenate((i + 1, two - i)) // np.concatenate((two, two))
+        n_tok = (y[:m] - x[:m]) + (y[m:] - x[m:])
+        head, tail = (y[:m] > x[:m]).astype(np.int64), (y[m:] > x[m:]).astype(np.int64)
+        # headtail_holders within each group: the nonempty heads before a head; every nonempty head of its group and
+        # the later members holding a tail and no head, for a tail
+        upto = np.cumsum(head)
+        before = upto - head - np.repeat(upto[first] - head[first], gs)
+        heads = np.repeat(np.add.reduceat(head, first), gs)
+        tail_only = tail * (1 - head)
+        upto_t = np.cumsum(tail_only)
+        later = np.repeat(upto_t[first + gs - 1], gs) - upto_t  # (the group's tail-only members after each)
+        t = self._piece_time(x, y, np.concatenate((before, heads + later)))
+        return (t[:m] + t[m:]) + n_tok.astype(np.float64) * (
+            self.cost.flops_per_token) / self.cost.hardware.gemm_flops, n_tok
 
     def _share_tokens(self, length: int, g: int) -> np.ndarray:
         """The tokens of :meth:`_share_arrays` alone (chunks ``i`` and ``2g - 1 - i`` of ``2g``)."""
@@ -155,44 +189,25 @@ class DocWork:
 
 
     def sized_work(self, start: int, length: int, sizes: list[int], as_array: bool = False):
-        """Compute of each member of an unequal head-tail split (cost model, pieces as placed; beyond 8 members on
-        arrays, the same floats: see :meth:`_piece_time`), a list (``as_array``: a float64 array)."""
-        if len(sizes) > 8:
-            if sum(sizes) != length:
-                raise ValueError(f"sizes {sizes} do not add up to the document's {length} tokens")
-            s = ints(sizes)
-            h = s // 2
-            h[-1] = s[-1]  # the last member: one piece, the middle
-            head0 = np.concatenate(([0], np.cumsum(h)[:-1]))  # (from the document's start)
-            tail1 = length - np.concatenate(([0], np.cumsum(s - h)[:-1]))
-            tail0 = tail1 - (s - h)
-            tail0[-1] = tail1[-1]
-            m = headtail_holders(h > 0, tail1 > tail0)  # (the last member's middle as its head)
-            g = len(s)
-            work = (self._piece_time(head0, head0 + h, m[:g]) + self._piece_time(tail0, tail1, m[g:])) + s.astype(
-                np.float64) * (self.cost.flops_per_token) / self.cost.hardware.gemm_flops
-            return work if as_array else work.tolist()
-        members = sized_pieces(sizes, start, length)
-        placed = sorted((a, b, k) for k, pieces in enumerate(members) for a, b in pieces if b > a)
-        holders = dict(zip(placed, chunk_holders([start] + [b for _, b, _ in placed], [k for *_, k in placed]),
-                           strict=True))
-        out = []
-        for k, pieces in enumerate(members):
-            t = sum(self.cost.piece_cost(b - a, a - start, holders[(a, b, k)]) for a, b in pieces if b > a)
-            out.append(t + self.cost.linear_time(sum(b - a for a, b in pieces)))
-        return floats(out) if as_array else out
-
-
-def chunk_holders(bounds: list[int], owners: list[int]) -> list[int]:
-    """Per chunk ``[bounds[c], bounds[c + 1])`` of a document (in order), how many distinct owners hold a nonempty
-    chunk ahead of it: the ranks its full tasks read."""
-    seen: set[int] = set()
-    out = []
-    for c, owner in enumerate(owners):
-        out.append(len(seen))
-        if bounds[c + 1] > bounds[c]:
-            seen.add(owner)
-    return out
+        """Compute of each member of an unequal head-tail split (pieces as placed: member ``i`` takes the next
+        ``s_i // 2`` tokens from the front and the next ``s_i - s_i // 2`` from the back, the last member the
+        middle as one piece; each piece's time as :meth:`_piece_time`, then the linear time), a list
+        (``as_array``: a float64 array).  ``start``: the document's start (the pieces' times depend only on where
+        they sit in the document)."""
+        if sum(sizes) != length:
+            raise ValueError(f"sizes {sizes} do not add up to the document's {length} tokens")
+        s = ints(sizes)
+        h = s // 2
+        h[-1] = s[-1]  # the last member: one piece, the middle
+        head0 = np.concatenate(([0], np.cumsum(h)[:-1]))  # (from the document's start)
+        tail1 = length - np.concatenate(([0], np.cumsum(s - h)[:-1]))
+        tail0 = tail1 - (s - h)
+        tail0[-1] = tail1[-1]
+        m = headtail_holders(h > 0, tail1 > tail0)  # (the last member's middle as its head)
+        g = len(s)
+        t = self._piece_time(np.concatenate((head0, tail0)), np.concatenate((head0 + h, tail1)), m)  # (heads, tails)
+        work = (t[:g] + t[g:]) + s.astype(np.float64) * (self.cost.flops_per_token) / self.cost.hardware.gemm_flops
+        return work if as_array else work.tolist()
 
 
 def headtail_holders(head, tail):
