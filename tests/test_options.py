@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from flashpar.options import OPTION_FIELDS, ParallelOptions, of
+from flashpar.options import OPTION_FIELDS, ParallelOptions, flag, of
 from flashpar.train.config import TrainConfig
 
 
@@ -43,7 +43,9 @@ def test_the_trainer_config_is_its_options_and_its_own_settings():
     assert (ParallelOptions().zero_schedule, ParallelOptions().zero_collective) == ("prefetch", "ring")
     assert not TrainConfig().options().resolved and ParallelOptions().resolved
     text = opts.describe()
-    assert "mode auto" in text and "bf16" in text and "regather" in text and "\n" not in text
+    assert "mode auto" in text and "dtype bf16" in text and "regather on" in text and "\n" not in text
+    assert "zero-schedule fused,prefetch" in text and "attention-backend auto" in text
+    assert all(f"{flag(name)} " in text for name in OPTION_FIELDS)  # every setting, a new one with no edit
     assert ParallelOptions(**{**opts.to_dict()}) == opts  # the JSON form reads back (checkpoints, summaries)
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flashpar.cli import main
+from flashpar.options import ParallelOptions
 from flashpar.train.config import TrainConfig
 from flashpar.train.loop import Hooks
 from flashpar.train.run import launch
@@ -50,6 +51,13 @@ def test_train_runs_and_writes_metrics(train_runs):
     # the largest rank's peak memory over the steps (CPU: the resident peak's rise): activations, gradients, AdamW
     assert summary["peak_mem_mb"] > 0 and summary["dtype"] == "fp32" and "peak memory" in run.stdout
     assert "trained 4 steps" in run.stdout
+    # ZeRO-3's auto choices made once at set-up: the resolved options in the summary, the checkpoint and the
+    # run's last lines, the same value in all three
+    options = ParallelOptions(**summary["options"])
+    assert options.resolved and options.zero_collective in ("ring", "doubling"), summary["options"]
+    meta = json.loads((out / "checkpoints" / "step_2" / "meta.json").read_text())
+    assert ParallelOptions(**meta["options"]) == options
+    assert f"options: {options.describe()}" in run.stdout
     # the ranks' logs are kept only when they say something (here: the profiler's C++ lines of --trace)
     assert not list(train_runs["resume-same"].out.glob("rank*.log"))
 

@@ -85,10 +85,12 @@ class ParallelOptions:
     timeout: float = _opt(DEFAULT_TIMEOUT_S, "seconds any distributed wait may take", FAULTS)
 
     def __post_init__(self) -> None:
-        for name in ("mode", "dp_mode", "zero_collective", "dtype", "attention_backend"):
-            choices = OPTION_FIELDS[name].metadata["choices"]
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        for name, f in OPTION_FIELDS.items():  # every field by its kind: a new one is checked with no edit here
+            value, choices = getattr(self, name), f.metadata.get("choices")
+            if isinstance(f.default, bool) and not isinstance(value, bool):
+                raise ValueError(f"{flag(name)} must be True or False, got {value!r}")
+            if choices and name != "zero_schedule" and value not in choices:
+                raise ValueError(f"{flag(name)} must be one of {', '.join(choices)}, got {value!r}")
         schedule = self.zero_schedule
         if isinstance(schedule, list):
             object.__setattr__(self, "zero_schedule", schedule := tuple(schedule))
@@ -99,9 +101,6 @@ class ParallelOptions:
                              f"{', '.join(ZERO_SCHEDULES[1:])} per block, got {schedule!r}")
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
-        for name in ("checkpoint_activations", "regather", "gather_vocab"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{flag(name)} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
 
@@ -131,15 +130,17 @@ class ParallelOptions:
         return out
 
     def describe(self) -> str:
-        """One line: every setting, the resolved choices included."""
-        schedule = self.zero_schedule
-        if isinstance(schedule, tuple):
-            schedule = schedule[0] if len(set(schedule)) == 1 else ",".join(schedule)
-        ckpt = "on" if self.checkpoint_activations else "off"
-        return (f"mode {self.mode}, dp {self.dp_mode} (schedule {schedule}, prefetch {self.prefetch}, collective "
-                f"{self.zero_collective}), {self.dtype}, checkpointing {ckpt}, "
-                f"{'regather' if self.regather else 'keep gathered inputs'}, vocabulary "
-                f"{'gathered' if self.gather_vocab else 'moved'}, timeout {self.timeout:g} s")
+        """One line: every setting by its flag's name, the resolved choices included (a per-block schedule as its
+        blocks' choices, or one where every block has the same)."""
+        words = []
+        for name in OPTION_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, tuple):
+                value = value[0] if len(set(value)) == 1 else ",".join(value)
+            elif isinstance(value, bool):
+                value = "on" if value else "off"
+            words.append(f"{flag(name)} {value:g}" if isinstance(value, float) else f"{flag(name)} {value}")
+        return ", ".join(words)
 
 
 OPTION_FIELDS = {f.name: f for f in dataclasses.fields(ParallelOptions)}
