@@ -215,6 +215,19 @@ class PlannedSequences(Dataset):
         left = self.total - self.start - self.dp_rank
         return max(0, -(-left // self.dp_size))
 
+    def steps(self, micro_batches: int) -> int:
+        """Whole global batches left from ``start``: steps of ``micro_batches`` sequences on every dp rank.
+
+        The count is the same on every dp rank (a rank holding one sequence more than another must not start a
+        step alone: its peers would never join its collectives)::
+
+            left = epochs x len(dataset) - start          e.g. 5 sequences, dp 2, 1 micro-batch:
+            steps = left // (dp_size x micro_batches)          rank 0 holds 3, rank 1 holds 2; both run 2 steps
+        """
+        if not _is_int(micro_batches) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}")
+        return (self.total - self.start) // (self.dp_size * micro_batches)
+
     def global_index(self, j: int) -> int:
         """The global sequence index of item ``j``."""
         j = operator.index(j)

@@ -108,9 +108,10 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     planned = PlannedSequences(data, config.cp, config.strategy, cost, dp_rank=dp_rank, dp_size=config.dp,
                                start=start, epochs=config.epochs)
     micro = config.micro_batches
-    steps = first_step + min(config.steps - first_step, len(planned) // micro)
+    left = planned.steps(micro)  # whole global batches: the same count on every dp rank
+    steps = first_step + min(config.steps - first_step, left)
     if steps < config.steps and rank == 0:  # one pass over the data: say so now, not only at the end
-        print(f"flashpar train: warning: the training data hold {len(planned) // micro} more steps of dp x "
+        print(f"flashpar train: warning: the training data hold {left} more steps of dp x "
               f"micro-batches = {config.dp} x {micro} sequences: the run will stop at step {steps}, before --steps "
               f"{config.steps} ({_passes(config.epochs)}; add documents, raise --epochs or lower --steps)",
               file=sys.stderr, flush=True)
