@@ -72,6 +72,18 @@ def test_mesh_error_names_the_nproc_that_fits(capsys):
     assert len(err.splitlines()) == 1 and "run it with --nproc 4" in err and "product is 3" in err, err
 
 
+@pytest.mark.parametrize(("argv", "nproc"), [([], 4), (["--tp", "2", "--cp", "3"], 6),
+                                             (["--dp", "2", "--cp", "3", "--tp", "1"], 6),
+                                             (["--cp", "2", "--ulysses", "2", "--tp", "1"], 4),
+                                             (["--nproc", "6", "--tp", "2", "--cp", "3"], 6)])
+def test_the_process_count_is_the_mesh_size_unless_given(argv, nproc):
+    from flashpar.cli import parser_for
+    from flashpar.train.config import from_args
+
+    parser, _ = parser_for(["train"])
+    assert from_args(parser.parse_args(["train", *argv])).nproc == nproc
+
+
 def test_ctrl_c_before_the_ranks_start_is_one_line(monkeypatch, capsys):
     """Interrupted while the launcher checks or tokenizes the data (before any rank): one line, status 130."""
     from flashpar.train import run as train_run

@@ -57,7 +57,8 @@ class TrainConfig(ParallelOptions):
     seed: int = _opt(0, "seed of the weights and of the corpus order")
 
     # -- mesh and parallelism --
-    nproc: int = _opt(4, "processes to spawn without torchrun")
+    nproc: int | None = _opt(None, "processes to spawn without torchrun (default: the mesh's dp x cp x ulysses x "
+                                   "tp)", type=int)
     dp: int = _opt(1, "data-parallel size of the mesh")
     cp: int = _opt(2, "context-parallel size of the mesh")
     ulysses: int = _opt(1, "Ulysses size of the mesh: heads split over U ranks by all-to-alls fused with the QKV and "
@@ -129,6 +130,8 @@ class TrainConfig(ParallelOptions):
             choices = _FIELDS[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        if self.nproc is None:  # the mesh's size: --tp 2 --cp 3 spawns 6 ranks
+            object.__setattr__(self, "nproc", self.dp * self.cp * self.ulysses * self.tp)
         for name, least in (("nproc", 1), ("dp", 1), ("cp", 1), ("ulysses", 1), ("tp", 1), ("steps", 1), ("epochs", 1),
                             ("threads", 1), ("workers", 0), ("save_every", 0), ("eval_every", 0), ("eval_docs", 1),
                             ("micro_batches", 1)):
@@ -287,8 +290,8 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
     if config.world_size != world_size:
         raise ValueError(f"mesh dp x cp x ulysses x tp = {config.dp} x {config.cp} x {config.ulysses} x {config.tp} "
                          f"= {config.world_size} does not match the {world_size} processes: run it with --nproc "
-                         f"{config.world_size} (under torchrun: {config.world_size} processes in all), or choose a "
-                         f"mesh whose product is {world_size}")
+                         f"{config.world_size} or without --nproc (under torchrun: {config.world_size} processes in "
+                         f"all), or choose a mesh whose product is {world_size}")
     if config.device == "cuda":
         import torch
 

@@ -1,9 +1,9 @@
 """``flashpar train``: the Llama-style model on packed documents with TP-SP or Ulysses + CP + DP, in one command.
 
-Without a launcher it checks the arguments, then spawns ``--nproc`` CPU processes on gloo (default
-4: tp=2, cp=2).  Under ``torchrun`` (``RANK`` in the environment) every process is one rank of the
-same job, with NCCL on GPUs when ``--device cuda``.  ``--check`` runs one step of the mesh model
-against the single-process model instead of training and prints PASS / FAIL per parameter group.
+Without a launcher it checks the arguments, then spawns ``--nproc`` CPU processes on gloo (default:
+the mesh's size, 4 for the default tp=2, cp=2).  Under ``torchrun`` (``RANK`` in the environment) every
+process is one rank of the same job, with NCCL on GPUs when ``--device cuda``.  ``--check`` runs one step
+of the mesh model against the single-process model instead of training and prints PASS / FAIL per parameter group.
 
 Bad arguments (a mesh whose product is not the world size, heads / kv heads / FFN / vocabulary not
 divisible by tp, heads Ulysses cannot split, ``--ulysses`` and ``--tp`` both > 1, a sequence too short
