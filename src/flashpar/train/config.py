@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,7 +76,8 @@ class TrainConfig(ParallelOptions):
     # -- data --
     seq_len: int = _opt(2048, "tokens per packed sequence")
     tokenizer: str | None = _opt(None, "a Hugging Face tokenizer.json (or its folder) whose vocabulary fits "
-                                       "--vocab-size; default: UTF-8 bytes (vocabulary 256)", type=str)
+                                       "--vocab-size; default: --init-from's tokenizer.json, else UTF-8 bytes "
+                                       "(vocabulary 256)", type=str)
     eod_token: str | None = _opt(None, "end-of-document token appended to every document with --tokenizer; "
                                        "default: tokenizer_config.json's eos_token beside it, else the first of "
                                        "<|end_of_text|>, <|endoftext|>, </s>, <eos> in the vocabulary", type=str)
@@ -302,6 +304,12 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
         if local > have:  # rank r takes cuda:r: NCCL cannot run two ranks on one GPU
             raise ValueError(f"--device cuda: {local} ranks on this machine need {local} GPUs (one per rank), but "
                              f"{have} {'is' if have == 1 else 'are'} available")
+    from flashpar.train.tokenizer_choice import choose
+
+    tokenizer, line = choose(config.tokenizer, config.init_from)  # a folder's own tokenizer, or one line
+    if line is not None and os.environ.get("RANK", "0") == "0":
+        print(f"flashpar train: {line}", file=sys.stderr, flush=True)
+    config = dataclasses.replace(config, tokenizer=tokenizer)
     out = Path(config.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
