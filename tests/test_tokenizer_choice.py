@@ -83,3 +83,23 @@ def test_ready_takes_the_folders_tokenizer_and_says_so(folders, tmp_path, capsys
     assert describe(implicit) == describe(named)  # one token cache: the same tokenizer
     with pytest.raises(ValueError, match="is not --init-from"):
         ready(config(tokenizer=str(folders / "other.json")), 1)
+
+
+def test_the_advice_names_what_the_command_can_do(folders, tmp_path):
+    """A model from --init-from has the folder's sizes: the advice is its own tokenizer, never --vocab-size."""
+    from flashpar.train import tokens
+
+    with pytest.raises(ValueError, match="vocab_size 200; give --tokenizer: the tokenizer.json the model was"):
+        tokens.bytes_fit(200, init_from="folder")
+    with pytest.raises(ValueError, match="vocab_size 200; give a --tokenizer that fits, or --vocab-size 256"):
+        tokens.bytes_fit(200)
+
+    class Run:
+        def __init__(self, init_from):
+            self.init_from = init_from
+
+    line = tokens.vocabulary_fix(Run("F"))
+    assert "--vocab-size" not in line and "leave --tokenizer out" in line
+    assert tokens.vocabulary_fix(Run(None)).format(need=300) == "use --vocab-size 300 or more"
+    with pytest.raises(ValueError, match="fit the model's vocab_size 256; the model of --init-from F is fixed"):
+        tokens.load_tokenizer(folders / "own", vocab_size=256, fix=tokens.vocabulary_fix(Run("F")))

@@ -82,7 +82,8 @@ def test_resume_continues_the_same_loss_trajectory_on_any_mesh(train_runs):
     # ZeRO-3 over dp = 2 (per_doc, ring) from the same checkpoint: other sequences per step, so only that it trains on
     assert list(dp2.losses()) == [3, 4] and "mesh dp=2 cp=2 tp=1" in dp2.stdout
     straight, same, other = straight.losses(), same.losses(), other.losses()
-    assert list(same) == list(other) == [3, 4]
+    assert list(same) == list(other) == [3, 4]  # --steps 4 and the rest from the checkpoint alone
+    assert "the run's settings from its checkpoint" in train_runs["resume-same"].stderr
     for step in (3, 4):
         assert same[step] == pytest.approx(straight[step], rel=1e-6)
         assert other[step] == pytest.approx(straight[step], rel=1e-5)
@@ -92,7 +93,8 @@ def test_resume_with_other_data_settings_is_refused(train_runs, tmp_path, capsys
     checkpoints = train_runs["train"].out / "checkpoints"  # made with --seq-len 256
     assert main(["train", "--steps", "5", "--max-docs", "40", "--seq-len", "128", "--resume", str(checkpoints),
                  "--out", str(tmp_path)]) == 2
-    assert "seq_len 256 != 128" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "was made with other settings: --seq-len 256 there, 128 here (leave those flags out" in err, err
 
 
 def test_a_rank_that_dies_stops_the_job_with_a_clear_error(tmp_path, capsys):

@@ -156,7 +156,7 @@ def test_the_tokenizer_must_fit_the_model_and_have_an_end_of_document_token(fold
     assert tokens.load_tokenizer(folder).sha256 == tok.sha256  # the folder holding tokenizer.json
     with pytest.raises(ValueError, match=r"its vocabulary \(320 tokens, largest id 319\) does not fit the model's "
                                          r"vocab_size 256; use --vocab-size 320 or more"):
-        tokens.load_tokenizer(path, vocab_size=256)
+        tokens.load_tokenizer(path, vocab_size=256, fix=tokens.vocabulary_fix(_config(folder, tmp_path)))
     with pytest.raises(ValueError, match=r"--eod-token '<eos>' is not in the vocabulary"):
         tokens.load_tokenizer(path, "<eos>")
     # another name for the end of a document: from tokenizer_config.json beside it, or none at all
@@ -238,10 +238,10 @@ def test_a_resume_on_other_data_or_tokenizer_is_refused_in_one_line(folder, tmp_
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "meta.json").write_text(json.dumps({"step": 1, "sequences": 1, **config.kept()}))
     assert checkpoint.read_meta(tmp_path / "ck", config)["step"] == 1
-    for other, what in ((dataclasses.replace(config, data=(str(folder / "a.jsonl"),)), "data"),
-                        (dataclasses.replace(config, tokenizer=None), "tokenizer"),
-                        (dataclasses.replace(config, eval_every=3), "held_out")):
-        with pytest.raises(ValueError, match=f"was made with other {what}:") as err:
+    for other, what in ((dataclasses.replace(config, data=(str(folder / "a.jsonl"),)), "--data"),
+                        (dataclasses.replace(config, tokenizer=None), "--tokenizer / --eod-token"),
+                        (dataclasses.replace(config, eval_every=3), "--eval-every / --eval-docs")):
+        with pytest.raises(ValueError, match=f"was made with other settings: {what} ") as err:
             checkpoint.read_meta(tmp_path / "ck", other)
         assert "\n" not in str(err.value)
 

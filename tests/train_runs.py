@@ -8,7 +8,7 @@ meshes, ``--check``) and ``tests/test_readme_commands.py`` (the README's trainin
 The runs, in order, in one folder (the later runs resume the first one's checkpoint of step 2)::
 
     train                4 steps, checkpoints at 2 and 4, trace, plot   (README: train, --save-every, --trace --plot)
-    resume-same          from step 2, same mesh (1, 2, 2): steps 3, 4
+    resume-same          from step 2 with no other flag: the checkpoint's settings, steps 3, 4
     resume-ulysses       from step 2 on (1, 2, 2, 1): Ulysses inside cp  (README: --resume ... --ulysses 2 --tp 1)
     resume-per-doc-ring  from step 2 on (2, 2, 1), ZeRO-3, per_doc, ring (README: --dp 2 ... per_doc --mode ring)
     check-hf             --check on the sizes of a Hugging Face config   (README: --check, --hf-config)
@@ -48,7 +48,7 @@ OWN_VOCAB = 300
 EOD = "<|end_of_text|>"
 RUNS = {  # name -> argv (run in this order, in the session's folder)
     "train": ["train", "--steps", "4", "--save-every", "2", "--trace", "--plot", *TRAIN],
-    "resume-same": ["train", "--resume", STEP2, "--steps", "4", "--out", "runs/same", *TRAIN],
+    "resume-same": ["train", "--resume", STEP2, "--out", "runs/same"],  # every other setting: the checkpoint's
     "resume-ulysses": ["train", "--resume", STEP2, "--cp", "2", "--ulysses", "2", "--tp", "1", "--steps", "4",
                        "--out", "runs/ulysses", *TRAIN],
     "resume-per-doc-ring": ["train", "--resume", STEP2, "--dp", "2", "--cp", "2", "--tp", "1", "--strategy", "per_doc",

@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from flashpar.models import LlamaConfig
 from flashpar.train import atomic, handoff
+from flashpar.train.resume_settings import difference_line
 from flashpar.train.stop import JobStop
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -83,6 +84,8 @@ class RunConfig(Protocol):
     micro_batches: int
 
     def kept(self) -> dict: ...
+
+    def settings(self) -> dict: ...
 
 
 def sequences_after(start: int, steps: int, dp: int, micro_batches: int) -> int:
@@ -128,7 +131,8 @@ def save(path: Path, model, opt, step: int, config: RunConfig, sequences: int | 
         meta = {"step": step, "sequences": sequences, "mesh": [config.dp, config.cp, config.ulysses, config.tp],
                 "micro_batches": config.micro_batches, **config.kept(),
                 "options": model.options.to_dict(),  # how the run ran (the mesh may differ on resume)
-                "sources": handoff.sources(config)}  # what flashpar export puts beside the weights
+                "sources": handoff.sources(config),  # what flashpar export puts beside the weights
+                "settings": config.settings()}  # what a resume continues with (flashpar.train.resume_settings)
         atomic.write_json(partial / "meta.json", meta)
         files = {**files, **atomic.describe(partial, ["meta.json"])}
         atomic.write_json(partial / MARKER, {"format": FORMAT, "version": VERSION, "step": step,
@@ -320,9 +324,8 @@ def read_meta(path: Path, config: RunConfig) -> dict:
         raise ValueError(f"checkpoint {where} is not a flashpar meta.json: {err}") from None
     kept = config.kept()
     differ = [k for k in kept if meta.get(k) != kept[k]]
-    if differ:
-        raise ValueError(f"checkpoint {path} was made with other {', '.join(differ)}: "
-                         + "; ".join(f"{k} {meta.get(k)} != {kept[k]}" for k in differ))
+    if differ:  # one line by flag
+        raise ValueError(difference_line(path, differ, meta, kept))
     return meta
 
 

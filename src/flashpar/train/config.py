@@ -192,6 +192,12 @@ class TrainConfig(ParallelOptions):
     def world_size(self) -> int:
         return self.dims.world_size
 
+    def settings(self) -> dict:
+        """Every field as JSON values, paths absolute: what a checkpoint records for a resume to continue with."""
+        from flashpar.train.resume_settings import settings
+
+        return settings(self)
+
     def kept(self) -> dict:
         """What a resumed run must share with the checkpoint's run (model, data and seed), as JSON values."""
         from flashpar.train.sources import identity
@@ -234,6 +240,38 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 ``ParallelOptions`` without a group is the library's setting, not a flag)."""
 
 
+GIVEN = "flags_given"
+"""The parsed flags' attribute naming the fields whose flags were on the command line (a resume takes the others
+from its checkpoint: ``flashpar.train.resume_settings``)."""
+
+
+def _mark(namespace, dest: str) -> None:
+    given = getattr(namespace, GIVEN, None)
+    if given is None:
+        given = set()
+        setattr(namespace, GIVEN, given)
+    given.add(dest)
+
+
+class _Store(argparse.Action):
+    """argparse's ``store``, noting that the flag was given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        _mark(namespace, self.dest)
+
+
+class _StoreTrue(argparse.Action):
+    """argparse's ``store_true``, noting that the flag was given."""
+
+    def __init__(self, option_strings, dest, default=False, help=None):
+        super().__init__(option_strings, dest, nargs=0, const=True, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, True)
+        _mark(namespace, self.dest)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``flashpar train``'s flags, one per field, in ``GROUPS``' argument groups (the model's sizes:
     ``LlamaConfig``'s fields)."""
@@ -245,18 +283,19 @@ def _add_group(p, names: tuple[str, ...]) -> None:
     for f in (_FIELDS[name] for name in names):
         if f.name == "model":
             for name in MODEL_FLAGS:
-                p.add_argument(f"--{_flag(name)}", type=int, default=getattr(LlamaConfig, name),
+                p.add_argument(f"--{_flag(name)}", type=int, default=getattr(LlamaConfig, name), action=_Store,
                                help=f"model: {name.replace('_', ' ')} (default %(default)s)")
-            p.add_argument("--hf-config", default=None, help="a Hugging Face Llama config.json (overrides the sizes)")
+            p.add_argument("--hf-config", default=None, action=_Store,
+                           help="a Hugging Face Llama config.json (overrides the sizes)")
             continue
         doc = f.metadata["doc"]
         if f.type == "bool":
-            p.add_argument(f"--{_flag(f.name)}", action="store_true", help=doc)
+            p.add_argument(f"--{_flag(f.name)}", action=_StoreTrue, help=doc)
             continue
         kw = {k: f.metadata[k] for k in ("choices", "nargs") if k in f.metadata}
         kind = f.metadata.get("type", type(f.default))
         shown = "" if f.default is None else " (default %(default)s)"
-        p.add_argument(f"--{_flag(f.name)}", type=kind, default=f.default, help=doc + shown, **kw)
+        p.add_argument(f"--{_flag(f.name)}", type=kind, default=f.default, help=doc + shown, action=_Store, **kw)
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
@@ -268,7 +307,30 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
     if getattr(args, "init_from", None):  # the sizes are the folder's
         model = _init_from_model(args, model)
     values = {name: getattr(args, name) for name in _FLAGS if name != "model"}
+    if getattr(args, "resume", None):  # the checkpoint's settings, but for the flags given now
+        values, model = _resumed(args, values, model)
     return TrainConfig(model=model, **values)
+
+
+def _resumed(args: argparse.Namespace, values: dict, model: LlamaConfig) -> tuple[dict, LlamaConfig]:
+    """``values`` and ``model`` with every setting whose flag was not given taken from the checkpoint that
+    ``--resume`` names (``flashpar.train.resume_settings``); one line says so (rank 0 under torchrun)."""
+    from flashpar.train import resume_settings
+
+    saved = resume_settings.saved(args.resume)
+    if saved is None:  # a checkpoint saved without settings: the flags given, checked against it later
+        return values, model
+    given = set(getattr(args, GIVEN, set()))
+    if given & {*MODEL_FLAGS, "hf_config", "init_from"}:
+        given.add("model")
+    merged, taken = resume_settings.merged({**values, "model": model.to_dict()}, given, saved)
+    model_value = merged.pop("model")
+    model = LlamaConfig(**model_value) if isinstance(model_value, dict) else model_value
+    if os.environ.get("RANK", "0") == "0":
+        changed = sorted(f"--{_flag(n)}" for n in given if n in _FIELDS and n not in ("resume", "model"))
+        print(f"flashpar train: --resume {args.resume}: the run's settings from its checkpoint ({len(taken)} "
+              f"taken{'; given here: ' + ', '.join(changed) if changed else ''})", file=sys.stderr, flush=True)
+    return merged, model
 
 
 def _init_from_model(args: argparse.Namespace, model: LlamaConfig) -> LlamaConfig:

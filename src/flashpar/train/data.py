@@ -264,7 +264,7 @@ def ready_data(config) -> None:
     from flashpar.train import tokens
 
     if not tokens.uses_cache(config):
-        tokens.bytes_fit(config.model.vocab_size)
+        tokens.bytes_fit(config.model.vocab_size, config.init_from)
     if config.data:
         from flashpar.train.sources import skipped_line
 

@@ -63,19 +63,23 @@ class TokenizerFile:
         return f"{self.sha256[:16]} eod {self.eod}"
 
 
-def load_tokenizer(path, eod_token: str | None = None, vocab_size: int | None = None) -> TokenizerFile:
-    """``path``'s tokenizer, checked against the model's ``vocab_size``; ``ValueError``: one line."""
+def load_tokenizer(path, eod_token: str | None = None, vocab_size: int | None = None, *,
+                   fix: str = "use the tokenizer the model was made for") -> TokenizerFile:
+    """``path``'s tokenizer, checked against the model's ``vocab_size``; ``ValueError``: one line, ending with
+    ``fix`` (what the caller's command can do about a vocabulary that does not fit: ``{need}`` is the size that
+    would fit)."""
     p = Path(path)
     if p.is_dir():
         p = p / "tokenizer.json"
     if not p.is_file():
         raise ValueError(f"--tokenizer {path}: no tokenizer.json there")
     st = p.stat()
-    return _load(str(p.resolve()), st.st_size, st.st_mtime_ns, eod_token, vocab_size)
+    return _load(str(p.resolve()), st.st_size, st.st_mtime_ns, eod_token, vocab_size, fix)
 
 
 @functools.lru_cache(maxsize=4)
-def _load(path: str, size: int, mtime_ns: int, eod_token: str | None, vocab_size: int | None) -> TokenizerFile:
+def _load(path: str, size: int, mtime_ns: int, eod_token: str | None, vocab_size: int | None,
+          fix: str) -> TokenizerFile:
     from tokenizers import Tokenizer
 
     raw = Path(path).read_bytes()
@@ -90,8 +94,8 @@ def _load(path: str, size: int, mtime_ns: int, eod_token: str | None, vocab_size
     max_id = max(vocab.values(), default=-1)
     if vocab_size is not None and (size_with_added > vocab_size or max_id >= vocab_size):
         raise ValueError(f"--tokenizer {path}: its vocabulary ({size_with_added} tokens, largest id {max_id}) does not "
-                         f"fit the model's vocab_size {vocab_size}; use --vocab-size {max(size_with_added, max_id + 1)}"
-                         " or more")
+                         f"fit the model's vocab_size {vocab_size}; "
+                         + fix.format(need=max(size_with_added, max_id + 1)))
     digest = hashlib.sha256(raw)
     config_eos = None
     if eod_token is None:
@@ -199,22 +203,33 @@ def uses_cache(config) -> bool:
     return bool(config.data) or config.tokenizer is not None
 
 
-def bytes_fit(vocab_size: int) -> None:
-    """``ValueError`` (one line) unless the byte tokens 0-255 are in the model's vocabulary."""
+def bytes_fit(vocab_size: int, init_from: str | None = None) -> None:
+    """``ValueError`` (one line) unless the byte tokens 0-255 are in the model's vocabulary; the advice is what
+    ``flashpar train`` can do (a model of ``--init-from`` has its sizes: only a tokenizer can fit it)."""
     if vocab_size < 256:
-        raise ValueError(f"the byte tokens (0-255) do not fit the model's vocab_size {vocab_size}; give a "
-                         "--tokenizer that fits, or --vocab-size 256 or more")
+        fix = ("give --tokenizer: the tokenizer.json the model was trained with" if init_from else
+               "give a --tokenizer that fits, or --vocab-size 256 or more")
+        raise ValueError(f"the byte tokens (0-255) do not fit the model's vocab_size {vocab_size}; {fix}")
+
+
+def vocabulary_fix(config) -> str:
+    """What ``flashpar train`` can do about a tokenizer that does not fit the model: the sizes of ``--init-from``
+    are the folder's, so only its own tokenizer fits there."""
+    if getattr(config, "init_from", None):
+        return (f"the model of --init-from {config.init_from} is fixed: use the tokenizer it was trained with "
+                "(leave --tokenizer out to take the folder's)")
+    return "use --vocab-size {need} or more"
 
 
 def describe(config) -> dict:
     """What the cache of ``config`` is made from (``index.json`` without the lengths); checks the tokenizer."""
     vocab_size = config.model.vocab_size
     if config.tokenizer is not None:
-        tok = load_tokenizer(config.tokenizer, config.eod_token, vocab_size)
+        tok = load_tokenizer(config.tokenizer, config.eod_token, vocab_size, fix=vocabulary_fix(config))
         tokenizer = {"path": tok.path, "sha256": tok.sha256, "eod": tok.eod, "eod_token": tok.eod_token}
         dtype = "uint16" if tok.max_id < 1 << 16 else "uint32"
     else:
-        bytes_fit(vocab_size)
+        bytes_fit(vocab_size, getattr(config, "init_from", None))
         tokenizer, dtype = None, "uint8"
     return {"version": INDEX_VERSION, "sources": _sources(config), "max_docs": config.max_docs,
             "tokenizer": tokenizer, "dtype": dtype}

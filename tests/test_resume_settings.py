@@ -1,0 +1,98 @@
+"""A resume continues with its checkpoint's settings: the flags given again change them, the rest come from
+meta.json's ``settings``; what must not change is refused by flag."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from flashpar.cli import parser_for
+from flashpar.models import LlamaConfig
+from flashpar.train.config import TrainConfig, from_args
+from flashpar.train.resume_settings import INVOCATION, difference_line, merged, newest, saved, settings
+
+SAVED = TrainConfig(nproc=2, dp=2, cp=1, tp=1, seq_len=256, steps=40, lr=1e-3, warmup=3, micro_batches=2,
+                    max_docs=40, seed=7, save_every=10, eval_every=5, eval_docs=3, dtype="bf16",
+                    checkpoint_activations=True, model=LlamaConfig(hidden=32, layers=1, ffn=64), out="runs/x")
+
+
+def _checkpoint(root, step: int, config: TrainConfig | None, marker: bool = True):
+    folder = root / f"step_{step}"
+    folder.mkdir(parents=True)
+    meta = {"step": step, "sequences": step, **({"settings": settings(config)} if config else {})}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    if marker:
+        (folder / "flashpar.json").write_text("{}")
+    return folder
+
+
+def _parsed(*argv):
+    parser, _ = parser_for(["train"])
+    return from_args(parser.parse_args(["train", *argv]))
+
+
+def test_settings_hold_every_field_and_come_back_equal(tmp_path):
+    values = settings(SAVED)
+    assert set(values) == {f.name for f in dataclasses.fields(TrainConfig)}
+    assert values["out"] == str(Path("runs/x").resolve())
+    back = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(json.dumps(values)).items()}
+    back["model"] = LlamaConfig(**back["model"])
+    assert dataclasses.replace(TrainConfig(**back), out="runs/x") == SAVED
+
+
+def test_a_resume_without_flags_is_the_saved_run(tmp_path, capsys):
+    _checkpoint(tmp_path, 10, SAVED)
+    config = _parsed("--resume", str(tmp_path))
+    for name in (f.name for f in dataclasses.fields(TrainConfig)):
+        if name not in INVOCATION and name != "out":
+            assert getattr(config, name) == getattr(SAVED, name), name
+    assert config.nproc == 2  # the mesh's size, not a saved process count
+    assert "the run's settings from its checkpoint" in capsys.readouterr().err
+
+
+def test_flags_given_again_win_and_the_mesh_may_change(tmp_path):
+    _checkpoint(tmp_path, 10, SAVED)
+    config = _parsed("--resume", str(tmp_path), "--steps", "80", "--dp", "1", "--cp", "2", "--lr", "3e-3")
+    assert (config.steps, config.dp, config.cp, config.lr, config.nproc) == (80, 1, 2, 3e-3, 2)
+    assert (config.warmup, config.micro_batches, config.dtype, config.seed) == (3, 2, "bf16", 7)
+    # a flag given at its default value is still given: --checkpoint-activations off cannot be said, but --seed 0 can
+    assert _parsed("--resume", str(tmp_path), "--seed", "0").seed == 0
+    # a model size flag given: the model is the flags', whole (the kept check then refuses it, by flag)
+    assert _parsed("--resume", str(tmp_path), "--hidden", "64").model == LlamaConfig(hidden=64)
+
+
+def test_the_newest_marked_checkpoint_is_read_and_old_checkpoints_keep_the_flags(tmp_path):
+    _checkpoint(tmp_path, 10, dataclasses.replace(SAVED, steps=30))
+    _checkpoint(tmp_path, 20, SAVED)
+    _checkpoint(tmp_path, 30, dataclasses.replace(SAVED, steps=99), marker=False)  # an unfinished save
+    assert newest(tmp_path).name == "step_20" and saved(str(tmp_path))["steps"] == 40
+    assert saved(str(tmp_path / "step_10"))["steps"] == 30
+    old = tmp_path / "old"
+    _checkpoint(old, 5, None)  # saved before checkpoints held settings: the flags given, as they are
+    assert saved(str(old)) is None and _parsed("--resume", str(old)).steps == TrainConfig.steps
+    assert saved(str(tmp_path / "missing")) is None
+
+
+def test_merged_takes_only_what_was_not_given():
+    out, taken = merged({"lr": 1.0, "steps": 5, "resume": "a", "data": None}, {"steps"},
+                        {"lr": 2.0, "steps": 9, "resume": "b", "nproc": 3, "data": ["/d"]})
+    assert out == {"lr": 2.0, "steps": 5, "resume": "a", "data": ("/d",)} and sorted(taken) == ["data", "lr"]
+
+
+def test_a_kept_difference_is_one_line_by_flag():
+    line = difference_line("ck", ["seq_len", "held_out"], {"seq_len": 256, "held_out": 8},
+                           {"seq_len": 128, "held_out": 0})
+    assert line == ("checkpoint ck was made with other settings: --seq-len 256 there, 128 here; "
+                    "--eval-every / --eval-docs 8 there, 0 here (leave those flags out to continue with the "
+                    "checkpoint's)")
+    assert "held_out" not in line
+
+
+@pytest.mark.parametrize("flag", ["--plot", "--trace", "--check"])
+def test_switches_are_noted_as_given(flag):
+    parser, _ = parser_for(["train"])
+    args = parser.parse_args(["train", flag])
+    assert args.flags_given == {flag[2:]}
