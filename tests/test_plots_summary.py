@@ -17,8 +17,8 @@ DOCS = [700, 90, 1500, 40, 300, 2000, 10, 456]
 def _row(step: int, est: float, per_doc: float) -> dict:
     plan = {"est_step_ms": est, "plan_kv_bytes": 10.0, "exposed_comm_ms_est": 0.0, "per_doc_kv_bytes": 20.0,
             "per_doc_est_step_ms": per_doc, "headtail_kv_bytes": 30.0, "headtail_est_step_ms": per_doc + 1}
-    return StepMetrics(step=step, loss=2.0, step_s=0.5, tokens_per_s=100.0, mfu=0.1, kv_bytes=5, planning_ms_dp0=1.0,
-                       plan=plan, lr=1e-3, grad_norm=1.0)
+    return StepMetrics(step=step, loss=2.0, step_s=0.5, tokens_per_s=100.0, model_flops_per_s=1e9, mfu=0.1,
+                       kv_bytes=5, planning_ms_dp0=1.0, plan=plan, lr=1e-3, grad_norm=1.0)
 
 
 def test_summary_step_times_are_per_step_means_and_bytes_are_totals():
@@ -48,3 +48,13 @@ def test_train_plot_states_each_strategys_step_and_the_runs_ratio():
         "est_step_time"] for s in ("flashcp", "per_doc", "headtail")}
     assert labels == [f"{s}: step {ms:.3g} ms" for s, ms in want.items()], labels
     assert right.get_title() == "last step's plan: 8 documents; run: 1.05x per_doc's step", right.get_title()
+    # the bars in the step's unit (ms), none above its strategy's dashed step line, the legend outside the axes
+    lines = [c.get_segments()[0][0][1] for c in right.collections]
+    assert lines == pytest.approx(list(want.values()))
+    bars = [b.get_height() for b in right.patches]
+    for k, step_ms in enumerate(want.values()):
+        assert max(bars[2 * k:2 * k + 2]) <= step_ms * (1 + 1e-9)
+    assert right.get_ylim()[1] >= max(bars + lines)
+    fig.canvas.draw()
+    legend, axes = right.get_legend().get_window_extent(), right.get_window_extent()
+    assert legend.y1 <= axes.y0, (legend, axes)  # below the panel: it covers no bar

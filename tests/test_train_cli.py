@@ -20,7 +20,7 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--dp", "2", "--cp", "2", "--tp", "2"], "does not match the 4 processes"),
+    (["--nproc", "4", "--dp", "2", "--cp", "2", "--tp", "2"], "does not match the 4 processes"),
     (["--heads", "6", "--kv-heads", "3", "--hidden", "96"], "kv heads = 3 is not divisible by tp = 2"),
     (["--ffn", "75"], "FFN size = 75 is not divisible by tp = 2"),
     (["--seq-len", "6"], "too short"),
@@ -51,6 +51,11 @@ def test_train_runs_and_writes_metrics(train_runs):
     # the largest rank's peak memory over the steps (CPU: the resident peak's rise): activations, gradients, AdamW
     assert summary["peak_mem_mb"] > 0 and summary["dtype"] == "fp32" and "peak memory" in run.stdout
     assert "trained 4 steps" in run.stdout
+    # on CPU no MFU (no vendor peak): the model's FLOP/s; the steps' own time and the launch's, apart
+    assert summary["mfu"] is None and summary["peak_flops_per_rank"] is None and summary["model_flops_per_s"] > 0
+    assert all(r["mfu"] is None and r["model_flops_per_s"] > 0 for r in rows)
+    assert "GFLOP/s of model math (no MFU on CPU: no vendor peak)" in run.stdout and "MFU 0" not in run.stdout
+    assert 0 < summary["steps_s"] <= summary["wall_s"] and " s in steps, " in run.stdout
     # ZeRO-3's auto choices made once at set-up: the resolved options in the summary, the checkpoint and the
     # run's last lines, the same value in all three
     options = ParallelOptions(**summary["options"])
@@ -58,8 +63,9 @@ def test_train_runs_and_writes_metrics(train_runs):
     meta = json.loads((out / "checkpoints" / "step_2" / "meta.json").read_text())
     assert ParallelOptions(**meta["options"]) == options
     assert f"options: {options.describe()}" in run.stdout
-    # the ranks' logs are kept only when they say something (here: the profiler's C++ lines of --trace)
-    assert not list(train_runs["resume-same"].out.glob("rank*.log"))
+    # every rank keeps its log, which starts by saying whose it is
+    for r in range(4):
+        assert (train_runs["resume-same"].out / f"rank{r}.log").read_text().startswith(f"rank {r} of 4: pid ")
 
 
 def test_check_passes(train_runs):

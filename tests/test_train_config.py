@@ -79,11 +79,13 @@ def test_ulysses_meshes_are_accepted_and_count_in_the_world_size():
 
 def test_step_metrics_line_has_the_fields_and_the_plan_figures():
     plan = {"est_step_ms": 1.0, "plan_kv_bytes": 10.0, "exposed_comm_ms_est": 0.5}
-    m = StepMetrics(step=3, loss=2.5, step_s=0.5, tokens_per_s=100.0, mfu=0.1, kv_bytes=10, planning_ms_dp0=1.5,
-                    plan=plan, lr=1e-3, grad_norm=0.75)
-    assert m.row() == {"step": 3, "loss": 2.5, "step_s": 0.5, "tokens_per_s": 100.0, "mfu": 0.1, "kv_bytes": 10,
-                       "planning_ms_dp0": 1.5, "lr": 1e-3, "grad_norm": 0.75, **plan}
-    assert m.postfix()["exposed"] == "0.500ms"
+    m = StepMetrics(step=3, loss=2.5, step_s=0.5, tokens_per_s=100.0, model_flops_per_s=2e9, mfu=0.1, kv_bytes=10,
+                    planning_ms_dp0=1.5, plan=plan, lr=1e-3, grad_norm=0.75)
+    assert m.row() == {"step": 3, "loss": 2.5, "step_s": 0.5, "tokens_per_s": 100.0, "model_flops_per_s": 2e9,
+                       "mfu": 0.1, "kv_bytes": 10, "planning_ms_dp0": 1.5, "lr": 1e-3, "grad_norm": 0.75, **plan}
+    assert m.postfix()["exposed"] == "0.500ms" and m.postfix()["mfu"] == "10.0%"
+    cpu = dataclasses.replace(m, mfu=None)  # no vendor peak on CPU: the model's FLOP/s, no MFU
+    assert "mfu" not in cpu.postfix() and cpu.postfix()["gflop_s"] == "2.0" and cpu.row()["mfu"] is None
 
 
 def test_a_checkpoint_without_the_data_keys_resumes_and_a_bad_meta_is_one_line(tmp_path):
@@ -99,7 +101,7 @@ def test_a_checkpoint_without_the_data_keys_resumes_and_a_bad_meta_is_one_line(t
     (tmp_path / "meta.json").write_text(json.dumps({"step": 2, "sequences": 2, "mesh": [1, 2, 1, 2],
                                                     "model": old_model, "seq_len": 256, "max_docs": 40, "seed": 0}))
     assert checkpoint.read_meta(tmp_path, config)["step"] == 2
-    with pytest.raises(ValueError, match="other held_out"):
+    with pytest.raises(ValueError, match="other settings: --eval-every / --eval-docs 0 there, 8 here"):
         checkpoint.read_meta(tmp_path, dataclasses.replace(config, eval_every=5))
     for bad in ("[1, 2]", "{\"step\": \"two\", \"sequences\": 2}", "not json"):
         (tmp_path / "meta.json").write_text(bad)

@@ -288,6 +288,8 @@ def test_flags_and_ready_checks(folder, tmp_path):
             ready(_config(folder, tmp_path, **kw), kw.get("nproc", 1))
         assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
     assert not list((tmp_path / "tokens").glob("*/*.tmp"))  # a failed build leaves no partial file
+    left = [d.name for d in (tmp_path / "tokens").glob("*") if not (d / "index.json").is_file()]
+    assert not left, left  # nor a cache folder without its index
     with pytest.raises(ValueError, match="eval-docs must be an integer >= 1"):
         _config(folder, tmp_path, eval_docs=0)
     assert ready(_config(folder, tmp_path, eval_every=2), 1).data == _config(folder, tmp_path).data

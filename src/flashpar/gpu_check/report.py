@@ -137,8 +137,9 @@ def _train(p: dict) -> list[str]:
         out.append(f"train: {'PASS' if t['passed'] else 'FAIL'} (exit status {t['rc']}): {len(losses)} of "
                    f"{t['steps_wanted']} steps"
                    + (f", loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "")
-                   + (f", {t['tokens_per_s']:.0f} tokens/s, MFU {t['mfu']:.1%}, peak memory {t['peak_mem_mb']:.0f} MB"
-                      if t.get("tokens_per_s") is not None else ""))
+                   + (f", {t['tokens_per_s']:.0f} tokens/s, MFU "
+                      + (f"{t['mfu']:.1%}" if t.get("mfu") is not None else "none (CPU: no vendor peak)")
+                      + f", peak memory {t['peak_mem_mb']:.0f} MB" if t.get("tokens_per_s") is not None else ""))
         out.append("")
     return out
 

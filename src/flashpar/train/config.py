@@ -132,14 +132,16 @@ class TrainConfig(ParallelOptions):
             choices = _FIELDS[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
-        if self.nproc is None:  # the mesh's size: --tp 2 --cp 3 spawns 6 ranks
-            object.__setattr__(self, "nproc", self.dp * self.cp * self.ulysses * self.tp)
         for name, least in (("nproc", 1), ("dp", 1), ("cp", 1), ("ulysses", 1), ("tp", 1), ("steps", 1), ("epochs", 1),
                             ("threads", 1), ("workers", 0), ("save_every", 0), ("eval_every", 0), ("eval_docs", 1),
                             ("micro_batches", 1)):
             value = getattr(self, name)
+            if name == "nproc" and value is None:  # the mesh's size (its sizes are checked next)
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{_flag(name)} must be an integer >= {least}, got {value!r}")
+        if self.nproc is None:  # --tp 2 --cp 3 spawns 6 ranks
+            object.__setattr__(self, "nproc", self.dp * self.cp * self.ulysses * self.tp)
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if self.max_docs is not None and self.max_docs < 1:

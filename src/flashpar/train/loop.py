@@ -17,12 +17,11 @@ the global sequence ``start + (s M + m) dp + d``: ``PlannedSequences`` item ``s 
 taken ``M`` at a time (``group_micro_batches``); ``start`` is 0, or the checkpoint's ``sequences``
 (``checkpoint.sequences_after``) when resuming.
 
-    MFU = model FLOPs per second / (peak FLOP/s per rank x ranks)
+    MFU = model FLOPs per second / (peak FLOP/s per rank x ranks)        (CUDA: the GPU's datasheet peak)
     model FLOPs of a step = sum over the M x dp sequences of T * cfg.flops_per_token(pairs / T)
 
-``pairs`` is the causal document mask's (query, key) pairs of the sequence.  The peak is a GEMM
-probe on CPU (every rank at once, so it is each rank's share of the cores) or the datasheet
-figure of the GPU.
+``pairs`` is the causal document mask's (query, key) pairs of the sequence.  A CPU has no vendor peak:
+there the run reports the model FLOP/s and no MFU (``flashpar.train.metrics``).
 """
 
 from __future__ import annotations
@@ -116,7 +115,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
               f"{config.steps} ({_passes(config.epochs)}; add documents, raise --epochs or lower --steps)",
               file=sys.stderr, flush=True)
     loader = make_loader(planned, num_workers=config.workers)
-    peak = peak_flops(device)
+    peak = peak_flops(device) if device.type == "cuda" else None  # CPU: no vendor peak, no MFU (train.metrics)
     out = Path(config.out)
     log = open(out / "metrics.jsonl", "a" if first_step else "w") if rank == 0 else None  # noqa: SIM115
     bar = _progress(steps, first_step) if rank == 0 else None
@@ -148,8 +147,8 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         if profiler is not None:
             profiler.export_chrome_trace(str(out / f"trace_rank{rank}.json"))
         planning_ms = 1e3 * sum(it["planning_s"] for it in items)
-        metrics = _measure(step + 1, totals, elapsed, config, pairs, peak * world, planning_ms, figures, lr=lr,
-                           device=device)
+        metrics = _measure(step + 1, totals, elapsed, config, pairs, peak and peak * world, planning_ms, figures,
+                           lr=lr, device=device)
         if totals.skipped:  # --skip-nonfinite: a row that says so, no figures in the summary
             if rank == 0:
                 log.write(json.dumps(_skipped_row(totals, step + 1, lr)) + "\n")
@@ -163,7 +162,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
             log.write(json.dumps(metrics.row()) + "\n")
             log.flush()
             bar.update(1)
-            bar.set_postfix(**metrics.postfix())
+            bar.set_postfix(**metrics.postfix(), eta=eta([m.step_s for m in history], steps - step - 1))
         if config.save_every and ((step + 1) % config.save_every == 0 or step + 1 == steps):
             sequences = checkpoint.sequences_after(start, step + 1 - first_step, config.dp, micro)
             where.enter("save")
@@ -217,7 +216,8 @@ def _batch_figures(items: list[dict], dp_group, device) -> tuple[float, float, d
     return float(sums[0]), float(sums[1]), figures  # host values: read between steps
 
 
-def _measure(step: int, totals: StepTotals, elapsed: float, config: TrainConfig, pairs: float, peak_total: float,
+def _measure(step: int, totals: StepTotals, elapsed: float, config: TrainConfig, pairs: float,
+             peak_total: float | None,
              planning_ms: float, figures: dict[str, float], *, lr: float, device) -> StepMetrics:
     """The step's figures over every rank: the loss and K/V bytes summed and the gradient norm come from the
     step (``nonfinite.checked_step``: summed there, before AdamW); the time of the slowest rank is reduced
@@ -228,8 +228,10 @@ def _measure(step: int, totals: StepTotals, elapsed: float, config: TrainConfig,
     step_s = float(slowest[0])
     flops = tokens * config.model.flops_per_token(pairs / tokens)
     return StepMetrics(step=step, loss=totals.loss, step_s=step_s, tokens_per_s=tokens / step_s,
-                       mfu=flops / step_s / peak_total, kv_bytes=totals.kv_bytes, planning_ms_dp0=planning_ms,
-                       plan=figures, lr=lr, grad_norm=totals.grad_norm)
+                       model_flops_per_s=flops / step_s,
+                       mfu=None if peak_total is None else flops / step_s / peak_total,
+                       kv_bytes=totals.kv_bytes, planning_ms_dp0=planning_ms, plan=figures, lr=lr,
+                       grad_norm=totals.grad_norm)
 
 
 def _skipped_row(totals: StepTotals, step: int, lr: float) -> dict:
@@ -253,11 +255,28 @@ def _pairs(plan) -> float:
     return float(sum(n * (n + 1) // 2 for n in plan.doc_lens))
 
 
+WARM_STEPS = 2  # steps left out of the ETA: the first ones start the workers, allocate, warm the caches
+
+
+def eta(step_times: list[float], left: int) -> str:
+    """The time the ``left`` steps still take: the median of the steps after the first ``WARM_STEPS`` (the first
+    step of a run takes many times a later one: its ETA would be hours off), as ``h:mm:ss``; ``"warming up"``
+    before there is one."""
+    timed = sorted(step_times[WARM_STEPS:])
+    if not timed:
+        return "warming up"
+    seconds = round(timed[len(timed) // 2] * left)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
 def _progress(total: int, done: int = 0):
+    """rank 0's bar: steps and elapsed time; the ETA is a postfix (``eta``), tqdm's own rate counts the first
+    steps."""
     try:
         from tqdm import tqdm
 
-        return tqdm(total=total, initial=done, desc="train", unit="step", dynamic_ncols=True)
+        return tqdm(total=total, initial=done, desc="train", unit="step", dynamic_ncols=True,
+                    bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
     except ImportError:  # pragma: no cover - tqdm is a dependency; keep running without it
         class _Plain:
             def update(self, n): pass

@@ -14,7 +14,8 @@ any process group starts
 (``flashpar.train.config``).  A rank that fails makes the
 launcher stop the others and print one line naming it and its log: each rank's output below
 Python (torch's C++ warnings) and, but for rank 0's progress bar, its stderr go to ``rank<r>.log``
-in ``--out``, and a rank that raises ends its log with the traceback.  Every wait has the ``--timeout``.
+in ``--out`` (its first line: the rank, its pid and host, when it started), and a rank that raises ends its
+log with the traceback.  Every wait has the ``--timeout``.
 The spawned ranks end when the launcher ends, however it ends (SIGKILL included: ``flashpar.lifeline``);
 Ctrl-C or SIGTERM stops them with one line naming the step and the checkpoint to resume from
 (``flashpar.train.interrupt``).  Under torchrun none of this is added: torchrun's agent owns its workers.
@@ -30,6 +31,7 @@ import functools
 import json
 import logging
 import os
+import socket
 import sys
 import time
 import traceback
@@ -95,6 +97,8 @@ def _spawned(rank: int, world: int, rendezvous: dict, config: TrainConfig, resul
     ignore_in_rank()  # Ctrl-C reaches the whole process group: the launcher stops the ranks (flashpar.train.interrupt)
     os.environ.update(rendezvous, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # ranks.Rendezvous
     log = _own_stderr(rank, _rank_log(Path(config.out), rank))
+    print(f"rank {rank} of {world}: pid {os.getpid()} on {socket.gethostname()}, started "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S')}", file=log, flush=True)  # every rank's log exists, and says whose
     line.watch(functools.partial(_launcher_gone, log, line.launcher_pid))  # flashpar.lifeline
     import torch.distributed as dist
 
@@ -192,6 +196,7 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
     """Check the run's surroundings (``ready``), then run ``config.nproc`` spawned ranks, or this process as
     one rank under torchrun; print the report.  Exit status: 0 done, 1 a rank failed (or ``--check``
     failed), 2 bad settings.  ``hooks``: a ``flashpar.train.loop.Hooks``, run on every rank."""
+    launched = time.perf_counter()  # the report's time "in all": checks, start-up, steps, saving
     world = int(os.environ.get("WORLD_SIZE", config.nproc))
     try:
         config = ready(config, world)
@@ -202,7 +207,7 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
         from flashpar.train.stop import JobStop
 
         try:
-            return _report(rank_main(config, hooks), config)
+            return _report(rank_main(config, hooks), config, time.perf_counter() - launched)
         except JobStop as err:
             print(f"flashpar train: {err}", file=sys.stderr)
             return 1
@@ -241,7 +246,6 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
                 pass
     except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the ranks stop here, one line says where
         interrupt.stop_ranks(procs)
-        _drop_empty_logs(out, config.nproc)
         print(f"\nflashpar train: {interrupt.line(out, config.save_every, err, started)}", file=sys.stderr)
         return interrupt.EXIT_STATUS
     except mp.ProcessExitedException as err:  # the first rank to stop: raised (its log), killed, or crashed
@@ -256,19 +260,10 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
         spawn_log.setLevel(level)
         rendezvous.close()
         line.close()
-    _drop_empty_logs(out, config.nproc)
-    return _report(json.loads(result.read_text()), config)
+    return _report(json.loads(result.read_text()), config, time.perf_counter() - launched)
 
 
-def _drop_empty_logs(out: Path, nproc: int) -> None:
-    """Keep only the rank logs that say something."""
-    for r in range(nproc):
-        log = _rank_log(out, r)
-        if log.is_file() and log.stat().st_size == 0:
-            log.unlink()
-
-
-def _report(out, config: TrainConfig) -> int:
+def _report(out, config: TrainConfig, launch_s: float = float("nan")) -> int:
     if out is None:
         return 0
     if config.check:
@@ -292,9 +287,11 @@ def _report(out, config: TrainConfig) -> int:
               else f"nothing to train: the run is already at --steps {config.steps}")
         return 0
     mesh = " ".join(f"{k}={v}" for k, v in s["mesh"].items() if k != "ulysses" or v > 1)  # ulysses: when used
-    print(f"\ntrained {s['steps']} steps on mesh {mesh} "
-          f"in {s['wall_s']:.0f} s: loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}, "
-          f"{s['tokens_per_s']:.0f} tokens/s, MFU {s['mfu']:.1%} (of a GEMM-probe peak), peak memory "
+    rate = (f"MFU {s['mfu']:.1%}" if s.get("mfu") is not None else
+            f"{s['model_flops_per_s'] / 1e9:.1f} GFLOP/s of model math (no MFU on CPU: no vendor peak)")
+    print(f"\ntrained {s['steps']} steps on mesh {mesh}: {s['steps_s']:.1f} s in steps, {launch_s:.0f} s in all "
+          f"(start-up, data, saving): loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}, "
+          f"{s['tokens_per_s']:.0f} tokens/s (last {min(s['steps'], 5)} steps), {rate}, peak memory "
           f"{s['peak_mem_mb']:.0f} MB (largest rank, {s['dtype']}"
           f"{', activations checkpointed' if config.checkpoint_activations else ''})")
     print(f"{s['strategy']} plans: forward K/V {s['kv_bytes'] / 1e6:.1f} MB sent (plans: "

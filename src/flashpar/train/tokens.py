@@ -29,6 +29,7 @@ first document is read, then shows a bar of the documents and tokens done.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -283,8 +284,11 @@ def build(where: Path, about: dict, texts, vocab_size: int, workers: int, *, tok
                 if bar is not None:
                     bar.update(len(lens))
                     bar.set_postfix_str(f"{sum(lengths) / 1e6:.1f}M tokens", refresh=False)
-    except BaseException:  # a bad document (ValueError: one line) or an interrupt: leave no partial file
-        (where / f"tokens.bin.{tag}").unlink(missing_ok=True)
+    except BaseException:  # a bad document (ValueError: one line) or an interrupt: leave no partial file, and no
+        (where / f"tokens.bin.{tag}").unlink(missing_ok=True)  # empty folder that looks like a cache
+        for empty in (where, where.parent):
+            with contextlib.suppress(OSError):  # not empty: another process's cache or files
+                empty.rmdir()
         raise
     finally:
         if bar is not None:
