@@ -81,7 +81,7 @@ def test_generate_writes_transformers_greedy_tokens_in_input_order(folder, capfd
     ('{"tokens": [1, 2]}\n', ["--max-new-tokens", 63], "exceeds the model's 64 positions"),
     ('{"tokens": [1, 2]}\n', ["--tp", 3], "--tp 3: the model's heads = 4 is not divisible"),
     ('{"tokens": [1, 2]}\n', ["--ulysses", 2], "--ulysses 2"),
-    ('{"tokens": [1, 2]}\n', ["--top-p", 0], "top_p must be in (0, 1]"),
+    ('{"tokens": [1, 2]}\n', ["--top-p", 0], "--top-p must be in (0, 1]"),
 ])
 def test_bad_input_is_one_line_before_any_rank_starts(folder, capfd, content, args, says):
     root, _, _ = folder
