@@ -188,7 +188,7 @@ def test_chat_from_stdin_with_a_penalty_stop_string_and_logprobs_equals_transfor
         ids = list(theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
         with torch.no_grad():
             gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=12, do_sample=False, repetition_penalty=1.3, eos_token_id=None,
+                                 max_new_tokens=20, do_sample=False, repetition_penalty=1.3, eos_token_id=None,
                                  pad_token_id=0, output_scores=True, return_dict_in_generate=True)
         new = gen.sequences[0, len(ids):].tolist()
         lps = [float(torch.log_softmax(s[0].double(), -1)[t]) for s, t in zip(gen.scores, new, strict=True)]
@@ -197,17 +197,22 @@ def test_chat_from_stdin_with_a_penalty_stop_string_and_logprobs_equals_transfor
     assert stop
     monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(json.dumps({"messages": m}) for m in CONVERSATIONS)))
     out = chat.parent / "chat-out.jsonl"
-    code, stdout, err = _run(["--init-from", chat, "--chat", "--prompts", "-", "--tp", 2, "--max-new-tokens", 12,
+    code, stdout, err = _run(["--init-from", chat, "--chat", "--prompts", "-", "--tp", 2, "--max-new-tokens", 20,
                               "--repetition-penalty", 1.3, "--stop", stop, "--logprobs", "--out", out], capfd)
     assert code == 0, err
     rows = [json.loads(line) for line in out.read_text().splitlines()]
+    ended = []
     for row, (ids, new, lps) in zip(rows, runs, strict=True):
         tokens, reason, text = _expected(tok, new, eod, stop)
         assert row["prompt_tokens"] == len(ids) and "index" not in row
         assert (row["tokens"], row["finish_reason"], row["text"]) == (tokens, reason, text), (row, tokens, reason)
         assert len(row["logprobs"]) == len(tokens)
         assert max(abs(a - b) for a, b in zip(row["logprobs"], lps, strict=False)) < 1e-4
+        ended.append(reason != "length" and len(tokens) <= 17)
     assert rows[0]["finish_reason"] == "stop"
+    # every 16 steps the ranks check whether every output has ended (the stop strings read on the host then):
+    # outputs all ended within the first 17 tokens stop the decode loop after 16 steps, else it runs all 19
+    assert f"x {16 if all(ended) else 19} steps" in stdout, (ended, stdout)
 
 
 def test_sampling_flags_without_a_temperature_sample_at_1_and_say_so(folder, capfd):
