@@ -178,15 +178,28 @@ def bad_input(rank, world, shape, source, kind):
     return None
 
 
-def save_checkpoint(rank, world, path, cfg):
-    """A flashpar training checkpoint of ``build``'s seeded model (no step taken) at ``path``: what
-    ``flashpar generate --checkpoint`` reads."""
+def save_checkpoint(rank, world, path, cfg, tokenizer=None):
+    """A flashpar training checkpoint of ``build``'s seeded model (no step taken) at ``path``, of a run with
+    ``tokenizer`` (its meta.json records it): what ``flashpar generate --checkpoint`` reads."""
     from flashpar.train.checkpoint import save
     from flashpar.train.config import TrainConfig
     from flashpar.train.step import build
 
-    config = TrainConfig(nproc=1, dp=1, cp=1, tp=1, model=cfg, timeout=60.0, dp_mode="replicate")
+    config = TrainConfig(nproc=1, dp=1, cp=1, tp=1, model=cfg, timeout=60.0, dp_mode="replicate", tokenizer=tokenizer)
     mesh = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=MESH_DIMS)
     _, model, opt = build(config, mesh, torch.device("cpu"))
     save(path, model, opt, 1, config)
     return True
+
+
+def options_case(rank, world, shape, source, sampling, stop_ids):
+    """``flashpar.infer.generate`` of ``prompts()`` on mesh ``shape`` with ``Sampling(**sampling)``, ``stop_ids``
+    and log-probabilities: every output's tokens, finish reason and log-probabilities."""
+    from flashpar.infer import Sampling, generate
+
+    full = _model(source)
+    model = build(shape, full)
+    ids = prompts(vocab=full.cfg.vocab_size)
+    out = generate(model, ids, max_new_tokens=MAX_NEW, sampling=Sampling(**sampling), stop_ids=stop_ids,
+                   logprobs=True, cost=cp.CostModel())
+    return out.tokens, out.finish_reasons, out.logprobs
