@@ -58,3 +58,48 @@ def test_train_plot_states_each_strategys_step_and_the_runs_ratio():
     fig.canvas.draw()
     legend, axes = right.get_legend().get_window_extent(), right.get_window_extent()
     assert legend.y1 <= axes.y0, (legend, axes)  # below the panel: it covers no bar
+
+
+def test_ranks_sharing_cores_end_their_compute_by_the_step():
+    """4 ranks on 2 cores (burst 2): the rank with less work ends first and the other speeds up, so a rank's
+    nominal compute (35 ms against a 25 ms step in the default run's plot) is not when it ends.  The bars are the
+    ends: none above the step's dashed line; the ends equal an event-by-event processor-sharing walk."""
+    from flashpar.models import LlamaConfig
+    from flashpar.train.planning import planner_cost
+    from flashpar.train.report import figure
+
+    cost = planner_cost(LlamaConfig(), 4, burst=2.0)
+    plan = cp.plan([2048], 2, strategy="flashcp", cost=cost)
+    stats = plan.stats()
+    assert max(stats["compute"]) > stats["est_step_time"]  # the case: nominal compute over the step
+    fig = figure([_row(1, 1.0, 1.1).row()], plan)
+    right = fig.axes[1]
+    step_ms = right.collections[0].get_segments()[0][0][1]
+    assert step_ms == pytest.approx(1e3 * stats["est_step_time"])
+    assert max(b.get_height() for b in right.patches[:2]) <= step_ms * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("burst", [1.0, 1.5, 2.0, 4.0])
+def test_compute_ends_walk_the_shared_cores_event_by_event(burst):
+    import random
+
+    from flashpar.models import LlamaConfig
+    from flashpar.train.planning import planner_cost
+
+    cost = planner_cost(LlamaConfig(), 4, burst=burst)
+    rng = random.Random(int(burst * 10))
+    for n in (1, 2, 3, 5):
+        work = [rng.choice([rng.uniform(0.1, 2.0), 1.0]) for _ in range(n)]  # ties included
+        # the walk: every unfinished rank advances at min(burst, n / busy) of its all-busy rate
+        left, ends, now = dict(enumerate(work)), [0.0] * n, 0.0
+        while left:
+            rate = min(burst, n / len(left))
+            first = min(left.values())
+            now += first / rate
+            for r in list(left):
+                left[r] -= first
+                if left[r] <= 1e-12:
+                    ends[r] = now
+                    del left[r]
+        assert list(cost.compute_ends(work)) == pytest.approx(ends, rel=1e-12)
+        assert max(ends) == pytest.approx(cost.compute_span(work), rel=1e-12)

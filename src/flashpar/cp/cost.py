@@ -114,10 +114,21 @@ class CostModel:
         compute = np.asarray(compute, dtype=np.float64)
         if self.burst == 1:
             return float(compute.max())
+        return float(self.compute_ends(compute).max())
+
+    def compute_ends(self, compute) -> np.ndarray:
+        """When each rank's compute ends (seconds, in the ranks' order), by the phases of ``compute_span``: the
+        ``i``-th to end, ``sum_{j <= i} (c_(j) - c_(j-1)) / min(burst, N / (N - j))``; ``compute`` itself with
+        ``burst`` 1.  The last of them is the span: no rank's compute ends after the step."""
+        compute = np.asarray(compute, dtype=np.float64)
+        if self.burst == 1:
+            return compute.copy()
         n = len(compute)
-        ends = np.sort(compute)
+        order = np.argsort(compute, kind="stable")
         rate = np.minimum(self.burst, n / (n - np.arange(n, dtype=np.float64)))
-        return float((np.diff(ends, prepend=0.0) / rate).sum())
+        ends = np.empty(n)
+        ends[order] = np.cumsum(np.diff(compute[order], prepend=0.0) / rate)
+        return ends
 
     def per_step(self) -> CostModel:
         """This model weighted for one training step, forward and backward, as a trainer plans it.

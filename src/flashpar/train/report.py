@@ -1,7 +1,8 @@
 """``flashpar train --plot``: the loss curve and the per-rank work of the last step's context-parallel plan.
 
 Left: loss per step (and, with ``--eval-every``, the validation loss of the held-out documents).
-Right: each cp rank's compute in the cost model (``CPPlan.stats()["compute"]``, ms) for the run's
+Right: when each cp rank's compute ends in the cost model (``CostModel.compute_ends`` of
+``CPPlan.stats()["compute"]``, ms: ranks that share cores speed up as others end) for the run's
 strategy and, on the same documents, ``per_doc`` and ``headtail``; each strategy's estimated step time is
 in its legend entry and is a dashed line in its colour, in the bars' unit (the legend sits below the
 panel, over no bar).  A step waits for the slowest rank's compute plus the K/V transfers it cannot hide,
@@ -56,17 +57,18 @@ def figure(history: list[dict], plan):
         p = plan if s == plan.strategy else cp.plan(plan.doc_lens, n, strategy=s, cost=plan.cost)
         stats = p.stats()
         step_ms = 1e3 * stats["est_step_time"]
-        bars = ax2.bar([r + i * width for r in range(n)], [1e3 * t for t in stats["compute"]], width,
+        ends = p.cost.compute_ends(stats["compute"])  # ranks sharing cores: a rank speeds up once others end
+        bars = ax2.bar([r + i * width for r in range(n)], [1e3 * t for t in ends], width,
                        label=f"{s}: step {step_ms:.3g} ms")
         # the step in the bars' unit, over the strategy's own bars: no bar stands above its step's line
         ax2.hlines(step_ms, -width / 2, n - 1 + (len(strategies) - 0.5) * width, colors=bars[0].get_facecolor(),
                    linestyles="--", linewidth=1)
-        top = max(top, step_ms, 1e3 * max(stats["compute"]))
+        top = max(top, step_ms, 1e3 * max(ends))
     ax2.set_ylim(0, 1.05 * top)
     ax2.set_xticks([r + (len(strategies) - 1) * width / 2 for r in range(n)], [str(r) for r in range(n)])
     docs = len(plan.doc_lens)
     run = run_ratio(history, plan.strategy)
-    ax2.set(xlabel="cp rank", ylabel="compute, cost model (ms)",
+    ax2.set(xlabel="cp rank", ylabel="compute ends, cost model (ms)",
             title=f"last step's plan: {docs} document{'s' if docs != 1 else ''}{run}")
     ax2.legend(title="estimated step, dashed (compute + exposed K/V)", fontsize="small", title_fontsize="small",
                loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=len(strategies))  # below: it hides no bar
