@@ -7,6 +7,9 @@ data-loader worker.  Strategies: ``flashcp`` (the hybrid search) and the baselin
 ``megatron_dynamic`` (Megatron-Core's per-document power-of-two CP groups, ``megatron_dynamic.py``).
 ``attention(q, k, v, plan)`` runs the plan: exact attention with the K/V exchange of its strategy
 (``attention.py``); ``shard`` / ``gather`` move whole-sequence tensors to and from its layout.
+
+``import flashpar.cp`` loads no torch (a command's flags read ``STRATEGIES`` without it): ``CPPlan``,
+``attention``, ``CommCounter``, ``shard`` and ``gather`` are imported on first use, ``plan``'s strategies when it runs.
 """
 
 from __future__ import annotations
