@@ -72,11 +72,20 @@ def parser_for(argv: list[str]) -> tuple[argparse.ArgumentParser, str | None]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser, module = parser_for(argv)
-    args = parser.parse_args(argv)
-    if module is None:  # a command name argparse accepted that the tables do not hold: cannot happen
-        parser.error("unknown command")
-    return importlib.import_module(module).run(args)
+    try:  # the command's module (torch, for most) is imported here: a Ctrl-C meanwhile is one line, not a traceback
+        parser, module = parser_for(argv)
+        args = parser.parse_args(argv)
+        if module is None:  # a command name argparse accepted that the tables do not hold: cannot happen
+            parser.error("unknown command")
+        command = importlib.import_module(module)
+    except KeyboardInterrupt:
+        from flashpar.train.interrupt import EXIT_STATUS
+
+        words = _words(argv)
+        name = " ".join(["flashpar", *words[:2 if words[:1] in (["bench"], ["simulate"]) else 1]])
+        print(f"\n{name}: interrupted during start-up", file=sys.stderr)
+        return EXIT_STATUS
+    return command.run(args)
 
 
 if __name__ == "__main__":

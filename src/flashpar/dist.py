@@ -26,13 +26,11 @@ import torch
 import torch.distributed as dist
 
 from flashpar.mesh import twin_group
+from flashpar.timeout import DEFAULT_TIMEOUT_S
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-DEFAULT_TIMEOUT_S = 300.0
-"""Default limit for every wait of an overlapped op (seconds)."""
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from flashpar.dist import DEFAULT_TIMEOUT_S
+from flashpar.timeout import DEFAULT_TIMEOUT_S
 
 MODES = ("flash", "ring", "slice", "none", "auto")
 DP_MODES = ("zero3", "replicate")

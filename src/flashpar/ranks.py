@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch._dynamo", "flashpar.train.loop",
            "flashpar.train.check"]  # imported once by the server (an import that fails is skipped)
@@ -35,18 +37,50 @@ def start_method() -> str:
 
 
 def context():
-    """The multiprocessing context for rank processes (``start_method()``), its server preloading ``PRELOAD``."""
+    """The multiprocessing context for rank processes (``start_method()``), its server preloading ``PRELOAD``
+    started now (``start_server``)."""
     method = start_method()
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the first process)
+        ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts
+        start_server()
     return ctx
+
+
+def start_server() -> None:
+    """Start the fork server (when it is not running) with SIGINT ignored.
+
+    A terminal's Ctrl-C goes to the whole foreground process group, the server included, and the server spends
+    its first second or more importing ``PRELOAD``: a KeyboardInterrupt there would print a traceback of
+    torch's import.  A disposition of "ignore" is kept across exec, and Python installs its KeyboardInterrupt
+    handler only where SIGINT is not ignored at start, so the server started while the launcher ignores SIGINT
+    never raises it (multiprocessing's server ignores SIGINT once its preload is done anyway).  The server still
+    ends with the launcher (its ``alive`` pipe), and the ranks it forks ignore SIGINT as before
+    (``flashpar.train.interrupt``).  A SIGINT in the milliseconds the start takes is not seen by the launcher."""
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():  # (only the main thread may set handlers)
+        forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def quiet_tracker() -> None:
     """Start multiprocessing's resource tracker now (when it is not running) without its warning at shutdown
-    about leaked semaphores: ranks stopped with SIGKILL (a failure, Ctrl-C) leave their data loaders'
-    semaphores to the tracker, and it removes them; the warning would be the only line after the job's."""
+    about leaked semaphores.  Call it before anything else in the launcher can start the tracker (a spawn pool:
+    ``flashpar.train.tokens``); a tracker already running keeps its own flags.
+
+    Whose semaphores: a rank's data loader (spawn context: its queues and event, 11 with one worker) and rank 0's
+    progress bar (tqdm's lock); the launcher makes none (torch's start_processes, the lifeline: pipes).  A rank
+    that ends by itself removes them on its way out, so a completed run leaves none.  Ranks stopped with SIGKILL
+    (Ctrl-C, SIGTERM, a failed rank: one may be blocked inside a collective and cannot clean up) cannot; the
+    tracker removes what they registered when the job ends, which is what it is for.  Its warning then reports
+    that cleanup, not a leak: the semaphores are gone either way, and the warning would be the only line after
+    the job's."""
     from multiprocessing import resource_tracker
 
     flag = "ignore:resource_tracker:UserWarning"  # passed to the tracker's interpreter as -W

@@ -7,20 +7,26 @@ data-loader worker.  Strategies: ``flashcp`` (the hybrid search) and the baselin
 ``megatron_dynamic`` (Megatron-Core's per-document power-of-two CP groups, ``megatron_dynamic.py``).
 ``attention(q, k, v, plan)`` runs the plan: exact attention with the K/V exchange of its strategy
 (``attention.py``); ``shard`` / ``gather`` move whole-sequence tensors to and from its layout.
+
+``import flashpar.cp`` loads no torch (a command's flags read ``STRATEGIES`` without it): ``CPPlan``,
+``attention``, ``CommCounter``, ``shard`` and ``gather`` are imported on first use, ``plan``'s strategies when it runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import sys
 import time
+import types
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flashpar.cp import flashcp as _flashcp
-from flashpar.cp import megatron_dynamic as _megatron_dynamic
-from flashpar.cp import strategies as _strategies
 from flashpar.cp.cost import CostModel
-from flashpar.cp.cp_plan import CPPlan
+
+if TYPE_CHECKING:
+    from flashpar.cp.cp_plan import CPPlan
 
 STRATEGIES = ("contiguous", "headtail", "per_doc", "per_doc_aware", "torch_per_doc", "whole_doc", "megatron_dynamic",
               "flashcp")  # flashcp last: STRATEGIES[:-1] are the peers it is measured against
@@ -31,6 +37,11 @@ COMM = {"contiguous": "all", "headtail": "all", "per_doc": "all", "torch_per_doc
 def plan(doc_lens, cp_size: int, *, strategy: str = "flashcp", cost: CostModel | None = None,
          token_slack: float = 0.05) -> CPPlan:
     """Plan one packed sequence of documents of ``doc_lens`` tokens over ``cp_size`` ranks."""
+    from flashpar.cp import flashcp as _flashcp
+    from flashpar.cp import megatron_dynamic as _megatron_dynamic
+    from flashpar.cp import strategies as _strategies
+    from flashpar.cp.cp_plan import CPPlan
+
     lens, lens_np = _check(doc_lens, cp_size, strategy, token_slack)
     cost = cost or CostModel()
     t0 = time.perf_counter()
@@ -72,8 +83,27 @@ def _check(doc_lens, cp_size, strategy, token_slack) -> tuple[list[int], np.ndar
     return lens, lens_np
 
 
-from flashpar.cp.attention import attention  # noqa: E402 - after plan (the executor imports CPPlan)
-from flashpar.cp.exchange import CommCounter  # noqa: E402
-from flashpar.cp.shard import gather, shard  # noqa: E402
+_TORCH_NAMES = {"CPPlan": "cp_plan", "attention": "attention", "CommCounter": "exchange", "gather": "shard",
+                "shard": "shard"}  # name -> its module: imported on first use (they import torch)
+
+
+def __getattr__(name: str):
+    if name not in _TORCH_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_TORCH_NAMES[name]}"), name)
+
+
+class _Package(types.ModuleType):
+    """``flashpar.cp``: ``attention`` and ``shard`` name both a module and the function it defines.  Python sets
+    a package's attribute to each of its modules as it is imported; here the function takes the name instead, as
+    ``cp.attention(...)`` and ``from flashpar.cp import shard`` expect."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if _TORCH_NAMES.get(name) == name and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = ["COMM", "CPPlan", "CommCounter", "CostModel", "STRATEGIES", "attention", "gather", "plan", "shard"]

@@ -21,22 +21,29 @@ import json
 import sys
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    from flashpar.models import Llama
 
-from flashpar.models import Llama, LlamaConfig, save_hf
-from flashpar.models.hf import empty_llama, expected_shapes
-from flashpar.train.checkpoint import latest
+# torch, the model and the checkpoint reader are imported by the functions that use them: `flashpar export --help`
+# builds its flags without torch.
 
 
 def read_model(path) -> Llama:
     """The single-process model of checkpoint ``path`` (or the newest ``step_*`` in it)."""
+    from flashpar.train.checkpoint import latest
+
     return _read(latest(Path(path)))  # FileNotFoundError: one line
 
 
 def _read(ckpt: Path) -> Llama:
+    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
+
+    from flashpar.models import LlamaConfig
+    from flashpar.models.hf import empty_llama, expected_shapes
 
     try:
         meta = json.loads((ckpt / "meta.json").read_text())
@@ -71,7 +78,9 @@ def _read(ckpt: Path) -> Llama:
 def export(checkpoint, out, tokenizer=None) -> list[str]:
     """Write checkpoint ``checkpoint``'s model to the Hugging Face folder ``out`` with its tokenizer and generation
     config (``tokenizer``: a folder or ``tokenizer.json`` instead of the run's); the names of the files written."""
+    from flashpar.models import save_hf
     from flashpar.train import handoff
+    from flashpar.train.checkpoint import latest
 
     ckpt = latest(Path(checkpoint))  # FileNotFoundError: one line
     sources = handoff.sources_of(ckpt)

@@ -181,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"flashpar train: {err}", file=sys.stderr)
         return 2
+    if "RANK" not in os.environ:  # first, before the data checks and the ranks' start (seconds); torchrun: its own
+        print(f"flashpar train: {_starting(config)}", flush=True)
     try:
         return launch(config)
     except KeyboardInterrupt:  # before the ranks started (checking the data, tokenizing): nothing to resume yet
@@ -192,12 +194,24 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_STATUS
 
 
+def _starting(config: TrainConfig) -> str:
+    """What the command is about to do, in one line: the ranks, the mesh, the steps and the output folder."""
+    ulysses = f", ulysses {config.ulysses}" if config.ulysses > 1 else ""
+    work = "one --check step" if config.check else f"--steps {config.steps}"
+    return (f"{config.nproc} ranks (dp {config.dp}, cp {config.cp}{ulysses}, tp {config.tp}), {work}, out "
+            f"{config.out}: checking the data, then starting the ranks")
+
+
 def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
     """Check the run's surroundings (``ready``), then run ``config.nproc`` spawned ranks, or this process as
     one rank under torchrun; print the report.  Exit status: 0 done, 1 a rank failed (or ``--check``
     failed), 2 bad settings.  ``hooks``: a ``flashpar.train.loop.Hooks``, run on every rank."""
     launched = time.perf_counter()  # the report's time "in all": checks, start-up, steps, saving
     world = int(os.environ.get("WORLD_SIZE", config.nproc))
+    if "RANK" not in os.environ:  # before ready(), whose tokenizing pool would start an unquieted tracker
+        from flashpar.ranks import quiet_tracker
+
+        quiet_tracker()
     try:
         config = ready(config, world)
     except (ValueError, FileNotFoundError) as err:
@@ -237,7 +251,6 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
     procs, started = None, time.time()
     try:
         with interrupt.sigterm_interrupts():
-            ranks.quiet_tracker()
             ranks.context()  # ranks fork from a server that has imported torch (flashpar.ranks)
             procs = mp.start_processes(_spawned, args=(config.nproc, rendezvous.env(), config, str(result), hooks,
                                                        ranks.Inherit(), line.child()),
