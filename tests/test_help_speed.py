@@ -35,7 +35,8 @@ print("torch" in sys.modules)
 
 def test_every_command_is_probed():
     assert len(COMMANDS) == len(cli.COMMANDS) + len(SUBCOMMANDS) + len(cli.BENCH)
-    assert ["train"] in COMMANDS and ["generate"] in COMMANDS and ["simulate", "cp"] in COMMANDS and ["bench", "prefill"] in COMMANDS
+    assert ["train"] in COMMANDS and ["generate"] in COMMANDS
+    assert ["simulate", "cp"] in COMMANDS and ["bench", "prefill"] in COMMANDS
 
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=" ".join)
