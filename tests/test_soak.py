@@ -61,7 +61,8 @@ def test_verdict_needs_samples_after_the_warm_up():
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "0"], "--steps must be >= 1"),
     (["--steps", "300", "--warmup", "250", "--every", "50"], "fewer than 2 samples after --warmup 250"),
-    (["--steps", "2000", "--cp", "3"], "does not match"),  # a bad training flag: train's own line, before any rank
+    # a bad training flag: train's own line, before any rank
+    (["--steps", "2000", "--nproc", "4", "--cp", "3"], "does not match"),
 ])
 def test_bad_flags_one_line(argv, message, capsys, tmp_path):
     assert soak.main([*argv, "--out", str(tmp_path / "soak")]) == 2
