@@ -33,7 +33,7 @@ CP = ["--nproc", "2", "--link-rate", "none", "--tokens", "1024", "--packs", "1",
 
 # run name -> argv: the training runs are the session's shared ones (tests/train_runs.py: the resume runs
 # need the first run's checkpoints), the others run here in this order
-TRAINING = ("train", "resume-ulysses", "resume-per-doc-ring", "check-hf", "own-model", "export")
+TRAINING = ("train", "resume-same", "resume-ulysses", "resume-per-doc-ring", "check-hf", "own-model", "export")
 RUNS = {
     **{name: TRAIN_RUNS[name] for name in TRAINING},
     "plan-wlbllm": ["plan", "--lengths", "wlbllm", "--cp", "8", "--tokens", "131072", "--packs", "2"],
@@ -71,6 +71,7 @@ COMMANDS = {  # README command -> the run that exercises it
         "resume-per-doc-ring",
     "flashpar train --check": "check-hf",
     "flashpar train --save-every 100": "train",
+    "flashpar train --resume runs/train/checkpoints": "resume-same",
     "flashpar train --resume runs/train/checkpoints --steps 800 --ulysses 2 --tp 1": "resume-ulysses",
     "flashpar train --trace --plot": "train",
     "flashpar train --hf-config path/to/config.json": "check-hf",
@@ -116,6 +117,7 @@ SKIPPED = {
     "make run": "sets up .venv and trains 400 steps (minutes); its `flashpar train` is run here shortened",
     "make test": "is this test suite (ruff + pytest, what CI runs)",
     "make setup": "creates .venv: every test runs in it",
+    "flashpar train --tp 2 --cp 3": "6 ranks; the process count that follows the mesh is tested in tests/test_cli.py",
     "make bench": "runs the benchmarks at full size (about 6 minutes); their commands are run here shortened",
     "make gpu-check": "needs a CUDA GPU; its CPU rehearsal (--dry-run) runs in tests/test_gpu_check.py",
     "python -m flashpar.gpu_check --dry-run": "runs in tests/test_gpu_check.py (in process: --in-process)",
