@@ -94,7 +94,7 @@ from flashpar.models.fused import rope_qkv, rope_tables, swiglu
 from flashpar.models.grad_sync import GradSync
 from flashpar.models.layout import LAYOUT, Piece, layout_of, padded_vocab, stack
 from flashpar.models.llama import Llama, RMSNorm
-from flashpar.models.precision import DTYPES, compute_dtype
+from flashpar.models.precision import DTYPES, compute_dtype, widened
 from flashpar.models.recompute import run_checkpointed
 from flashpar.models.step_check import StepCheck
 from flashpar.models.vocab import embed_rows, gathers_weight, own_rows_loss, vocab_parallel_loss
@@ -467,7 +467,7 @@ class ParallelLlama(nn.Module):
         gathered in fp32 so that its gradient sums in fp32), else None."""
         vocab, dtype = self.cfg.vocab_size, self.compute_dtype
         if self.options.gather_vocab and gathers_weight(vocab, tokens_u.shape[0], self.tp):
-            embed = all_gather_rows(embed_t.float(), self.tp_group, self.vocab_rows)
+            embed = all_gather_rows(widened(embed_t), self.tp_group, self.vocab_rows)
             return F.embedding(tokens_u[rows], embed).to(dtype), embed
         return embed_rows(tokens_u, embed_t, self.vocab_lo, self.tp_group, dtype=dtype), None
 
@@ -515,7 +515,7 @@ class ParallelLlama(nn.Module):
         if self.head is not None:
             head_t = pf.enter(units["head"])[0] if pf is not None else self.head.weight
         if whole:
-            head = embed if self.head is None else all_gather_rows(head_t.float(), self.tp_group, self.vocab_rows)
+            head = embed if self.head is None else all_gather_rows(widened(head_t), self.tp_group, self.vocab_rows)
             loss = own_rows_loss(self.norm(x).to(dtype), head.to(dtype), labels_u[rows], count, vocab)
         else:
             logits = all_gather_matmul(self.norm(x).to(dtype), head_t.to(dtype), None, group=self.tp_group,

@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flashpar.models.llama import IGNORE
+from flashpar.models.precision import widened
 from flashpar.models.zero import reduce_scatter_rows
 
 
@@ -92,7 +93,7 @@ def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, lo: int, gro
     """Summed next-token cross-entropy of ``rows`` (targets ``labels [T]``, -100: none) from this tp rank's
     vocabulary columns ``logits [T, V / tp]`` (from ``lo``), divided by ``count``.  ``vocab``: the columns from
     ``vocab`` on are padding (``masked_padding``)."""
-    logits = masked_padding(logits.float(), lo, vocab)
+    logits = masked_padding(widened(logits), lo, vocab)
     top = logits.detach().max(-1).values
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
