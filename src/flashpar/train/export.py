@@ -6,7 +6,8 @@ parameter names (``model.<name>`` in the DCP metadata) and ``meta.json`` with th
 group (``dcp.load(..., no_dist=True)``), into tensors of the stored shapes and dtypes, checked
 against the config, and writes ``save_hf`` of the model: its family's class (``LlamaForCausalLM``,
 ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``: ``flashpar.models.families``) loads it with
-``from_pretrained(OUT)``, unpadded (the parallel model's vocabulary padding is not in a checkpoint).  A missing or invalid checkpoint is one line (``ValueError`` / ``FileNotFoundError``).
+``from_pretrained(OUT)``, unpadded (the parallel model's vocabulary padding is not in a checkpoint).  A missing
+or invalid checkpoint is one line (``ValueError`` / ``FileNotFoundError``).
 
 Beside the weights, what ``AutoTokenizer.from_pretrained(OUT)`` and ``generate`` need (``flashpar.train.handoff``):
 the tokenizer's files (``--tokenizer``, else the run's ``--tokenizer``, which the checkpoint records) and
