@@ -13,7 +13,8 @@ The rules (each a one-line problem, ``None`` where there is none):
 - every size an integer >= 1 (``ValueError`` when made);
 - Ulysses and tensor parallelism both split the attention heads: ``ulysses > 1`` needs ``tp = 1``;
 - the ``ring`` overlap mode does not apply to Ulysses' all-to-alls;
-- ``tp`` divides the model's heads, kv heads, FFN and vocabulary; ``ulysses`` splits its heads (``head_layout``);
+- ``tp`` divides the model's heads, kv heads and FFN (any vocabulary: the parallel model pads its rows to a multiple
+  of tp, ``flashpar.models.layout.VocabRows``); ``ulysses`` splits its heads (``head_layout``);
 - a packed sequence has at least two tokens per rank of a cp rank's group (``seq_len >= 2 cp ulysses tp``: head and
   tail of each).
 
@@ -118,9 +119,8 @@ class ParallelDims:
         return None
 
     def model_problem(self, model) -> str | None:
-        """``model``: any object with ``heads``, ``kv_heads``, ``ffn`` and ``vocab_size`` (``LlamaConfig``)."""
-        for name, size in (("heads", model.heads), ("kv heads", model.kv_heads), ("FFN size", model.ffn),
-                           ("vocabulary size", model.vocab_size)):
+        """``model``: any object with ``heads``, ``kv_heads`` and ``ffn`` (``LlamaConfig``)."""
+        for name, size in (("heads", model.heads), ("kv heads", model.kv_heads), ("FFN size", model.ffn)):
             if size % self.tp:
                 return f"{name} = {size} is not divisible by tp = {self.tp}"
         if self.ulysses > 1:

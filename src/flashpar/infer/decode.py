@@ -6,13 +6,13 @@ rank hold the same rows and split the heads and FFN columns (Megatron's tensor p
 parallelism: a step has one row per prompt, too few to split)::
 
     x        = sum_tp embed_t(tok)                                   [R, h]      (vocabulary rows of rank t)
-    q, k, v  = rope(norm(x) w_qkv[t]^T)                              [R, H/tp, D], [R, H_kv/tp, D]
+    q, k, v  = rope(qk_norm(norm(x) w_qkv[t]^T + b_qkv[t]))          [R, H/tp, D], [R, H_kv/tp, D]
     cache   <- k, v   (kept by the row's appending rank of this step)
     o, lse   = partial attention over the row's cached keys here     (flashpar.infer.attention)
     o        = combine over the prompt's group (split prompts: one all-gather over cp per layer)
     x       += sum_tp o w_o[:, t]^T                                  one all-reduce over tp
     x       += sum_tp swiglu(norm(x) w_gu[t]^T) w_down[:, t]^T       one all-reduce over tp
-    logits   = gather_tp(norm(x) head_t^T)                           [R, V]
+    logits   = gather_tp(norm(x) head_t^T)[:, :V]                    [R, V]   (the padded vocabulary cut)
                                                      (the last three: flashpar.infer.replicated)
 
 The all-reduces are blocking: at a decode step's few rows a GEMM is far too short to hide a transfer behind,
@@ -29,7 +29,7 @@ from flashpar.infer.attention import combine_split, partial_attention
 from flashpar.infer.cache import RankCache
 from flashpar.infer.comm import all_reduce
 from flashpar.infer.replicated import block_tail, head_logits
-from flashpar.models.fused import rope_qkv, rope_tables
+from flashpar.models.fused import rope_tables
 
 
 @torch.no_grad()
@@ -47,7 +47,7 @@ def decode_step(model, cache: RankCache, tokens: torch.Tensor, positions: torch.
     scale = cfg.head_dim ** -0.5
     for i, block in enumerate(model.blocks):
         a = block.attn_norm(x).to(dtype)
-        q, k, v = rope_qkv(a @ block.qkv.weight.to(dtype).T, tables, block.heads, block.kv_heads)
+        q, k, v = block.heads_of(a @ block.qkv.weight.to(dtype).T, tables)  # bias, q/k norm, rope
         cache.write(i, step, k, v)
         keys, values = cache.keys(i)
         o, lse = partial_attention(q, keys, values, valid, scale)

@@ -1,12 +1,13 @@
-"""``LlamaConfig``: the sizes of a Llama-style decoder, a tiny CPU default, and Hugging Face configs.
+"""``LlamaConfig``: the sizes and features of a Llama-style decoder, a tiny CPU default, and Hugging Face configs.
 
-``LlamaConfig.from_hf(path)`` reads a Hugging Face Llama ``config.json`` (the file, or a folder
-holding it) as plain JSON, so describing a real model needs no ``transformers`` install.  It reads
-``rope_theta`` at the top level or under ``rope_parameters`` (transformers 5) / ``rope_scaling``
-(transformers 4), the rope types ``"default"`` and ``"llama3"`` (``RopeScaling``; the frequencies:
-``flashpar.models.rope``) and ``max_position_embeddings``, and refuses, with one line naming the
-field, what the model does not implement: another ``model_type``, attention or MLP biases, an
-activation other than SiLU, another rope type, a partial rotary factor, malformed values.
+``LlamaConfig.from_hf(path)`` reads a Hugging Face ``config.json`` (the file, or a folder holding it) of a
+family of ``flashpar.models.families`` (Llama, Mistral, Qwen2, Qwen3) as plain JSON, so describing a real model
+needs no ``transformers`` install.  It reads ``rope_theta`` and the rope scaling wherever transformers 4 or 5
+writes them (``flashpar.models.rope_scaling``: default, linear, llama3, YaRN; the frequencies:
+``flashpar.models.rope``), ``head_dim``, the family's biases, q/k norm and sliding windows, and
+``max_position_embeddings``, and refuses, with one line naming the field, what the model does not implement:
+another ``model_type``, an activation other than SiLU, another rope type, a partial rotary factor, malformed
+values.
 """
 
 from __future__ import annotations
@@ -15,32 +16,19 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROPE_TYPES = ("default", "llama3")  # what flashpar.models.rope implements
+from flashpar.models.families import FAMILIES, check_features, read_features
+from flashpar.models.rope_scaling import (
+    ROPE_TYPES,
+    LinearScaling,
+    RopeScaling,
+    Scaling,
+    YarnScaling,
+    parse_rope,
+    scaling_of,
+)
 
+__all__ = ["ROPE_TYPES", "LinearScaling", "LlamaConfig", "RopeScaling", "YarnScaling", "hf_fields"]
 
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3.1's rescaling of the rotary frequencies (``rope_type: "llama3"``; math in
-    ``flashpar.models.rope``).  Field names as in Hugging Face's ``rope_parameters``."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-    rope_type: str = "llama3"
-
-    def __post_init__(self) -> None:
-        if self.rope_type != "llama3":
-            raise ValueError(f"RopeScaling: rope_type must be 'llama3', got {self.rope_type!r}")
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            if not _number(getattr(self, name)) or not getattr(self, name) > 0:
-                raise ValueError(f"RopeScaling: {name} must be a positive number, got {getattr(self, name)!r}")
-        if not self.high_freq_factor > self.low_freq_factor:
-            raise ValueError(f"RopeScaling: high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
-                             f"({self.low_freq_factor})")
-        if not _integer(self.original_max_position_embeddings) or self.original_max_position_embeddings < 1:
-            raise ValueError("RopeScaling: original_max_position_embeddings must be a positive integer, got "
-                             f"{self.original_max_position_embeddings!r}")
 
 
 def _number(x) -> bool:
@@ -64,16 +52,28 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
-    # Hugging Face models: llama3 rope rescaling (None: plain rope) and max_position_embeddings (recorded for
-    # export; flashpar does not cap the sequence length with it)
-    rope_scaling: RopeScaling | None = None
+    # Hugging Face models: rope rescaling (None: plain rope; flashpar.models.rope_scaling) and
+    # max_position_embeddings (recorded for export; flashpar does not cap the sequence length with it)
+    rope_scaling: Scaling | None = None
     max_positions: int = 2048
+    # the family (Hugging Face model_type) and the features it switches on (flashpar.models.families); a
+    # checkpoint's meta.json written without them reads as plain Llama
+    family: str = "llama"
+    qkv_bias: bool = False  # biases of q_proj, k_proj, v_proj
+    o_bias: bool = False  # bias of o_proj
+    mlp_bias: bool = False  # biases of gate, up, down
+    qk_norm: bool = False  # RMSNorm of each head's q and k (weight [head_dim]) before rope
+    windows: tuple[int, ...] = ()  # per layer, the sliding window (0: full attention); (): none
 
     def __post_init__(self) -> None:
-        if isinstance(self.rope_scaling, dict):  # from to_dict() (a checkpoint's meta.json)
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            raise ValueError(f"LlamaConfig: rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+        object.__setattr__(self, "rope_scaling", scaling_of(self.rope_scaling))  # a dict: from to_dict()
+        object.__setattr__(self, "windows", tuple(self.windows))  # a list: from to_dict() through JSON
+        if any(not _integer(w) or w < 0 for w in self.windows) or len(self.windows) not in (0, self.layers):
+            raise ValueError(f"LlamaConfig: windows must be one integer >= 0 per layer ({self.layers}), got "
+                             f"{list(self.windows)}")
+        for name in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LlamaConfig: {name} must be true or false, got {getattr(self, name)!r}")
         if not _number(self.rope_theta) or not self.rope_theta > 0:
             raise ValueError(f"LlamaConfig: rope_theta must be a positive number, got {self.rope_theta!r}")
         if self.head_dim == 0:
@@ -87,6 +87,7 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig: rotary embeddings need an even head_dim, got {self.head_dim}")
+        check_features(self)
 
     @property
     def block_matmul_params(self) -> int:
@@ -95,10 +96,17 @@ class LlamaConfig:
         return attn + 3 * self.hidden * self.ffn
 
     @property
+    def block_vector_params(self) -> int:
+        """Vectors of one block: two norms, the biases and the q/k norms its family has."""
+        d = self.head_dim
+        return (2 * self.hidden + self.qkv_bias * (self.heads + 2 * self.kv_heads) * d + self.o_bias * self.hidden
+                + self.mlp_bias * (2 * self.ffn + self.hidden) + self.qk_norm * 2 * d)
+
+    @property
     def params(self) -> int:
-        """Parameter count: the blocks (projections and two norms), the embedding (and untied head), the final norm."""
+        """Parameter count: the blocks (projections and vectors), the embedding (and untied head), the final norm."""
         embed = self.vocab_size * self.hidden * (1 if self.tie_embeddings else 2)
-        return self.layers * (self.block_matmul_params + 2 * self.hidden) + embed + self.hidden
+        return self.layers * (self.block_matmul_params + self.block_vector_params) + embed + self.hidden
 
     @property
     def matmul_params(self) -> int:
@@ -117,7 +125,9 @@ class LlamaConfig:
 
     def to_dict(self) -> dict:
         """The fields as JSON values (``rope_scaling``: a dict or None); ``LlamaConfig(**d)`` inverts it."""
-        return asdict(self)
+        d = asdict(self)
+        d["windows"] = list(self.windows)
+        return d
 
     @classmethod
     def from_hf(cls, path) -> LlamaConfig:
@@ -141,12 +151,13 @@ class LlamaConfig:
 
 
 def hf_fields(d: dict) -> dict:
-    """``LlamaConfig``'s fields from a Hugging Face Llama config (a dict); ``ValueError`` naming the field."""
+    """``LlamaConfig``'s fields from a Hugging Face config (a dict) of a family of ``flashpar.models.families``;
+    ``ValueError`` naming the field."""
 
     def get(key, kind, default=None):
         if key not in d or (d[key] is None and default is not None):
             if default is None:
-                raise ValueError(f"lacks {key!r} (is it a Llama config?)")
+                raise ValueError(f"lacks {key!r} (is it a decoder config?)")
             return default
         value = d[key]
         ok = _integer(value) if kind is int else _number(value) if kind is float else isinstance(value, kind)
@@ -154,64 +165,18 @@ def hf_fields(d: dict) -> dict:
             raise ValueError(f"{key} = {value!r} is not {'an integer' if kind is int else 'a ' + kind.__name__}")
         return value
 
-    if d.get("model_type", "llama") != "llama":
-        raise ValueError(f"model_type = {d['model_type']!r} is not supported (only 'llama')")
-    for key in ("attention_bias", "mlp_bias"):
-        if d.get(key, False) is not False:
-            raise ValueError(f"{key} = {d[key]!r} is not supported (flashpar's projections have no bias)")
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act = {act!r} is not supported (only 'silu')")
-    heads, hidden = get("num_attention_heads", int), get("hidden_size", int)
+    heads, hidden, layers = get("num_attention_heads", int), get("hidden_size", int), get("num_hidden_layers", int)
+    features = read_features(d, layers)
     max_positions = get("max_position_embeddings", int, 2048)
-    theta, scaling = _rope(d, max_positions)
-    return {"vocab_size": get("vocab_size", int), "hidden": hidden, "layers": get("num_hidden_layers", int),
+    theta, scaling = parse_rope(d, max_positions)
+    head_dim = FAMILIES[features["family"]].head_dim or (hidden // heads if heads > 0 else 0)
+    return {"vocab_size": get("vocab_size", int), "hidden": hidden, "layers": layers,
             "heads": heads, "kv_heads": get("num_key_value_heads", int, heads),
-            "ffn": get("intermediate_size", int),
-            "head_dim": get("head_dim", int, hidden // heads if heads > 0 else 0),
+            "ffn": get("intermediate_size", int), "head_dim": get("head_dim", int, head_dim),
             "rope_theta": float(theta), "norm_eps": float(get("rms_norm_eps", float, 1e-6)),
             "tie_embeddings": get("tie_word_embeddings", bool, False),
             "init_std": float(get("initializer_range", float, 0.02)), "rope_scaling": scaling,
-            "max_positions": max_positions}
-
-
-def _rope(d: dict, max_positions: int) -> tuple[float, RopeScaling | None]:
-    """``(rope_theta, scaling)`` from the top level and ``rope_parameters`` (transformers 5) or
-    ``rope_scaling`` (transformers 4: the scaling only)."""
-    given = [key for key in ("rope_parameters", "rope_scaling") if d.get(key) is not None]
-    params: dict = {}
-    for key in given:
-        if not isinstance(d[key], dict):
-            raise ValueError(f"{key} = {d[key]!r} is not a JSON object")
-        if params and d[key] != params:
-            raise ValueError(f"rope_parameters and rope_scaling disagree: {params} != {d[key]}")
-        params = d[key]
-    where = given[0] if given else "rope_parameters"
-    if any(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"{where}: rope parameters per layer type are not supported")
-    thetas = {key: v for key, v in (("rope_theta", d.get("rope_theta")), (f"{where}.rope_theta",
-                                                                       params.get("rope_theta"))) if v is not None}
-    for key, v in thetas.items():
-        if not _number(v) or not v > 0:
-            raise ValueError(f"{key} = {v!r} is not a positive number")
-    if len(set(thetas.values())) > 1:
-        raise ValueError(f"rope_theta disagrees: {thetas}")
-    theta = next(iter(thetas.values()), 10000.0)  # transformers' default
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise ValueError(f"{where}.rope_type = {kind!r} is not supported (only {', '.join(map(repr, ROPE_TYPES))})")
-    partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor = {partial!r} is not supported (only 1.0)")
-    if kind == "default":
-        return theta, None
-    args = {}
-    for name in ("factor", "low_freq_factor", "high_freq_factor"):
-        if name not in params:
-            raise ValueError(f"{where} lacks {name!r} (rope_type 'llama3')")
-        args[name] = params[name]
-    args["original_max_position_embeddings"] = params.get("original_max_position_embeddings", max_positions)
-    try:
-        return theta, RopeScaling(**args)
-    except ValueError as err:
-        raise ValueError(f"{where}: {str(err).removeprefix('RopeScaling: ')}") from None
+            "max_positions": max_positions, **features}

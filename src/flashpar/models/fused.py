@@ -35,13 +35,13 @@ from __future__ import annotations
 import torch
 
 from flashpar.models.config import LlamaConfig
-from flashpar.models.rope import inverse_frequencies, rotary_tables
+from flashpar.models.rope import inverse_frequencies, rotary_tables, table_scale
 
 
 def rope_tables(positions: torch.Tensor, cfg: LlamaConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` of ``positions [T] x cfg's frequencies [D / 2]`` (``[T, D / 2]``, computed in float64, in
     ``dtype``): the tables every layer's ``rope_qkv`` of one step uses."""
-    return rotary_tables(positions, inverse_frequencies(cfg, positions.device), dtype)
+    return rotary_tables(positions, inverse_frequencies(cfg, positions.device), dtype, table_scale(cfg))
 
 
 def _rotate_into(out: torch.Tensor, x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, sign: float) -> torch.Tensor:

@@ -1,16 +1,18 @@
-"""Hugging Face Llama folders in and out: ``load_hf(path) -> Llama``, ``save_hf(model, path)``, and the
-per-rank slice reader ``WeightFiles`` of ``ParallelLlama.load_hf_slices``.
+"""Hugging Face folders in and out (Llama, Mistral, Qwen2, Qwen3: ``flashpar.models.families``):
+``load_hf(path) -> Llama``, ``save_hf(model, path)``, and the per-rank slice reader ``WeightFiles`` of
+``ParallelLlama.load_hf_slices``.
 
 A folder holds ``config.json`` (``LlamaConfig.from_hf``) and the weights as ``model.safetensors`` or
 shards listed by ``model.safetensors.index.json`` (``weight_map``: tensor name -> file), read with the
 ``safetensors`` library (no ``transformers`` needed).  The names map one to one (``HF_NAMES``)::
 
-    flashpar (Llama)              Hugging Face (LlamaForCausalLM)
+    flashpar (Llama)              Hugging Face (LlamaForCausalLM, MistralForCausalLM, Qwen2/3ForCausalLM)
     embed.weight                  model.embed_tokens.weight
     blocks.N.attn_norm.weight     model.layers.N.input_layernorm.weight
-    blocks.N.{q,k,v,o}_proj       model.layers.N.self_attn.{q,k,v,o}_proj
+    blocks.N.{q,k,v,o}_proj       model.layers.N.self_attn.{q,k,v,o}_proj     (.weight, .bias where the family has it)
+    blocks.N.{q,k}_norm.weight    model.layers.N.self_attn.{q,k}_norm.weight  (Qwen3)
     blocks.N.mlp_norm.weight      model.layers.N.post_attention_layernorm.weight
-    blocks.N.{gate,up,down}       model.layers.N.mlp.{gate,up,down}_proj
+    blocks.N.{gate,up,down}       model.layers.N.mlp.{gate,up,down}_proj      (.weight, .bias with mlp_bias)
     norm.weight                   model.norm.weight
     head.weight                   lm_head.weight                      (untied only)
 
@@ -31,15 +33,18 @@ from pathlib import Path
 import torch
 
 from flashpar.models.config import LlamaConfig
-from flashpar.models.layout import Piece
+from flashpar.models.families import write_features
+from flashpar.models.layout import Piece, padded
 from flashpar.models.llama import Llama
+from flashpar.models.rope_scaling import hf_rope
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 HF_NAMES = {  # flashpar module name (under blocks.N. for the blocks) -> Hugging Face's
     "embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head",
     "attn_norm": "input_layernorm", "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
-    "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
+    "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj", "q_norm": "self_attn.q_norm",
+    "k_norm": "self_attn.k_norm", "mlp_norm": "post_attention_layernorm",
     "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
 }
 FLOATS = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -138,9 +143,14 @@ class WeightFiles:
         return tuple(self._where[hf].get_slice(hf).get_shape())
 
     def read(self, name: str, piece: Piece | None = None) -> torch.Tensor:
-        """Parameter ``name`` (flashpar's name), whole or only the block ``piece``, as stored; counts the bytes."""
+        """Parameter ``name`` (flashpar's name), whole or only the block ``piece``, as stored; counts the bytes.  A
+        piece reaching past the stored rows (a padded vocabulary's) gets zero rows there."""
         hf = hf_name(name)
-        t = self._where[hf].get_tensor(hf) if piece is None else self._where[hf].get_slice(hf)[piece.index()]
+        if piece is None:
+            t = self._where[hf].get_tensor(hf)
+        else:
+            sl = self._where[hf].get_slice(hf)
+            t = padded(sl[piece.clipped(sl.get_shape()[0]).index()], piece.rows[1] - piece.rows[0])
         self.bytes_read += t.numel() * t.element_size()
         return t
 
@@ -203,16 +213,15 @@ def load_hf(path, *, dtype: torch.dtype | None = None) -> Llama:
 
 
 def hf_config(cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """A transformers-5 style ``config.json`` of ``cfg`` (``rope_parameters``)."""
-    rope = {"rope_type": cfg.rope_type, "rope_theta": float(cfg.rope_theta)}
-    if cfg.rope_scaling is not None:
-        rope.update({k: v for k, v in dataclasses.asdict(cfg.rope_scaling).items() if k != "rope_type"})
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+    """A transformers-5 style ``config.json`` of ``cfg`` (``rope_parameters``): its family's ``model_type``,
+    ``architectures`` and feature fields (``flashpar.models.families.write_features``)."""
+    rope = {**hf_rope(cfg.rope_scaling), "rope_theta": float(cfg.rope_theta)}
+    return {**write_features(cfg), "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.layers,
             "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
             "hidden_act": "silu", "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_eps,
             "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
-            "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "rope_parameters": rope,
+            "attention_dropout": 0.0, "rope_parameters": rope,
             "dtype": str(dtype).removeprefix("torch."), "use_cache": True}
 
 

@@ -7,9 +7,12 @@ tp rank ``t`` of ``tp`` holds:
 
     kind          tp rank t holds                                     gradient summed over     ZeRO-3 rows
     FusedRows     cat_p W_p[rows_t]   (q, k, v  or  gate, up)         dp x cp x ulysses of t   yes
+                  cat_p b_p[rows_t]   (their biases)                  dp x cp x ulysses of t   no
     Columns       W[:, cols_t]        (o_proj, down)                  dp x cp x ulysses of t   yes
-    Rows          W[rows_t]           (embedding, head: vocabulary)   dp x cp x ulysses of t   yes
-    Replicated    W                   (norms)                         the whole mesh           no
+    VocabRows     W[vrows_t]          (embedding, head: vocabulary)   dp x cp x ulysses of t   yes
+    Replicated    W                   (norms, q/k norms, o/down bias) the whole mesh           no
+
+(``vrows_t``: the vocabulary padded to a multiple of tp, ``VocabRows``.)
 
 A fused parameter stacks, per tp rank, its rows of several single-process parameters
 (``blocks.3.qkv.weight`` holds rows of ``blocks.3.q_proj.weight``, ``k_proj`` and ``v_proj``), so one
@@ -69,8 +72,20 @@ class Piece:
         rows = slice(*self.rows)
         return (rows,) if self.cols is None else (rows, slice(*self.cols))
 
+    def clipped(self, rows: int) -> Piece:
+        """The piece within a tensor of ``rows`` rows (a padded vocabulary's piece may reach past them)."""
+        return Piece(self.part, (min(self.rows[0], rows), min(self.rows[1], rows)), self.cols)
+
     def of(self, full: torch.Tensor) -> torch.Tensor:
-        return full[self.index()]
+        """The block of ``full``; rows past its end are zeros (``VocabRows``' padding)."""
+        return padded(full[self.clipped(full.shape[0]).index()], self.rows[1] - self.rows[0])
+
+
+def padded(block: torch.Tensor, rows: int) -> torch.Tensor:
+    """``block`` with zero rows appended up to ``rows``."""
+    if block.shape[0] >= rows:
+        return block
+    return torch.cat([block, block.new_zeros(rows - block.shape[0], *block.shape[1:])])
 
 
 def stack(pieces: list[Piece], fetch: Callable[[Piece], torch.Tensor]) -> torch.Tensor:
@@ -101,10 +116,18 @@ class Replicated:
     tp_dim = None  # the dim split over tp (every tp-split parameter is split by rows over the shard group)
     # an attention projection: under Ulysses a whole weight (the all-to-all's GEMM needs all of it)
     ulysses_whole: bool = field(default=False, kw_only=True)
+    leaf: str = field(default="weight", kw_only=True)  # the parameter's name in its module ("weight", "bias")
+    of: tuple[str, ...] = field(default=(), kw_only=True)  # the single-process modules (): the key itself
+    zero: bool = field(default=True, kw_only=True)  # ZeRO-3 may split its rows (a tp-split weight)
 
     def parts(self, key: str) -> tuple[str, ...]:
         """The single-process modules this parameter is made of."""
-        return (key,)
+        return self.of or (key,)
+
+    @property
+    def decays(self) -> bool:
+        """Whether AdamW decays it: the tp-split weights (not the norm gains, not the biases)."""
+        return self.tp_dim is not None and self.leaf == "weight"
 
     def tp_pieces(self, shapes: list[tuple[int, ...]], t: int, n: int) -> list[Piece]:
         """What tp rank ``t`` of ``n`` holds of the single-process tensors of ``parts`` (their ``shapes``)."""
@@ -125,8 +148,8 @@ class Replicated:
 
     def zero_rows(self, zero3: bool) -> bool:
         """Whether a rank keeps only its ZeRO-3 rows of the tp shard (``zero3``: ZeRO-3 over a shard group of
-        more than one rank): every tp-split parameter."""
-        return zero3 and self.tp_dim is not None
+        more than one rank): every tp-split weight (a bias is small and stays whole on its tp rank)."""
+        return zero3 and self.zero and self.tp_dim is not None
 
     def grad_sum(self, zero3: bool) -> str:
         """The ranks that hold a copy, over which the gradient is summed: ``copy`` (the whole mesh),
@@ -148,6 +171,28 @@ class Rows(Replicated):
 
     def unshard(self, local, gather, cfg, n):
         return [gather(local, 0)]
+
+
+@dataclass(frozen=True)
+class VocabRows(Rows):
+    """The vocabulary (embedding, head) padded to ``Vp = ceil(V / tp) tp`` rows: tp rank ``t`` holds the rows
+    ``[t Vp / tp, (t + 1) Vp / tp)``, those past ``V`` zeros (no token looks them up, their logits are masked:
+    ``flashpar.models.vocab``); the single-process tensors stay ``[V, h]``, as Megatron pads::
+
+        V = 5, tp = 2:   rank 0 | 0 1 2 |   rank 1 | 3 4 pad |
+    """
+
+    def tp_pieces(self, shapes, t, n):
+        per = padded_vocab(shapes[0][0], n) // n
+        return [Piece(0, (t * per, (t + 1) * per))]
+
+    def unshard(self, local, gather, cfg, n):
+        return [gather(local, 0)[: cfg.vocab_size]]
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of ``tp``: the parallel model's embedding and head rows."""
+    return -(-vocab // tp) * tp
 
 
 @dataclass(frozen=True)
@@ -189,22 +234,38 @@ class FusedRows(Replicated):
         return ZeroColumnParallelLinear if zero3 else ColumnParallelLinear
 
 
+def _qkv_rows(c: LlamaConfig) -> tuple[int, ...]:
+    return c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim
+
+
+def _ffn_rows(c: LlamaConfig) -> tuple[int, ...]:
+    return c.ffn, c.ffn
+
+
+# The biases follow their weights' rows (q/k/v by head, gate/up by FFN row) and are kept whole on their tp rank
+# under ZeRO-3; the output biases (o_proj, down) are added once after the reduce-scatter, so every rank holds them
+# whole, like the norms.  The q/k norms' weight is per head_dim, shared by the heads: whole on every rank.
 LAYOUT: dict[str, Replicated] = {  # in the order of --check's rows
-    "embed": Rows("embedding"),
+    "embed": VocabRows("embedding"),
     "attn_norm": Replicated("attention norm"),
-    "qkv": FusedRows("q/k/v", ("q_proj", "k_proj", "v_proj"),
-                     lambda c: (c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim),
-                     ulysses_whole=True),
+    "qkv": FusedRows("q/k/v", ("q_proj", "k_proj", "v_proj"), _qkv_rows, ulysses_whole=True),
+    "qkv_bias": FusedRows("q/k/v bias", ("q_proj", "k_proj", "v_proj"), _qkv_rows, ulysses_whole=True, leaf="bias",
+                          zero=False),
+    "q_norm": Replicated("q norm"),
+    "k_norm": Replicated("k norm"),
     "o_proj": Columns("attention out", ulysses_whole=True),
+    "o_bias": Replicated("attention out bias", of=("o_proj",), leaf="bias"),
     "mlp_norm": Replicated("mlp norm"),
-    "gate_up": FusedRows("gate/up", ("gate", "up"), lambda c: (c.ffn, c.ffn)),
+    "gate_up": FusedRows("gate/up", ("gate", "up"), _ffn_rows),
+    "gate_up_bias": FusedRows("gate/up bias", ("gate", "up"), _ffn_rows, leaf="bias", zero=False),
     "down": Columns("mlp down"),
+    "down_bias": Replicated("mlp down bias", of=("down",), leaf="bias"),
     "norm": Replicated("final norm"),
-    "head": Rows("head"),
+    "head": VocabRows("head"),
 }
 
 
-_OWNER = {part: key for key, layout in LAYOUT.items() for part in layout.parts(key)}  # q_proj -> qkv
+_OWNER = {(part, layout.leaf): key for key, layout in LAYOUT.items() for part in layout.parts(key)}  # q_proj -> qkv
 
 
 def _split(name: str) -> tuple[str, str, str]:
@@ -216,21 +277,23 @@ def _split(name: str) -> tuple[str, str, str]:
 
 
 def layout_of(name: str) -> tuple[Replicated, list[str]]:
-    """The layout of mesh parameter ``name`` and the single-process parameter names it is made of."""
+    """The layout of mesh parameter ``name`` and the single-process parameter names it is made of
+    (``blocks.3.qkv_bias.bias`` -> ``blocks.3.{q,k,v}_proj.bias``)."""
     prefix, key, leaf = _split(name)
     if key not in LAYOUT:
         raise KeyError(f"parameter {name!r}: {key!r} is not in flashpar.models.layout.LAYOUT")
     layout = LAYOUT[key]
-    return layout, [f"{prefix}{part}.{leaf}" for part in layout.parts(key)]
+    return layout, [f"{prefix}{part}.{layout.leaf}" for part in layout.parts(key)]
 
 
 def mesh_name(full_name: str) -> str:
     """The mesh parameter that holds single-process parameter ``full_name`` (``blocks.3.k_proj.weight`` ->
-    ``blocks.3.qkv.weight``)."""
+    ``blocks.3.qkv.weight``, ``blocks.3.k_proj.bias`` -> ``blocks.3.qkv_bias.bias``)."""
     prefix, key, leaf = _split(full_name)
-    if key not in _OWNER:
+    if (key, leaf) not in _OWNER:
         raise KeyError(f"parameter {full_name!r}: {key!r} is not in flashpar.models.layout.LAYOUT")
-    return f"{prefix}{_OWNER[key]}.{leaf}"
+    owner = _OWNER[(key, leaf)]
+    return f"{prefix}{owner}.{LAYOUT[owner].leaf}"
 
 
 def label_of(full_name: str) -> str:

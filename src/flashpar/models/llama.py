@@ -1,9 +1,13 @@
 """A Llama-style decoder on one process: the reference the parallel model is checked against.
 
     h_0 = embed(tokens)
-    h   = h + o_proj(attn(rope(q_proj(norm(h))), rope(k_proj(norm(h))), v_proj(norm(h))))   per block
+    h   = h + o_proj(attn(rope(qn(q_proj(norm(h)))), rope(kn(k_proj(norm(h)))), v_proj(norm(h))))   per block
     h   = h + down(silu(gate(norm(h))) * up(norm(h)))
     logits = head(norm(h))          (head = embed's weight when tied)
+
+Every family of ``flashpar.models.families`` is this model with features switched on: the projections' biases
+(``qkv_bias``, ``o_bias``, ``mlp_bias``: each linear ``x W^T + b``), and ``qn`` / ``kn`` (``qk_norm``: an
+RMSNorm over each head's ``head_dim`` features, one weight shared by the heads; else the identity).
 
 Attention is causal within each document of the packed sequence (``doc_lens``) and grouped-query
 (``kv_heads`` <= ``heads``); rotary embeddings use each token's position inside its document.
@@ -20,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpar.models.config import LlamaConfig
-from flashpar.models.rope import inverse_frequencies, rotate
+from flashpar.models.families import window_refusal
+from flashpar.models.rope import inverse_frequencies, rotate, table_scale
 
 IGNORE = -100
 
@@ -31,10 +36,10 @@ def document_positions(doc_lens) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
-    """Rotary embedding of ``x [T, heads, D]`` at ``positions [T]`` with ``cfg``'s frequencies
-    (``flashpar.models.rope``: plain or llama3-rescaled)."""
+    """Rotary embedding of ``x [T, heads, D]`` at ``positions [T]`` with ``cfg``'s frequencies and table scale
+    (``flashpar.models.rope``: plain, linear, llama3 or YaRN)."""
     inv_freq = inverse_frequencies(cfg, x.device)
-    return rotate(x.transpose(0, 1), positions, inv_freq).transpose(0, 1)
+    return rotate(x.transpose(0, 1), positions, inv_freq, table_scale(cfg)).transpose(0, 1)
 
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor, count: float | None = None) -> torch.Tensor:
@@ -63,20 +68,25 @@ class Block(nn.Module):
         h, d = cfg.hidden, cfg.head_dim
         self.cfg = cfg
         self.attn_norm = RMSNorm(h, cfg.norm_eps)
-        self.q_proj = nn.Linear(h, cfg.heads * d, bias=False)
-        self.k_proj = nn.Linear(h, cfg.kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, cfg.kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(cfg.heads * d, h, bias=False)
+        self.q_proj = nn.Linear(h, cfg.heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.heads * d, h, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(d, cfg.norm_eps), RMSNorm(d, cfg.norm_eps)
         self.mlp_norm = RMSNorm(h, cfg.norm_eps)
-        self.gate = nn.Linear(h, cfg.ffn, bias=False)
-        self.up = nn.Linear(h, cfg.ffn, bias=False)
-        self.down = nn.Linear(cfg.ffn, h, bias=False)
+        self.gate = nn.Linear(h, cfg.ffn, bias=cfg.mlp_bias)
+        self.up = nn.Linear(h, cfg.ffn, bias=cfg.mlp_bias)
+        self.down = nn.Linear(cfg.ffn, h, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
         a = self.attn_norm(x)
-        q = rope(self.q_proj(a).view(t, cfg.heads, cfg.head_dim), positions, cfg)
-        k = rope(self.k_proj(a).view(t, cfg.kv_heads, cfg.head_dim), positions, cfg)
+        q = self.q_proj(a).view(t, cfg.heads, cfg.head_dim)
+        k = self.k_proj(a).view(t, cfg.kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, positions, cfg), rope(k, positions, cfg)
         v = self.v_proj(a).view(t, cfg.kv_heads, cfg.head_dim)
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
                                            enable_gqa=True)
@@ -96,11 +106,14 @@ class Llama(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) weights; output projections scaled by 1 / sqrt(2 layers) (GPT-2 style)."""
+        """Normal(0, init_std) weights; output projections scaled by 1 / sqrt(2 layers) (GPT-2 style); norm gains
+        one, biases zero."""
         std = self.cfg.init_std
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(p)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
             else:
                 out_proj = name.endswith(("o_proj.weight", "down.weight"))
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.layers) if out_proj else std)
@@ -110,6 +123,9 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor, doc_lens) -> torch.Tensor:
         """Logits ``[T, vocab]`` of one packed sequence ``tokens [T]`` of documents ``doc_lens``."""
+        refusal = window_refusal(self.cfg)
+        if refusal:
+            raise ValueError(refusal)
         if sum(doc_lens) != tokens.shape[0]:
             raise ValueError(f"Llama: doc_lens add up to {sum(doc_lens)}, tokens has {tokens.shape[0]}")
         positions = document_positions(doc_lens).to(tokens.device)

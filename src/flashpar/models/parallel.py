@@ -89,11 +89,12 @@ from flashpar.dims import DIMS, ParallelDims, head_layout
 from flashpar.dist import all_gather_cat
 from flashpar.mesh import model_groups
 from flashpar.models.config import LlamaConfig
+from flashpar.models.families import window_refusal
 from flashpar.models.fused import rope_qkv, rope_tables, swiglu
 from flashpar.models.grad_sync import GradSync
-from flashpar.models.layout import LAYOUT, Piece, layout_of, stack
+from flashpar.models.layout import LAYOUT, Piece, layout_of, padded_vocab, stack
 from flashpar.models.llama import Llama, RMSNorm
-from flashpar.models.precision import DTYPES, compute_dtype
+from flashpar.models.precision import DTYPES, compute_dtype, widened
 from flashpar.models.recompute import run_checkpointed
 from flashpar.models.step_check import StepCheck
 from flashpar.models.vocab import embed_rows, gathers_weight, own_rows_loss, vocab_parallel_loss
@@ -146,6 +147,18 @@ class WholeProjection(nn.Module):
         return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, whole"
 
 
+class Bias(nn.Module):
+    """A bias vector of ``n`` entries as its own module (``LAYOUT``'s ``*_bias`` rows: split like its weight's rows
+    over tp, or whole, but never over ZeRO-3's shard group); the block adds it to its projection's output."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(n))  # filled by ParallelLlama.load_full
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bias.to(x.dtype)
+
+
 class ParallelBlock(nn.Module):
     """One decoder block on its groups, run with ``options`` (``ParallelLlama``'s): ``zero_group`` the shard group its
     weights' rows are kept over (ZeRO-3; None: whole tp shards), ``ulysses_group`` Ulysses' (None: tp splits the
@@ -187,6 +200,16 @@ class ParallelBlock(nn.Module):
         self.mlp_norm = RMSNorm(h, cfg.norm_eps)
         self.gate_up = LAYOUT["gate_up"].linear(zero3)(h, 2 * cfg.ffn, **kw, **gather_kw)
         self.down = LAYOUT["down"].linear(zero3)(cfg.ffn, h, **kw)
+        # the family's vectors (flashpar.models.families): q/k/v biases of this rank's heads (Ulysses: all heads,
+        # regrouped per forward like w_qkv), the FFN rows' gate/up biases, the output biases whole (added once,
+        # after the reduce-scatter, to this rank's rows), the q/k norms whole (one weight per head_dim)
+        self.qkv_bias = Bias(qkv_rows // (tp if self.ulysses_group is None else 1)) if cfg.qkv_bias else None
+        self.o_bias = Bias(h) if cfg.o_bias else None
+        self.gate_up_bias = Bias(2 * cfg.ffn // tp) if cfg.mlp_bias else None
+        self.down_bias = Bias(h) if cfg.mlp_bias else None
+        self.q_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
+        self.u_rank = dist.get_rank(ulysses_group) if self.ulysses_group is not None else 0
         self.kv_counter: cp.CommCounter | None = None  # set by ParallelLlama: K/V bytes of cp.attention
         # a forward-only caller (flashpar.infer's prefill) receives each forward's rotated K and V [T_cp, H_kv, D]
         self.kv_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None
@@ -199,13 +222,35 @@ class ParallelBlock(nn.Module):
         o = self.attend(x, tables, plan, split, blocks)
         zkw = self._pick(plan)
         if self.ulysses_group is None:
-            x = x + self.o_proj(o, split_sizes=split, check=False, **zkw)
+            out = self.o_proj(o, split_sizes=split, check=False, **zkw)
         else:  # back to this rank's rows: head group g's columns of w_o are [g H/U D, (g + 1) H/U D)
             w_o = self.o_proj.source() if self.o_proj.source is not None else self.o_proj.weight.to(o.dtype)
-            x = x + all_to_all_matmul(o, w_o, group=self.ulysses_group,
-                                      mode=self.mode, split_sizes=blocks, check=False, timeout_s=self.timeout_s)
+            out = all_to_all_matmul(o, w_o, group=self.ulysses_group,
+                                    mode=self.mode, split_sizes=blocks, check=False, timeout_s=self.timeout_s)
+        x = x + (self.o_bias(out) if self.o_bias is not None else out)
         gu = self.gate_up(self.mlp_norm(x).to(x.dtype), split_sizes=split, check=False, **zkw)
-        return x + self.down(swiglu(gu), split_sizes=split, check=False, **zkw)
+        if self.gate_up_bias is not None:
+            gu = self.gate_up_bias(gu)
+        out = self.down(swiglu(gu), split_sizes=split, check=False, **zkw)
+        return x + (self.down_bias(out) if self.down_bias is not None else out)
+
+    def heads_of(self, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q, k, v`` of this rank's heads from the q/k/v GEMM's output ``qkv [T, (heads + 2 kv_heads) D]``: the
+        bias added, q and k normed per head (``qk_norm``), rotated (``tables``)."""
+        if self.qkv_bias is not None:
+            bias = self.qkv_bias.bias
+            if self.ulysses_group is not None:  # this rank's head group of the regrouped rows
+                n = qkv.shape[1]
+                bias = bias.index_select(0, self.qkv_rows[self.u_rank * n : (self.u_rank + 1) * n])
+            qkv = qkv + bias.to(qkv.dtype)
+        if self.q_norm is not None:
+            t, d = qkv.shape[0], self.cfg.head_dim
+            nq, nk = self.heads * d, self.kv_heads * d
+            q = self.q_norm(qkv[:, :nq].reshape(t, self.heads, d)).to(qkv.dtype).reshape(t, nq)
+            k = self.k_norm(qkv[:, nq : nq + nk].reshape(t, self.kv_heads, d)).to(qkv.dtype).reshape(t, nk)
+            qkv = torch.cat([q, k, qkv[:, nq + nk :]], dim=1)
+        return rope_qkv(qkv, tables, self.heads, self.kv_heads)  # one autograd node (models/fused.py)
 
     def _pick(self, plan) -> dict:
         """The ops' ``pick_rows`` (ZeRO-3): with ``check=False`` each rank picks mode auto's schedules itself, and a
@@ -231,7 +276,7 @@ class ParallelBlock(nn.Module):
                 w_qkv = self.qkv.weight.index_select(0, self.qkv_rows).to(a.dtype)  # regrouped, then cast
             qkv = matmul_all_to_all(a, w_qkv, group=self.ulysses_group, mode=self.mode, split_sizes=blocks,
                                     check=False, timeout_s=self.timeout_s)
-        q, k, v = rope_qkv(qkv, tables, self.heads, self.kv_heads)  # one autograd node (models/fused.py)
+        q, k, v = self.heads_of(qkv, tables)
         if self.kv_sink is not None:
             self.kv_sink(k, v)
         backend = None if self.options.attention_backend == "auto" else self.options.attention_backend
@@ -283,6 +328,9 @@ class ParallelLlama(nn.Module):
         self.cfg, self.mesh = cfg, mesh
         self.dims = dims = ParallelDims.of_mesh(mesh)  # (a mesh without "ulysses": U = 1)
         dims.check(cfg, mode, where="ParallelLlama: ")
+        refusal = window_refusal(cfg)
+        if refusal:
+            raise ValueError(f"ParallelLlama: {refusal}")
         self.dp, self.dp_rank = dims.dp, mesh["dp"].get_local_rank()
         self.tp_group, self.cp_group = mesh["tp"].get_group(), mesh["cp"].get_group()
         self.tp, self.tp_rank = dims.tp, mesh["tp"].get_local_rank()
@@ -297,14 +345,17 @@ class ParallelLlama(nn.Module):
                      else [None] * cfg.layers)
         self.zero_schedule = schedules
         groups = model_groups(mesh, zero=self.zero, fused="fused" in schedules)  # all of them, one fixed order
-        self.mode, self.vocab_lo = mode, self.tp_rank * cfg.vocab_size // self.tp
-        self.embed = nn.Embedding(cfg.vocab_size // self.tp, cfg.hidden)  # this tp rank's vocabulary rows
+        # the vocabulary padded to a multiple of tp (layout.VocabRows): rows past vocab_size are zeros, their
+        # logits masked out of the loss (models/vocab.py) and of generation
+        self.vocab_rows = padded_vocab(cfg.vocab_size, self.tp)
+        self.mode, self.vocab_lo = mode, self.tp_rank * self.vocab_rows // self.tp
+        self.embed = nn.Embedding(self.vocab_rows // self.tp, cfg.hidden)  # this tp rank's vocabulary rows
         self.blocks = nn.ModuleList(
             ParallelBlock(cfg, self.tp_group, self.cp_group, options,
                           groups.fused if schedule == "fused" else groups.gather, ulysses_group)
             for schedule in schedules)
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab_size // self.tp, bias=False)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, self.vocab_rows // self.tp, bias=False)
         self.prefetcher, self.units = None, {}
         self.grad_tail: GradTail | None = None  # set by flashpar.train.step between backward and the norm
         if self.zero:  # the vocabulary rows too; the units gathered ahead, 0 ahead (blocking) in mode none
@@ -416,7 +467,7 @@ class ParallelLlama(nn.Module):
         gathered in fp32 so that its gradient sums in fp32), else None."""
         vocab, dtype = self.cfg.vocab_size, self.compute_dtype
         if self.options.gather_vocab and gathers_weight(vocab, tokens_u.shape[0], self.tp):
-            embed = all_gather_rows(embed_t.float(), self.tp_group, vocab)
+            embed = all_gather_rows(widened(embed_t), self.tp_group, self.vocab_rows)
             return F.embedding(tokens_u[rows], embed).to(dtype), embed
         return embed_rows(tokens_u, embed_t, self.vocab_lo, self.tp_group, dtype=dtype), None
 
@@ -464,13 +515,13 @@ class ParallelLlama(nn.Module):
         if self.head is not None:
             head_t = pf.enter(units["head"])[0] if pf is not None else self.head.weight
         if whole:
-            head = embed if self.head is None else all_gather_rows(head_t.float(), self.tp_group, vocab)
-            loss = own_rows_loss(self.norm(x).to(dtype), head.to(dtype), labels_u[rows], count)
+            head = embed if self.head is None else all_gather_rows(widened(head_t), self.tp_group, self.vocab_rows)
+            loss = own_rows_loss(self.norm(x).to(dtype), head.to(dtype), labels_u[rows], count, vocab)
         else:
             logits = all_gather_matmul(self.norm(x).to(dtype), head_t.to(dtype), None, group=self.tp_group,
                                        mode=self.mode, split_sizes=split, save_gathered=self.save_gathered,
                                        check=False)
-            loss = vocab_parallel_loss(logits, labels_u, self.vocab_lo, self.tp_group, rows, count)
+            loss = vocab_parallel_loss(logits, labels_u, self.vocab_lo, self.tp_group, rows, count, vocab)
         if pf is not None and self.head is not None:
             loss = pf.exit(units["head"], loss)
         return loss

@@ -57,3 +57,9 @@ def compute_dtype(name_or_dtype) -> torch.dtype:
         return DTYPES[name_or_dtype]
     raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name_or_dtype!r}")
 
+
+
+def widened(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in at least fp32 (bf16 -> fp32; fp32 and a float64 model's float64 stay): the loss and the gathered
+    vocabulary weight compute there."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))

@@ -1,8 +1,11 @@
 """Vocabulary-parallel embedding and cross-entropy over the tp group, with sequence parallelism.
 
-Tp rank ``t`` holds the vocabulary rows ``[lo, hi) = [t V / tp, (t + 1) V / tp)`` of the embedding
-(and of the head, or the same rows when tied).  The cp rank's tokens are all present on every tp
-rank; each tp rank keeps the hidden states of its block of rows (``shard_rows``).
+Tp rank ``t`` holds the vocabulary rows ``[lo, hi) = [t Vp / tp, (t + 1) Vp / tp)`` of the embedding
+(and of the head, or the same rows when tied), ``Vp`` the vocabulary ``V`` padded to a multiple of tp
+(``flashpar.models.layout.VocabRows``: the rows past ``V`` are zeros, no token looks them up, and their
+logits are ``-inf``, ``masked_padding``, so they add nothing to the loss and get no gradient).  The cp
+rank's tokens are all present on every tp rank; each tp rank keeps the hidden states of its block of rows
+(``shard_rows``).
 
     embedding:  x_t = reduce_scatter_rows( E_t[tok - lo] if lo <= tok < hi else 0 )     [rows_t, h]
     logits:     z   = all_gather_matmul(norm(x_t), E_t)                                  [T, V / tp]
@@ -42,6 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flashpar.models.llama import IGNORE
+from flashpar.models.precision import widened
 from flashpar.models.zero import reduce_scatter_rows
 
 
@@ -85,24 +89,38 @@ def embed_rows(tokens: torch.Tensor, weight: torch.Tensor, lo: int, group, *,
 
 
 def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, lo: int, group, rows: slice,
-                        count: float) -> torch.Tensor:
+                        count: float, vocab: int | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy of ``rows`` (targets ``labels [T]``, -100: none) from this tp rank's
-    vocabulary columns ``logits [T, V / tp]`` (from ``lo``), divided by ``count``."""
-    logits = logits.float()
+    vocabulary columns ``logits [T, V / tp]`` (from ``lo``), divided by ``count``.  ``vocab``: the columns from
+    ``vocab`` on are padding (``masked_padding``)."""
+    logits = masked_padding(widened(logits), lo, vocab)
     top = logits.detach().max(-1).values
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     total = all_reduce_sum(torch.exp(logits - top.unsqueeze(-1)).sum(-1), group)
     valid = labels != IGNORE
     mine = valid & (labels >= lo) & (labels < lo + logits.shape[1])
-    picked = logits.gather(1, (labels - lo).clamp(0, logits.shape[1] - 1).unsqueeze(-1)).squeeze(-1) * mine
+    # where, not a product: another rank's target may clamp onto a padded column (-inf x 0 is nan)
+    picked = torch.where(mine, logits.gather(1, (labels - lo).clamp(0, logits.shape[1] - 1).unsqueeze(-1)).squeeze(-1),
+                         0.0)
     picked = all_reduce_sum(picked, group)
     per_row = (torch.log(total) + top - picked) * valid
     return per_row[rows].sum() / max(count, 1.0)
 
 
-def own_rows_loss(x_rows: torch.Tensor, head: torch.Tensor, labels_rows: torch.Tensor, count: float) -> torch.Tensor:
+def masked_padding(logits: torch.Tensor, lo: int, vocab: int | None) -> torch.Tensor:
+    """``logits [..., C]`` (global columns ``lo .. lo + C``) with ``-inf`` at the padded columns ``>= vocab``
+    (``flashpar.models.layout.VocabRows``): their exponentials are zero, in the loss and in sampling, and so is
+    their gradient.  Unchanged where nothing is padded."""
+    if vocab is None or lo + logits.shape[-1] <= vocab:
+        return logits
+    pad = torch.arange(lo, lo + logits.shape[-1], device=logits.device) >= vocab
+    return logits.masked_fill(pad, float("-inf"))
+
+
+def own_rows_loss(x_rows: torch.Tensor, head: torch.Tensor, labels_rows: torch.Tensor, count: float,
+                  vocab: int | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy of this rank's rows from their hidden states ``x_rows [rows, h]`` and
     the whole head ``head [V, h]`` (both in the compute dtype; ``labels_rows``: -100 none), divided by
     ``count``: ``vocab_parallel_loss`` on a group of one (every column is this rank's, nothing is reduced)."""
-    return vocab_parallel_loss(x_rows @ head.t(), labels_rows, 0, None, slice(None), count)
+    return vocab_parallel_loss(x_rows @ head.t(), labels_rows, 0, None, slice(None), count, vocab)

@@ -1,11 +1,13 @@
-"""``flashpar export CHECKPOINT --hf OUT``: a training checkpoint as a Hugging Face Llama folder.
+"""``flashpar export CHECKPOINT --hf OUT``: a training checkpoint as a Hugging Face folder of its model's family.
 
 A checkpoint (``flashpar.train.checkpoint``) holds the single-process model's full tensors under its
 parameter names (``model.<name>`` in the DCP metadata) and ``meta.json`` with the model's config
 (``TrainConfig.kept()["model"]``: ``LlamaConfig.to_dict()``).  One process reads them without a process
 group (``dcp.load(..., no_dist=True)``), into tensors of the stored shapes and dtypes, checked
-against the config, and writes ``save_hf`` of the model: ``LlamaForCausalLM.from_pretrained(OUT)``
-loads it.  A missing or invalid checkpoint is one line (``ValueError`` / ``FileNotFoundError``).
+against the config, and writes ``save_hf`` of the model: its family's class (``LlamaForCausalLM``,
+``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``: ``flashpar.models.families``) loads it with
+``from_pretrained(OUT)``, unpadded (the parallel model's vocabulary padding is not in a checkpoint).  A missing
+or invalid checkpoint is one line (``ValueError`` / ``FileNotFoundError``).
 
 Beside the weights, what ``AutoTokenizer.from_pretrained(OUT)`` and ``generate`` need (``flashpar.train.handoff``):
 the tokenizer's files (``--tokenizer``, else the run's ``--tokenizer``, which the checkpoint records) and

@@ -5,7 +5,8 @@ Two parameter groups, made from the parameter-layout table (``flashpar.models.la
     group      LAYOUT rows                                         weight decay
     decay      Rows, Columns, FusedRows: the embedding, the head,  --weight-decay
                q/k/v, attention out, gate/up, mlp down
-    no decay   Replicated: the RMSNorm gains                       0
+    no decay   Replicated: the RMSNorm gains (q/k norms too),      0
+               the biases of the families that have them
 
 AdamW's decay is decoupled (Loshchilov & Hutter): each step ``p <- p - lr_t * wd * p`` beside the Adam
 update, ``lr_t`` the step's rate (``flashpar.train.schedule``), not an L2 term in the gradient.  The norm
@@ -20,14 +21,15 @@ from __future__ import annotations
 
 import torch
 
-from flashpar.models.layout import Replicated, layout_of
+from flashpar.models.layout import layout_of
 
 BETAS = (0.9, 0.95)
 
 
 def decays(name: str) -> bool:
-    """Whether mesh parameter ``name`` gets weight decay: every row of ``LAYOUT`` but ``Replicated`` (norm gains)."""
-    return type(layout_of(name)[0]) is not Replicated
+    """Whether mesh parameter ``name`` gets weight decay: the tp-split weights of ``LAYOUT`` (not the norm gains,
+    not the biases)."""
+    return layout_of(name)[0].decays
 
 
 def param_groups(named_parameters, weight_decay: float) -> list[dict]:

@@ -5,7 +5,7 @@ the mesh's size, 4 for the default tp=2, cp=2).  Under ``torchrun`` (``RANK`` in
 process is one rank of the same job, with NCCL on GPUs when ``--device cuda``.  ``--check`` runs one step
 of the mesh model against the single-process model instead of training and prints PASS / FAIL per parameter group.
 
-Bad arguments (a mesh whose product is not the world size, heads / kv heads / FFN / vocabulary not
+Bad arguments (a mesh whose product is not the world size, heads / kv heads / FFN not
 divisible by tp, heads Ulysses cannot split, ``--ulysses`` and ``--tp`` both > 1, a sequence too short
 for the mesh, an unwritable output folder, no documents, a checkpoint made with other model or data
 settings, ``--device cuda`` without CUDA, an ``--init-from`` folder whose config or weights flashpar cannot
