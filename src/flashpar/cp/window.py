@@ -33,6 +33,8 @@ import bisect
 import functools
 from collections.abc import Iterable
 
+import numpy as np
+
 Run = tuple[int, int, int]  # (global start, global end, first buffer row): keys contiguous in both
 
 
@@ -143,3 +145,30 @@ def send_tokens(plan, window: int) -> list[int]:
         for src, a, b in window_recv(plan, r, window):
             out[src] += b - a
     return out
+
+
+def pairs(x, y, window: int | None):
+    """(query, key) pairs of the queries at document positions ``[x, y)`` (ints or numpy int64 arrays): each
+    query at position ``p`` sees ``min(p + 1, W)`` keys (``window`` None: ``p + 1``, the causal pairs)."""
+    return _prefix(y, window) - _prefix(x, window)
+
+
+def _prefix(m, window: int | None):
+    """Pairs of the first ``m`` queries of a document: ``m (m + 1) / 2`` up to ``W``, then ``W`` per query."""
+    tri = m * (m + 1) // 2
+    if window is None:
+        return tri
+    over = window * (window + 1) // 2 + (m - window) * window
+    if isinstance(m, int):
+        return tri if m <= window else over
+    return np.where(m <= window, tri, over)
+
+
+def reach_gaps(a, s, prev_end, window: int | None):
+    """Keys a piece ``[a, b)`` of a rank receives under ``window`` beyond those its previous piece of the same
+    document (ending at ``prev_end``, or ``s`` for the first) already brought: the gap
+    ``[max(s, a - W + 1, prev_end), a)`` (numpy arrays; pieces of a document on a rank in token order).  Summed
+    over a rank's pieces, its receive count: the union of the pieces' reaches ``[max(s, a - W + 1), b)`` less its
+    own tokens."""
+    lo = s if window is None else np.maximum(s, a - window + 1)
+    return a - np.maximum(lo, prev_end)
