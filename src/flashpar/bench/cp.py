@@ -17,6 +17,11 @@ The parent starts N gloo ranks (behind emulated rate-limited links with ``--link
    per strategy and pack, those medians, each rank's compute-only forward and backward medians and the
    bytes sent, and the box's load average before and after (what ``flashpar simulate check`` reads).
 
+``--window W``: every strategy runs sliding-window attention (``flashpar.cp.attention(..., window=w)``) with the
+window scaled as the lengths are, ``w = max(1, W // scale)`` (a 4096-token window on 128K packs is a 256-token one on
+their 8K copies), planned for it (``plan(..., window=w)``); the report adds the K/V the same plans send without the
+window (planned bytes, beside the measured windowed ones).
+
 Columns: measured step (forward + backward) and its parts, ``ideal = max(compute, comm)``,
 ``ovl/ideal``; bytes sent forward (measured, all ranks); compute imbalance (the busiest rank's
 compute-only time over the mean); speedups over ``headtail`` and ``per_doc``; and the cost
@@ -64,7 +69,13 @@ def calibrate_costs(config: dict):
     return CostModel(**shape, hardware=fwd), CostModel(**shape, hardware=bwd)
 
 
-def _measure(p, q, k, v, dout, rank, kind, group=None):
+def bench_window(config: dict) -> int | None:
+    """The window the ranks run: ``--window`` divided by ``--scale`` as the lengths are (at least 1), or None."""
+    w = config.get("window")
+    return None if w is None else max(1, w // config["scale"])
+
+
+def _measure(p, q, k, v, dout, rank, kind, group=None, window=None):
     """Seconds of this rank's forward and backward (after a barrier each), and the bytes it sent."""
     import contextlib
 
@@ -79,7 +90,7 @@ def _measure(p, q, k, v, dout, rank, kind, group=None):
     with only(kind) if kind != "overlapped" else contextlib.nullcontext():
         dist.barrier(group)
         t0 = time.perf_counter()
-        out = attention(*mine, p, group=group, counter=counter, check=False)
+        out = attention(*mine, p, group=group, counter=counter, check=False, window=window)
         t_fwd = time.perf_counter() - t0
         dist.barrier(group)
         t0 = time.perf_counter()
@@ -102,6 +113,7 @@ def worker(config: dict) -> None:
     fwd_cost, bwd_cost = calibrate_costs(config)
     strategies = config["strategies"]
     packs = cp_packs(config)
+    window = bench_window(config)
     h, hkv, d = config["heads"], config["kv_heads"], config["head_dim"]
     samples: dict[tuple, list] = {}
     plans = {}
@@ -110,14 +122,15 @@ def worker(config: dict) -> None:
         total = sum(lens)
         q, dout = (torch.randn(total, h, d, generator=gen, dtype=dtype) for _ in range(2))
         k, v = (torch.randn(total, hkv, d, generator=gen, dtype=dtype) for _ in range(2))
-        plans[i] = {s: plan(lens, n, strategy=s, cost=fwd_cost) for s in strategies}
+        plans[i] = {s: plan(lens, n, strategy=s, cost=fwd_cost, window=window) for s in strategies}
         for s in strategies:  # warm-up: layouts, twin groups, allocator
-            _measure(plans[i][s], q, k, v, dout, rank, "overlapped")
+            _measure(plans[i][s], q, k, v, dout, rank, "overlapped", window=window)
         for rnd in range(config["rounds"]):
             order = strategies[rnd % len(strategies):] + strategies[: rnd % len(strategies)]
             for s in order:
                 for kind in KINDS:
-                    samples.setdefault((i, s, kind), []).append(_measure(plans[i][s], q, k, v, dout, rank, kind))
+                    samples.setdefault((i, s, kind), []).append(
+                        _measure(plans[i][s], q, k, v, dout, rank, kind, window=window))
     gathered = [None] * n
     dist.all_gather_object(gathered, samples)
     if rank == 0:
@@ -126,7 +139,7 @@ def worker(config: dict) -> None:
                   "load_avg": [load_before, os.getloadavg()[0]]}
         for s in strategies:
             row = {k: 0.0 for k in ("overlapped", "compute", "comm", "forward", "backward", "bytes",
-                                    "pred_step", "pred_compute")}
+                                    "pred_step", "pred_compute", "plan_bytes_no_window")}
             imb, pred_imb, row["per_pack"] = [], [], []
             for i in range(len(packs)):
                 med, detail = {}, {}
@@ -146,8 +159,9 @@ def worker(config: dict) -> None:
                 for kind in KINDS:
                     row[kind] += med[kind]
                 sent = sum(gathered[r][(i, s, "overlapped")][0][2] for r in range(n))  # first round, all ranks
+                row["plan_bytes_no_window"] += sum(no_window(plans[i][s]).stats()["kv_send_bytes"])
                 row["per_pack"].append({**med, **detail, "bytes": sent})
-                pred = cp_predict(plans[i][s], fwd_cost, bwd_cost, config["cores"])
+                pred = cp_predict(plans[i][s], *windowed(fwd_cost, bwd_cost, window), config["cores"])
                 row["pred_step"] += pred["step"]
                 row["pred_compute"] += pred["compute"]
                 pred_imb.append(pred["imbalance"])
@@ -158,6 +172,20 @@ def worker(config: dict) -> None:
             json.dump(report, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def windowed(fwd_cost, bwd_cost, window):
+    """The calibrated cost models with the window the ranks run (the prediction counts its pairs and K/V)."""
+    import dataclasses
+
+    return tuple(dataclasses.replace(c, window=window) for c in (fwd_cost, bwd_cost))
+
+
+def no_window(p):
+    """``p`` scored without a window (the K/V a full-attention layer would send on the same placement)."""
+    import dataclasses
+
+    return dataclasses.replace(p, cost=dataclasses.replace(p.cost, window=None))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,7 +199,8 @@ def format_report(report: dict) -> str:
     lines = [
         f"N={n}, link {c['link_rate']}, {c['lengths']} lengths / {c['scale']} packed into {report['tokens']} tokens "
         f"({len(report['packs'])} packs, {sum(report['packs'])} documents), heads {c['heads']}/{c['kv_heads']}, "
-        f"head_dim {c['head_dim']}, {c['dtype']}, {c['rounds']} rounds, median of the slowest rank, summed over packs",
+        f"head_dim {c['head_dim']}, {c['dtype']}, {c['rounds']} rounds, median of the slowest rank, summed over packs"
+        + (f", window {bench_window(c)} (--window {c['window']} / {c['scale']})" if c.get("window") else ""),
         f"calibrated: attention {fc['flops'] * fc['attn_peak'] / 1e9:.1f} GFLOP/s forward, "
         f"{bc['flops'] * bc['attn_peak'] / 1e9:.1f} backward "
         f"(half efficiency at {fc['attn_half']:.0f} / {bc['attn_half']:.0f} tokens), "
@@ -192,6 +221,10 @@ def format_report(report: dict) -> str:
             f"{ms(r['comm']):>7}{r['overlapped'] / ideal:>10.2f}{r['bytes'] / 1e6:>9.1f}{r['imbalance']:>6.2f}"
             f"{ratio('headtail', 'overlapped'):>11}{ratio('per_doc', 'overlapped'):>10} | {ms(r['pred_step']):>8}"
             f"{r['pred_imbalance']:>6.2f}{ratio('headtail', 'pred_step'):>11}{ratio('per_doc', 'pred_step'):>10}")
+    if c.get("window"):
+        lines.append("K/V sent forward, all ranks, MB: with the window (measured) / without it (the same plans)")
+        lines.extend(f"  {s:<15}{r['bytes'] / 1e6:>9.2f} / {r['plan_bytes_no_window'] / 1e6:.2f}"
+                     for s, r in rows.items())
     pd = rows.get("per_doc")
     if pd:
         lines.append(f"per_doc communication / compute (measured, step): {pd['comm'] / pd['compute']:.2f}")
@@ -217,6 +250,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--cores", type=float, default=None,
                    help="cores the ranks share, for the prediction (default: this machine's)")
+    p.add_argument("--window", type=int, default=None,
+                   help="sliding-window attention of this many tokens at full scale (divided by --scale as the "
+                        "lengths are); default: full causal")
     p.add_argument("--json", default=None, help="write the report to this JSON file")
     p.add_argument("--timeout", type=float, default=3600.0)
 
@@ -232,6 +268,8 @@ def check_arguments(nproc: int, config: dict) -> str | None:
         value = nproc if key == "nproc" else config[key]
         if value < least:
             return f"--{key.replace('_', '-')} must be >= {least}, got {value}"
+    if config.get("window") is not None and config["window"] < 1:
+        return f"--window must be >= 1, got {config['window']}"
     if config["heads"] % config["kv_heads"]:
         return f"--heads {config['heads']} is not a multiple of --kv-heads {config['kv_heads']}"
     try:
@@ -251,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
     config = {"threads": args.threads, "dtype": args.dtype, "rounds": args.rounds,
               "strategies": strategies, "lengths": args.lengths,
               "tokens": args.tokens, "scale": args.scale, "packs": args.packs, "heads": args.heads,
-              "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+              "kv_heads": args.kv_heads, "head_dim": args.head_dim, "window": args.window,
               "cores": args.cores or len(os.sched_getaffinity(0))}
     problem = check_arguments(args.nproc, config)
     if problem:

@@ -6,7 +6,9 @@ data-loader worker.  Strategies: ``flashcp`` (the hybrid search) and the baselin
 ``contiguous``, ``headtail``, ``per_doc``, ``per_doc_aware``, ``torch_per_doc``, ``whole_doc`` and
 ``megatron_dynamic`` (Megatron-Core's per-document power-of-two CP groups, ``megatron_dynamic.py``).
 ``attention(q, k, v, plan)`` runs the plan: exact attention with the K/V exchange of its strategy
-(``attention.py``); ``shard`` / ``gather`` move whole-sequence tensors to and from its layout.
+(``attention.py``; ``window=W``: sliding-window attention, any plan, ``window.py``); ``shard`` / ``gather`` move
+whole-sequence tensors to and from its layout.  ``plan(..., window=W)`` plans for a sliding-window model: the work
+of a query is ``min(p + 1, W)`` pairs and the K/V its window reaches (``CostModel.window``).
 
 ``import flashpar.cp`` loads no torch (a command's flags read ``STRATEGIES`` without it): ``CPPlan``,
 ``attention``, ``CommCounter``, ``shard`` and ``gather`` are imported on first use, ``plan``'s strategies when it runs.
@@ -15,6 +17,7 @@ data-loader worker.  Strategies: ``flashcp`` (the hybrid search) and the baselin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import sys
 import time
@@ -35,8 +38,9 @@ COMM = {"contiguous": "all", "headtail": "all", "per_doc": "all", "torch_per_doc
 
 
 def plan(doc_lens, cp_size: int, *, strategy: str = "flashcp", cost: CostModel | None = None,
-         token_slack: float = 0.05) -> CPPlan:
-    """Plan one packed sequence of documents of ``doc_lens`` tokens over ``cp_size`` ranks."""
+         token_slack: float = 0.05, window: int | None = None) -> CPPlan:
+    """Plan one packed sequence of documents of ``doc_lens`` tokens over ``cp_size`` ranks.  ``window``: plan for
+    sliding-window attention of ``W`` keys (sets ``cost.window``; None: ``cost``'s own)."""
     from flashpar.cp import flashcp as _flashcp
     from flashpar.cp import megatron_dynamic as _megatron_dynamic
     from flashpar.cp import strategies as _strategies
@@ -44,6 +48,8 @@ def plan(doc_lens, cp_size: int, *, strategy: str = "flashcp", cost: CostModel |
 
     lens, lens_np = _check(doc_lens, cp_size, strategy, token_slack)
     cost = cost or CostModel()
+    if window is not None:
+        cost = dataclasses.replace(cost, window=window)  # (CostModel checks it: one line)
     t0 = time.perf_counter()
     if strategy == "flashcp":
         placement = _flashcp.plan(lens, cp_size, cost, token_slack, lens_np)

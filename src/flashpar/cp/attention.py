@@ -24,6 +24,12 @@ tasks of each phase are its compute items.  What is in flight while each piece c
               main:  | dKV_{r-1} | dKV_{r-2}                | dKV_r (local)            | + received rows
 
 (ring: the same order, every transfer to r+1 / from r-1; see ``exchange``.)
+
+With ``window=W`` (sliding-window attention: a query at position ``p`` of its document attends the keys
+``[max(doc start, p - W + 1), p]``, transformers' ``sliding_window``; :mod:`flashpar.cp.window`) the exchange is
+point-to-point whatever the plan's strategy, and each rank receives only the keys its queries' windows reach; the
+kernels run the band's slice of keys per query chunk.  A model's windowed and full layers share one plan: their
+layouts and exchanges are built once each, per (plan, W).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from flashpar.cp import kernels
 from flashpar.cp.cp_plan import CPPlan
 from flashpar.cp.exchange import CommCounter, KVBuffers, add_rows, kv_schedule
 from flashpar.cp.layout import DeviceLayout, device_layout
+from flashpar.cp.window import check_window
 from flashpar.dist import DEFAULT_TIMEOUT_S, GroupInfo, dtype_code, exchange_metadata, p2p_group, resolve_group
 from flashpar.overlap.executor import run_schedule
 from flashpar.overlap.schedule import Compute
@@ -123,8 +130,8 @@ class _CPAttention(torch.autograd.Function):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan, *, group=None,
               softmax_scale: float | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
-              counter: CommCounter | None = None, check: bool = True, rows: tuple[int, ...] | None = None
-              ) -> torch.Tensor:
+              counter: CommCounter | None = None, check: bool = True, rows: tuple[int, ...] | None = None,
+              window: int | None = None) -> torch.Tensor:
     """Causal document-masked attention of this rank's tokens (see the module docstring).
 
     ``group``: the context-parallel group (None: the default group; a ProcessGroup or a 1-D
@@ -140,16 +147,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan, *
     tensors on the device are built by the first call on a plan and reused by the later ones.  ``rows``: only
     these local query rows (a tuple of distinct row indices, each rank its own) are computed, the other rows of
     the output are zero (a caller that reads a few rows: prefill's last layer, its prompts' last tokens); the K/V
-    exchange is the plan's either way.
+    exchange is the plan's either way.  ``window``: sliding-window attention of ``W`` keys (a positive int; the
+    query at position ``p`` of its document attends ``[max(0, p - W + 1), p]`` of it, as transformers' and
+    Mistral's ``sliding_window``), exact forward and backward for any plan, receiving only the windows' keys
+    (module docstring); None: full causal.  On CUDA the band runs through the fused kernels with the band as an
+    additive mask over each chunk's slice of keys (``varlen``: its band tasks run so too); only CPU is tested here.
     """
     info = resolve_group(group)
-    error = _local_error(q, k, v, plan, info, backend) or _rows_error(rows, q)
+    error = _local_error(q, k, v, plan, info, backend) or _rows_error(rows, q) or _window_error(window)
     if check:
-        _agree(q, k, plan, info, error, timeout_s)
+        _agree(q, k, plan, info, error, timeout_s, window)
     elif error is not None:
         raise error
     backend = backend or kernels.default_backend(q.device, q.dtype, q.shape[-1])
-    placed = device_layout(plan, info.rank, backend == "varlen", q.device, rows)
+    placed = device_layout(plan, info.rank, backend == "varlen", q.device, rows, window)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     run = _Run(placed, info, scale, backend, timeout_s, counter)
     if info.world_size > 1:
@@ -195,15 +206,21 @@ def _rows_error(rows, q) -> ValueError | None:
     return None
 
 
-def _agree(q, k, plan, info: GroupInfo, error, timeout_s: float) -> None:
-    """Every rank raises if any rank's input is bad or the ranks disagree on shapes, dtype or plan."""
+def _window_error(window) -> ValueError | None:
+    why = check_window(window)
+    return None if why is None else ValueError(f"{OP}: {why}")
+
+
+def _agree(q, k, plan, info: GroupInfo, error, timeout_s: float, window=None) -> None:
+    """Every rank raises if any rank's input is bad or the ranks disagree on shapes, dtype, plan or window."""
     shape = [q.shape[1], k.shape[1], q.shape[2]] if q.dim() == 3 and k.dim() == 3 else [-1, -1, -1]
     digest = plan_digest(plan) if isinstance(plan, CPPlan) else -1
     gloo = info.world_size == 1 or torch.distributed.get_backend(info.group) == "gloo"
     device = torch.device("cpu") if gloo else q.device
-    table = exchange_metadata(info, [*shape, dtype_code(q.dtype), digest], device=device, op_name=OP,
+    width = 0 if window is None or check_window(window) else min(window, 1 << 62)  # (int64; 0: full causal)
+    table = exchange_metadata(info, [*shape, dtype_code(q.dtype), digest, width], device=device, op_name=OP,
                               local_error=error, timeout_s=timeout_s)
-    names = ["query heads", "kv heads", "head_dim", "dtype", "plan"]
+    names = ["query heads", "kv heads", "head_dim", "dtype", "plan", "window (0: none)"]
     for i, name in enumerate(names):
         col = table[:, i].tolist()
         if len(set(col)) > 1:

@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from flashpar.cost import Hardware, preset
+from flashpar.cp import window as band
 
 DEFAULT_HARDWARE = "h100-ib"
 
@@ -88,6 +89,7 @@ class CostModel:
     linear: bool = True  # False: attention work alone (to compare with solvers that balance only attention)
     hardware: Hardware = field(default_factory=lambda: preset(DEFAULT_HARDWARE))
     burst: float = 1.0  # a rank's speed-up while the ranks sharing its cores wait (see the class docstring)
+    window: int | None = None  # sliding-window attention of W keys (flashpar.cp.window): pairs min(p + 1, W) per query
 
     def __post_init__(self) -> None:
         if isinstance(self.hardware, str):  # a preset's name
@@ -95,6 +97,27 @@ class CostModel:
         b = self.burst
         if isinstance(b, bool) or not isinstance(b, int | float) or not math.isfinite(b) or b < 1:
             raise ValueError(f"CostModel.burst must be a finite number >= 1, got {b!r}")
+        why = band.check_window(self.window)
+        if why is not None:
+            raise ValueError(f"CostModel.{why}")
+
+    def square_pairs(self, length):
+        """Pairs of a causal square of ``length`` queries from a document's start (int or int64 array): under a
+        window, ``sum over p < L of min(p + 1, W)``, else ``L (L + 1) / 2``."""
+        return band.pairs(0, length, self.window)
+
+    def ahead_share(self, length, before):
+        """The part of a full task's pairs (``length`` queries, ``before`` keys ahead of them in the document) that
+        the window keeps: 1 without one; else the band's pairs over ``length * before`` (numpy arrays or ints; 0
+        where there are no keys ahead).  A full task's time is scaled by it: its keys outside the band are never
+        touched."""
+        if self.window is None:
+            return 1.0
+        length = np.asarray(length, dtype=np.int64)
+        before = np.asarray(before, dtype=np.int64)
+        kept = band.pairs(before, before + length, self.window) - self.square_pairs(length)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(length * before > 0, kept / np.maximum(length * before, 1), 0.0)
 
     def step_time(self, compute, remote, comm) -> float:
         """The estimated step of ranks with these per-rank times (seconds; sequences of one length): with
@@ -200,13 +223,15 @@ class CostModel:
         ``holders`` ranks: its causal square and a full task per holder (:meth:`full_attn_time`)."""
         if length <= 0:
             return 0.0
-        return self.attn_time(length * (length + 1) // 2, length, length) + self.full_attn_time(length, before, holders)
+        return (self.attn_time(self.square_pairs(length), length, length)
+                + self.full_attn_time(length, before, holders) * float(self.ahead_share(length, before)))
 
     def piece_attn_times(self, length, before, holders):
         """:meth:`piece_attn_time` on arrays (numpy, elementwise; the same floats)."""
         length = np.asarray(length, dtype=np.int64)
         q = length.astype(np.float64)
-        return self.attn_times(length * (length + 1) // 2, q, q) + self.full_attn_times(length, before, holders)
+        return (self.attn_times(self.square_pairs(length), q, q)
+                + self.full_attn_times(length, before, holders) * self.ahead_share(length, before))
 
     def piece_cost(self, length: int, before: int, holders: int) -> float:
         """:meth:`piece_attn_time` and a launch (``gemm_overhead_s``) for each of the piece's ``1 + holders`` tasks:
@@ -216,10 +241,10 @@ class CostModel:
         if length <= 0:
             return 0.0
         hw = self.hardware
-        t = self.attn_time(length * (length + 1) // 2, length, length)
+        t = self.attn_time(self.square_pairs(length), length, length)
         if holders > 0:
             t += self.flops_per_pair * (length + hw.attn_half) * (before + holders * hw.attn_half) / (
-                hw.flops * hw.attn_peak)
+                hw.flops * hw.attn_peak) * (1.0 if self.window is None else float(self.ahead_share(length, before)))
         return t + (1 + holders) * hw.gemm_overhead_s
 
     def piece_costs(self, length, before, holders):
@@ -227,7 +252,8 @@ class CostModel:
         hw = self.hardware
         q = length.astype(np.float64)
         full = self.flops_per_pair * (q + hw.attn_half) * (before + holders * hw.attn_half) / (hw.flops * hw.attn_peak)
-        t = self.attn_times(length * (length + 1) // 2, q, q) + np.where(holders > 0, full, 0.0)
+        full = full * self.ahead_share(length, before) if self.window is not None else full
+        t = self.attn_times(self.square_pairs(length), q, q) + np.where(holders > 0, full, 0.0)
         return np.where(length > 0, t + (1 + holders) * hw.gemm_overhead_s, 0.0)
 
     def linear_time(self, tokens: int) -> float:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from flashpar.cp import window as band
 from flashpar.cp.calls import ahead, full_calls, square_calls
 from flashpar.cp.cost import CostModel
 
@@ -111,7 +112,7 @@ def figures_of_arrays(rank, a, b, n: int, total: int, doc_starts, cost: CostMode
     doc = np.searchsorted(starts, a, side="right") - 1
     s = starts[doc]
     length = b - a
-    pairs = length * (a + b - 2 * s + 1) // 2
+    pairs = band.pairs(a - s, b - s, cost.window)
     counts = np.bincount(rank, minlength=n)
     tokens_r, pairs_r = _int_sums(rank, length, n, total), _int_sums(rank, pairs, n, total)
     part = None  # the pieces that are not whole documents (None: all)
@@ -132,7 +133,7 @@ def figures_of_arrays(rank, a, b, n: int, total: int, doc_starts, cost: CostMode
             remote_t, recv_r, part_counts = np.zeros(0), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
             calls = (np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
     lt, rt = _sums_in_order(local_t, counts), _sums_in_order(remote_t, part_counts)
-    recv = (total - tokens_r) if comm == "all" else recv_r
+    recv = (total - tokens_r) if comm == "all" and cost.window is None else recv_r
     return _figures(tokens_r, pairs_r, recv, lt, rt, square_calls(rank, length, n) + calls[0], calls[1], cost)
 
 
@@ -167,14 +168,17 @@ def _cut_figures(rank, a, b, doc, s, length, n: int, total: int, cost: CostModel
     keys = ahead(rank, a, doc, length, n)
     mine = (keys.own > 0).astype(np.int64)
     q = length.astype(np.float64)
-    local_t = cost.attn_times(length * (length + 1) // 2, q, q) + cost.full_attn_times(length, keys.own, mine)
-    remote_t = cost.full_attn_times(length, (a - s) - keys.own, keys.holders - mine)
-    # receive: per group, (last end - doc start) - held tokens
-    group_last = np.append(group_first[1:], m) - 1
-    held = csum[group_last] - before_group
-    recv_g = (b[group_last] - s[group_first]) - held
-    return (local_t, remote_t, _int_sums(rank[group_first], recv_g, n, total), np.bincount(rank, minlength=n),
-            full_calls(rank, a, doc, length, keys, n))
+    share = cost.ahead_share(length, a - s)  # (1.0 without a window)
+    local_t = cost.attn_times(cost.square_pairs(length), q, q) + cost.full_attn_times(length, keys.own, mine) * share
+    remote_t = cost.full_attn_times(length, (a - s) - keys.own, keys.holders - mine) * share
+    if cost.window is None:  # receive: per group, (last end - doc start) - held tokens
+        group_last = np.append(group_first[1:], m) - 1
+        held = csum[group_last] - before_group
+        recv = _int_sums(rank[group_first], (b[group_last] - s[group_first]) - held, n, total)
+    else:  # per piece, the gap its window reaches past the previous piece of its group (flashpar.cp.window)
+        prev_end = np.where(new, s, np.roll(b, 1))
+        recv = _int_sums(rank, band.reach_gaps(a, s, prev_end, cost.window), n, total)
+    return (local_t, remote_t, recv, np.bincount(rank, minlength=n), full_calls(rank, a, doc, length, keys, n))
 
 
 def whole_doc_times(lens, cost: CostModel, attn=None):
@@ -184,7 +188,7 @@ def whole_doc_times(lens, cost: CostModel, attn=None):
     if attn is not None:
         return attn
     q = lens.astype(np.float64)
-    return cost.attn_times(lens * (lens + 1) // 2, q, q)
+    return cost.attn_times(cost.square_pairs(lens), q, q)
 
 
 def figures_of_whole(rank, docs, n: int, lens, times, cost: CostModel) -> RankFigures:
@@ -195,7 +199,7 @@ def figures_of_whole(rank, docs, n: int, lens, times, cost: CostModel) -> RankFi
     length = lens[docs]
     total = int(lens.sum())
     tokens_r = _int_sums(rank, length, n, total)
-    pairs_r = _int_sums(rank, length * (length + 1) // 2, n, total)
+    pairs_r = _int_sums(rank, cost.square_pairs(length), n, total)
     counts = np.bincount(rank, minlength=n)
     lt, rt = _sums_in_order(times[docs], counts), np.zeros(n)
     none = np.zeros(n, dtype=np.int64)
@@ -368,7 +372,9 @@ class CPPlan:
         fig = self.figures()
         kv = self.cost.kv_bytes_per_token
         recv_bytes = [t * kv for t in fig.recv_tokens]
-        if self.comm == "all":  # every other rank receives all of a rank's tokens
+        if self.cost.window is not None:  # a windowed model: every rank receives what its windows reach
+            send_tokens = band.send_tokens(self, self.cost.window)
+        elif self.comm == "all":  # every other rank receives all of a rank's tokens
             send_tokens = [t * (n - 1) for t in fig.tokens]
         else:
             send_tokens = aware_send_tokens(self.segments, self.doc_starts, self.total_tokens)

@@ -5,7 +5,10 @@ one key buffer (the rank's own K/V, or what one peer sent), either
 
 * ``causal``: a square diagonal block, ``q1 - q0 == k1 - k0`` and query ``i`` sees keys ``0..i`` of
   the block (a document's piece against itself), or
-* ``full``: every query sees every key (keys that lie before the query piece in its document).
+* ``full``: every query sees every key (keys that lie before the query piece in its document), or
+* ``band`` (sliding windows, ``flashpar.cp.window``): a full task's shape whose query ``i`` sees key ``j`` where
+  ``0 <= delta + i - j < W`` (``band = (delta, W)``, ``delta`` the global position of the first query less that
+  of the first key): an explicit mask over the task's slice of keys only.
 
 For one task, with ``S = scale * Q K^T`` (masked) and per query row
 
@@ -72,6 +75,7 @@ class Task:
     k0: int
     k1: int
     causal: bool
+    band: tuple[int, int] | None = None  # (delta, window): a band task (module docstring); None: causal or full
 
 
 @dataclass
@@ -100,6 +104,7 @@ class Batch:
     cu_k: torch.Tensor | None = None
     max_q: int = 0
     max_k: int = 0
+    band: tuple[int, int] | None = None  # (delta, window) of every task of a band batch (their shapes are equal)
 
     @property
     def rows(self):
@@ -116,22 +121,30 @@ class Batch:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Batch(self.causal, self.buf, None, None, self.B, self.Lq, self.Lk, move(self.q_rows),
                      move(self.q_pos), move(self.k_rows), move(self.k_pos), move(self.key_valid),
-                     move(self.cu_q), move(self.cu_k), self.max_q, self.max_k)
+                     move(self.cu_q), move(self.cu_k), self.max_q, self.max_k, self.band)
 
 
 def make_batches(tasks: list[Task], varlen: bool = False) -> list[Batch]:
     """Group one phase's tasks into batches; within a batch every query row appears at most once.
-    ``varlen``: one packed batch per (buffer, kind, layer), lengths as they are (cumulative offsets)."""
+    ``varlen``: one packed batch per (buffer, kind, layer), lengths as they are (cumulative offsets).  Band tasks
+    share a batch only with tasks of the same shape and band (one mask serves the batch, nothing is padded), with
+    or without ``varlen``."""
     groups: dict[tuple, list[Task]] = {}
     seen: dict[tuple, int] = {}
     for t in tasks:
-        lq, lk = (0, 0) if varlen else (padded_len(t.q1 - t.q0), padded_len(t.k1 - t.k0))
+        if t.band is not None:
+            lq, lk = t.q1 - t.q0, t.k1 - t.k0
+        else:
+            lq, lk = (0, 0) if varlen else (padded_len(t.q1 - t.q0), padded_len(t.k1 - t.k0))
         # layer: how many earlier tasks of this buffer and kind share these query rows
-        layer = seen.get((t.buf, t.causal, t.q0), 0)
-        seen[(t.buf, t.causal, t.q0)] = layer + 1
-        groups.setdefault((t.buf, t.causal, lq, lk, layer), []).append(t)
+        layer = seen.get((t.buf, t.causal, t.band, t.q0), 0)
+        seen[(t.buf, t.causal, t.band, t.q0)] = layer + 1
+        groups.setdefault((t.buf, t.causal, t.band, lq, lk, layer), []).append(t)
     out = []
-    for (buf, causal, lq, lk, _), group in groups.items():
+    for (buf, causal, band, lq, lk, _), group in groups.items():
+        if band is not None:
+            out.append(_band_batch(buf, band, lq, lk, group))
+            continue
         if varlen:
             out.append(_varlen_batch(buf, causal, group))
             continue
@@ -150,6 +163,17 @@ def make_batches(tasks: list[Task], varlen: bool = False) -> list[Batch]:
         out.append(Batch(causal, buf, None, None, len(group), lq, lk, torch.cat(q_rows), torch.cat(q_pos),
                          torch.cat(k_rows), torch.cat(k_pos), key_valid))
     return out
+
+
+def _band_batch(buf: int, band: tuple[int, int], lq: int, lk: int, group: list[Task]) -> Batch:
+    """Band tasks of one shape and band: the direct form for one, else stacked without padding."""
+    if len(group) == 1:
+        t = group[0]
+        return Batch(False, buf, (t.q0, t.q1), (t.k0, t.k1), band=band)
+    q_rows = torch.cat([torch.arange(t.q0, t.q1) for t in group])
+    k_rows = torch.cat([torch.arange(t.k0, t.k1) for t in group])
+    return Batch(False, buf, None, None, len(group), lq, lk, q_rows, torch.arange(len(group) * lq), k_rows,
+                 torch.arange(len(group) * lk), band=band)
 
 
 def _varlen_batch(buf: int, causal: bool, group: list[Task]) -> Batch:
@@ -200,12 +224,25 @@ def _operands(batch: Batch, q, k, v):
             _bhld(_pack(v, batch.k_rows, batch.k_pos, B, batch.Lk), B))
 
 
-def _mask(batch: Batch, dtype: torch.dtype) -> torch.Tensor | None:
-    """Additive key-padding mask [B, 1, 1, Lk] (0 for real keys, -inf for pads)."""
+def _mask(batch: Batch, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """Additive key-padding mask [B, 1, 1, Lk] (0 for real keys, -inf for pads), or a band batch's band mask
+    [1, 1, Lq, Lk] (:func:`band_mask`)."""
+    if batch.band is not None:
+        lq, lk = (batch.q_span[1] - batch.q_span[0], batch.k_span[1] - batch.k_span[0]) if batch.q_span else (
+            batch.Lq, batch.Lk)
+        return band_mask(lq, lk, *batch.band, dtype, device)
     if batch.key_valid is None:
         return None
     m = torch.zeros(batch.key_valid.shape, dtype=dtype, device=batch.key_valid.device)
     return m.masked_fill_(~batch.key_valid, -math.inf).view(batch.B, 1, 1, batch.Lk)
+
+
+def band_mask(lq: int, lk: int, delta: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask [1, 1, lq, lk]: 0 where ``0 <= delta + i - j < window`` (query ``i`` sees key ``j``), else
+    ``-inf``; built on ``device`` from the sizes alone (no host tensor, no copy)."""
+    d = torch.arange(lq, device=device).unsqueeze(1) - torch.arange(lk, device=device) + delta
+    seen = (d >= 0) & (d < window)
+    return torch.zeros((lq, lk), dtype=dtype, device=device).masked_fill_(~seen, -math.inf).view(1, 1, lq, lk)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,7 +422,8 @@ def batch_forward(batch: Batch, q, k, v, scale: float, backend: str = "flash"):
         out, lse = _varlen_fwd(batch, q[batch.q_rows], k[batch.k_rows], v[batch.k_rows], scale)
         return batch.q_rows, out, lse
     qb, kb, vb = _operands(batch, q, k, v)
-    out, lse = BACKENDS[backend][0](qb, kb, vb, batch.causal, _mask(batch, q.dtype), scale)
+    fwd = BACKENDS[_dense(backend)][0]
+    out, lse = fwd(qb, kb, vb, batch.causal, _mask(batch, q.dtype, q.device), scale)
     return batch.rows, _rows_of(out, batch.q_pos), _lse_rows(lse, batch.q_pos)
 
 
@@ -402,9 +440,15 @@ def batch_backward(batch: Batch, q, k, v, dout, out, lse, scale: float, backend:
         B, L, rows, pos = batch.B, batch.Lq, batch.q_rows, batch.q_pos
         do_b, o_b = _bhld(_pack(dout, rows, pos, B, L), B), _bhld(_pack(out, rows, pos, B, L), B)
         l_b = _pack(lse, rows, pos, B, L).view(B, L, -1).transpose(1, 2)
-    dq, dk, dv = BACKENDS[backend][1](do_b.contiguous(), qb, kb, vb, o_b.contiguous(), l_b.contiguous(),
-                                      batch.causal, _mask(batch, q.dtype), scale)
+    dq, dk, dv = BACKENDS[_dense(backend)][1](do_b.contiguous(), qb, kb, vb, o_b.contiguous(), l_b.contiguous(),
+                                              batch.causal, _mask(batch, q.dtype, q.device), scale)
     return _rows_of(dq, batch.q_pos), _rows_of(dk, batch.k_pos), _rows_of(dv, batch.k_pos)
+
+
+def _dense(backend: str) -> str:
+    """The backend of a batch in dense form: ``varlen`` packs no band batch (its kernel's window is aligned to the
+    bottom-right diagonal of each task, a band task's is not): those run on the ``flash`` kernels."""
+    return "flash" if backend == "varlen" else backend
 
 
 def merge(acc_out: torch.Tensor, acc_lse: torch.Tensor, rows, out: torch.Tensor, lse: torch.Tensor) -> None:

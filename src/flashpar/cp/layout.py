@@ -30,6 +30,12 @@ on the keys before ``a``; the transfers stay the plan's::
 
     piece rows p .. p+4, queries {p+2}:   causal block (every row)     ->   row p+2 x keys p .. p+2 (full)
                                           keys before a (every row)    ->   row p+2 x keys before a
+
+With ``window`` (sliding-window attention, :mod:`flashpar.cp.window`) the pattern is ``p2p`` whatever the
+strategy, rank ``r`` receiving exactly ``window.window_recv(plan, r, W)``: the keys its queries' windows reach.
+Each piece is cut into query chunks of at most ``W`` rows: per chunk its causal square and, per contiguous run of
+keys before the chunk that the band reaches, a full or a band task on that run (``window.band_task``).  With
+``queries``, each query row is a chunk of its own.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashpar.cp import window as band
 from flashpar.cp.cp_plan import CPPlan
 from flashpar.cp.kernels import Batch, Task, make_batches
 
@@ -80,22 +87,26 @@ class RankLayout:
 
 
 @functools.lru_cache(maxsize=64)
-def rank_layout(plan: CPPlan, rank: int, varlen: bool = False, queries: tuple[int, ...] | None = None) -> RankLayout:
+def rank_layout(plan: CPPlan, rank: int, varlen: bool = False, queries: tuple[int, ...] | None = None,
+                window: int | None = None) -> RankLayout:
     """``varlen``: batches for the variable-length kernel (one per buffer, kind and layer).  ``queries``: only these
-    local query rows get tasks (module docstring); None: every row."""
-    n, pattern = plan.cp_size, pattern_of(plan)
+    local query rows get tasks (module docstring); None: every row.  ``window``: sliding-window attention of ``W``
+    keys (module docstring; checked by the caller); None: full causal."""
+    n = plan.cp_size
+    pattern = pattern_of(plan) if window is None else "p2p"
+    kv_recv = plan.kv_recv if window is None else functools.partial(band.window_recv, plan, window=window)
     starts = plan.doc_starts
     doc_of = lambda a: bisect.bisect_right(starts, a) - 1  # noqa: E731
     recv: list[tuple[tuple[int, int], ...]] = [() for _ in range(n)]
     send_rows: list[torch.Tensor | None] = [None] * n
     if pattern == "p2p":
         by_src: dict[int, list[tuple[int, int]]] = {}
-        for src, a, b in plan.kv_recv(rank):
+        for src, a, b in kv_recv(rank):
             by_src.setdefault(src, []).append((a, b))
         recv = [tuple(by_src.get(p, ())) for p in range(n)]
         for dest in range(n):
             if dest != rank:
-                wanted = [(a, b) for src, a, b in plan.kv_recv(dest) if src == rank]
+                wanted = [(a, b) for src, a, b in kv_recv(dest) if src == rank]
                 send_rows[dest] = _local_rows(plan.segments[rank], wanted)
     else:
         recv = [tuple(plan.segments[p]) if p != rank else () for p in range(n)]
@@ -112,20 +123,12 @@ def rank_layout(plan: CPPlan, rank: int, varlen: bool = False, queries: tuple[in
             row += b - a
     tasks: dict[int, list[Task]] = {}
     wanted = sorted(set(queries)) if queries is not None else None
-    row = 0
-    for a, b in plan.segments[rank]:
-        d = doc_of(a)
-        if wanted is None:
-            pieces = [(row, row + b - a, Task(row, row + b - a, -1, row, row + b - a, True))]
-        else:
-            lo, hi = bisect.bisect_left(wanted, row), bisect.bisect_left(wanted, row + b - a)
-            pieces = [(j, j + 1, Task(j, j + 1, -1, row, j + 1, False)) for j in wanted[lo:hi]]
-        for q0, q1, own in pieces:
-            tasks.setdefault(-1, []).append(own)
-            for buf, _ in buffers:
-                for k0, k1 in _runs_before(keys.get((buf, d), ()), a):
-                    tasks.setdefault(buf, []).append(Task(q0, q1, buf, k0, k1, False))
-        row += b - a
+    bufs = [buf for buf, _ in buffers]
+    if window is None:
+        _causal_tasks(plan.segments[rank], doc_of, keys, bufs, wanted, tasks)
+    else:
+        _window_tasks(plan.segments[rank], starts, keys, bufs, wanted, window, tasks)
+    row = sum(b - a for a, b in plan.segments[rank])
     phase_bufs = [-1] + [(rank - j) % n for j in range(1, n)]
     phases = tuple(tuple(make_batches(tasks.get(buf, []), varlen)) for buf in phase_bufs)
     return RankLayout(rank, n, pattern, row, tuple(recv), tuple(send_rows), phases)
@@ -144,10 +147,14 @@ class DeviceLayout:
 
 @functools.lru_cache(maxsize=8)  # a few plans' index tensors on the device (a step uses one)
 def device_layout(plan: CPPlan, rank: int, varlen: bool, device: torch.device,
-                  queries: tuple[int, ...] | None = None) -> DeviceLayout:
-    """``rank_layout(plan, rank, varlen, queries)`` with its index tensors copied to ``device`` once."""
-    # (every row: the call of three arguments, whose cache entry the other callers of rank_layout share)
-    layout = rank_layout(plan, rank, varlen) if queries is None else rank_layout(plan, rank, varlen, queries)
+                  queries: tuple[int, ...] | None = None, window: int | None = None) -> DeviceLayout:
+    """``rank_layout(plan, rank, varlen, queries, window)`` with its index tensors copied to ``device`` once
+    (cached per window too: a model's windowed and full layers share the plan, not the exchange)."""
+    # (every row, no window: the call of three arguments, whose cache entry the other callers of rank_layout share)
+    if queries is None and window is None:
+        layout = rank_layout(plan, rank, varlen)
+    else:
+        layout = rank_layout(plan, rank, varlen, queries, window)
     phases = tuple(tuple(_batch_on(b, device) for b in phase) for phase in layout.phases)
     rows = tuple(None if r is None else to_device(r, device) for r in layout.send_rows)
     return DeviceLayout(layout, device, phases, rows)
@@ -169,6 +176,51 @@ def _batch_on(batch: Batch, device: torch.device) -> Batch:
     held = {f.name: v for f in dataclasses.fields(batch) if isinstance(v := getattr(batch, f.name), torch.Tensor)}
     moved = {name: to_device(v, device) for name, v in held.items()}
     return batch if all(moved[n] is v for n, v in held.items()) else dataclasses.replace(batch, **moved)
+
+
+def _causal_tasks(segments, doc_of, keys: dict, bufs: list[int], wanted: list[int] | None,
+                  tasks: dict[int, list[Task]]) -> None:
+    """Fill ``tasks`` (by buffer) with the causal tasks of the rank's pieces (module docstring)."""
+    row = 0
+    for a, b in segments:
+        d = doc_of(a)
+        if wanted is None:
+            pieces = [(row, row + b - a, Task(row, row + b - a, -1, row, row + b - a, True))]
+        else:
+            lo, hi = bisect.bisect_left(wanted, row), bisect.bisect_left(wanted, row + b - a)
+            pieces = [(j, j + 1, Task(j, j + 1, -1, row, j + 1, False)) for j in wanted[lo:hi]]
+        for q0, q1, own in pieces:
+            tasks.setdefault(-1, []).append(own)
+            for buf in bufs:
+                for k0, k1 in _runs_before(keys.get((buf, d), ()), a):
+                    tasks.setdefault(buf, []).append(Task(q0, q1, buf, k0, k1, False))
+        row += b - a
+
+
+def _window_tasks(segments, starts: list[int], keys: dict, bufs: list[int], wanted: list[int] | None, window: int,
+                  tasks: dict[int, list[Task]]) -> None:
+    """Fill ``tasks`` (by buffer) with the windowed tasks of the rank's pieces (module docstring).  ``keys``: the
+    key runs per (buffer, document), each contiguous in global positions and in buffer rows."""
+    row = 0
+    for a, b in segments:
+        d = bisect.bisect_right(starts, a) - 1
+        local = lambda x, a=a, row=row: row + x - a  # noqa: E731 - global position in this piece -> local row
+        if wanted is None:
+            chunks = band.chunks(a, b, window)
+        else:
+            lo, hi = bisect.bisect_left(wanted, row), bisect.bisect_left(wanted, row + b - a)
+            chunks = [(a + j - row, a + j - row + 1) for j in wanted[lo:hi]]
+        for q0, q1 in chunks:
+            tasks.setdefault(-1, []).append(Task(local(q0), local(q1), -1, local(q0), local(q1), True))
+            for buf in bufs:
+                for x, y, krow in keys.get((buf, d), ()):
+                    cut = band.band_task(q0, q1, x, min(y, q0), window)
+                    if cut is None:
+                        continue
+                    c0, c1, k0, k1, full = cut
+                    tasks.setdefault(buf, []).append(Task(local(c0), local(c1), buf, krow + k0 - x, krow + k1 - x,
+                                                          False, None if full else (c0 - k0, window)))
+        row += b - a
 
 
 def _split_at_docs(a: int, b: int, starts: list[int]):

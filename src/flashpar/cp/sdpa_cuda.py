@@ -22,8 +22,8 @@ meta functions in ``torch/_meta_registrations.py``):
   calls this op with ``is_causal=True``).  The backward reads ``logsumexp`` through a raw pointer as a contiguous
   ``[B, H, Lq]`` float32 tensor; ``cum_seq_q`` undefined (``None``) selects the dense, not the varlen, kernel;
   ``rng_state`` / ``unused`` are read only with dropout.
-* memory-efficient (xformers' CUTLASS kernel; every other batch: key-padded full batches, fp32, head dim above
-  256)::
+* memory-efficient (xformers' CUTLASS kernel; every other batch: key-padded full batches, band batches of sliding
+  windows, fp32, head dim above 256)::
 
       aten::_scaled_dot_product_efficient_attention(q, k, v, attn_bias, compute_log_sumexp, dropout_p,
           is_causal, *, scale) -> (out [B, H, Lq, D], logsumexp [B, H, ceil(Lq / 32) 32] float32, seed, offset)
@@ -187,11 +187,12 @@ def _fold_heads(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def _bias(mask, B: int, H: int, Lq: int, Lk: int):
-    """The efficient kernel's ``attn_bias`` of an additive key mask ``[B, 1, 1, Lk]`` (``None``: no bias): its rows
-    start every ``BIAS_ALIGN`` elements of a fresh buffer (aligned strides and pointer), expanded to ``[B, H, Lq, Lk]``
-    (strides ``(row, 0, 0, 1)``: no copy per head or query)."""
+    """The efficient kernel's ``attn_bias`` of an additive mask (``None``: no bias): a key mask ``[B, 1, 1, Lk]``
+    or a band mask ``[1, 1, Lq, Lk]`` (``kernels.band_mask``).  Its rows start every ``BIAS_ALIGN`` elements of a
+    fresh buffer (aligned strides and pointer), expanded to ``[B, H, Lq, Lk]`` (zero strides over the sizes of 1:
+    no copy per head, query or band batch member)."""
     if mask is None:
         return None
-    rows = mask.new_zeros((B, 1, 1, _round_up(Lk, BIAS_ALIGN)))
-    rows[..., :Lk] = mask.reshape(B, 1, 1, Lk)
+    rows = mask.new_zeros((mask.shape[0], 1, mask.shape[2], _round_up(Lk, BIAS_ALIGN)))
+    rows[..., :Lk] = mask
     return rows[..., :Lk].expand(B, H, Lq, Lk)

@@ -60,7 +60,7 @@ def cut_attn(lens, n: int, cost: CostModel, runs=None):
     if runs is not None:
         return cut_attn(runs[0], n, cost)[runs[1]]
     L = lens.astype(np.float64)
-    return cost.attn_times(lens * (lens + 1) // 2, np.ceil(L / (2 * n)) if n > 1 else L, L)
+    return cost.attn_times(cost.square_pairs(lens), np.ceil(L / (2 * n)) if n > 1 else L, L)
 
 
 def cut_all_bound(lens, n: int, cost: CostModel, runs=None) -> float:

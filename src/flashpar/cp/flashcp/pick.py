@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from flashpar.cp import window as band
 from flashpar.cp.cost import CostModel
 from flashpar.cp.strategies import ArrayPlacement
 
@@ -31,27 +32,29 @@ def unique_placements(placements: list[ArrayPlacement]) -> list[ArrayPlacement]:
     return [first[k] for k in sorted(last, key=last.__getitem__)]
 
 
-def balanced(placements: list[ArrayPlacement], doc_starts, cap: int) -> list[int]:
+def balanced(placements: list[ArrayPlacement], doc_starts, cap: int, window: int | None = None) -> list[int]:
     """Attention work alone (``CostModel(linear=False)``): the candidates within the token cap (all, if none
     is) whose attention work (causal pairs, max / mean over ranks, :func:`pair_balance`) is within ``BALANCE`` of
     perfect balance, or within 0.5% of the best reached.  Without linear work to hide it, K/V traffic would otherwise
     outweigh balance, which is what the attention-only comparison is about; counting pairs is cheaper than figures.
-    ``doc_starts``: the documents' starts, an int64 array."""
-    imbalance, tokens = zip(*(pair_balance(p, doc_starts) for p in placements), strict=True)
+    ``doc_starts``: the documents' starts, an int64 array; ``window``: count a sliding window's pairs
+    (``CostModel.window``)."""
+    imbalance, tokens = zip(*(pair_balance(p, doc_starts, window) for p in placements), strict=True)
     idx = [i for i, t in enumerate(tokens) if t <= cap] or list(range(len(tokens)))
     budget = max(1 + BALANCE, 1.005 * min(imbalance[i] for i in idx))
     return [i for i in idx if imbalance[i] <= budget]
 
 
-def pair_balance(p: ArrayPlacement, doc_starts) -> tuple[float, int]:
+def pair_balance(p: ArrayPlacement, doc_starts, window: int | None = None) -> tuple[float, int]:
     """(max / mean over ranks of the causal pairs a rank's queries hold, 1.0 where there are none; the most tokens
     of a rank).  A piece ``[a, b)`` of the document starting at ``s`` (the last start at or before ``a``) holds
     ``(b - a)(a + b - 2s + 1) / 2`` pairs (:func:`~flashpar.cp.cp_plan.causal_pairs`), added per rank in int64
-    (exact); the ratio is taken on Python integers, as sums of Python integers give it."""
+    (exact); the ratio is taken on Python integers, as sums of Python integers give it.  Under ``window``, the
+    windowed pairs (:func:`flashpar.cp.window.pairs`)."""
     s = doc_starts[np.searchsorted(doc_starts, p.a, side="right") - 1]
     span = p.b - p.a
     per_rank, toks = np.zeros(p.n, dtype=np.int64), np.zeros(p.n, dtype=np.int64)
-    np.add.at(per_rank, p.rank, span * (p.a + p.b - 2 * s + 1) // 2)
+    np.add.at(per_rank, p.rank, band.pairs(p.a - s, p.b - s, window))
     np.add.at(toks, p.rank, span)
     pairs = per_rank.tolist()
     mean = sum(pairs) / len(pairs)

@@ -134,7 +134,7 @@ def plan(doc_lens: list[int], n: int, cost: CostModel, token_slack: float, lens_
         pd, tpd = cut_all()
         unique = unique_placements(candidates + [whole(), *pd, *ring_of(), *tpd])
         figs = {i: unique[i].figures(doc_lens, starts, cost, whole=times)
-                for i in balanced(unique, starts, cap)}
+                for i in balanced(unique, starts, cap, cost.window)}
         return unique[min(figs, key=lambda i: (figs[i].step, sum(figs[i].recv_tokens), i))]
     return scored(candidates)[0]
 

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from flashpar.cp.cost import CostModel
-from flashpar.cp.cp_plan import causal_pairs, whole_doc_times
+from flashpar.cp.cp_plan import whole_doc_times
 from flashpar.cp.flashcp.arrays import falls_to_nonnegative, ints
 
 SHARE_BLOCK = 512
@@ -110,7 +110,7 @@ class DocWork:
         :meth:`whole_times` (``lens``: the distinct lengths)."""
         cost = self.cost
         q = lens.astype(np.float64)
-        attn = cost.attn_times(lens * (lens + 1) // 2, q, q)
+        attn = cost.attn_times(cost.square_pairs(lens), q, q)
         if keep:
             self._run_attn = attn
         return q * cost.flops_per_token / cost.hardware.gemm_flops + attn
@@ -118,7 +118,7 @@ class DocWork:
     def whole(self, length: int) -> float:
         if length not in self._whole:
             self._whole[length] = self.cost.linear_time(length) + self.cost.attn_time(
-                causal_pairs(0, length, 0), length, length)
+                self.cost.square_pairs(length), length, length)
         return self._whole[length]
 
     def shares(self, length: int, g: int) -> tuple[list[float], list[int]]:
