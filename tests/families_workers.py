@@ -35,6 +35,10 @@ FAMILY_MODELS = {  # a case's model, by name
     "vocab7": dataclasses.replace(BASE, vocab_size=7, kv_heads=4),  # fewer rows than tokens: gathered weight
     "heads6-vocab13": dataclasses.replace(QWEN3, hidden=48, heads=6, kv_heads=3, ffn=72, vocab_size=13,
                                           qkv_bias=True, o_bias=True),
+    # sliding windows shorter than most documents (1-30 tokens): every layer (Mistral), and a full layer beside a
+    # windowed one sharing one plan (Qwen's max_window_layers)
+    "mistral-w5": dataclasses.replace(BASE, family="mistral", windows=(5, 5), max_positions=64),
+    "qwen2-mixed": dataclasses.replace(BASE, family="qwen2", qkv_bias=True, windows=(0, 7), max_positions=64),
 }
 
 

@@ -13,7 +13,6 @@ import torch
 from dist_harness import SpawnCache
 from families_workers import FAMILY_MODELS, float64_cases
 from flashpar.models import LlamaConfig
-from flashpar.models.families import window_refusal
 from flashpar.models.layout import LAYOUT, layout_of, mesh_name, padded_vocab
 from flashpar.models.rope import inverse_frequencies, table_scale
 from flashpar.models.rope_scaling import YarnScaling
@@ -21,15 +20,19 @@ from flashpar.models.rope_scaling import YarnScaling
 # (dp, cp, ulysses, tp), dp mode, model (families_workers.FAMILY_MODELS), by world size: every family feature on
 # tp (3 included), cp, Ulysses and ZeRO-3 over dp x cp x ulysses
 CASES = {
-    1: [((1, 1, 1, 1), "zero3", "qwen3-bias"), ((1, 1, 1, 1), "zero3", "yarn"), ((1, 1, 1, 1), "zero3", "linear")],
+    1: [((1, 1, 1, 1), "zero3", "qwen3-bias"), ((1, 1, 1, 1), "zero3", "yarn"), ((1, 1, 1, 1), "zero3", "linear"),
+        ((1, 1, 1, 1), "zero3", "mistral-w5")],
     2: [((1, 1, 1, 2), "zero3", "linear"), ((1, 1, 1, 2), "replicate", "vocab61-untied"),
-        ((1, 1, 2, 1), "zero3", "qwen2"), ((1, 2, 1, 1), "zero3", "qwen3")],
+        ((1, 1, 2, 1), "zero3", "qwen2"), ((1, 2, 1, 1), "zero3", "qwen3"), ((1, 2, 1, 1), "zero3", "mistral-w5"),
+        ((1, 1, 2, 1), "zero3", "qwen2-mixed")],
     3: [((1, 1, 1, 3), "zero3", "heads6-vocab13"), ((1, 1, 3, 1), "zero3", "heads6-vocab13"),
-        ((3, 1, 1, 1), "zero3", "qwen2"), ((1, 3, 1, 1), "zero3", "yarn-mscale")],
+        ((3, 1, 1, 1), "zero3", "qwen2"), ((1, 3, 1, 1), "zero3", "yarn-mscale"),
+        ((1, 3, 1, 1), "zero3", "qwen2-mixed")],
     4: [((1, 2, 1, 2), "zero3", "qwen3-bias"), ((1, 1, 1, 4), "replicate", "vocab61"),
         ((2, 1, 1, 2), "zero3", "vocab61-untied"), ((1, 1, 4, 1), "zero3", "qwen3-bias"),
         ((1, 2, 2, 1), "replicate", "llama-mlp-bias"), ((1, 1, 1, 4), "zero3", "vocab7"),
-        ((2, 1, 1, 2), "zero3", "yarn")],
+        ((2, 1, 1, 2), "zero3", "yarn"), ((1, 4, 1, 1), "zero3", "qwen2-mixed"),
+        ((1, 2, 1, 2), "zero3", "mistral-w5"), ((2, 2, 1, 1), "replicate", "mistral-w5")],
 }
 IDS = [(n, case) for n, cases in CASES.items() for case in cases]
 # float64 throughout: the mesh only reorders sums, measured <= 1e-14 relative; a bias added tp times, a q/k norm
@@ -69,16 +72,25 @@ def test_config_rows_refuse_features_a_family_does_not_have():
     assert LlamaConfig(**old) == LlamaConfig() and LlamaConfig(**cfg.to_dict()) == cfg
 
 
-def test_windows_below_max_positions_are_refused_in_one_line():
-    cfg = LlamaConfig(family="mistral", windows=(16, 16), max_positions=64)
-    assert window_refusal(cfg) == "sliding-window attention is not implemented yet (layer 0 window 16)"
-    assert window_refusal(dataclasses.replace(cfg, windows=(64, 64))) is None  # sees every position: full
-    assert window_refusal(LlamaConfig(family="qwen2", qkv_bias=True, windows=(0, 8), max_positions=64)) == (
-        "sliding-window attention is not implemented yet (layer 1 window 8)")
+def test_windows_band_the_single_process_model():
+    """The reference's band: a window as long as every document is full attention, and a window of 1 makes each
+    token attend to itself only (the output does not depend on the earlier tokens of its document)."""
     from flashpar.models import Llama
 
-    with pytest.raises(ValueError, match=r"^sliding-window attention is not implemented yet \(layer 0 window 16\)$"):
-        Llama(cfg)(torch.zeros(3, dtype=torch.long), [3])
+    torch.manual_seed(0)
+    full = Llama(FAMILY_MODELS["qwen2"]).double()
+    lens = [9, 4, 12]
+    tokens = torch.randint(0, 64, (sum(lens),))
+    wide = Llama(dataclasses.replace(FAMILY_MODELS["qwen2"], windows=(12, 12))).double()
+    wide.load_state_dict(full.state_dict())
+    assert torch.equal(wide(tokens, lens), full(tokens, lens))
+    one = Llama(dataclasses.replace(FAMILY_MODELS["qwen2"], windows=(1, 1))).double()
+    one.load_state_dict(full.state_dict())
+    changed = tokens.clone()
+    changed[0] = (tokens[0] + 1) % 64
+    a, b = one(tokens, lens), one(changed, lens)
+    assert torch.equal(a[1:], b[1:]) and not torch.equal(a[0], b[0])
+    assert not torch.equal(full(tokens, lens)[1:], full(changed, lens)[1:])
 
 
 def test_layout_rows_of_biases_and_norms_name_their_single_process_parameters():

@@ -25,8 +25,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flashpar.models.families import window_refusal
-
 NAME = "flashpar generate"
 FAILED = 2  # a rank's exit status after printing its line
 
@@ -263,9 +261,6 @@ def check(config: GenerateConfig) -> Job:
     for name in ("heads", "kv_heads", "ffn"):  # any vocabulary: the model pads its rows to a multiple of tp
         if getattr(cfg, name) % config.tp:
             raise ValueError(f"--tp {config.tp}: the model's {name} = {getattr(cfg, name)} is not divisible by it")
-    refusal = window_refusal(cfg)
-    if refusal:
-        raise ValueError(refusal)
     ids = [("--eos-id", config.eos_id)] if config.eos_id is not None else []
     for name, t in ids + [("--stop-id", t) for t in config.stop_id]:
         if not 0 <= t < cfg.vocab_size:

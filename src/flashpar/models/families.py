@@ -11,8 +11,8 @@ Every family is the same model (``flashpar.models.llama``); a family only switch
 The q/k norm is an RMSNorm over each head's ``head_dim`` features of q and of k, before rope (one weight per
 ``head_dim``, shared by the heads).  Sliding windows are recorded per layer (``LlamaConfig.windows``: 0 a full
 layer) from Mistral's ``sliding_window``, or Qwen's ``use_sliding_window``, ``sliding_window``,
-``max_window_layers`` and ``layer_types`` (transformers 5 writes the last); a run refuses a window it cannot see
-past (``window_refusal``).  No torch here.
+``max_window_layers`` and ``layer_types`` (transformers 5 writes the last); each layer attends with its own
+(``cp.attention``'s ``window``).  No torch here.
 """
 
 from __future__ import annotations
@@ -129,10 +129,3 @@ def write_features(cfg) -> dict:
     return out
 
 
-def window_refusal(cfg) -> str | None:
-    """The line refusing ``cfg``'s sliding windows where one would hide keys a run can see (a window below
-    ``max_positions``), else None: attention over the whole document is all flashpar runs."""
-    for i, w in enumerate(cfg.windows):
-        if 0 < w < cfg.max_positions:
-            return f"sliding-window attention is not implemented yet (layer {i} window {w})"
-    return None

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpar.models.config import LlamaConfig
-from flashpar.models.families import window_refusal
 from flashpar.models.rope import inverse_frequencies, rotate, table_scale
 
 IGNORE = -100
@@ -123,9 +122,6 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor, doc_lens) -> torch.Tensor:
         """Logits ``[T, vocab]`` of one packed sequence ``tokens [T]`` of documents ``doc_lens``."""
-        refusal = window_refusal(self.cfg)
-        if refusal:
-            raise ValueError(refusal)
         if sum(doc_lens) != tokens.shape[0]:
             raise ValueError(f"Llama: doc_lens add up to {sum(doc_lens)}, tokens has {tokens.shape[0]}")
         positions = document_positions(doc_lens).to(tokens.device)
@@ -133,7 +129,10 @@ class Llama(nn.Module):
                                       torch.tensor(doc_lens, device=tokens.device))
         t = torch.arange(tokens.shape[0], device=tokens.device)
         mask = (doc[:, None] == doc[None, :]) & (t[None, :] <= t[:, None])
+        # a sliding window W keeps the W latest keys of the query's document, itself included: t - t' < W
+        banded = {w: mask & (t[:, None] - t[None, :] < w) for w in set(self.cfg.windows) if w}
         x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x, positions, mask)
+        for i, block in enumerate(self.blocks):
+            w = self.cfg.windows[i] if self.cfg.windows else 0
+            x = block(x, positions, banded[w] if w else mask)
         return F.linear(self.norm(x), self.head_weight())

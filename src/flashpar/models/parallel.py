@@ -89,7 +89,6 @@ from flashpar.dims import DIMS, ParallelDims, head_layout
 from flashpar.dist import all_gather_cat
 from flashpar.mesh import model_groups
 from flashpar.models.config import LlamaConfig
-from flashpar.models.families import window_refusal
 from flashpar.models.fused import rope_qkv, rope_tables, swiglu
 from flashpar.models.grad_sync import GradSync
 from flashpar.models.layout import LAYOUT, Piece, layout_of, padded_vocab, stack
@@ -165,8 +164,9 @@ class ParallelBlock(nn.Module):
     heads)."""
 
     def __init__(self, cfg: LlamaConfig, tp_group, cp_group, options: ParallelOptions, zero_group=None,
-                 ulysses_group=None) -> None:
+                 ulysses_group=None, window: int = 0) -> None:
         super().__init__()
+        self.window = window or None  # this layer's sliding window (cp.attention's; None: the whole document)
         tp = dist.get_world_size(tp_group) if tp_group is not None else 1
         u = dist.get_world_size(ulysses_group) if ulysses_group is not None else 1
         mode, timeout_s = options.mode, options.timeout
@@ -281,7 +281,8 @@ class ParallelBlock(nn.Module):
             self.kv_sink(k, v)
         backend = None if self.options.attention_backend == "auto" else self.options.attention_backend
         return cp.attention(q, k, v, plan, group=self.cp_group, counter=self.kv_counter, timeout_s=self.timeout_s,
-                            check=False, rows=rows, backend=backend).reshape(t, self.heads * self.cfg.head_dim)
+                            check=False, rows=rows, backend=backend, window=self.window
+                            ).reshape(t, self.heads * self.cfg.head_dim)
 
 
 class ParallelLlama(nn.Module):
@@ -328,9 +329,6 @@ class ParallelLlama(nn.Module):
         self.cfg, self.mesh = cfg, mesh
         self.dims = dims = ParallelDims.of_mesh(mesh)  # (a mesh without "ulysses": U = 1)
         dims.check(cfg, mode, where="ParallelLlama: ")
-        refusal = window_refusal(cfg)
-        if refusal:
-            raise ValueError(f"ParallelLlama: {refusal}")
         self.dp, self.dp_rank = dims.dp, mesh["dp"].get_local_rank()
         self.tp_group, self.cp_group = mesh["tp"].get_group(), mesh["cp"].get_group()
         self.tp, self.tp_rank = dims.tp, mesh["tp"].get_local_rank()
@@ -350,10 +348,11 @@ class ParallelLlama(nn.Module):
         self.vocab_rows = padded_vocab(cfg.vocab_size, self.tp)
         self.mode, self.vocab_lo = mode, self.tp_rank * self.vocab_rows // self.tp
         self.embed = nn.Embedding(self.vocab_rows // self.tp, cfg.hidden)  # this tp rank's vocabulary rows
+        windows = cfg.windows or (0,) * cfg.layers
         self.blocks = nn.ModuleList(
             ParallelBlock(cfg, self.tp_group, self.cp_group, options,
-                          groups.fused if schedule == "fused" else groups.gather, ulysses_group)
-            for schedule in schedules)
+                          groups.fused if schedule == "fused" else groups.gather, ulysses_group, window)
+            for schedule, window in zip(schedules, windows, strict=True))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, self.vocab_rows // self.tp, bias=False)
         self.prefetcher, self.units = None, {}

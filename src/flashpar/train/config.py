@@ -26,7 +26,6 @@ from pathlib import Path
 from flashpar.cp import STRATEGIES
 from flashpar.dims import ParallelDims
 from flashpar.models import LlamaConfig
-from flashpar.models.families import window_refusal
 from flashpar.options import FAULTS, MEMORY, MESH, OPTION_FIELDS, ParallelOptions
 from flashpar.options import of as options_of
 
@@ -148,7 +147,7 @@ class TrainConfig(ParallelOptions):
         if self.max_docs is not None and self.max_docs < 1:
             raise ValueError(f"max-docs must be None or >= 1, got {self.max_docs}")
         dims = self.dims  # the mesh's rules, with the model and the overlap mode, then the sequence length
-        bad = dims.problem(self.model, self.mode) or window_refusal(self.model) or dims.seq_problem(self.seq_len)
+        bad = dims.problem(self.model, self.mode) or dims.seq_problem(self.seq_len)
         if bad:
             raise ValueError(bad)
         # tokens, data and the validation loss
