@@ -17,7 +17,8 @@ on the host)::
         valid   |<-- lens[0] ------->|                   |<-- lens[1] ------------->|
 
 The prefill K/V of a prompt sit in its region in global token order.  ``lens`` (device) counts each row's
-valid slots; ``append[step]`` (device, built once) says which rows append at a decode step.
+valid slots; ``append[step]`` (device, built once) says which rows append at a decode step; ``key_positions``
+(device, built once) each slot's position in its prompt, which a layer's sliding window reads.
 """
 
 from __future__ import annotations
@@ -110,6 +111,16 @@ class RankCache:
         slot = torch.empty_like(docs)
         slot[order] = region[ranked] + torch.arange(docs.numel()) - first[ranked]
         self.prefill_slots = slot.to(device)
+        # each slot's token position in its document (a sliding window reads it): a prefill token's own; the
+        # append of decode step s holds position len(prompt) + s; spare slots are never valid (position 0)
+        starts = torch.tensor(plan.doc_lens, dtype=torch.long).cumsum(0) - torch.tensor(plan.doc_lens)
+        position = torch.zeros(slots, dtype=torch.long)
+        position[slot] = plan.local_indices(rank).long() - starts[docs]
+        for i, p in enumerate(self.rows):
+            mine = [s for s, step in enumerate(schedule.appends) if step[p] == rank]
+            at = offsets[i] + held[p] + torch.arange(len(mine), dtype=torch.long)
+            position[at] = plan.doc_lens[p] + torch.tensor(mine, dtype=torch.long)
+        self.key_positions = position[self.index.cpu()].to(device)  # [rows, width], built once
         self.k = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
 
@@ -136,6 +147,11 @@ class RankCache:
     def valid(self, step: int) -> torch.Tensor:
         """``[rows, width]``: which of each row's slots hold K/V at ``step`` (the new token's where it appends)."""
         return self.columns[None, :] < (self.lens + self.append[step])[:, None]
+
+    def in_window(self, valid: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        """``valid`` narrowed to the keys a query at ``positions [rows]`` sees through a sliding ``window`` (its
+        ``window`` latest positions, its own included: ``q - k < window``); ``valid`` itself without one."""
+        return valid if not window else valid & (positions[:, None] - self.key_positions < window)
 
     def keys(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every row's slots, ``[rows, width, kv_heads, D]`` each (mask with ``valid``)."""

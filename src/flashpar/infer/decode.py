@@ -8,7 +8,8 @@ parallelism: a step has one row per prompt, too few to split)::
     x        = sum_tp embed_t(tok)                                   [R, h]      (vocabulary rows of rank t)
     q, k, v  = rope(qk_norm(norm(x) w_qkv[t]^T + b_qkv[t]))          [R, H/tp, D], [R, H_kv/tp, D]
     cache   <- k, v   (kept by the row's appending rank of this step)
-    o, lse   = partial attention over the row's cached keys here     (flashpar.infer.attention)
+    o, lse   = partial attention over the row's cached keys here     (flashpar.infer.attention; a layer's
+                                                                      sliding window: its latest keys only)
     o        = combine over the prompt's group (split prompts: one all-gather over cp per layer)
     x       += sum_tp o w_o[:, t]^T                                  one all-reduce over tp
     x       += sum_tp swiglu(norm(x) w_gu[t]^T) w_down[:, t]^T       one all-reduce over tp
@@ -50,7 +51,7 @@ def decode_step(model, cache: RankCache, tokens: torch.Tensor, positions: torch.
         q, k, v = block.heads_of(a @ block.qkv.weight.to(dtype).T, tables)  # bias, q/k norm, rope
         cache.write(i, step, k, v)
         keys, values = cache.keys(i)
-        o, lse = partial_attention(q, keys, values, valid, scale)
+        o, lse = partial_attention(q, keys, values, cache.in_window(valid, positions, block.window), scale)
         if n_split:
             o = combine_split(o, lse, cache.split_rows, cache.split_slots, n_split, model.cp_group, cp_size)
         o = o.to(dtype).reshape(x.shape[0], block.heads * cfg.head_dim)  # (a rank may hold no rows)
