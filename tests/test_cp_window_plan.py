@@ -76,3 +76,15 @@ def test_flashcp_plans_for_the_windowed_work():
         total_w, total_f = total_w + w, total_f + f
         ahead += sum(blind.stats()["kv_send_bytes"]) - sum(windowed.stats()["kv_send_bytes"])
     assert total_w < total_f and ahead >= 0
+
+
+def test_a_model_with_one_window_on_every_layer_is_planned_for_it():
+    """Mistral's single window: the trainer's cost model plans for it; a full layer beside windowed ones (Qwen's
+    max_window_layers) or no window: the whole-document plan."""
+    from flashpar.cp.cost import cost_model_of
+    from flashpar.models import LlamaConfig
+
+    mistral = LlamaConfig(family="mistral", windows=(5, 5), max_positions=64)
+    mixed = LlamaConfig(family="qwen2", qkv_bias=True, windows=(0, 5), max_positions=64)
+    assert cost_model_of(mistral, 4).per_step().window == 5
+    assert cost_model_of(mixed, 4).window is None and cost_model_of(LlamaConfig(), 4).window is None

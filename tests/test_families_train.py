@@ -41,3 +41,24 @@ def test_train_and_check_a_qwen3_on_tp_2(tmp_path):
         os.chdir(cwd)
     assert code == 0, out + err[-3000:]
     assert "PASS  q/k/v bias" in out and "PASS  q norm" in out and out.strip().endswith("PASS"), out
+
+
+def test_check_a_mistral_with_a_sliding_window_on_cp_2(tmp_path):
+    """A window of 16 tokens in 128-token sequences of byte documents (most longer than it), split over 2 cp
+    ranks: the windowed K/V exchange and band kernels, forward and backward, against the single-process model."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MistralConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                     sliding_window=16, initializer_range=0.1,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(cfg).save_pretrained(tmp_path / "mistral")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        code, out, err = _train(["--init-from", "mistral", "--check", "--out", "check", "--seq-len", "128",
+                                 "--max-docs", "16", "--workers", "0", "--cp", "2", "--tp", "1"])
+    finally:
+        os.chdir(cwd)
+    assert code == 0, out + err[-3000:]
+    assert out.strip().endswith("PASS"), out

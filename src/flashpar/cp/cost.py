@@ -279,6 +279,11 @@ class CostModel:
 def cost_model_of(cfg, dtype_bytes: int, hardware: Hardware | str = DEFAULT_HARDWARE, burst: float = 1.0) -> CostModel:
     """The cost model of a model config ``cfg`` (``flashpar.models.LlamaConfig``, or any object with ``hidden``,
     ``ffn``, ``heads``, ``kv_heads``, ``head_dim`` and ``layers``): its layer shape, all its layers, activations
-    of ``dtype_bytes``, on ``hardware`` with ``burst`` (per forward pass; ``per_step`` for a training step)."""
+    of ``dtype_bytes``, on ``hardware`` with ``burst`` (per forward pass; ``per_step`` for a training step).  A
+    model whose every layer has one sliding window ``W`` (``cfg.windows``: Mistral's) is planned for it
+    (``window=W``: its pairs and K/V); where full layers sit beside windowed ones (Qwen's ``max_window_layers``)
+    the plan is the full layers' (their exchange is the larger), and the windowed layers send less than it says."""
+    windows = set(getattr(cfg, "windows", ()) or ())
+    window = windows.pop() if len(windows) == 1 and 0 not in windows else None
     return CostModel(hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                     layers=cfg.layers, dtype_bytes=dtype_bytes, hardware=hardware, burst=burst)
+                     layers=cfg.layers, dtype_bytes=dtype_bytes, hardware=hardware, burst=burst, window=window)
