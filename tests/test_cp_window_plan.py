@@ -88,3 +88,22 @@ def test_a_model_with_one_window_on_every_layer_is_planned_for_it():
     mixed = LlamaConfig(family="qwen2", qkv_bias=True, windows=(0, 5), max_positions=64)
     assert cost_model_of(mistral, 4).per_step().window == 5
     assert cost_model_of(mixed, 4).window is None and cost_model_of(LlamaConfig(), 4).window is None
+
+
+def test_simulate_cp_reports_the_windows_kv_beside_the_full_exchange(tmp_path, capsys):
+    """``flashpar simulate cp --window``: plans made for the window; each row's windowed K/V at most the same
+    plans' K/V without it, and flashcp's at most half on wlbllm 128K over 8 ranks with W = 4096."""
+    import json
+
+    from flashpar.cli import main
+
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "cp", "--grid", "8:128K", "--lengths", "wlbllm", "--packs", "2", "--window", "4096",
+                 "--strategies", "flashcp,per_doc_aware,whole_doc", "--json", str(out)]) == 0
+    assert "kv_full_MB" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 3 and all(r["kv_MB"] <= r["kv_full_MB"] for r in rows)
+    flash = next(r for r in rows if r["strategy"] == "flashcp")
+    assert flash["kv_MB"] <= 0.5 * flash["kv_full_MB"]
+    assert main(["simulate", "cp", "--window", "0"]) == 2
+    assert "--window must be >= 1" in capsys.readouterr().err

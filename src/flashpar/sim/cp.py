@@ -2,7 +2,7 @@
 cluster scale, timed by the planner's own cost model.
 
     flashpar simulate cp [--ranks 8,32] [--tokens 128K,512K] [--grid N:T,...] [--lengths wlbllm,...,long-context]
-                         [--strategies all] [--hardware h100-ib] [--packs 2] [--json OUT]
+                         [--strategies all] [--hardware h100-ib] [--packs 2] [--window W] [--json OUT]
 
 For every length source, every (ranks N, tokens T) of the grid (``--ranks`` x ``--tokens``, or the pairs of
 ``--grid``; N <= T) and every strategy, the first
@@ -21,6 +21,9 @@ model (:func:`flashpar.cp.cp_plan.rank_figures`, the figures the planner scores 
                        process's CPU time, which on an idle machine is its wall time, and on a loaded one
                        leaves out the other processes' turns)
     vs_baseline        step of ``--baseline`` (default megatron_dynamic) / this step, pack by pack
+    kv_full_MB         with ``--window W``: the plans are made and timed for sliding-window attention of W keys
+                       (``CostModel.window``), ``kv_MB`` is the K/V the windows need, and this column what the
+                       same plans send without the window (a model's full layers)
 
 A row is one (lengths, N, T, strategy): means over its packs (``*_max``: the worst pack); the JSON holds
 the per-pack steps too.  A source whose documents make no full pack of ``T`` tokens (``sotu`` has 2M
@@ -39,6 +42,7 @@ long-context mix (20-60 s before them), ``torch_per_doc`` 10-15 s, ``per_doc`` 2
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -109,6 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         ("head-dim", d.head_dim), ("dtype-bytes", d.dtype_bytes)):
         p.add_argument(f"--{name}", type=int, default=value, help=f"model layer shape (default {value}: Llama-3-8B)")
     p.add_argument("--attention-only", action="store_true", help="CostModel(linear=False): attention work alone")
+    p.add_argument("--window", type=int, default=None,
+                   help="sliding-window attention of W keys: plans made and timed for it, kv_MB the windows' K/V and "
+                        "kv_full_MB what the same plans send without the window (default: none)")
     p.add_argument("--json", default=None, help="write {\"setup\": ..., \"rows\": [...]} to this file")
 
 
@@ -155,9 +162,12 @@ def _setup(args: argparse.Namespace):
             sources[name] = resolve_lengths(name)
         except (OSError, ValueError) as err:
             raise ValueError(f"--lengths: {err}") from None
+    window = getattr(args, "window", None)
+    if window is not None and window < 1:
+        raise ValueError(f"--window must be >= 1, got {window}")
     cost = CostModel(hidden=args.hidden, ffn=args.ffn, heads=args.heads, kv_heads=args.kv_heads,
                      head_dim=args.head_dim, dtype_bytes=args.dtype_bytes, linear=not args.attention_only,
-                     hardware=args.hardware)  # an unknown preset: ValueError naming the known ones
+                     hardware=args.hardware, window=window)  # an unknown preset: ValueError naming the known ones
     return grid, sources, strategies, cost
 
 
@@ -170,9 +180,13 @@ def plan_figures(doc_lens: list[int], n: int, strategy: str, cost) -> dict:
     plan_ms = (time.process_time() - t0) * 1e3
     fig = p.figures()
     ratio = lambda xs: max(xs) / (sum(xs) / len(xs)) if sum(xs) > 0 else 1.0  # noqa: E731
-    return {"step_ms": fig.step * 1e3, "kv_bytes": sum(fig.recv_tokens) * cost.kv_bytes_per_token,
-            "compute_imbalance": ratio(fig.compute), "token_imbalance": ratio(fig.tokens),
-            "token_peak": max(fig.tokens), "plan_ms": plan_ms}
+    out = {"step_ms": fig.step * 1e3, "kv_bytes": sum(fig.recv_tokens) * cost.kv_bytes_per_token,
+           "compute_imbalance": ratio(fig.compute), "token_imbalance": ratio(fig.tokens),
+           "token_peak": max(fig.tokens), "plan_ms": plan_ms}
+    if cost.window is not None:  # the same placement's exchange without the window (its full layers')
+        full = dataclasses.replace(p, cost=dataclasses.replace(cost, window=None)).figures()
+        out["kv_full_bytes"] = sum(full.recv_tokens) * cost.kv_bytes_per_token
+    return out
 
 
 def simulate(grid, sources: dict, strategies: list[str], cost, *, packs: int, seed: int = 0,
@@ -209,6 +223,8 @@ def simulate(grid, sources: dict, strategies: list[str], cost, *, packs: int, se
                              "token_imbalance": mean("token_imbalance"), "plan_ms": mean("plan_ms"),
                              "plan_ms_max": max(f["plan_ms"] for f in figs), "vs_baseline": statistics.fmean(vs),
                              "vs_baseline_min": min(vs), "step_ms_packs": [f["step_ms"] for f in figs]})
+                if "kv_full_bytes" in figs[0]:
+                    rows[-1]["kv_full_MB"] = mean("kv_full_bytes") / 1e6
             if "flashcp" in per and "megatron_dynamic" in per:
                 versus.append(versus_row(name, n, tokens, pack_list, per["flashcp"], per["megatron_dynamic"], cost))
     return rows, versus, notes
@@ -278,7 +294,10 @@ def run(args: argparse.Namespace) -> int:
     title = (f"simulated, {args.hardware}: one layer forward ({cost.hidden} hidden, {cost.heads}/{cost.kv_heads} heads "
              f"of {cost.head_dim}, {work}); means over packs; vs_baseline = {args.baseline} step / this step; "
              f"plan_ms: CPU ms of plan() on this machine")
-    print(table(rows, COLUMNS, title=title))
+    if cost.window is not None:
+        title += f"; sliding window {cost.window}: kv_MB the windows' K/V, kv_full_MB the same plans' without it"
+    columns = COLUMNS if cost.window is None else [*COLUMNS[:7], ("kv_full_MB", ".1f"), *COLUMNS[7:]]
+    print(table(rows, columns, title=title))
     for line in notes + (versus_lines(versus) if versus else []):
         print(line)
     print(f"{len(rows)} rows in {time.perf_counter() - t0:.1f} s")
