@@ -62,3 +62,27 @@ def test_check_a_mistral_with_a_sliding_window_on_cp_2(tmp_path):
         os.chdir(cwd)
     assert code == 0, out + err[-3000:]
     assert out.strip().endswith("PASS"), out
+
+
+@pytest.mark.parametrize(("family", "mesh"), [("qwen2", ["--tp", "2"]), ("llama", ["--cp", "2", "--tp", "1"])])
+def test_check_passes_for_the_other_families(tmp_path, family, mesh):
+    """Qwen2's q/k/v biases on tp 2; a tied Llama with attention and MLP biases on cp 2: ``--check`` passes."""
+    transformers = pytest.importorskip("transformers")
+    sizes = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+             "initializer_range": 0.1, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    if family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes, tie_word_embeddings=True,
+                                                                       attention_bias=True, mlp_bias=True))
+    model.save_pretrained(tmp_path / family)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        code, out, err = _train(["--init-from", family, "--check", "--out", "check", "--seq-len", "128",
+                                 "--max-docs", "16", "--workers", "0", *mesh])
+    finally:
+        os.chdir(cwd)
+    assert code == 0, out + err[-3000:]
+    assert "PASS  q/k/v bias" in out and out.strip().endswith("PASS"), out
