@@ -39,11 +39,13 @@ def length_lists(n: int) -> dict[str, list[int]]:
     }
 
 
-def reference(doc_lens, q, k, v, dout, scale):
-    """float64 output and gradients on the whole sequence (explicit causal document mask)."""
+def reference(doc_lens, q, k, v, dout, scale, window=None):
+    """float64 output and gradients on the whole sequence (explicit causal document mask; ``window``: the query's
+    ``window`` latest keys of its document only, its own included)."""
     doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens))
     t = torch.arange(len(doc))
-    allowed = (doc[:, None] == doc[None, :]) & (t[None, :] <= t[:, None])
+    ahead = t[:, None] - t[None, :]
+    allowed = (doc[:, None] == doc[None, :]) & (ahead >= 0) & (ahead < (window or len(doc)))
     q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
     g = q.shape[1] // k.shape[1]
     s = torch.einsum("thd,shd->hts", q, k.repeat_interleave(g, 1)) * scale

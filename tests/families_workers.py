@@ -99,3 +99,15 @@ def float64_step(cfg: LlamaConfig, shape, dp_mode: str, *, seed: int = 0) -> dic
 def float64_cases(rank, world, cases):
     """``float64_step`` for each ``(shape, dp_mode, model)`` of ``cases`` in one spawn."""
     return [float64_step(FAMILY_MODELS[model], shape, dp_mode) for shape, dp_mode, model in cases]
+
+
+def randomize_features(model, seed: int) -> None:
+    """A transformers model's norm gains around 1 and biases around 0, at random (``seed``), so that each family
+    feature shows in the logits (transformers initialises them to exactly 1 and 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+            elif n.endswith(".bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))

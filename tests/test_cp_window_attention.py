@@ -9,12 +9,10 @@ the bytes it sent and received with the window's receive sets (``flashpar.cp.win
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from cp_workers import FP32_TOL, HKV, D, H, _rel
+from cp_workers import FP32_TOL, HKV, D, H, _rel, reference
 from dist_harness import SpawnCache
 from flashpar.cp import STRATEGIES, CommCounter, CostModel, attention, plan, shard
 from flashpar.cp import window as band
@@ -29,21 +27,6 @@ LENGTHS = {
     "short": [1, 1, 2, 9, 1, 3, 30, 1],  # mostly shorter than every window but W = 1
 }
 WINDOWS = (1, 4, 23, 160)  # 160 >= every document: full causal attention
-
-
-def reference(doc_lens, q, k, v, dout, scale, window):
-    """float64 output and gradients on the whole sequence (explicit windowed causal document mask)."""
-    doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens))
-    t = torch.arange(len(doc))
-    ahead = t[:, None] - t[None, :]
-    allowed = (doc[:, None] == doc[None, :]) & (ahead >= 0) & (ahead < (window or len(doc)))
-    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
-    g = q.shape[1] // k.shape[1]
-    s = torch.einsum("thd,shd->hts", q, k.repeat_interleave(g, 1)) * scale
-    p = torch.softmax(s.masked_fill(~allowed, -math.inf), -1)
-    out = torch.einsum("hts,shd->thd", p, v.repeat_interleave(g, 1))
-    out.backward(dout.double())
-    return out.detach(), q.grad, k.grad, v.grad
 
 
 def run_case(rank, n, doc_lens, strategy, window, dtype=torch.float64, backend=None, p=None):

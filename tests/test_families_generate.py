@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from families_workers import randomize_features
 from flashpar.cli import main
 
 
@@ -20,27 +21,10 @@ def test_greedy_generate_of_qwen3_on_tp_2_equals_transformers(tmp_path, capfd):
                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
-            elif n.endswith(".bias"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    randomize_features(model, 1)
     model.save_pretrained(tmp_path / "qwen3")
-    prompts = [[3, 14, 15, 9, 26, 5, 35], list(range(1, 22)), [60]]
-    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"tokens": p}) + "\n" for p in prompts))
-    out = tmp_path / "out.jsonl"
-    code = main(["generate", "--no-progress", "--init-from", str(tmp_path / "qwen3"), "--prompts",
-                 str(tmp_path / "p.jsonl"), "--tp", "2", "--max-new-tokens", "8", "--out", str(out)])
-    err = capfd.readouterr().err
-    assert code == 0, err
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    for row, p in zip(rows, prompts, strict=True):
-        with torch.no_grad():
-            want = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                  max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):]
-        assert row["tokens"] == want.tolist(), (row, want)
+    assert_greedy_equals(model, tmp_path / "qwen3", tmp_path, capfd, [[3, 14, 15, 9, 26, 5, 35], list(range(1, 22)),
+                                                                     [60]], ["--tp", "2"], 8)
 
 
 @pytest.mark.parametrize(("family", "mesh"), [("mistral", ["--cp", "2"]), ("qwen2", ["--tp", "2", "--cp", "2"])])
@@ -61,16 +45,22 @@ def test_greedy_generate_with_sliding_windows_equals_transformers(tmp_path, capf
     torch.manual_seed(0)
     model = cls(cfg).eval()
     model.save_pretrained(tmp_path / "m")
-    prompts = [[3, 14, 15, 9, 26, 5, 35], list(range(1, 22)), [60, 2]]
+    assert_greedy_equals(model, tmp_path / "m", tmp_path, capfd, [[3, 14, 15, 9, 26, 5, 35], list(range(1, 22)),
+                                                                  [60, 2]], mesh, 12)
+
+
+def assert_greedy_equals(model, folder, tmp_path, capfd, prompts, mesh, new: int) -> None:
+    """``flashpar generate --init-from folder`` on ``mesh``: each prompt's ``new`` greedy tokens equal
+    transformers' ``generate`` of ``model`` (the folder's)."""
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"tokens": p}) + "\n" for p in prompts))
     out = tmp_path / "out.jsonl"
-    code = main(["generate", "--no-progress", "--init-from", str(tmp_path / "m"), "--prompts",
-                 str(tmp_path / "p.jsonl"), *mesh, "--max-new-tokens", "12", "--out", str(out)])
+    code = main(["generate", "--no-progress", "--init-from", str(folder), "--prompts", str(tmp_path / "p.jsonl"),
+                 *mesh, "--max-new-tokens", str(new), "--out", str(out)])
     err = capfd.readouterr().err
     assert code == 0, err
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     for row, p in zip(rows, prompts, strict=True):
         with torch.no_grad():
             want = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                  max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):]
+                                  max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):]
         assert row["tokens"] == want.tolist(), (row, want)

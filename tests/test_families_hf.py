@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from families_workers import randomize_features
 from flashpar.models import LlamaConfig, load_hf, save_hf
 from flashpar.models.families import FAMILIES
 
@@ -62,13 +63,7 @@ def build(transformers, name: str, path, seed: int = 0):
     cfg = getattr(transformers, config_cls)(**SIZES, **extra, initializer_range=0.1)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
-            elif n.endswith(".bias"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    randomize_features(model, seed + 1)
     model.save_pretrained(path)
     return model
 

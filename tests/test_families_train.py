@@ -16,10 +16,17 @@ from flashpar.cli import main
 TRAIN = ["--seq-len", "128", "--max-docs", "16", "--workers", "0", "--tp", "2"]
 
 
-def _train(args) -> tuple[int, str, str]:
+def _train(args, where=None) -> tuple[int, str, str]:
+    """``flashpar train args`` (in folder ``where``: the runs' relative paths); exit status, stdout, stderr."""
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["train", *args])
+    cwd = os.getcwd()
+    if where is not None:
+        os.chdir(where)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["train", *args])
+    finally:
+        os.chdir(cwd)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -31,14 +38,9 @@ def test_train_and_check_a_qwen3_on_tp_2(tmp_path):
                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "qwen3")
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        code, out, err = _train(["--init-from", "qwen3", "--steps", "2", "--out", "run", *TRAIN])
-        assert code == 0, out + err[-3000:]
-        code, out, err = _train(["--init-from", "qwen3", "--check", "--out", "check", *TRAIN])
-    finally:
-        os.chdir(cwd)
+    code, out, err = _train(["--init-from", "qwen3", "--steps", "2", "--out", "run", *TRAIN], tmp_path)
+    assert code == 0, out + err[-3000:]
+    code, out, err = _train(["--init-from", "qwen3", "--check", "--out", "check", *TRAIN], tmp_path)
     assert code == 0, out + err[-3000:]
     assert "PASS  q/k/v bias" in out and "PASS  q norm" in out and out.strip().endswith("PASS"), out
 
@@ -53,13 +55,8 @@ def test_check_a_mistral_with_a_sliding_window_on_cp_2(tmp_path):
                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     torch.manual_seed(0)
     transformers.MistralForCausalLM(cfg).save_pretrained(tmp_path / "mistral")
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        code, out, err = _train(["--init-from", "mistral", "--check", "--out", "check", "--seq-len", "128",
-                                 "--max-docs", "16", "--workers", "0", "--cp", "2", "--tp", "1"])
-    finally:
-        os.chdir(cwd)
+    code, out, err = _train(["--init-from", "mistral", "--check", "--out", "check", "--seq-len", "128",
+                             "--max-docs", "16", "--workers", "0", "--cp", "2", "--tp", "1"], tmp_path)
     assert code == 0, out + err[-3000:]
     assert out.strip().endswith("PASS"), out
 
@@ -77,12 +74,7 @@ def test_check_passes_for_the_other_families(tmp_path, family, mesh):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes, tie_word_embeddings=True,
                                                                        attention_bias=True, mlp_bias=True))
     model.save_pretrained(tmp_path / family)
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        code, out, err = _train(["--init-from", family, "--check", "--out", "check", "--seq-len", "128",
-                                 "--max-docs", "16", "--workers", "0", *mesh])
-    finally:
-        os.chdir(cwd)
+    code, out, err = _train(["--init-from", family, "--check", "--out", "check", "--seq-len", "128",
+                             "--max-docs", "16", "--workers", "0", *mesh], tmp_path)
     assert code == 0, out + err[-3000:]
     assert "PASS  q/k/v bias" in out and out.strip().endswith("PASS"), out
