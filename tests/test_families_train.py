@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 
 import pytest
@@ -38,11 +39,27 @@ def test_train_and_check_a_qwen3_on_tp_2(tmp_path):
                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "qwen3")
-    code, out, err = _train(["--init-from", "qwen3", "--steps", "2", "--out", "run", *TRAIN], tmp_path)
+    code, out, err = _train(["--init-from", "qwen3", "--steps", "2", "--save-every", "1", "--out", "run", *TRAIN],
+                            tmp_path)
     assert code == 0, out + err[-3000:]
     code, out, err = _train(["--init-from", "qwen3", "--check", "--out", "check", *TRAIN], tmp_path)
     assert code == 0, out + err[-3000:]
     assert "PASS  q/k/v bias" in out and "PASS  q norm" in out and out.strip().endswith("PASS"), out
+    # bf16 with activations recomputed, against the fp32 single-process model within the bf16 bound
+    code, out, err = _train(["--init-from", "qwen3", "--check", "--dtype", "bf16", "--checkpoint-activations",
+                             "--out", "check16", *TRAIN], tmp_path)
+    assert code == 0 and out.strip().endswith("PASS"), out + err[-3000:]
+    # step 1's checkpoint resumed on another mesh (cp 2 instead of tp 2): step 2's loss as the straight run's
+    code, out, err = _train(["--resume", "run/checkpoints/step_1", "--tp", "1", "--cp", "2", "--out", "resumed"],
+                            tmp_path)
+    assert code == 0, out + err[-3000:]
+    losses = [[json.loads(r)["loss"] for r in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+              for d in ("run", "resumed")]
+    assert losses[1] == pytest.approx(losses[0][1:], rel=1e-5)  # fp32, other reduction orders
+    # the trained run exported: transformers loads it as a Qwen3 with no missing or unexpected keys
+    assert main(["export", str(tmp_path / "run" / "checkpoints"), "--hf", str(tmp_path / "hf")]) == 0
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert type(back).__name__ == "Qwen3ForCausalLM" and not info["missing_keys"] and not info["unexpected_keys"]
 
 
 def test_check_a_mistral_with_a_sliding_window_on_cp_2(tmp_path):
