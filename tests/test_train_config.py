@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -131,3 +132,25 @@ def test_every_field_is_in_one_help_group_and_help_shows_the_groups():
     at = [text.index(f"\n{title}:") for title, _ in GROUPS]
     assert at == sorted(at)
     assert text.index("--zero-collective", at[1]) < at[2] and text.index("--clip", at[3]) < at[4]
+
+
+def _probe_many(out: str, times: int) -> None:
+    from flashpar.train.config import writable
+
+    for _ in range(times):
+        writable(Path(out))
+
+
+def test_ranks_checking_one_output_folder_at_once_do_not_trip_each_other(tmp_path):
+    """torchrun's ranks all run the output-folder check at the same moment: one rank's probe removed under
+    another (a shared probe name) ended a 4-rank job with "not writable: No such file or directory"."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_probe_many, args=(str(tmp_path / "out"), 400)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    assert not list((tmp_path / "out").iterdir())

@@ -350,6 +350,18 @@ def _init_from_model(args: argparse.Namespace, model: LlamaConfig) -> LlamaConfi
     return folder
 
 
+def writable(out: Path) -> None:
+    """``ValueError`` (one line) unless ``out`` exists or can be made, and takes a file.  Each process writes and
+    removes its own probe: torchrun's ranks check the same folder at the same time."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test.{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"output folder {out} is not writable: {err.strerror or err}") from err
+
+
 def ready(config: TrainConfig, world_size: int) -> TrainConfig:
     """Check what the run needs around it, before any process starts; returns ``config`` with ``resume``
     resolved to one checkpoint folder.  ``ValueError`` / ``FileNotFoundError`` with one line."""
@@ -374,14 +386,7 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
     if line is not None and os.environ.get("RANK", "0") == "0":
         print(f"flashpar train: {line}", file=sys.stderr, flush=True)
     config = dataclasses.replace(config, tokenizer=tokenizer)
-    out = Path(config.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise ValueError(f"output folder {out} is not writable: {err.strerror or err}") from err
+    writable(Path(config.out))
     from flashpar.corpus import document_lengths
 
     try:
