@@ -55,13 +55,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from flashpar.models import LlamaConfig
 from flashpar.train import atomic, handoff
+from flashpar.train.marker import MARKER, step_of
 from flashpar.train.resume_settings import difference_line
 from flashpar.train.stop import JobStop
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # what a checkpoint without these keys was made with
 MISSING_KEY_DEFAULTS = {"data": None, "tokenizer": None, "held_out": 0}
-MARKER = "flashpar.json"  # the completion marker: written last, its presence means the save finished
 FORMAT, VERSION = "flashpar checkpoint", 1
 REQUIRED = (".metadata", "meta.json")  # DCP's index (the pickle) and ours: a marker must list both
 MAX_MARKER_BYTES = 4 << 20
@@ -154,8 +154,8 @@ def save(path: Path, model, opt, step: int, config: RunConfig, sequences: int | 
 def prune(parent: Path, keep: int, *, protect: Path | None = None) -> list[Path]:
     """Delete all but the ``keep`` newest complete checkpoints (``step_*`` with a marker) of ``parent`` (never
     ``protect``); a deleted one is renamed away first (``atomic.remove``).  Returns what it deleted."""
-    complete = sorted((d for d in parent.glob("step_*") if _step_of(d) is not None and (d / MARKER).is_file()),
-                      key=_step_of)
+    complete = sorted((d for d in parent.glob("step_*") if step_of(d) is not None and (d / MARKER).is_file()),
+                      key=step_of)
     old = [d for d in complete[:-keep] if protect is None or d.resolve() != Path(protect).resolve()]
     for d in old:
         atomic.remove(d)
@@ -266,11 +266,6 @@ def _is_checkpoint(path: Path) -> bool:
     return any((path / name).is_file() for name in (MARKER, *REQUIRED))
 
 
-def _step_of(folder: Path) -> int | None:
-    number = folder.name.removeprefix("step_")
-    return int(number) if folder.name.startswith("step_") and number.isdigit() and folder.is_dir() else None
-
-
 def _say(line: str) -> None:
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank resolves: one of them says it
         print(f"flashpar: {line}", file=sys.stderr)
@@ -292,7 +287,7 @@ def latest(path: Path, say: Callable[[str], None] | None = _say) -> Path:
     if _is_checkpoint(path):
         verify(path)
         return path
-    steps = sorted((d for d in path.glob("step_*") if _step_of(d) is not None), key=_step_of, reverse=True)
+    steps = sorted((d for d in path.glob("step_*") if step_of(d) is not None), key=step_of, reverse=True)
     if not steps:
         raise FileNotFoundError(f"no checkpoint ({MARKER}) at {path} or in its step_* folders")
     reasons = []

@@ -19,6 +19,8 @@ import signal
 import threading
 from pathlib import Path
 
+from flashpar.train.marker import newest_checkpoint
+
 EXIT_STATUS = 130  # a shell's status for a job ended by SIGINT
 
 
@@ -80,11 +82,3 @@ def line(out: Path, save_every: int, err: KeyboardInterrupt, started: float) -> 
         return f"{what}{at}; {after}"
     return f"{what}{at}; newest checkpoint {newest.name}; resume with --resume {out / 'checkpoints'}"
 
-
-def newest_checkpoint(folder: Path) -> Path | None:
-    """The highest ``step_N`` in ``folder`` that carries its completion marker (its checksums are checked when
-    it is resumed), or None."""
-    from flashpar.train.checkpoint import MARKER
-
-    steps = [d for d in folder.glob("step_*") if d.name[5:].isdigit() and (d / MARKER).is_file()]
-    return max(steps, key=lambda d: int(d.name[5:]), default=None)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from flashpar.train.marker import MARKER, newest_checkpoint
+
 INVOCATION = ("resume", "nproc", "check", "master_addr", "init_from")
 KEPT_FLAGS = {  # TrainConfig.kept()'s keys -> the flags that set them
     "model": "--hidden ... --ffn / --hf-config / --init-from",
@@ -28,7 +30,6 @@ KEPT_FLAGS = {  # TrainConfig.kept()'s keys -> the flags that set them
     "held_out": "--eval-every / --eval-docs",
 }
 PATHS = ("data", "tokenizer", "out")  # absolute in the settings: a resume may start from another folder
-MARKER = "flashpar.json"  # a checkpoint's completion marker (flashpar.train.checkpoint.MARKER)
 
 
 def settings(config) -> dict:
@@ -52,10 +53,7 @@ def newest(path: Path) -> Path | None:
     """The checkpoint ``--resume path`` names: ``path`` itself when it holds a marker, else its newest ``step_*``
     that does (None: none; the checksums are checked later, when the run resolves the checkpoint)."""
     path = Path(path)
-    if (path / MARKER).is_file():
-        return path
-    steps = [(int(d.name[5:]), d) for d in path.glob("step_*") if d.name[5:].isdigit() and (d / MARKER).is_file()]
-    return max(steps)[1] if steps else None
+    return path if (path / MARKER).is_file() else newest_checkpoint(path)
 
 
 def saved(path: str) -> dict | None:
