@@ -45,13 +45,14 @@ def decode_step(model, cache: RankCache, tokens: torch.Tensor, positions: torch.
     x = all_reduce(x, group, tp)  # one nonzero term per row: exact
     tables = rope_tables(positions, cfg, dtype)
     valid = cache.valid(step)
+    seen = {w: cache.in_window(valid, positions, w) for w in {b.window for b in model.blocks}}  # per window, once
     scale = cfg.head_dim ** -0.5
     for i, block in enumerate(model.blocks):
         a = block.attn_norm(x).to(dtype)
         q, k, v = block.heads_of(a @ block.qkv.weight.to(dtype).T, tables)  # bias, q/k norm, rope
         cache.write(i, step, k, v)
         keys, values = cache.keys(i)
-        o, lse = partial_attention(q, keys, values, cache.in_window(valid, positions, block.window), scale)
+        o, lse = partial_attention(q, keys, values, seen[block.window], scale)
         if n_split:
             o = combine_split(o, lse, cache.split_rows, cache.split_slots, n_split, model.cp_group, cp_size)
         o = o.to(dtype).reshape(x.shape[0], block.heads * cfg.head_dim)  # (a rank may hold no rows)
