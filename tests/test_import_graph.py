@@ -33,7 +33,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "src"
 
 LAYERS = (
-    ("flashpar", "mesh", "rows", "corpus", "peak_memory", "lifeline", "ranks", "data", "timeout"),
+    ("flashpar", "mesh", "rows", "corpus", "peak_memory", "lifeline", "ranks", "data", "timeout", "tokenizer_files"),
     ("dist",),
     ("cost", "options"),
     ("links", "dims"),

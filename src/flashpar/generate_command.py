@@ -198,7 +198,7 @@ def _text(config: GenerateConfig, vocab_size: int, notes: list[str]) -> tuple[Te
     own, eod, on_bytes, gone = _own_tokenizer(config, vocab_size)
     if config.tokenizer is None:
         return Text(own, on_bytes and own is None, gone), eod
-    from flashpar.infer.tokenizer import tokenizer_json
+    from flashpar.tokenizer_files import tokenizer_json
 
     given = tokenizer_json(config.tokenizer)
     if own is not None and Path(own).resolve() != given.resolve() and Path(own).read_bytes() != given.read_bytes():

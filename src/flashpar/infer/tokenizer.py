@@ -5,7 +5,7 @@ and, beside it, what transformers keeps with it:
     chat_template.jinja     the chat template (where present, it is the one used, as transformers does)
 
 End of text: ``tokenizer_config.json``'s ``eos_token`` where the vocabulary has it, else the first of
-``EOD_NAMES`` it has (the trainer's end-of-document names), else none.
+``EOD_NAMES`` it has (``flashpar.tokenizer_files``: the trainer's end-of-document names too), else none.
 
 Chat (``--chat``): the conversation ``[{"role", "content"}, ...]`` rendered by the template with jinja2 in a
 sandbox (trim_blocks, lstrip_blocks, as transformers renders it), with ``messages``, ``add_generation_prompt``
@@ -21,19 +21,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-EOD_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+from flashpar.tokenizer_files import EOD_NAMES, token_text, tokenizer_json
+
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def tokenizer_json(path) -> Path:
-    """The ``tokenizer.json`` of ``path`` (the file, or a folder holding it); ``ValueError`` where there is none."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "tokenizer.json"
-    if not p.is_file():
-        raise ValueError(f"--tokenizer {path}: no tokenizer.json there")
-    return p
 
 
 @dataclass
@@ -87,9 +78,7 @@ def load(path, vocab_size: int | None = None) -> TextTokenizer:
     config = _config(file.with_name("tokenizer_config.json"))
     special = {}
     for name in SPECIAL:
-        value = config.get(name)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
+        if (value := token_text(config.get(name))) is not None:
             special[name] = value
     names = [n for n in (special.get("eos_token"), *EOD_NAMES) if n]
     eos = next((vocab[n] for n in names if n in vocab), None)

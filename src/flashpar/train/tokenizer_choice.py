@@ -17,10 +17,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-
-def _file(path: str | Path) -> Path:
-    p = Path(path)
-    return p / "tokenizer.json" if p.is_dir() else p
+from flashpar.tokenizer_files import tokenizer_json
 
 
 def _digest(path: Path) -> str:
@@ -40,8 +37,7 @@ def choose(tokenizer: str | None, init_from: str | None) -> tuple[str | None, st
         return tokenizer, None
     if tokenizer is None:
         return str(own), f"--init-from {init_from}: the data are tokenized with its tokenizer.json"
-    given = _file(tokenizer)
-    if given.is_file() and _digest(given) != _digest(own):
+    if _digest(tokenizer_json(tokenizer)) != _digest(own):  # (no tokenizer there: its one line)
         raise ValueError(f"--tokenizer {tokenizer} is not --init-from {init_from}'s tokenizer.json, the one its "
                          "weights were trained with: leave --tokenizer out to use the folder's")
     return tokenizer, None

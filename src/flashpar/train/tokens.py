@@ -43,7 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
-EOD_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+from flashpar.tokenizer_files import EOD_NAMES, token_text, tokenizer_json
+
 BATCH_CHARS = 1 << 20  # text per task sent to a tokenizing worker
 INDEX_VERSION = 1
 
@@ -69,11 +70,7 @@ def load_tokenizer(path, eod_token: str | None = None, vocab_size: int | None = 
     """``path``'s tokenizer, checked against the model's ``vocab_size``; ``ValueError``: one line, ending with
     ``fix`` (what the caller's command can do about a vocabulary that does not fit: ``{need}`` is the size that
     would fit)."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "tokenizer.json"
-    if not p.is_file():
-        raise ValueError(f"--tokenizer {path}: no tokenizer.json there")
+    p = tokenizer_json(path)
     st = p.stat()
     return _load(str(p.resolve()), st.st_size, st.st_mtime_ns, eod_token, vocab_size, fix)
 
@@ -118,12 +115,9 @@ def _load(path: str, size: int, mtime_ns: int, eod_token: str | None, vocab_size
 
 def _eos_of(config_raw: bytes) -> str | None:
     try:
-        eos = json.loads(config_raw).get("eos_token")
+        return token_text(json.loads(config_raw).get("eos_token"))
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         return None
-    if isinstance(eos, dict):
-        eos = eos.get("content")
-    return eos if isinstance(eos, str) else None
 
 
 # ---- encoding: in the workers -----------------------------------------------------------------------------
