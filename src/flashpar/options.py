@@ -8,6 +8,7 @@ flag with the help written here, in the ``--help`` group its ``group`` names)::
     dp_mode                 zero3 (every weight's rows split over the shard group) or replicate
     dtype                   fp32 or bf16 compute (fp32 master weights either way)
     checkpoint_activations  each block recomputed in backward
+    compile                 each block's elementwise regions compiled by torch.compile (flashpar.models.regions)
     regather                a column-parallel linear gathers its input again in backward (else keeps it)
     gather_vocab            tp ranks gather a vocabulary table smaller than their tokens (else move activations)
     attention_backend       the context-parallel attention's kernels (auto: the device's default)
@@ -38,7 +39,7 @@ ZERO_SCHEDULES = ("auto", "prefetch", "fused")
 ZERO_COLLECTIVES = ("auto", "ring", "doubling")
 
 MESH = "mesh and parallelism"
-MEMORY = "precision and memory"
+MEMORY = "precision, memory and compilation"
 FAULTS = "faults"
 
 
@@ -72,6 +73,10 @@ class ParallelOptions:
                               "fp32 master weights, AdamW state and gradient sums", MEMORY, choices=tuple(DTYPE_BYTES))
     checkpoint_activations: bool = _opt(False, "recompute each block's activations in backward (less memory, one "
                                                "more forward per block)", MEMORY)
+    compile: bool = _opt(False, "compile each block's elementwise work (norms, rope, SwiGLU, residual adds) with "
+                                "torch.compile, one compiled region per piece between the communicating ops, "
+                                "which stay eager (their overlap unchanged); compiled once at start-up",
+                         MEMORY)
     regather: bool = _opt(False, "gather each column-parallel linear's input (q/k/v, gate/up, head) again in backward, "
                                  "as Megatron does, instead of keeping the gathered input as torch's DTensor linear "
                                  "does: (tp - 1) / tp less activation memory per such linear, one more all-gather "

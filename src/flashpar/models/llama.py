@@ -50,6 +50,13 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor, count: float | N
     return total / max(n, 1)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, computed in fp32 at least (a float64
+    reference stays float64), rounded to ``x``'s dtype before the gain (as Hugging Face's Llama does)."""
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float) -> None:
         super().__init__()
@@ -57,8 +64,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = x.to(torch.promote_types(x.dtype, torch.float32))  # at least fp32: a float64 reference stays float64
-        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Block(nn.Module):

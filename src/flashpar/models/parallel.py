@@ -89,12 +89,13 @@ from flashpar.dims import DIMS, ParallelDims, head_layout
 from flashpar.dist import all_gather_cat
 from flashpar.mesh import model_groups
 from flashpar.models.config import LlamaConfig
-from flashpar.models.fused import rope_qkv, rope_tables, swiglu
+from flashpar.models.fused import rope_tables
 from flashpar.models.grad_sync import GradSync
 from flashpar.models.layout import LAYOUT, Piece, layout_of, padded_vocab, stack
 from flashpar.models.llama import Llama, RMSNorm
 from flashpar.models.precision import DTYPES, compute_dtype, widened
 from flashpar.models.recompute import run_checkpointed
+from flashpar.models.regions import regions as regions_of
 from flashpar.models.step_check import StepCheck
 from flashpar.models.vocab import embed_rows, gathers_weight, own_rows_loss, vocab_parallel_loss
 from flashpar.models.zero import all_gather_rows, gather_rows, keep_rows
@@ -158,6 +159,14 @@ class Bias(nn.Module):
         return x + self.bias.to(x.dtype)
 
 
+def _bias(module: Bias | None) -> torch.Tensor | None:
+    return None if module is None else module.bias
+
+
+def _gain(norm: RMSNorm | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight
+
+
 class ParallelBlock(nn.Module):
     """One decoder block on its groups, run with ``options`` (``ParallelLlama``'s): ``zero_group`` the shard group its
     weights' rows are kept over (ZeRO-3; None: whole tp shards), ``ulysses_group`` Ulysses' (None: tp splits the
@@ -213,6 +222,8 @@ class ParallelBlock(nn.Module):
         self.kv_counter: cp.CommCounter | None = None  # set by ParallelLlama: K/V bytes of cp.attention
         # a forward-only caller (flashpar.infer's prefill) receives each forward's rotated K and V [T_cp, H_kv, D]
         self.kv_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        # the elementwise work between the communicating ops, compiled with options.compile (models/regions.py)
+        self.regions = regions_of(options.compile)
 
     def forward(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], plan, split: list[int],
                 blocks: list[int]) -> torch.Tensor:
@@ -227,30 +238,22 @@ class ParallelBlock(nn.Module):
             w_o = self.o_proj.source() if self.o_proj.source is not None else self.o_proj.weight.to(o.dtype)
             out = all_to_all_matmul(o, w_o, group=self.ulysses_group,
                                     mode=self.mode, split_sizes=blocks, check=False, timeout_s=self.timeout_s)
-        x = x + (self.o_bias(out) if self.o_bias is not None else out)
-        gu = self.gate_up(self.mlp_norm(x).to(x.dtype), split_sizes=split, check=False, **zkw)
-        if self.gate_up_bias is not None:
-            gu = self.gate_up_bias(gu)
-        out = self.down(swiglu(gu), split_sizes=split, check=False, **zkw)
-        return x + (self.down_bias(out) if self.down_bias is not None else out)
+        r = self.regions
+        x, m = r.add_norm(x, out, _bias(self.o_bias), self.mlp_norm.weight, self.mlp_norm.eps)
+        gu = self.gate_up(m, split_sizes=split, check=False, **zkw)
+        out = self.down(r.swiglu(gu, _bias(self.gate_up_bias)), split_sizes=split, check=False, **zkw)
+        return r.add(x, out, _bias(self.down_bias))
 
     def heads_of(self, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``q, k, v`` of this rank's heads from the q/k/v GEMM's output ``qkv [T, (heads + 2 kv_heads) D]``: the
-        bias added, q and k normed per head (``qk_norm``), rotated (``tables``)."""
-        if self.qkv_bias is not None:
-            bias = self.qkv_bias.bias
-            if self.ulysses_group is not None:  # this rank's head group of the regrouped rows
-                n = qkv.shape[1]
-                bias = bias.index_select(0, self.qkv_rows[self.u_rank * n : (self.u_rank + 1) * n])
-            qkv = qkv + bias.to(qkv.dtype)
-        if self.q_norm is not None:
-            t, d = qkv.shape[0], self.cfg.head_dim
-            nq, nk = self.heads * d, self.kv_heads * d
-            q = self.q_norm(qkv[:, :nq].reshape(t, self.heads, d)).to(qkv.dtype).reshape(t, nq)
-            k = self.k_norm(qkv[:, nq : nq + nk].reshape(t, self.kv_heads, d)).to(qkv.dtype).reshape(t, nk)
-            qkv = torch.cat([q, k, qkv[:, nq + nk :]], dim=1)
-        return rope_qkv(qkv, tables, self.heads, self.kv_heads)  # one autograd node (models/fused.py)
+        bias added, q and k normed per head (``qk_norm``), rotated (``tables``): the ``heads`` region."""
+        bias = _bias(self.qkv_bias)
+        if bias is not None and self.ulysses_group is not None:  # this rank's head group of the regrouped rows
+            n = qkv.shape[1]
+            bias = bias.index_select(0, self.qkv_rows[self.u_rank * n : (self.u_rank + 1) * n])
+        q_w, k_w = _gain(self.q_norm), _gain(self.k_norm)
+        return self.regions.heads(qkv, bias, q_w, k_w, *tables, self.heads, self.kv_heads, self.cfg.norm_eps)
 
     def _pick(self, plan) -> dict:
         """The ops' ``pick_rows`` (ZeRO-3): with ``check=False`` each rank picks mode auto's schedules itself, and a
@@ -264,7 +267,7 @@ class ParallelBlock(nn.Module):
         before ``o_proj``; the arguments are ``forward``'s.  ``rows``: only these local rows computed, the others
         zero (``cp.attention``'s ``rows``)."""
         t = tables[0].shape[0]
-        a = self.attn_norm(x).to(x.dtype)  # the norm computes in fp32; its output in the compute dtype
+        a = self.regions.norm(x, self.attn_norm.weight, self.attn_norm.eps)  # fp32 inside, out in x's dtype
         # check=False on every op: ParallelLlama.forward checked this step's inputs across ranks once
         # (models/step_check.py)
         if self.ulysses_group is None:  # every token of the cp rank, this tp rank's heads
@@ -513,11 +516,12 @@ class ParallelLlama(nn.Module):
         head_t = embed_t  # tied: the embedding's rows (its unit kept gathered from the start of forward)
         if self.head is not None:
             head_t = pf.enter(units["head"])[0] if pf is not None else self.head.weight
+        x = regions_of(self.options.compile).norm(x, self.norm.weight, self.norm.eps)  # the last norm
         if whole:
             head = embed if self.head is None else all_gather_rows(widened(head_t), self.tp_group, self.vocab_rows)
-            loss = own_rows_loss(self.norm(x).to(dtype), head.to(dtype), labels_u[rows], count, vocab)
+            loss = own_rows_loss(x.to(dtype), head.to(dtype), labels_u[rows], count, vocab)
         else:
-            logits = all_gather_matmul(self.norm(x).to(dtype), head_t.to(dtype), None, group=self.tp_group,
+            logits = all_gather_matmul(x.to(dtype), head_t.to(dtype), None, group=self.tp_group,
                                        mode=self.mode, split_sizes=split, save_gathered=self.save_gathered,
                                        check=False)
             loss = vocab_parallel_loss(logits, labels_u, self.vocab_lo, self.tp_group, rows, count, vocab)

@@ -20,6 +20,7 @@ error ``max |a - b| / max |b|``.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -42,7 +43,8 @@ NORM = "grad norm"  # the row of the global gradient norm (before clipping)
 
 def one_step(cfg: LlamaConfig, mesh, sequences, options: ParallelOptions | None = None, *, strategy: str,
              seed: int = 0, micro_batches: int = 1, clip_ratio: float | None = None, init_from: str | None = None,
-             device: torch.device | None = None, **settings) -> dict[str, float]:
+             device: torch.device | None = None, reference_dtype: torch.dtype = torch.float32,
+             **settings) -> dict[str, float]:
     """Relative errors of the loss, of the gradient norm (with ``clip_ratio``) and of every parameter's
     gradient after clipping (names of the single-process model), the mesh model run with ``options``
     (``flashpar.options.ParallelOptions``; none given: its defaults, any of its fields given by name in
@@ -51,7 +53,8 @@ def one_step(cfg: LlamaConfig, mesh, sequences, options: ParallelOptions | None 
     rank ``d``'s micro-batch ``m`` at ``m * dp + d``.  ``init_from``: the weights of that Hugging Face folder
     (the reference ``load_hf``, the mesh model its slices: ``ParallelLlama.load_hf_slices``) instead of seeded
     ones.  ``device``: the mesh model's (its mesh's device type: NCCL reduces device tensors only; None: the
-    CPU)."""
+    CPU).  ``reference_dtype``: the single-process step's dtype (``torch.float64``: the weights are the same fp32
+    values, every product and sum of the reference exact to fp32's rounding)."""
     options = options or ParallelOptions()
     if settings:
         options = options.replace(**settings)
@@ -60,10 +63,11 @@ def one_step(cfg: LlamaConfig, mesh, sequences, options: ParallelOptions | None 
         raise ValueError(f"one_step: {len(sequences)} sequences for {micro_batches} micro-batches x dp = {dp}")
     torch.manual_seed(seed)
     ref = load_hf(init_from, dtype=torch.float32) if init_from else Llama(cfg)
-    want = _reference(ref, sequences, clip_ratio)
+    wide = ref if reference_dtype == torch.float32 else copy.deepcopy(ref).to(reference_dtype)
+    want = _reference(wide, sequences, clip_ratio)
     got = _mesh_step(ref, cfg, mesh, sequences, options, strategy=strategy, micro_batches=micro_batches,
                      clip=want["clip"], init_from=init_from, device=device)
-    return _errors(got, want, ref, clipped=clip_ratio is not None)
+    return _errors(got, want, wide, clipped=clip_ratio is not None)
 
 
 def _reference(ref: Llama, sequences, clip_ratio: float | None) -> dict:
@@ -115,7 +119,7 @@ def _errors(got: dict, want: dict, ref: Llama, *, clipped: bool) -> dict[str, fl
     grads = dict(ref.named_parameters())
     for name, g in got["grads"].items():
         w = grads[name].grad
-        errors[name] = float((g.to(w.device) - w).abs().max() / w.abs().max().clamp_min(1e-12))
+        errors[name] = float((g.to(w) - w).abs().max() / w.abs().max().clamp_min(1e-12))
     return errors
 
 

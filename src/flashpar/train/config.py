@@ -106,7 +106,7 @@ class TrainConfig(ParallelOptions):
     clip: float = _opt(1.0, "clip the gradients to this global norm (0: no clipping; the norm is reported either "
                             "way)")
 
-    # -- precision and memory: ParallelOptions' dtype, checkpoint_activations, regather --
+    # -- precision, memory and compilation: ParallelOptions' dtype, checkpoint_activations, compile, regather --
 
     # -- checkpoints --
     save_every: int = _opt(0, "checkpoint every K steps and at the end (0: never)")

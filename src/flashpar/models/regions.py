@@ -1,0 +1,148 @@
+"""The compute between a block's communicating ops, as functions of tensors: what ``--compile`` compiles.
+
+A ``ParallelBlock`` alternates communicating ops (the overlapped linears, ZeRO-3's gathers, Ulysses'
+all-to-alls, FlashCP's attention with its K/V exchange) with elementwise work.  The elementwise work is
+cut at the communicating ops into five regions, each a function of tensors only::
+
+    x ─ norm ─▶ [qkv linear] ─ heads ─▶ [cp.attention] ─▶ [o linear] ─ add_norm ─▶ [gate/up linear]
+          ─ swiglu ─▶ [down linear] ─ add ─▶ x'
+
+    norm      a = rms(x) w                                (the attention norm; the model's last norm)
+    heads     q, k, v of qkv: + bias, per-head rms (qk-norm), rope on q and k
+    add_norm  x' = x + (o + b_o);  m = rms(x') w_mlp       (the residual add and the MLP norm, one pass)
+    swiglu    silu(g + b_g) (u + b_u) of gu = [g | u]
+    add       x + (y + b_down)
+
+``EAGER`` runs them as flashpar always has (rope and SwiGLU as the hand-fused autograd nodes of
+``flashpar.models.fused``; the norm's formula is ``flashpar.models.llama.rms_norm``, the single-process
+model's).  ``compiled()`` is the same functions with rope and SwiGLU in plain ops, each given to
+``torch.compile`` (inductor; ``dynamic=True``: the token count of a step changes with the CP plan, so a
+region is compiled once for every token count; ``fullgraph=True``: a graph break is an error, not a
+silent split).  The communicating ops are never traced: the block calls them between the regions in
+eager Python, so their overlap schedule (the peer order, the lanes, the waits) is exactly eager's, and
+every block of the model reuses the same five compiled regions.  Every input of a region is a tensor or
+a value equal on every rank (head counts, ``eps``), so every rank compiles the same graphs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flashpar.models.fused import rope_qkv
+from flashpar.models.fused import swiglu as fused_swiglu
+from flashpar.models.llama import rms_norm
+
+Tensor = torch.Tensor
+
+
+def norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``rms_norm(x) weight`` in ``x``'s dtype (the norm computes in fp32 at least)."""
+    return rms_norm(x, weight, eps).to(x.dtype)
+
+
+def _biased(x: Tensor, bias: Tensor | None) -> Tensor:
+    return x if bias is None else x + bias.to(x.dtype)
+
+
+def _qk_normed(qkv: Tensor, q_w: Tensor | None, k_w: Tensor | None, heads: int, kv_heads: int, eps: float) -> Tensor:
+    """``qkv [T, (heads + 2 kv_heads) D]`` with q and k normed per head (``q_w``, ``k_w``: qk-norm's gains; None:
+    unchanged)."""
+    if q_w is None:
+        return qkv
+    t, d = qkv.shape[0], qkv.shape[1] // (heads + 2 * kv_heads)
+    nq, nk = heads * d, kv_heads * d
+    q = rms_norm(qkv[:, :nq].reshape(t, heads, d), q_w, eps).to(qkv.dtype).reshape(t, nq)
+    k = rms_norm(qkv[:, nq : nq + nk].reshape(t, kv_heads, d), k_w, eps).to(qkv.dtype).reshape(t, nk)
+    return torch.cat([q, k, qkv[:, nq + nk :]], dim=1)
+
+
+def heads_fused(qkv: Tensor, bias: Tensor | None, q_w: Tensor | None, k_w: Tensor | None, cos: Tensor,
+                sin: Tensor, heads: int, kv_heads: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``q [T, heads, D]``, ``k``, ``v [T, kv_heads, D]`` of the q/k/v GEMM's output: bias, qk-norm, then rope
+    (``cos``, ``sin [T, D / 2]``) as ``flashpar.models.fused.rope_qkv``'s one autograd node."""
+    qkv = _qk_normed(_biased(qkv, bias), q_w, k_w, heads, kv_heads, eps)
+    return rope_qkv(qkv, (cos, sin), heads, kv_heads)
+
+
+def _rotate(x: Tensor, c: Tensor, s: Tensor) -> Tensor:
+    """Rope's half-split rotation of ``x [T, n, D]`` (``c``, ``s [T, 1, D / 2]``): ``[x1 c - x2 s | x2 c + x1 s]``."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def heads_plain(qkv: Tensor, bias: Tensor | None, q_w: Tensor | None, k_w: Tensor | None, cos: Tensor,
+                sin: Tensor, heads: int, kv_heads: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``heads_fused`` in plain ops, for a compiler to fuse (the same products and sums per element)."""
+    qkv = _qk_normed(_biased(qkv, bias), q_w, k_w, heads, kv_heads, eps)
+    t, d = qkv.shape[0], qkv.shape[1] // (heads + 2 * kv_heads)
+    nq, nk = heads * d, kv_heads * d
+    c, s = cos[:, None, :], sin[:, None, :]
+    q = _rotate(qkv[:, :nq].reshape(t, heads, d), c, s)
+    k = _rotate(qkv[:, nq : nq + nk].reshape(t, kv_heads, d), c, s)
+    return q, k, qkv[:, nq + nk :].reshape(t, kv_heads, d).contiguous()
+
+
+def add_norm(x: Tensor, out: Tensor, bias: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(x', norm(x'))`` with ``x' = x + (out + bias)``: the attention's residual add and the MLP's norm."""
+    x = x + _biased(out, bias)
+    return x, norm(x, weight, eps)
+
+
+def swiglu_fused(gu: Tensor, bias: Tensor | None) -> Tensor:
+    """``silu(g) u`` of ``gu + bias = [g | u]`` (``flashpar.models.fused.swiglu``'s autograd node)."""
+    return fused_swiglu(_biased(gu, bias))
+
+
+def swiglu_plain(gu: Tensor, bias: Tensor | None) -> Tensor:
+    """``swiglu_fused`` in plain ops."""
+    gu = _biased(gu, bias)
+    f = gu.shape[-1] // 2
+    return F.silu(gu[..., :f]) * gu[..., f:]
+
+
+def add(x: Tensor, out: Tensor, bias: Tensor | None) -> Tensor:
+    """``x + (out + bias)``: the MLP's residual add."""
+    return x + _biased(out, bias)
+
+
+@dataclass(frozen=True)
+class Regions:
+    """One implementation of each region (see the module docstring)."""
+
+    norm: Callable[..., Tensor]
+    heads: Callable[..., tuple[Tensor, Tensor, Tensor]]
+    add_norm: Callable[..., tuple[Tensor, Tensor]]
+    swiglu: Callable[..., Tensor]
+    add: Callable[..., Tensor]
+    compiled: bool
+
+
+EAGER = Regions(norm, heads_fused, add_norm, swiglu_fused, add, compiled=False)
+_COMPILED: list[Regions] = []
+
+
+def compiled() -> Regions:
+    """The regions given to ``torch.compile`` (made once per process, shared by every block and model)."""
+    if not _COMPILED:
+        import torch._dynamo
+
+        # a region recompiled past torch's limit would run eagerly without a word: raise instead
+        # (flashpar.models.compile_report turns it into one line)
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+        def make(fn):
+            return torch.compile(fn, dynamic=True, fullgraph=True)
+
+        _COMPILED.append(Regions(make(norm), make(heads_plain), make(add_norm), make(swiglu_plain), make(add),
+                                 compiled=True))
+    return _COMPILED[0]
+
+
+def regions(compile: bool) -> Regions:
+    """The compiled regions when ``compile``, else the eager ones."""
+    return compiled() if compile else EAGER
