@@ -244,6 +244,28 @@ class ParallelBlock(nn.Module):
         out = self.down(r.swiglu(gu, _bias(self.gate_up_bias)), split_sizes=split, check=False, **zkw)
         return r.add(x, out, _bias(self.down_bias))
 
+    def warm_regions(self, rows: int, dtype: torch.dtype, grad: bool) -> None:
+        """Run each region once on ``rows`` rows of random inputs shaped and typed as ``forward``'s (with ``grad``:
+        their backward too, into no ``.grad``; ``dtype`` the compute dtype), so that compiled regions compile here,
+        not in a step."""
+        cfg, device = self.cfg, self.attn_norm.weight.device
+        h, d = cfg.hidden, cfg.head_dim
+        qkv_cols = (self.heads + 2 * self.kv_heads) * d
+        ffn = 2 * cfg.ffn // (self.tp if self.ulysses_group is None else 1)
+
+        def rand(*shape):
+            return torch.randn(*shape, dtype=dtype, device=device, requires_grad=grad)
+
+        x, out, qkv, gu, y = rand(rows, h), rand(rows, h), rand(rows, qkv_cols), rand(rows, ffn), rand(rows, h)
+        tables = tuple(torch.rand(rows, d // 2, dtype=dtype, device=device) for _ in range(2))
+        r = self.regions
+        with torch.set_grad_enabled(grad):
+            outs = [r.norm(x, self.attn_norm.weight, self.attn_norm.eps), *self.heads_of(qkv, tables),
+                    *r.add_norm(x, out, _bias(self.o_bias), self.mlp_norm.weight, self.mlp_norm.eps),
+                    r.swiglu(gu, _bias(self.gate_up_bias)), r.add(x, y, _bias(self.down_bias))]
+            if grad:
+                torch.autograd.grad(sum(o.float().sum() for o in outs), [x, out, qkv, gu, y])
+
     def heads_of(self, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``q, k, v`` of this rank's heads from the q/k/v GEMM's output ``qkv [T, (heads + 2 kv_heads) D]``: the
@@ -460,6 +482,19 @@ class ParallelLlama(nn.Module):
         """The cross-rank check of a step of several micro-batches (``[(tokens_cp, labels_cp, plan), ...]``), one
         exchange for all; their forwards then pass ``checked=True``."""
         self.step_check.many(inputs, count, self.embed.weight, auto=self.mode == "auto")
+
+    def warm_regions(self, *, grad: bool = True, rows: int = 11) -> None:
+        """Compile the regions (``options.compile``) before the first step: every block's and the last norm's, run
+        once on ``rows`` random rows (``ParallelBlock.warm_regions``; a prime: no size of the model is equal to it,
+        so the dynamic-shape graphs assume no equality that a step's token count could break).  Every block
+        calls the same regions, so the first block's calls compile them for all."""
+        self.blocks[0].warm_regions(rows, self.compute_dtype, grad)
+        x = torch.randn(rows, self.cfg.hidden, dtype=self.compute_dtype, device=self.norm.weight.device,
+                        requires_grad=grad)
+        with torch.set_grad_enabled(grad):
+            y = regions_of(self.options.compile).norm(x, self.norm.weight, self.norm.eps)
+            if grad:
+                torch.autograd.grad(y.float().sum(), [x])
 
     def embed_tokens(self, tokens_u: torch.Tensor, rows: slice, embed_t: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:

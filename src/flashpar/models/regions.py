@@ -16,16 +16,19 @@ cut at the communicating ops into five regions, each a function of tensors only:
 ``EAGER`` runs them as flashpar always has (rope and SwiGLU as the hand-fused autograd nodes of
 ``flashpar.models.fused``; the norm's formula is ``flashpar.models.llama.rms_norm``, the single-process
 model's).  ``compiled()`` is the same functions with rope and SwiGLU in plain ops, each given to
-``torch.compile`` (inductor; ``dynamic=True``: the token count of a step changes with the CP plan, so a
-region is compiled once for every token count; ``fullgraph=True``: a graph break is an error, not a
-silent split).  The communicating ops are never traced: the block calls them between the regions in
-eager Python, so their overlap schedule (the peer order, the lanes, the waits) is exactly eager's, and
-every block of the model reuses the same five compiled regions.  Every input of a region is a tensor or
-a value equal on every rank (head counts, ``eps``), so every rank compiles the same graphs.
+``torch.compile`` (inductor; ``fullgraph=True``: a graph break is an error, not a silent split).  The rows
+of every activation are marked dynamic: the token count of a step changes with the CP plan, so a region
+is compiled once for every token count, with the model's sizes, head counts and ``eps`` as constants.
+
+The communicating ops are never traced: the block calls them between the regions in eager Python, so
+their overlap schedule (the peer order, the lanes, the waits) is exactly eager's, and every block of the
+model reuses the same five compiled regions.  Every input of a region is a tensor or a value equal on
+every rank (head counts, ``eps``), so every rank compiles the same graphs.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -135,11 +138,26 @@ def compiled() -> Regions:
         # (flashpar.models.compile_report turns it into one line)
         torch._dynamo.config.fail_on_recompile_limit_hit = True
 
-        def make(fn):
-            return torch.compile(fn, dynamic=True, fullgraph=True)
+        def make(fn, rows: tuple[int, ...]):
+            compiled_fn = torch.compile(fn, fullgraph=True)
 
-        _COMPILED.append(Regions(make(norm), make(heads_plain), make(add_norm), make(swiglu_plain), make(add),
-                                 compiled=True))
+            @functools.wraps(fn)
+            def run(*args):
+                for i in rows:  # the token count: the one size that changes from step to step
+                    torch._dynamo.mark_dynamic(args[i], 0)
+                try:
+                    return compiled_fn(*args)
+                except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+                    raise RuntimeError(
+                        f"--compile: the {fn.__name__!r} region was compiled "
+                        f"{torch._dynamo.config.recompile_limit} times, torch._dynamo's recompile_limit, so it "
+                        "would run eagerly from here; its inputs' types or shapes change from call to call "
+                        "(run without --compile, or raise torch._dynamo.config.recompile_limit)") from err
+
+            return run
+
+        _COMPILED.append(Regions(make(norm, (0,)), make(heads_plain, (0, 4, 5)), make(add_norm, (0, 1)),
+                                 make(swiglu_plain, (0,)), make(add, (0, 1)), compiled=True))
     return _COMPILED[0]
 
 

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from flashpar import cp
 from flashpar.cost.calibrate import peak_flops
 from flashpar.links import planning_device
+from flashpar.models.compiling import warm_up
 from flashpar.train import checkpoint, where
 from flashpar.train.config import TrainConfig
 from flashpar.train.data import PlannedSequences, make_loader, training_data
@@ -88,6 +89,11 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     figures = planning_device(device.type, config.tp * config.ulysses)  # rank 0's, on every rank: read once
     options = resolve_options(config, device.type, figures)  # ZeRO-3's auto choices made on them
     cfg, model, opt = build(config, mesh, device, options)
+    compiled = warm_up(model)  # --compile: the regions compiled now, timed apart from the steps
+    if compiled is not None:
+        compiled = compiled.slowest(device)
+        if rank == 0:
+            print(compiled.line(), flush=True)
     dp_group = mesh["dp"].get_group()
     dp_rank, cp_rank = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     data = training_data(config)  # the byte corpus, or the token cache of --data / --tokenizer
@@ -175,6 +181,8 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
         log.close()
         result = summary(history, wall_s, config, peak, peak_mem_mb=mem_mb)
         result["options"] = options.to_dict()  # the run's, its set-up choices made
+        if compiled is not None:  # the start-up compilation, and any graph compiled during the steps
+            result.update(compiled.to_dict())
         result["skipped_nonfinite"] = guard.skipped
         result["data_ran_out_at"] = steps if steps < config.steps else None  # the report says so
         if config.plot and history:

@@ -314,6 +314,10 @@ def _report(out, config: TrainConfig, launch_s: float = float("nan")) -> int:
           f"{s['headtail_est_step_ms'] / max(s['est_step_ms'], 1e-12):.2f}x than headtail")
     if s.get("options"):
         print(f"options: {ParallelOptions(**s['options']).describe()}")
+    if s.get("compile_s") is not None:
+        again = f", {s['recompiles']} graphs compiled again during the steps" if s["recompiles"] else ""
+        print(f"compile: {s['compile_s']:.1f} s at start-up, {s['compile_graphs']} graphs, not in the step "
+              f"times{again}")
     if ran_out is not None:
         print(f"the training data ran out at step {ran_out}, before --steps {config.steps} after --epochs "
               f"{config.epochs} pass{'es' if config.epochs > 1 else ''} (add documents, raise --epochs or lower "
