@@ -175,14 +175,22 @@ def test_selective_recompute_by_hand():
 
 def test_eager_elementwise_bytes_by_hand():
     """Per token (bf16; h 16, 4 q and 2 kv heads of 4, ffn 32): fused 2 norms x 3 passes x 2 bytes x 16 (192),
-    2 residual adds (192), rope 3 x 2 x 24 (144), SwiGLU 5 x 2 x 32 (320); eager (torch without torch.compile)
-    norms 2 x 36 x 16 (1152), rope 20 x 24 (480), repeat_kv 2 x 2 x 24 (96), the attention output's copy
-    2 x 2 x 16 (64)."""
+    2 residual adds (192), rope 3 x 2 x 24 (144), SwiGLU 5 x 2 x 32 (320); eager torch (torchtitan without
+    torch.compile) norms 2 x 36 x 16 (1152), rope 20 x 24 (480), repeat_kv 2 x 2 x 24 (96), the attention
+    output's copy 2 x 2 x 16 (64); eager flashpar (its kernels, without --compile) norms 2 x 44 x 16 (1408), rope
+    5 x 2 x 24 (240) and v's copy 2 x 2 x 8 (32)."""
     w = _w(Layout(1, 1, 1, 1))
-    eager = dataclasses.replace(w, eager=True)
+    eager = dataclasses.replace(w, torch_compiled=False, flashpar_compiled=False)
     assert step.elementwise_bytes(w, PEERS["torch"]) == 64 * (192 + 192 + 144 + 320)
+    assert step.elementwise_bytes(w, PEERS["flashpar"]) == 64 * (192 + 192 + 144 + 320)
     assert step.elementwise_bytes(eager, PEERS["torch"]) == 64 * (1152 + 192 + 480 + 96 + 64 + 320)
-    assert step.elementwise_bytes(eager, PEERS["flashpar"]) == step.elementwise_bytes(w, PEERS["flashpar"])
+    assert step.elementwise_bytes(eager, PEERS["flashpar"]) == 64 * (1408 + 192 + 240 + 32 + 320)
+    assert step.elementwise_bytes(eager, PEERS["baseline"]) == step.elementwise_bytes(eager, PEERS["flashpar"])
+    # each side follows its own knob
+    assert step.elementwise_bytes(dataclasses.replace(w, torch_compiled=False), PEERS["flashpar"]) == \
+        step.elementwise_bytes(w, PEERS["flashpar"])
+    assert step.elementwise_bytes(dataclasses.replace(w, flashpar_compiled=False), PEERS["torch"]) == \
+        step.elementwise_bytes(w, PEERS["torch"])
 
 
 def test_a_batch_of_sequences_per_rank():
