@@ -32,6 +32,14 @@ eager one more (about 29); on an 8B model that is a few milliseconds of a step o
 block gets its own kernels' count (``flashpar_eager_kernels``)."""
 
 
+def label(both_compiled: bool) -> str:
+    """The line a command prints to say how both sides run their elementwise work."""
+    if both_compiled:
+        return ("elementwise: compiled on both sides (torch.compile; flashpar's figures are those of `flashpar "
+                "train --compile`)")
+    return "elementwise: eager on both sides (no torch.compile; flashpar's own kernels, torchtitan's)"
+
+
 def compiled(w: Workload, peer: Peer) -> bool:
     """Whether ``peer``'s blocks run their elementwise regions compiled in ``w``."""
     return w.torch_compiled if is_torch(peer) else w.flashpar_compiled
