@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from flashpar.cli import main
+from flashpar.sim.elementwise import label
 from flashpar.sim.model_configs import SHIPPED, load_model
 
 # name -> (family, parameters the model card states, in billions; its rounding: the tolerance)
@@ -36,3 +37,21 @@ def test_simulate_train_runs_each_family(name, tp, capsys):
     assert main(["simulate", "train", "--model", name, "--gpus", "64", "--tp", str(tp), "--seq", "8192"]) == 0
     out = capsys.readouterr().out
     assert "flashpar" in out and "torch" in out
+    assert label(True) in out.splitlines()  # the presets compare compiled with compiled, and say so
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_each_family_costs_flashpar_more_eager_than_compiled(name):
+    """Every preset's flashpar block moves more elementwise bytes and launches more kernels without --compile
+    (its RMSNorm op by op, rope's halves, and the family's bias adds and qk-norm) than compiled."""
+    from flashpar.cost import preset
+    from flashpar.sim import elementwise
+    from flashpar.sim.peers import PEERS
+    from flashpar.sim.topology import Cluster, Layout
+    from flashpar.sim.workload import Workload
+
+    w = Workload(load_model(name), Layout(8, 1, 1, 1), Cluster(preset("h100-96gb"), preset("h100-ib")), ((8192,),))
+    eager = Workload(w.cfg, w.layout, w.cluster, w.packs, flashpar_compiled=False)
+    fp = PEERS["flashpar"]
+    assert elementwise.elementwise_bytes(eager, fp) > 2 * elementwise.elementwise_bytes(w, fp)
+    assert elementwise.kernels(eager, fp)[0] > elementwise.kernels(w, fp)[0]

@@ -10,8 +10,10 @@ import pytest
 from flashpar import cli
 from flashpar.cost import preset
 from flashpar.cost.presets import H100_96GB_CLOCK, H100_96GB_SPREAD, STEP_SPREAD
-from flashpar.sim import anchors
+from flashpar.sim import anchors, elementwise
+from flashpar.sim.elementwise import label
 from flashpar.sim.memory import GPU_MEMORY_GB
+from flashpar.sim.peers import PEERS
 
 BY_NAME = {a.name: a for a in anchors.ANCHORS}
 
@@ -63,6 +65,17 @@ def test_every_checked_run_is_within_15_percent_and_the_scaling_loss_within_a_po
         assert a.source.startswith("pytorch/torchtitan benchmarks/") and ".md:" in a.source
 
 
+def test_each_anchor_runs_its_torch_side_compiled_exactly_when_it_was_published_so():
+    """A run published with torch.compile is charged the fused elementwise count, one without torchtitan's eager
+    kernels; the launches stay the figure the clock was fitted with."""
+    for a in anchors.ANCHORS:
+        w, peer = anchors.workload(a), PEERS[a.config]
+        assert elementwise.compiled(w, peer) is a.compiled, a.name
+        want = elementwise.fused_bytes(w, peer) if a.compiled else elementwise.torch_eager_bytes(w, peer)
+        assert elementwise.elementwise_bytes(w, peer) == want, a.name
+        assert elementwise.kernels(w, peer) == elementwise.KERNELS_PER_BLOCK
+
+
 def test_anchors_command_prints_every_run(tmp_path, capsys):
     out = tmp_path / "anchors.json"
     assert cli.main(["simulate", "anchors", "--json", str(out)]) == 0
@@ -93,6 +106,29 @@ def test_table_prints_one_markdown_row_per_cell(tmp_path, capsys):
         assert f"| {r['flashpar_best']['tokens_per_s'] / best['tokens_per_s']:.2f} |" in line
         assert line.endswith(f"{r['fits']['flashpar']} / {r['fits']['torch']} / {r['fits']['torch_async_tp']} of "
                              f"{r['layouts']} |")
+    assert text.splitlines()[1] == label(True) and "compiled on both sides" in label(True)
+    assert "flashpar train --compile" in label(True)
+    assert json.loads(out.read_text())["setup"]["compiled"] is True
+
+
+def test_table_eager_compares_eager_with_eager_and_says_so(tmp_path, capsys):
+    """``--eager``: both sides' eager kernels, named under the title; flashpar's cell is slower than compiled."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+                               "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+                               "vocab_size": 1024, "max_position_embeddings": 8192}))
+    figures = {}
+    for flag in ([], ["--eager"]):
+        out = tmp_path / f"table{len(flag)}.json"
+        assert cli.main(["simulate", "table", "--models", str(cfg), "--gpus", "8", "--seqs", "2K", "--json",
+                         str(out), *flag]) == 0
+        text = capsys.readouterr().out
+        assert text.splitlines()[1] == label(not flag)
+        data = json.loads(out.read_text())
+        assert data["setup"]["compiled"] is (not flag)
+        figures[bool(flag)] = data["rows"][0]["flashpar_best"]["step_ms"]
+    assert "eager on both sides" in label(False)
+    assert figures[True] > figures[False]
 
 
 @pytest.mark.parametrize(("argv", "needle"), [

@@ -290,3 +290,19 @@ def test_check_predicts_every_torch_peer_and_the_dense_one_slower():
     assert [r["row"] for r in rows][:2] == ["flashpar vs torch", "flashpar vs torch_dense"]
     pred = check_train.predict(report)
     assert pred["torch_dense"]["no_comm_s"] > pred["torch"]["no_comm_s"]
+
+
+def test_check_runs_each_side_as_the_bench_ran_it():
+    """The bench's torch and torch_dense run eager, torch_compile compiled; flashpar and baseline eager unless the
+    report's setup says ``compile``."""
+    from flashpar.sim.elementwise import compiled
+
+    report = _report(names=("flashpar", "torch", "torch_compile", "torch_dense"))
+    for name, want in (("flashpar", False), ("baseline", False), ("torch", False), ("torch_dense", False),
+                       ("torch_compile", True)):
+        assert compiled(check_train.workload(report, name), check_train.peer_of(name)) is want, name
+    report["setup"]["compile"] = True
+    assert compiled(check_train.workload(report, "flashpar"), PEERS["flashpar"]) is True
+    report["setup"]["compile"] = "yes"
+    with pytest.raises(ValueError, match="setup.compile"):
+        check_train.workload(report, "flashpar")

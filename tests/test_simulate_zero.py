@@ -175,14 +175,80 @@ def test_selective_recompute_by_hand():
 
 def test_eager_elementwise_bytes_by_hand():
     """Per token (bf16; h 16, 4 q and 2 kv heads of 4, ffn 32): fused 2 norms x 3 passes x 2 bytes x 16 (192),
-    2 residual adds (192), rope 3 x 2 x 24 (144), SwiGLU 5 x 2 x 32 (320); eager (torch without torch.compile)
-    norms 2 x 36 x 16 (1152), rope 20 x 24 (480), repeat_kv 2 x 2 x 24 (96), the attention output's copy
-    2 x 2 x 16 (64)."""
+    2 residual adds (192), rope 3 x 2 x 24 (144), SwiGLU 5 x 2 x 32 (320); eager torch (torchtitan without
+    torch.compile) norms 2 x 36 x 16 (1152), rope 20 x 24 (480), repeat_kv 2 x 2 x 24 (96), the attention
+    output's copy 2 x 2 x 16 (64); eager flashpar (its kernels, without --compile) norms 2 x 44 x 16 (1408), rope
+    5 x 2 x 24 (240) and v's copy 2 x 2 x 8 (32)."""
     w = _w(Layout(1, 1, 1, 1))
-    eager = dataclasses.replace(w, eager=True)
+    eager = dataclasses.replace(w, torch_compiled=False, flashpar_compiled=False)
     assert step.elementwise_bytes(w, PEERS["torch"]) == 64 * (192 + 192 + 144 + 320)
+    assert step.elementwise_bytes(w, PEERS["flashpar"]) == 64 * (192 + 192 + 144 + 320)
     assert step.elementwise_bytes(eager, PEERS["torch"]) == 64 * (1152 + 192 + 480 + 96 + 64 + 320)
-    assert step.elementwise_bytes(eager, PEERS["flashpar"]) == step.elementwise_bytes(w, PEERS["flashpar"])
+    assert step.elementwise_bytes(eager, PEERS["flashpar"]) == 64 * (1408 + 192 + 240 + 32 + 320)
+    assert step.elementwise_bytes(eager, PEERS["baseline"]) == step.elementwise_bytes(eager, PEERS["flashpar"])
+    # each side follows its own knob
+    assert step.elementwise_bytes(dataclasses.replace(w, torch_compiled=False), PEERS["flashpar"]) == \
+        step.elementwise_bytes(w, PEERS["flashpar"])
+    assert step.elementwise_bytes(dataclasses.replace(w, flashpar_compiled=False), PEERS["torch"]) == \
+        step.elementwise_bytes(w, PEERS["torch"])
+
+
+def test_flashpar_eager_rmsnorm_is_its_kernels_not_the_fused_passes():
+    """flashpar's RMSNorm without --compile is eight ops and the caller's cast: per element in bf16 x.to(fp32) 6,
+    pow 8, mean 4, x * r 8, .to(bf16) 6, * the fp32 weight 6, .to(bf16) 6 = 44 bytes and 9 launches, not the
+    fused 3 passes (6 bytes); in fp32 the casts are no-ops (28 bytes, 6 launches)."""
+    from flashpar.sim import elementwise
+
+    assert elementwise.norm_bytes(2) == 44 and elementwise.norm_bytes(4) == 28
+    assert elementwise.norm_kernels(2) == 9 and elementwise.norm_kernels(4) == 6
+    w = _w(Layout(1, 1, 1, 1))
+    eager = dataclasses.replace(w, flashpar_compiled=False)
+    fp = PEERS["flashpar"]
+    # the norms' share of the difference: 2 norms x (44 - 6) bytes x 16 per token, 64 tokens
+    rope = 64 * ((5 - 3) * 2 * 24 + 2 * 2 * 8)
+    assert step.elementwise_bytes(eager, fp) - step.elementwise_bytes(w, fp) == 64 * 2 * (44 - 6) * 16 + rope
+    # launches: 2 norms x 9, 2 residual adds, rope_qkv's 9, SwiGLU's 2; compiled the shared figure
+    assert elementwise.kernels(eager, fp) == (31, 62)
+    assert elementwise.kernels(w, fp) == elementwise.KERNELS_PER_BLOCK == elementwise.kernels(eager, PEERS["torch"])
+    hw = w.cluster.device
+    fwd, bwd = step.elementwise(eager, fp, hw)
+    assert fwd.total == pytest.approx(hw.memory_time(step.elementwise_bytes(eager, fp)) + 31 * hw.gemm_overhead_s)
+    assert bwd.total > fwd.total > step.elementwise(w, fp, hw)[0].total
+
+
+def test_flashpar_eager_extras_of_the_families_by_hand():
+    """q/k/v bias (Qwen2) and qk-norm (Qwen3), bf16, the TINY shape: per token the bias add 2 x 2 x 32 (128), qk-norm
+    44 x 24 (1056) and the cat of q, k, v 2 x 2 x 32 (128); launches: the bias's cast and add (2), two norms and
+    the cat (19)."""
+    from flashpar.sim import elementwise
+
+    plain = _w(Layout(1, 1, 1, 1), flashpar_compiled=False)
+    qwen2 = _w(Layout(1, 1, 1, 1), dataclasses.replace(TINY, family="qwen2", qkv_bias=True), flashpar_compiled=False)
+    qwen3 = _w(Layout(1, 1, 1, 1), dataclasses.replace(TINY, family="qwen3", qk_norm=True), flashpar_compiled=False)
+    fp = PEERS["flashpar"]
+    assert step.elementwise_bytes(qwen2, fp) - step.elementwise_bytes(plain, fp) == 64 * 128
+    assert step.elementwise_bytes(qwen3, fp) - step.elementwise_bytes(plain, fp) == 64 * (1056 + 128)
+    assert elementwise.kernels(qwen2, fp)[0] == 31 + 2 and elementwise.kernels(qwen3, fp)[0] == 31 + 19
+
+
+def test_eager_flashpar_step_is_slower_than_compiled_and_the_options_pick_it():
+    """A whole step: flashpar's eager elementwise work costs time; ``Workload.of`` reads ``options.compile``
+    (eager where the options have no such field)."""
+    import types
+
+    from flashpar.options import ParallelOptions
+
+    w = Workload(load_model("llama3-8b"), Layout(8, 1, 1, 1), H100, ((8192,),))
+    eager = dataclasses.replace(w, flashpar_compiled=False)
+    assert simulate(eager, PEERS["flashpar"])["step_s"] > simulate(w, PEERS["flashpar"])["step_s"]
+    assert simulate(eager, PEERS["torch"])["step_s"] == simulate(w, PEERS["torch"])["step_s"]
+    opts = ParallelOptions()
+    args = (w.cfg, w.layout, w.cluster, w.packs)
+    assert Workload.of(*args, opts).flashpar_compiled is bool(getattr(opts, "compile", False))
+    fields = {k: getattr(opts, k) for k in ("dtype_bytes", "checkpoint_activations", "regather", "gather_vocab",
+                                            "prefetch", "zero_collective")}
+    assert Workload.of(*args, types.SimpleNamespace(**fields, compile=True)).flashpar_compiled is True
+    assert Workload.of(*args, types.SimpleNamespace(**fields)).flashpar_compiled is False
 
 
 def test_a_batch_of_sequences_per_rank():

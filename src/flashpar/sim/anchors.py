@@ -24,8 +24,8 @@ blocks one each (the last one not resharded after forward) and the root module's
 head as one unit kept gathered to the end of backward (``fsdp_root``); the vocabulary-parallel head and loss
 under tp; gradient clipping (``max_norm``) and AdamW.  Selective checkpointing is torchtitan's per-op policy
 (``flashpar.sim.step.selective_recompute``), full checkpointing the whole block.  Without torch.compile the
-model's elementwise ops run unfused (``Workload.eager``).  The inter-host link is h100-ib's (400 Gb/s per
-GPU, as the files state); 8 GPUs per host.
+model's elementwise ops run unfused (``Workload.torch_compiled`` False: ``flashpar.sim.elementwise``).  The
+inter-host link is h100-ib's (400 Gb/s per GPU, as the files state); 8 GPUs per host.
 
 The fit (``fit``): two free scalars of ``h100-96gb``.  The clock factor ``c`` (``gemm_eff = 0.7 c``,
 ``attn_peak = 0.6 c``; launch overhead, NCCL's latencies and link rates fixed) makes the torch configuration
@@ -104,7 +104,7 @@ def workload(a: Anchor, clock: float | None = None, spread: float | None = None)
                       H100_96GB_SPREAD if spread is None else spread)
     return Workload(load_model(a.model), a.layout, cluster, ((a.seq,),), batch=a.batch,
                     checkpoint_activations=a.recompute == "full", selective=a.recompute == "selective",
-                    eager=not a.compiled,
+                    torch_compiled=a.compiled, flashpar_compiled=a.compiled,
                     fsdp_root=True)
 
 

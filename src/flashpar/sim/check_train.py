@@ -11,8 +11,11 @@ kernel's curves).  What the bench runs that a GPU cluster would not, the simulat
   document's earlier keys (``torch_attention="docs"``: each call's masked rectangle, ``flashpar.sim.step.
   chunk_calls``), ``torch_dense`` one SDPA with a document mask over all ``S_loc x S`` scores
   (``torch_attention="dense"``); torch's CPU flash kernel runs both, which the calibration's attention
-  curve times.  ``torch_compile`` is simulated as ``torch`` (the compiled blocks fuse elementwise ops the
-  CPU model does not time apart: the comm-model rows take its measured no-communication step);
+  curve times.  ``torch_compile`` is simulated as ``torch`` with its elementwise work fused (the comm-model rows
+  take its measured no-communication step);
+* each side's elementwise work as the bench ran it (``flashpar.sim.elementwise``): ``torch`` and ``torch_dense``
+  eager, ``torch_compile`` compiled, flashpar and baseline compiled only where the report's setup says so
+  (``setup.compile``; a report without it ran them eager);
 * the torch peers' FSDP2 gathers a block when the block's forward starts
   (``fsdp_prefetch=False``: an assumption, on CPU no stream lets the host run ahead and issue it earlier)
   and gathers every block again for backward, the last one too (``fsdp_keep_last=False``:
@@ -69,12 +72,16 @@ def workload(report: dict, name: str):
     gather_vocab = s.get("gather_vocab", False)  # a report without it: activations moved
     if not isinstance(gather_vocab, bool):
         raise ValueError(f"the report's setup.gather_vocab must be true or false, got {gather_vocab!r}")
+    flashpar_compiled = s.get("compile", False)  # a report without it: flashpar's blocks ran eager
+    if not isinstance(flashpar_compiled, bool):
+        raise ValueError(f"the report's setup.compile must be true or false, got {flashpar_compiled!r}")
     plan_hw, per_step = plan_hardware(s)
     burst = plan_burst(s)
     group = s["tp"] if name in TORCH_ATTENTION else s["tp"] * s["ulysses"]  # a cp rank's processes (torch: no Ulysses)
     return Workload(cfg, layout, cluster, packs, elem_bytes=4, attn_bwd=bwd, zero_rs_elem_bytes=4,
                     torch_attention=TORCH_ATTENTION.get(name, "flex"), fsdp_prefetch=False, fsdp_keep_last=False,
                     regather=regather, gather_vocab=gather_vocab,
+                    flashpar_compiled=flashpar_compiled, torch_compiled=name == "torch_compile",
                     plan_hardware=plan_hw, plan_per_step=per_step, plan_burst=burst,
                     shared_cores=run_burst(s, group))
 

@@ -51,3 +51,8 @@ PEERS = {
     "torch_async_tp": Peer("torch_async_tp", "flash", "per_doc", "fsdp", "allgather", False),
 }
 NAMES = tuple(PEERS)
+
+
+def is_torch(peer: Peer) -> bool:
+    """Whether ``peer`` is one of the torch configurations (FSDP2 + DTensor TP)."""
+    return peer.data_parallel == "fsdp"

@@ -5,7 +5,9 @@ line up with the data-parallel lanes is :mod:`flashpar.sim.zero`; the whole step
 
 Per block (forward; backward mirrored), on the cp rank whose layer takes longest::
 
-    attn_norm, rope, residuals, SwiGLU            elementwise passes at memory bandwidth + kernel launches
+    attn_norm, rope, residuals, SwiGLU            elementwise passes at memory bandwidth + kernel launches, as
+                                                   the peer's side runs them, compiled or eager
+                                                   (flashpar.sim.elementwise)
     qkv    ag_matmul  (tp) | matmul_a2a (U)       flashpar.overlap.simulate.predict: the op's schedule in the
     attention                                      peer's mode, timed on the group's link
     o_proj matmul_rs  (tp) | a2a_matmul (U)
@@ -39,8 +41,9 @@ from dataclasses import dataclass
 from flashpar.cost import Hardware
 from flashpar.models.vocab import gathers_weight
 from flashpar.overlap.simulate import all_reduce_time
+from flashpar.sim.elementwise import elementwise, elementwise_bytes, kernels
 from flashpar.sim.parts import Part
-from flashpar.sim.peers import Peer
+from flashpar.sim.peers import Peer, is_torch
 from flashpar.sim.workload import Workload
 
 ADAMW_BYTES_PER_PARAM = 28
@@ -51,15 +54,6 @@ and scales it in place (8)."""
 NORM_PASS_BYTES_PER_PARAM = 4
 """Of the clipping's bytes, the squared-norm pass: what flashpar's trainer runs on the gradients that have
 landed while the last sums travel (``flashpar.sim.zero``)."""
-KERNELS_PER_BLOCK = (16, 32)
-"""Kernel launches of a block besides its GEMMs and attention (norms, rope, residual adds, SwiGLU, casts),
-forward and backward; each costs the device's ``gemm_overhead_s``."""
-
-
-def is_torch(peer: Peer) -> bool:
-    """Whether ``peer`` is one of the torch configurations (FSDP2 + DTensor TP)."""
-    return peer.data_parallel == "fsdp"
-
 
 def small_all_reduce_s(nbytes: float, n: int, hw: Hardware) -> float:
     """An all-reduce of one small message over ``n`` ranks of ``hw``'s group (``Hardware.collective``: NCCL's
@@ -246,40 +240,6 @@ def separate_projections(w: Workload, peer: Peer, rows: float | None = None) -> 
     return Part.of(max(fwd, 0.0)), Part.of(max(bwd, 0.0))
 
 
-def elementwise_bytes(w: Workload, peer: Peer) -> float:
-    """Bytes one block's forward elementwise work moves on a rank, at the mean rows.
-
-    Fused (flashpar's fused rope / SwiGLU kernels; torch under torch.compile), in elements of the compute
-    dtype ``e``: two RMSNorms and two residual adds on the ``T_u / tp`` sequence-parallel rows of ``hidden``
-    (3 passes each), rope on q and k (3 passes), SwiGLU's silu(g) u on ``T_u`` rows of ``ffn / tp`` (5 passes).
-
-    Eager (a torch peer with ``Workload.eager``: torchtitan's Llama without torch.compile), per element, each
-    kernel's reads and writes, fp32 where the model casts: RMSNorm ``x.float()``, ``pow``, ``mean``, ``x *
-    rsqrt``, ``type_as``, ``* weight`` = 28 + 4 e bytes; rope's ``float()``, complex multiply, ``type_as`` =
-    16 + 2 e; ``repeat_kv``'s copies of k and v to every query head, 2 e (H + H_kv) d per token (when H_kv <
-    H); the attention output's ``transpose().contiguous()``, 2 e H d; residual adds and SwiGLU as fused."""
-    cfg, s, e = w.cfg, w.sizes(peer), w.elem_bytes
-    rows_sp, d = s["t_u"] / s["tp"], cfg.head_dim
-    qk = (s["heads"] + s["kv_heads"]) * d * s["t_cp"]
-    swiglu = 5 * e * cfg.ffn / s["tp"] * s["t_u"]
-    residual = 2 * 3 * e * cfg.hidden * rows_sp
-    if not (w.eager and is_torch(peer)):
-        return 2 * 3 * e * cfg.hidden * rows_sp + residual + 3 * e * qk + swiglu
-    norms = 2 * (28 + 4 * e) * cfg.hidden * rows_sp
-    rope = (16 + 2 * e) * qk
-    repeat = 2 * e * qk if s["kv_heads"] < s["heads"] else 0.0
-    out = 2 * e * s["heads"] * d * s["t_cp"]
-    return norms + residual + rope + repeat + out + swiglu
-
-
-def elementwise(w: Workload, peer: Peer, hw: Hardware) -> tuple[Part, Part]:
-    """(forward, backward) of a block's elementwise work (``elementwise_bytes`` at memory bandwidth) and its
-    kernel launches; backward moves twice the bytes."""
-    t = hw.memory_time(elementwise_bytes(w, peer))
-    return (Part.of(t + KERNELS_PER_BLOCK[0] * hw.gemm_overhead_s),
-            Part.of(2 * t + KERNELS_PER_BLOCK[1] * hw.gemm_overhead_s))
-
-
 def selective_recompute(w: Workload, peer: Peer) -> Part:
     """What torchtitan's per-op selective checkpointing recomputes of one block in backward, at the mean rows.
 
@@ -293,7 +253,7 @@ def selective_recompute(w: Workload, peer: Peer) -> Part:
     cfg, s, g = w.cfg, w.sizes(peer), w.groups(peer)
     h, d, f, tp, rows, e = cfg.hidden, cfg.head_dim, cfg.ffn, s["tp"], s["t_u"], w.elem_bytes
     hw = w.cluster.device
-    out = Part.of(hw.memory_time(elementwise_bytes(w, peer)) + KERNELS_PER_BLOCK[0] * hw.gemm_overhead_s)
+    out = Part.of(hw.memory_time(elementwise_bytes(w, peer)) + kernels(w, peer)[0] * hw.gemm_overhead_s)
     kv = (s["kv_heads"] if s["u"] > 1 else cfg.kv_heads // tp) * d
     rows_i = max(int(round(rows)), 1)
     if tp > 1:

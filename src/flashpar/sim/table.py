@@ -3,12 +3,15 @@ markdown row per cell: each configuration's fastest layout that fits, and how ma
 
     flashpar simulate table --hardware h100-96gb           # llama3-8b, llama3-70b x 64, 512 GPUs x 8K .. 128K
     flashpar simulate table --models llama3-8b --gpus 64 --seqs 8K --json cell.json
+    flashpar simulate table --eager                         # both sides without torch.compile
 
 Per cell and configuration: the fastest layout (with flashpar's tp mode, "ckpt" where it needs activation
 checkpointing, and flashpar's fused block count), tokens/s per GPU, MFU, the exposed share of its step, memory
 per GPU; then flashpar's tokens/s over the faster torch configuration's, the share that one exposes, and the
 layouts that fit per configuration (``flashpar.sim.train.simulate_rows`` with checkpointing auto).  Every
-figure is simulated on the ``--hardware`` preset, which the title names.
+figure is simulated on the ``--hardware`` preset, which the title names.  Both sides run their blocks'
+elementwise regions compiled (torch.compile; flashpar's figures are those of ``flashpar train --compile``), or
+both eager with ``--eager`` (``flashpar.sim.elementwise``); a line under the title says which.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the torch configurations' activation checkpointing: auto (none where the step fits, else "
                         "full, as flashpar's) or titan (torchtitan's defaults: selective for llama3-8b, full for "
                         "llama3-70b)")
+    p.add_argument("--eager", action="store_true",
+                   help="both sides without torch.compile: flashpar's eager kernels against torchtitan's (default: "
+                        "both compiled, flashpar as `flashpar train --compile`)")
     p.add_argument("--json", default=None, help="write {\"setup\": ..., \"rows\": [...]} to this file")
 
 
@@ -61,9 +67,11 @@ def _grid(args) -> tuple[list[str], list[int], list[int], list[str]]:
 
 
 def cell(model: str, gpus: int, seq: int, configs: list[str], hardware: str, inter: str, lengths: str,
-         gpus_per_node: int = 8, flashpar_mode: str = "best", torch_recompute: str = "auto") -> dict:
+         gpus_per_node: int = 8, flashpar_mode: str = "best", torch_recompute: str = "auto",
+         compiled: bool = True) -> dict:
     """One (model, GPUs, seq) search: per configuration the fastest fitting row and the count that fit
-    (``torch_recompute`` "titan": the torch configurations with torchtitan's checkpointing for the model)."""
+    (``torch_recompute`` "titan": the torch configurations with torchtitan's checkpointing for the model;
+    ``compiled``: every side's elementwise regions under torch.compile, else every side eager)."""
     from flashpar.cost import preset, preset_name
     from flashpar.cost.presets import STEP_SPREAD
     from flashpar.cp.lengths import resolve_lengths
@@ -89,7 +97,7 @@ def cell(model: str, gpus: int, seq: int, configs: list[str], hardware: str, int
         raise ValueError(f"--torch-recompute titan: torchtitan's default for {model} is not on record "
                          f"(known: {', '.join(TITAN_RECOMPUTE)})")
     rows = simulate_rows(cfg, cluster, packs, layouts, capacity, configs, elem_bytes=2, checkpoint="auto",
-                         flashpar_mode=flashpar_mode, torch_recompute=titan)
+                         flashpar_mode=flashpar_mode, torch_recompute=titan, compiled=compiled)
     best = fastest(rows, configs)
     fits = {c: sum(r["config"] == c and r["fits"] == "yes" for r in rows) for c in configs}
     return {"model": model, "gpus": gpus, "seq": seq, "layouts": len(layouts), "best": best, "fits": fits}
@@ -129,6 +137,8 @@ def markdown(cells: list[dict], configs: list[str]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from flashpar.sim.elementwise import label
+
     try:
         models, gpus, seqs, configs = _grid(args)
         cells = []
@@ -138,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
                 for seq in seqs:
                     t = time.perf_counter()
                     cells.append(cell(model, g, seq, configs, args.hardware, args.inter, args.lengths,
-                                      args.gpus_per_node, args.flashpar_mode, args.torch_recompute))
+                                      args.gpus_per_node, args.flashpar_mode, args.torch_recompute,
+                                      not args.eager))
                     cells[-1]["search_s"] = time.perf_counter() - t
     except (OSError, ValueError) as err:
         print(f"flashpar simulate table: {str(err).splitlines()[0]}", file=sys.stderr)
@@ -147,11 +158,12 @@ def run(args: argparse.Namespace) -> int:
           f"{args.lengths} documents, one packed sequence per dp rank; each configuration's fastest layout that fits "
           f"(checkpointing where needed{TITAN_NOTE if args.torch_recompute == 'titan' else ''}; "
           f"flashpar's tp mode: {args.flashpar_mode})")
+    print(label(not args.eager))
     print(markdown(cells, configs))
     print(f"{len(cells)} searches in {time.perf_counter() - t0:.0f} s")
     setup = {"hardware": args.hardware, "inter": args.inter, "lengths": args.lengths, "configs": configs,
              "flashpar_mode": args.flashpar_mode, "torch_recompute": args.torch_recompute,
-             "gpus_per_node": args.gpus_per_node, "simulated": True}
+             "gpus_per_node": args.gpus_per_node, "compiled": not args.eager, "simulated": True}
     rows = [{**{k: v for k, v in c.items() if k != "best"}, **{f"{n}_best": c["best"][n] for n in configs}}
             for c in cells]
     write_json(args.json, setup, rows)

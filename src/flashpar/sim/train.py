@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flashpar-mode", choices=tuple(FLASHPAR_MODES), default="best",
                    help="flashpar's tp / Ulysses mode: flash (the trainer's default), auto (--mode auto), or best: "
                         "the faster of the two per layout (default)")
+    p.add_argument("--eager", action="store_true",
+                   help="both sides without torch.compile: flashpar's eager kernels against torchtitan's (default: "
+                        "both compiled, flashpar as `flashpar train --compile`)")
     p.add_argument("--search", action="store_true", help="try every layout of --gpus; print the fastest that fit")
     p.add_argument("--top", type=int, default=5, help="layouts printed per configuration with --search (default 5)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of a length distribution (default 0)")
@@ -177,10 +180,12 @@ TITAN_RECOMPUTE = {"llama3-8b": "selective", "llama3-70b": "full"}
 
 def simulate_rows(cfg, cluster, packs, layouts, capacity, configs, *, elem_bytes: int, checkpoint: str,
                   batch: int = 1, prefetch: int = 1, flashpar_mode: str = "best",
-                  zero_collective: str = "auto", torch_recompute: str | None = None) -> list[dict]:
+                  zero_collective: str = "auto", torch_recompute: str | None = None,
+                  compiled: bool = True) -> list[dict]:
     """Every configuration on every layout: with ``checkpoint`` "auto", without activation checkpointing where
     that fits, else with it.  ``torch_recompute`` ("selective" or "full"): the torch configurations run that
-    instead, fitting or not (torchtitan's defaults: ``TITAN_RECOMPUTE``)."""
+    instead, fitting or not (torchtitan's defaults: ``TITAN_RECOMPUTE``).  ``compiled``: every side's blocks run
+    their elementwise regions under torch.compile (flashpar's with ``--compile``), else every side eager."""
     from flashpar.sim.peers import PEERS
     from flashpar.sim.step import is_torch
     from flashpar.sim.workload import Workload
@@ -194,7 +199,8 @@ def simulate_rows(cfg, cluster, packs, layouts, capacity, configs, *, elem_bytes
                 modes, selective = [torch_recompute == "full"], torch_recompute == "selective"
             for ckpt in modes:
                 w = Workload(cfg, layout, cluster, packs, elem_bytes=elem_bytes, checkpoint_activations=ckpt,
-                             batch=batch, prefetch=prefetch, zero_collective=zero_collective, selective=selective)
+                             batch=batch, prefetch=prefetch, zero_collective=zero_collective, selective=selective,
+                             flashpar_compiled=compiled, torch_compiled=compiled)
                 r = row(w, name, capacity, flashpar_mode)
                 if r["fits"] == "yes" or ckpt == modes[-1]:
                     rows.append(r)
@@ -209,6 +215,8 @@ def fastest(rows: list[dict], configs) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from flashpar.sim.elementwise import label as elementwise_label
+
     try:
         cfg, cluster, packs, layouts, capacity, configs = _setup(args)
     except ValueError as err:
@@ -217,10 +225,11 @@ def run(args: argparse.Namespace) -> int:
     rows = simulate_rows(cfg, cluster, packs, layouts, capacity, configs,
                          elem_bytes=2 if args.dtype == "bf16" else 4, checkpoint=args.checkpoint_activations,
                          batch=args.batch, prefetch=args.prefetch, flashpar_mode=args.flashpar_mode,
-                         zero_collective=args.zero_collective)
+                         zero_collective=args.zero_collective, compiled=not args.eager)
     label = (f"simulated, {cluster.device_name}, {cluster.describe()}; {args.model} ({cfg.params / 1e9:.2f}B "
              f"params), {args.batch} x {args.seq} tokens per dp rank ({args.lengths}: {len(packs[0])} documents "
-             f"per sequence), {args.dtype}, memory fits at {capacity:.0f} GB x 0.9")
+             f"per sequence), {args.dtype}, memory fits at {capacity:.0f} GB x 0.9\n"
+             f"{elementwise_label(not args.eager)}")
     if args.search:
         print(f"{label}\nsearch: {len(layouts)} layouts of {args.gpus} GPUs")
         for name in configs:
@@ -248,6 +257,6 @@ def run(args: argparse.Namespace) -> int:
              "documents": [len(p) for p in packs],
              "hardware": cluster.device_name, "inter": cluster.inter_name, "gpus_per_node": cluster.gpus_per_node,
              "gpu_mem_gb": capacity, "dtype": args.dtype, "checkpoint_activations": args.checkpoint_activations,
-             "search": bool(args.search), "simulated": True}
+             "search": bool(args.search), "compiled": not args.eager, "simulated": True}
     write_json(args.json, setup, rows)
     return 0

@@ -10,6 +10,10 @@ their cp group is cp x U ranks)::
                                                                      gathers
     heads   = H / tp or H / U           kv_heads = H_kv / tp or max(H_kv / U, 1)   (flashpar.dims.head_layout)
 
+Which side runs its blocks' elementwise regions compiled (``flashpar_compiled``, ``torch_compiled``; both by
+default, the GPU presets' comparison): flashpar's compiled figures are those of ``flashpar train --compile``;
+``flashpar.sim.elementwise`` counts each side's kernels either way.
+
 What the run recomputes in backward: nothing; every block's forward (``checkpoint_activations``, full activation
 checkpointing); or what torchtitan's per-op selective checkpointing recomputes (``selective``,
 ``flashpar.sim.step.selective_recompute``).
@@ -39,7 +43,10 @@ class Workload:
     checkpoint_activations: bool = False  # each block recomputed in backward (full activation checkpointing)
     selective: bool = False  # torchtitan's per-op selective checkpointing instead (``step.selective_recompute``)
     batch: int = 1  # sequences per dp rank and step (torchtitan's local batch size)
-    eager: bool = False  # the torch peers' elementwise ops unfused (no torch.compile; ``step.elementwise``)
+    flashpar_compiled: bool = True  # flashpar's and baseline's blocks with ``flashpar train --compile``: their
+    #                                 elementwise regions fused by inductor; False: its eager kernels
+    #                                 (``flashpar.sim.elementwise``)
+    torch_compiled: bool = True  # the torch peers' model under torch.compile; False: torchtitan's eager kernels
     prefetch: int = 1  # flashpar's ZeRO-3: units gathered ahead (``--prefetch``, 0: blocking; ``flashpar.sim.zero``)
     zero_collective: str = "auto"  # flashpar's ZeRO-3 units: "ring", "doubling" or "auto" (``zero.zero_collective``)
     fsdp_root: bool = False  # torch's FSDP2 wraps the embedding, final norm and head as one root unit
@@ -71,8 +78,10 @@ class Workload:
     def of(cls, cfg: LlamaConfig, layout: Layout, cluster: Cluster, packs, options: ParallelOptions,
            **others) -> Workload:
         """The workload of a model run with ``options`` (``flashpar.options.ParallelOptions``: dtype, activation
-        checkpointing, regather, vocabulary gather, ZeRO-3 prefetch and collective), ``others`` the simulator's own
+        checkpointing, regather, vocabulary gather, ZeRO-3 prefetch and collective, torch.compile of the blocks'
+        elementwise regions; options without a ``compile`` field run eager), ``others`` the simulator's own
         fields."""
+        others.setdefault("flashpar_compiled", bool(getattr(options, "compile", False)))
         return cls(cfg, layout, cluster, packs, elem_bytes=options.dtype_bytes,
                    checkpoint_activations=options.checkpoint_activations, regather=options.regather,
                    gather_vocab=options.gather_vocab, prefetch=options.prefetch,
