@@ -57,6 +57,7 @@ class GenerateConfig:
     strategy: str = "flashcp"
     mode: str = "auto"
     dtype: str = "fp32"
+    compile: bool = False
     device: str = "cpu"
     timeout: float = 300.0
     master_addr: str = "127.0.0.1"
@@ -117,6 +118,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--mode", default="auto", help="FlashOverlap's mode of the prefill's tensor-parallel linears: "
                                                   "flash, ring, slice, none or auto (default: auto)")
     r.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype (default: fp32)")
+    r.add_argument("--compile", action="store_true",
+                   help="compile the prefill's elementwise work (norms, rope, SwiGLU, residual adds) with "
+                        "torch.compile at start-up; the communicating ops and decode stay eager (default: off)")
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: one process per GPU, each started by a launcher that sets RANK (default: cpu)")
     r.add_argument("--timeout", type=float, default=300.0, help="seconds any distributed wait may take (default: "
@@ -296,6 +300,7 @@ def rank_main(config: GenerateConfig, job: Job) -> None:
 
     from flashpar.dims import ParallelDims
     from flashpar.infer.generate import generate
+    from flashpar.models.compiling import warm_up
     from flashpar.models.parallel import ParallelLlama
 
     cfg = job.cfg
@@ -309,7 +314,7 @@ def rank_main(config: GenerateConfig, job: Job) -> None:
                          f"{dist.get_world_size()}")
     mesh = ParallelDims(1, config.cp, 1, config.tp).mesh(config.device)
     model = ParallelLlama(cfg, mesh, mode=config.mode, dp_mode="replicate", dtype=config.dtype,
-                          timeout=config.timeout)
+                          compile=config.compile, timeout=config.timeout)
     if cuda:
         model = model.cuda()
     if config.init_from is not None:
@@ -319,6 +324,11 @@ def rank_main(config: GenerateConfig, job: Job) -> None:
 
         model.load_full(read_model(config.checkpoint))
     rank0 = dist.get_rank() == 0
+    compiled = warm_up(model, grad=False)  # --compile: the prefill's regions, before the clock starts
+    if compiled is not None:
+        compiled = compiled.slowest(model.norm.weight.device)
+        if rank0:
+            print(f"{NAME}: {compiled.line()}", file=sys.stderr, flush=True)
     st = job.stopping
     out = generate(model, [p.tokens for p in job.prompts], max_new_tokens=config.max_new_tokens,
                    sampling=job.sampling, eos_id=st.eos_id, stop_ids=st.stop_ids, stop=st.stop,

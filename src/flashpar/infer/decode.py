@@ -31,6 +31,7 @@ from flashpar.infer.cache import RankCache
 from flashpar.infer.comm import all_reduce
 from flashpar.infer.replicated import block_tail, head_logits
 from flashpar.models.fused import rope_tables
+from flashpar.models.regions import EAGER
 
 
 @torch.no_grad()
@@ -49,7 +50,9 @@ def decode_step(model, cache: RankCache, tokens: torch.Tensor, positions: torch.
     scale = cfg.head_dim ** -0.5
     for i, block in enumerate(model.blocks):
         a = block.attn_norm(x).to(dtype)
-        q, k, v = block.heads_of(a @ block.qkv.weight.to(dtype).T, tables)  # bias, q/k norm, rope
+        # bias, q/k norm, rope; eager: a decode step's rows are one per sequence, its elementwise work negligible,
+        # and a compiled region would compile again for one row (a size torch specialises)
+        q, k, v = block.heads_of(a @ block.qkv.weight.to(dtype).T, tables, EAGER)
         cache.write(i, step, k, v)
         keys, values = cache.keys(i)
         o, lse = partial_attention(q, keys, values, seen[block.window], scale)

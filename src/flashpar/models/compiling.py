@@ -62,7 +62,10 @@ def warm_up(model, *, grad: bool = True) -> CompileReport | None:
     runs them; False: forward only, as prefill does).  None when the model is not compiled."""
     if not model.options.compile:
         return None
+    import torch
+
     start = graphs_compiled()
     t0 = time.perf_counter()
-    model.warm_regions(grad=grad)
+    with torch.enable_grad() if grad else torch.no_grad():  # prefill runs under no_grad: the same graphs
+        model.warm_regions(grad=grad)
     return CompileReport(time.perf_counter() - t0, graphs_compiled() - start, start)

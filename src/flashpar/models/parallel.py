@@ -95,6 +95,7 @@ from flashpar.models.layout import LAYOUT, Piece, layout_of, padded_vocab, stack
 from flashpar.models.llama import Llama, RMSNorm
 from flashpar.models.precision import DTYPES, compute_dtype, widened
 from flashpar.models.recompute import run_checkpointed
+from flashpar.models.regions import Regions
 from flashpar.models.regions import regions as regions_of
 from flashpar.models.step_check import StepCheck
 from flashpar.models.vocab import embed_rows, gathers_weight, own_rows_loss, vocab_parallel_loss
@@ -266,16 +267,18 @@ class ParallelBlock(nn.Module):
             if grad:
                 torch.autograd.grad(sum(o.float().sum() for o in outs), [x, out, qkv, gu, y])
 
-    def heads_of(self, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]
+    def heads_of(self, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], regions: Regions | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``q, k, v`` of this rank's heads from the q/k/v GEMM's output ``qkv [T, (heads + 2 kv_heads) D]``: the
-        bias added, q and k normed per head (``qk_norm``), rotated (``tables``): the ``heads`` region."""
+        bias added, q and k normed per head (``qk_norm``), rotated (``tables``): the ``heads`` region (of ``regions``;
+        None: the block's)."""
         bias = _bias(self.qkv_bias)
         if bias is not None and self.ulysses_group is not None:  # this rank's head group of the regrouped rows
             n = qkv.shape[1]
             bias = bias.index_select(0, self.qkv_rows[self.u_rank * n : (self.u_rank + 1) * n])
         q_w, k_w = _gain(self.q_norm), _gain(self.k_norm)
-        return self.regions.heads(qkv, bias, q_w, k_w, *tables, self.heads, self.kv_heads, self.cfg.norm_eps)
+        heads = (regions or self.regions).heads
+        return heads(qkv, bias, q_w, k_w, *tables, self.heads, self.kv_heads, self.cfg.norm_eps)
 
     def _pick(self, plan) -> dict:
         """The ops' ``pick_rows`` (ZeRO-3): with ``check=False`` each rank picks mode auto's schedules itself, and a

@@ -29,6 +29,7 @@ every rank (head counts, ``eps``), so every rank compiles the same graphs.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -133,10 +134,15 @@ def compiled() -> Regions:
     """The regions given to ``torch.compile`` (made once per process, shared by every block and model)."""
     if not _COMPILED:
         import torch._dynamo
+        import torch._inductor.config
 
         # a region recompiled past torch's limit would run eagerly without a word: raise instead
         # (flashpar.models.compile_report turns it into one line)
         torch._dynamo.config.fail_on_recompile_limit_hit = True
+        if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+            # every rank of a node compiles its own regions at the same time (from inductor's cache when an
+            # earlier run filled it): a pool of worker processes per rank would start cores x ranks of them
+            torch._inductor.config.compile_threads = 1
 
         def make(fn, rows: tuple[int, ...]):
             compiled_fn = torch.compile(fn, fullgraph=True)
