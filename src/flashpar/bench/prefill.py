@@ -15,20 +15,20 @@ emulated links (``--link-rate``), as ``bench train`` runs its configurations:
 
 The batch: ``--lengths`` (a shipped name, a file, or a comma list of lengths) divided by ``--scale``, packed into
 one sequence of ``--tokens`` tokens in units of ``2 cp`` (torch's head-tail chunks), each document one prompt of
-seeded random tokens.  Every configuration built once, ``--warmup`` runs, then ``--rounds`` rounds with the
-order rotated; a run is the prefill and ``--decode-steps`` decode steps (greedy).  Then one more time to first
-token of each configuration, timed by part (``time_parts``), and each configuration again, fresh, for its peak
-memory.  Figures per configuration (medians over rounds of the slowest rank): ``ttft_ms`` (planning, the cache's
-set-up, prefill and the first token; torch: its forward to the first token), ``prefill_tokens_per_s`` (the
+seeded random tokens.  Every configuration built once, ``--warmup`` runs, then ``--rounds`` rounds with the order
+rotated; a run is the prefill and ``--decode-steps`` decode steps (greedy).  Then one more time to first token of
+each configuration, timed by part (``time_parts``; not of a compiled one), and each configuration again, fresh, for
+its peak memory.  Figures per configuration (medians over rounds of the slowest rank): ``ttft_ms`` (planning, the
+cache's set-up, prefill and the first token; torch: its forward to the first token), ``prefill_tokens_per_s`` (the
 batch's tokens / ttft), ``decode_tokens_per_s`` (prompts x steps / decode time), ``kv_bytes`` (the largest rank's
 K/V at the end; torch: the K/V a rank all-gathers per layer, times the layers, what a cache of it would hold),
 ``peak_mem_mb``; ``breakdown_ms`` (``PARTS``, each part's mean over the ranks; ``breakdown_ms_per_rank``,
 ``breakdown_wall_ms`` the timed run, which the parts add up to, ``breakdown_ttft_ms`` the plain run before it),
 ``breakdown_cpu_ms`` (each part's CPU time, the stepping thread) and ``breakdown_process_cpu_ms`` (every thread);
 ``compile_s`` (the seconds ``torch.compile`` spent in the configuration's build and warm-up, the slowest rank:
-``flashpar.bench.compile_time``; 0 for the eager ones) and ``recompiles`` (compilations during its timed runs).
-The first logits (every prompt's last token) must agree across the configurations (relative 1e-4) or the
-command exits 1.
+``flashpar.bench.compile_time``; 0 for the eager ones) and ``recompiles`` (compilations during its timed runs). The
+first logits (every prompt's last token) must agree across the configurations (relative 1e-4) or the command exits
+1.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ when not root), as ``bench cp`` and ``bench overlap`` do.  Every rank, for every
 2. the breakdown: each configuration one plain step, then one step inside
    :func:`flashpar.bench.breakdown.breakdown` (its wall time split into attention forward / backward,
    linear, elementwise, loss, optimizer, exposed communication and other, measured where each happens);
+   not of a compiled configuration (``COMPILED``: inductor's kernels are invisible to the dispatch mode);
 3. memory and first loss: each configuration built fresh again, two optimizer steps on the same
    packed sequences; the first step's loss (summed over the ranks) and the rank's peak memory
    (``flashpar.peak_memory``).
@@ -43,9 +44,9 @@ part's mean over the ranks; ``breakdown_ms_per_rank``, ``breakdown_wall_ms`` the
 ``breakdown_step_ms`` the plain step before it); ``compile_s`` the seconds ``torch.compile`` spent building and
 warming up the configuration (``flashpar.bench.compile_time``, the slowest rank; 0 for the eager ones) and
 ``recompiles`` the compilations during its timed steps (0: the warm-up absorbed them).  ``setup.hardware`` /
-``attn_fwd`` / ``attn_bwd``: the cost
-model's calibration on this run's ranks (``calibrate_hardware``), from which ``flashpar simulate check`` predicts
-the step of every configuration.  The first-step losses must agree (relative 1e-4) or the command exits 1.
+``attn_fwd`` / ``attn_bwd``: the cost model's calibration on this run's ranks (``calibrate_hardware``), from which
+``flashpar simulate check`` predicts the step of every configuration.  The first-step losses must agree (relative
+1e-4) or the command exits 1.
 
 The data: ``--lengths`` (a shipped name or a file), each length divided by ``--scale``, packed into
 ``dp`` sequences of ``--seq-len`` tokens in units of ``2 cp`` tokens (torch's per-document head-tail
