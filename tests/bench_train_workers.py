@@ -94,3 +94,48 @@ def solo_without_comm(rank: int, n: int, config: dict) -> dict:
         store.wait(["solo-done"], datetime.timedelta(seconds=120))
     dist.barrier()
     return {"done": done, "restored": communicating()}
+
+
+def compiled_against_eager(rank: int, n: int) -> dict:
+    """At tp ``n`` (dp 1, cp 1): the eager torch peer and the compiled one (``compile_blocks``), each two AdamW steps
+    on the same fp32 weights and sequence of ``DOCS``.  Their summed losses per step, the largest relative error of
+    a first-step gradient (against the largest of that parameter's), the seconds torch.compile spent
+    (``flashpar.bench.compile_time``) and the compilations in the first step and after it."""
+    from torch.distributed.tensor import DTensor
+
+    from flashpar.bench import torch_parallel
+    from flashpar.bench.compile_time import compile_seconds, compiles
+
+    warnings.filterwarnings("ignore")
+    cfg = LlamaConfig(hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, tie_embeddings=False)
+    tokens = torch.randint(0, cfg.vocab_size, (sum(DOCS),), generator=torch.Generator().manual_seed(7))
+    labels = torch.roll(tokens, -1)
+    labels[torch.tensor(DOCS).cumsum(0) - 1] = IGNORE
+    count = float((labels != IGNORE).sum())
+    mesh = torch_parallel.make_mesh(1, 1, n, "cpu")
+    out = {}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        torch.manual_seed(0)
+        model, opt = torch_parallel.build(cfg, mesh, Llama(cfg), "cpu", lr=1e-3, compile_blocks=compiled)
+        batch = torch_parallel.make_batch(tokens, labels, DOCS, mesh, "cpu")
+        losses = []
+        for step in range(2):
+            s0, k0 = compile_seconds(), compiles()
+            loss = torch_parallel.forward_backward(model, batch, count, n)
+            if step == 0:
+                full = {k: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+                        for k, p in model.named_parameters()}
+                out[name + "_grads"] = {k.replace("_orig_mod.", ""): g for k, g in full.items()}  # compiled blocks
+                if compiled:
+                    out.update(compile_s=compile_seconds() - s0, compiles_first_step=compiles() - k0)
+            elif compiled:
+                out["compiles_later"] = compiles() - k0
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dist.all_reduce(loss)
+            losses.append(float(loss))
+        out[name] = losses
+    eager, comp = out.pop("eager_grads"), out.pop("compiled_grads")
+    assert set(eager) == set(comp), (sorted(eager), sorted(comp))
+    out["grad_err"] = max(float((comp[k] - g).abs().max() / g.abs().max()) for k, g in eager.items())
+    return out

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench_train_workers import peer_against_llama, solo_without_comm
+from bench_train_workers import compiled_against_eager, peer_against_llama, solo_without_comm
 from dist_harness import SpawnCache
 from flashpar import cli, links
 from flashpar.bench import train as bench_train
@@ -49,6 +49,7 @@ def _calls(n: int) -> list:
                   for mesh in SOLO_MESHES]
         # 512 tokens against the 256-byte vocabulary: flashpar and baseline gather the embedding / head weights
         calls += [("solo-vocab", solo_without_comm, _config(dp=1, cp=1, tp=2, seq_len=512))]
+        calls += [("compiled", compiled_against_eager)]
     return calls
 
 
@@ -67,7 +68,7 @@ spawned = SpawnCache(_calls, timeout=400.0)
     (["--lengths", "/no/such/file"], "--lengths"),
     (["--link-rate", "fast"], "--link-rate"),
     (["--dp", "1", "--cp", "1", "--tp", "1"], "at least 2 ranks"),
-    (["--configs", "torch_compile", "--tp", "2"], "--tp 1"),
+    (["--configs", "torch,torch_compile", "--warmup", "0"], "--warmup 0: torch_compile"),
 ])
 def test_bad_arguments_stop_with_one_line_before_any_rank(argv, needle, capsys, monkeypatch):
     import flashpar.bench.launch as launch
@@ -115,6 +116,22 @@ def test_torch_peer_matches_the_single_process_llama_in_float64(n):
     for mesh, r in spawned(n)["peer"][0].items():
         assert math.isclose(r["loss"], r["ref"], rel_tol=1e-10), (mesh, r)
         assert r["grad_err"] < 1e-10, (mesh, r)
+
+
+def test_compiled_peer_at_tp2_matches_the_eager_peer():
+    """The torch_compile peer (every block compiled whole after TP-SP, ``fullgraph=True``) at tp 2 against the eager
+    peer on the same weights and sequences, fp32, two layers, two AdamW steps: the same losses and first-step
+    gradients, every parameter's (the embedding's included: a compiled first block that dropped its input's
+    gradient would leave it zero or fail).  Inductor fuses the elementwise chains (rope, RMSNorm, SwiGLU, residual
+    adds) and may sum RMSNorm's squares in another order, a few fp32 ulps (~1e-7 relative) per value; observed
+    differences are <= 1e-7 relative on the losses and <= 5e-7 of the largest gradient, so 1e-5 leaves 20x room
+    and still fails on any missing or doubled term.  One compiled graph serves both blocks, nothing recompiles
+    after the first step, and torch's compile-time metric counted it."""
+    for r in spawned(2)["compiled"]:
+        for eager, compiled in zip(r["eager"], r["compiled"], strict=True):
+            assert math.isclose(compiled, eager, rel_tol=1e-5), r
+        assert r["grad_err"] < 1e-5, r
+        assert r["compile_s"] > 0 and r["compiles_first_step"] == 2 and r["compiles_later"] == 0, r
 
 
 @pytest.mark.parametrize("mesh", SOLO_MESHES)
@@ -207,3 +224,26 @@ def test_report_sums_the_ranks_cpu_per_step_and_spreads_the_extra_over_the_share
         assert row["cpu_ms"] == pytest.approx(2200) and row["no_comm_cpu_ms"] == pytest.approx(1600)
         assert row["comm_cpu_ms"] == pytest.approx(600 / shared)
         assert row["step_ms"] == pytest.approx(600) and row["exposed_ms"] == pytest.approx(200)
+
+
+def test_report_gives_each_configuration_its_slowest_ranks_compile_time_and_names_timed_compilations():
+    """``compile_s``: the largest over the ranks (they compile at once, the slowest holds the others at the next
+    barrier); ``recompiles``: the most compilations a rank did in its timed steps, named in the printed report when
+    any.  A configuration without a breakdown (a compiled one) has no breakdown figures; the others keep theirs."""
+    config = {**_config(dp=1, cp=1, tp=2), "configs": ["torch", "torch_compile"], "link_rate": "loopback"}
+    seqs = bench_train.sequences(config)
+    parts = {"attention_fwd": 1.0, "attention_bwd": 1.0, "linear": 1.0, "elementwise": 1.0, "loss": 1.0,
+             "optimizer": 1.0, "exposed_comm": 1.0, "other": 1.0, "wall_ms": 8.0, "plain_ms": 9.0}
+    gathered = [{"samples": {(name, k): [0.5] for name in config["configs"]
+                             for k in ("step", "no_comm", "step_cpu", "no_comm_cpu")},
+                 "mem": {"torch": 1.0, "torch_compile": 1.0}, "parts": {"torch": parts},
+                 "compile_s": {"torch": 0.0, "torch_compile": seconds},
+                 "recompiles": {"torch": 0, "torch_compile": late}} for seconds, late in ((12.0, 0), (14.5, 1))]
+    report = bench_train.make_report(config, gathered, [5.0, 5.0], 1e9, seqs)
+    rows = {r["name"]: r for r in report["configs"]}
+    assert (rows["torch"]["compile_s"], rows["torch"]["recompiles"]) == (0.0, 0)
+    assert (rows["torch_compile"]["compile_s"], rows["torch_compile"]["recompiles"]) == (14.5, 1)
+    assert "breakdown_ms" in rows["torch"] and "breakdown_ms" not in rows["torch_compile"]
+    text = bench_train.format_report(report)
+    assert "compile s" in text
+    assert "compiled during timed steps (their step times include it): torch_compile (1)" in text

@@ -10,21 +10,25 @@ emulated links (``--link-rate``), as ``bench train`` runs its configurations:
     torch      the ``bench train`` peer forward-only (``flashpar.bench.torch_prefill``: DTensor TP-SP, K/V
                all-gathered over cp, SDPA per (document, chunk) of torch's per-document head-tail layout, the
                head on the prompts' last tokens); prefill only: it has no KV cache to decode from
+    torch_compile  the same peer, every block torch.compile'd as ``bench train``'s compiled peer
+               (``flashpar.bench.compiled_blocks``; forward-only graphs: the peer runs under no_grad)
 
 The batch: ``--lengths`` (a shipped name, a file, or a comma list of lengths) divided by ``--scale``, packed into
 one sequence of ``--tokens`` tokens in units of ``2 cp`` (torch's head-tail chunks), each document one prompt of
-seeded random tokens.  Every configuration built once, ``--warmup`` runs, then ``--rounds`` rounds with the
-order rotated; a run is the prefill and ``--decode-steps`` decode steps (greedy).  Then one more time to first
-token of each configuration, timed by part (``time_parts``), and each configuration again, fresh, for its peak
-memory.  Figures per configuration (medians over rounds of the slowest rank): ``ttft_ms`` (planning, the cache's
-set-up, prefill and the first token; torch: its forward to the first token), ``prefill_tokens_per_s`` (the
+seeded random tokens.  Every configuration built once, ``--warmup`` runs, then ``--rounds`` rounds with the order
+rotated; a run is the prefill and ``--decode-steps`` decode steps (greedy).  Then one more time to first token of
+each configuration, timed by part (``time_parts``; not of a compiled one), and each configuration again, fresh, for
+its peak memory.  Figures per configuration (medians over rounds of the slowest rank): ``ttft_ms`` (planning, the
+cache's set-up, prefill and the first token; torch: its forward to the first token), ``prefill_tokens_per_s`` (the
 batch's tokens / ttft), ``decode_tokens_per_s`` (prompts x steps / decode time), ``kv_bytes`` (the largest rank's
 K/V at the end; torch: the K/V a rank all-gathers per layer, times the layers, what a cache of it would hold),
 ``peak_mem_mb``; ``breakdown_ms`` (``PARTS``, each part's mean over the ranks; ``breakdown_ms_per_rank``,
 ``breakdown_wall_ms`` the timed run, which the parts add up to, ``breakdown_ttft_ms`` the plain run before it),
-``breakdown_cpu_ms`` (each part's CPU time, the stepping thread) and ``breakdown_process_cpu_ms`` (every thread).
-The first logits (every prompt's last token) must agree across the configurations (relative 1e-4) or the
-command exits 1.
+``breakdown_cpu_ms`` (each part's CPU time, the stepping thread) and ``breakdown_process_cpu_ms`` (every thread);
+``compile_s`` (the seconds ``torch.compile`` spent in the configuration's build and warm-up, the slowest rank:
+``flashpar.bench.compile_time``; 0 for the eager ones) and ``recompiles`` (compilations during its timed runs). The
+first logits (every prompt's last token) must agree across the configurations (relative 1e-4) or the command exits
+1.
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ import json
 import statistics
 import sys
 
-CONFIGS = ("flashpar", "baseline", "torch")
+CONFIGS = ("flashpar", "baseline", "torch", "torch_compile")
+DEFAULT_CONFIGS = ("flashpar", "baseline", "torch")
+TORCH_PEERS = {"torch": False, "torch_compile": True}  # the torch peers: torch.compile per block
+COMPILED = ("torch_compile",)  # configurations that compile in their first runs: they need a warm-up run
 LOGITS_RTOL = 1e-4  # fp32 on every path, sums in another order only
 
 
@@ -75,10 +82,10 @@ class Runner:
 
     def __init__(self, name: str, config: dict, ids, full, meshes: dict) -> None:
         self.name, self.config, self.ids = name, config, ids
-        if name == "torch":
+        if name in TORCH_PEERS:
             from flashpar.bench.torch_prefill import TorchPrefill
 
-            self.peer = TorchPrefill(full, meshes["torch"], ids)
+            self.peer = TorchPrefill(full, meshes["torch"], ids, compile_blocks=TORCH_PEERS[name])
             return
         from flashpar.infer.planning import forward_cost
         from flashpar.models.parallel import ParallelLlama
@@ -90,7 +97,7 @@ class Runner:
         self.strategy = "flashcp" if name == "flashpar" else "per_doc"
 
     def run(self):
-        if self.name == "torch":
+        if self.name in TORCH_PEERS:
             ttft, first, _ = self.peer.run()
             return ttft, None, self.peer.kv_bytes(), first
         from flashpar.infer import generate
@@ -100,7 +107,7 @@ class Runner:
         return out.ttft_s, out.decode_s, out.kv_bytes, out.first_logits
 
     def first_token(self) -> None:
-        if self.name == "torch":
+        if self.name in TORCH_PEERS:
             self.peer.first_token()
             return
         from flashpar.infer.generate import first_token
@@ -125,7 +132,9 @@ def time_parts(runners: dict, names: list[str]) -> dict:
     """Each configuration's parts (``flashpar.bench.breakdown``) of one more time to first token, right after a
     plain run of it (``plain_ms``: its time to first token, which the parts are compared with): wall time by part,
     the stepping thread's CPU time by part (``cpu``) and the process's CPU time, every thread (``process_cpu_ms``:
-    gloo's and the lanes' threads, and the kernel's work on the sends, besides the stepping thread's)."""
+    gloo's and the lanes' threads, and the kernel's work on the sends, besides the stepping thread's).  Not of a
+    compiled configuration (``COMPILED``): its graphs run as inductor kernels, which the breakdown's dispatch mode
+    does not see, and under that mode dynamo runs no compiled frame."""
     import time
 
     import torch
@@ -136,7 +145,7 @@ def time_parts(runners: dict, names: list[str]) -> dict:
     with breakdown():  # the dispatch mode's first entry costs ~0.1 s once: not charged to the first configuration
         torch.ones(1).add(1)
     parts = {}
-    for name in names:
+    for name in (n for n in names if n not in COMPILED):  # compiled graphs: invisible to the dispatch mode
         dist.barrier()
         plain = runners[name].run()[0]
         dist.barrier()
@@ -154,6 +163,7 @@ def worker(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    from flashpar.bench.compile_time import compile_seconds, compiles
     from flashpar.dims import ParallelDims
     from flashpar.dist import as_timedelta
     from flashpar.models import Llama
@@ -163,7 +173,7 @@ def worker(config: dict) -> None:
     torch.set_num_threads(config["threads"])
     tp, cpn = config["tp"], config["cp"]
     meshes = {"flashpar": ParallelDims(1, cpn, 1, tp).mesh("cpu")}
-    if "torch" in config["configs"]:
+    if set(TORCH_PEERS) & set(config["configs"]):
         from flashpar.bench.torch_parallel import make_mesh
 
         meshes["torch"] = make_mesh(1, cpn, tp, "cpu")
@@ -171,16 +181,24 @@ def worker(config: dict) -> None:
     full = Llama(model_config(config))
     ids = prompts(config)
     names = config["configs"]
-    runners = {name: Runner(name, config, ids, full, meshes) for name in names}
+    runners, compile_s, recompiles = {}, dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
+    for name in names:  # torch.compile's time in each configuration's build and warm-up: its compile_s
+        c0 = compile_seconds()
+        runners[name] = Runner(name, config, ids, full, meshes)
+        compile_s[name] += compile_seconds() - c0
     for name in names:
+        c0 = compile_seconds()
         for _ in range(config["warmup"]):
             runners[name].run()
+        compile_s[name] += compile_seconds() - c0
     samples = {name: [] for name in names}
     firsts = {}
     for rnd in range(config["rounds"]):
         for name in names[rnd % len(names):] + names[: rnd % len(names)]:
             dist.barrier()
+            k0 = compiles()
             ttft, decode, kv, first = runners[name].run()
+            recompiles[name] += compiles() - k0  # a compilation inside a timed run: 0 after the warm-up
             samples[name].append((ttft, decode, kv))
             firsts[name] = first
     parts = time_parts(runners, names)
@@ -195,7 +213,8 @@ def worker(config: dict) -> None:
         del runner
     worst = max(float((firsts[n] - firsts[names[0]]).abs().max() / firsts[names[0]].abs().max()) for n in names)
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"samples": samples, "mem": mem, "worst": worst, "parts": parts})
+    dist.all_gather_object(gathered, {"samples": samples, "mem": mem, "worst": worst, "parts": parts,
+                                      "compile_s": compile_s, "recompiles": recompiles})
     if dist.get_rank() == 0:
         with open(config["out"], "w") as f:
             json.dump(make_report(config, gathered, [len(p) for p in ids]), f, indent=1)
@@ -218,7 +237,7 @@ def shown_parts(per_rank: list[dict]) -> tuple[str, ...]:
 
 
 def make_report(config: dict, gathered: list, lens: list[int]) -> dict:
-    from flashpar.bench.train import breakdown_figures
+    from flashpar.bench.train import breakdown_figures, compile_figures
 
     rows = []
     tokens = sum(lens)
@@ -230,8 +249,8 @@ def make_report(config: dict, gathered: list, lens: list[int]) -> dict:
         rows.append({"name": name, "ttft_ms": 1e3 * ttft, "prefill_tokens_per_s": tokens / ttft,
                      "decode_tokens_per_s": len(lens) * config["decode_steps"] / decode if decode else None,
                      "kv_bytes": max(s[2] for s in per_round[0]),
-                     "peak_mem_mb": max(g["mem"][name] for g in gathered)})
-        if "parts" in gathered[0]:
+                     "peak_mem_mb": max(g["mem"][name] for g in gathered), **compile_figures(gathered, name)})
+        if name in gathered[0].get("parts", {}):
             per_rank = [g["parts"][name] for g in gathered]
             parts = shown_parts(per_rank)
             rows[-1].update(breakdown_figures(per_rank, parts, plain="ttft"))
@@ -248,21 +267,24 @@ def make_report(config: dict, gathered: list, lens: list[int]) -> dict:
 
 
 def format_report(report: dict) -> str:
+    from flashpar.bench.train import format_recompiles
+
     s, rows = report["setup"], report["configs"]
     by = {r["name"]: r for r in rows}
     lines = [f"N={s['world_size']} (cp {s['cp']} x tp {s['tp']}), link {s['link_rate']}, Llama hidden {s['hidden']} x "
              f"{s['layers']} layers, heads {s['heads']}/{s['kv_heads']}, ffn {s['ffn']}; {s['prompts']} prompts, "
              f"{s['tokens']} tokens ({s['lengths']} / {s['scale']}), {s['decode_steps']} decode steps, fp32, "
              f"{s['threads']} thread(s)/rank; median of {s['rounds']} rounds (slowest rank)", "",
-             f"{'config':<10}{'TTFT ms':>9}{'prefill tok/s':>15}{'decode tok/s':>14}{'KV MiB/rank':>13}"
-             f"{'mem MB':>8}{'TTFT x base':>13}{'TTFT x torch':>14}"]
+             f"{'config':<14}{'TTFT ms':>9}{'prefill tok/s':>15}{'decode tok/s':>14}{'KV MiB/rank':>13}"
+             f"{'mem MB':>8}{'TTFT x base':>13}{'TTFT x torch':>14}{'compile s':>10}"]
     for r in rows:
         ratio = lambda base, r=r: f"{r['ttft_ms'] / by[base]['ttft_ms']:.2f}" if base in by else "-"  # noqa: E731
         decode = f"{r['decode_tokens_per_s']:>14.1f}" if r["decode_tokens_per_s"] else f"{'-':>14}"
-        lines.append(f"{r['name']:<10}{r['ttft_ms']:>9.1f}{r['prefill_tokens_per_s']:>15.0f}{decode}"
+        lines.append(f"{r['name']:<14}{r['ttft_ms']:>9.1f}{r['prefill_tokens_per_s']:>15.0f}{decode}"
                      f"{r['kv_bytes'] / 2**20:>13.2f}{r['peak_mem_mb']:>8.1f}{ratio('baseline'):>13}"
-                     f"{ratio('torch'):>14}")
+                     f"{ratio('torch'):>14}{r.get('compile_s', 0.0):>10.1f}")
     lines += format_breakdown(rows)
+    lines += format_recompiles(rows)
     agree = "agree" if s["logits_agree"] else "DISAGREE"
     lines.append(f"first logits {agree}: largest relative difference {s['logits_rel_diff']:.2e} "
                  f"(tolerance {LOGITS_RTOL:g})")
@@ -279,20 +301,20 @@ def format_breakdown(rows: list[dict]) -> list[str]:
     short = {"attention_fwd": "attention", "exposed_comm": "comm", "elementwise": "elemwise"}
     lines = ["", "where the time to first token goes (ms, mean over the ranks of one more run, timed by part: "
                  "flashpar.bench.breakdown)",
-             f"{'config':<10}" + "".join(f"{short.get(p, p):>10}" for p in parts) + f"{'sum':>8}{'sum/ttft':>9}"]
+             f"{'config':<14}" + "".join(f"{short.get(p, p):>10}" for p in parts) + f"{'sum':>8}{'sum/ttft':>9}"]
     for r in rows:
         b = r["breakdown_ms"]
         total = sum(b.values())
-        lines.append(f"{r['name']:<10}" + "".join(f"{b.get(p, 0.0):>10.1f}" for p in parts)
+        lines.append(f"{r['name']:<14}" + "".join(f"{b.get(p, 0.0):>10.1f}" for p in parts)
                      + f"{total:>8.0f}{total / r['breakdown_ttft_ms']:>9.2f}")
     cpu = [r for r in rows if "breakdown_cpu_ms" in r]
     if cpu:
         lines += ["", "the same run's CPU time by part (ms, the stepping thread, mean over the ranks; 'process': every "
                       "thread of the rank, the transport's included)",
-                  f"{'config':<10}" + "".join(f"{short.get(p, p):>10}" for p in parts) + f"{'sum':>8}{'process':>9}"]
+                  f"{'config':<14}" + "".join(f"{short.get(p, p):>10}" for p in parts) + f"{'sum':>8}{'process':>9}"]
         for r in cpu:
             b = r["breakdown_cpu_ms"]
-            lines.append(f"{r['name']:<10}" + "".join(f"{b.get(p, 0.0):>10.1f}" for p in parts)
+            lines.append(f"{r['name']:<14}" + "".join(f"{b.get(p, 0.0):>10.1f}" for p in parts)
                          + f"{sum(b.values()):>8.0f}{r['breakdown_process_cpu_ms']:>9.0f}")
     return lines
 
@@ -312,7 +334,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-rate", default="2gbit", help="emulated per-rank link; 'none' = loopback (default 2gbit)")
     p.add_argument("--rounds", type=int, default=3, help="(default 3)")
     p.add_argument("--warmup", type=int, default=1, help="(default 1)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"subset of {','.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the report to this JSON file")
@@ -339,6 +362,10 @@ def check_arguments(config: dict) -> str | None:
             return f"--{key.replace('_', '-')} must be >= {least}, got {config[key]}"
     if config["tp"] * config["cp"] < 2:
         return "the mesh cp x tp must have at least 2 ranks"
+    compiled = [c for c in config["configs"] if c in COMPILED]
+    if compiled and config["warmup"] < 1:
+        return (f"--warmup 0: {','.join(compiled)} compiles in its first run, which would be timed; "
+                "give --warmup 1 or more")
     unit = 2 * config["cp"] * config["tp"]
     if config["tokens"] % unit:
         return f"--tokens {config['tokens']} must be a multiple of 2 x cp x tp = {unit} (torch's head-tail chunks)"

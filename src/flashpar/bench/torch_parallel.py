@@ -121,8 +121,9 @@ def parallelize(model: TorchLlama, mesh, compile_blocks: bool = False) -> TorchL
         for block in model.blocks:
             block.attn.cp_group = mesh["cp"].get_group()
     if compile_blocks:
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = torch.compile(block)
+        from flashpar.bench.compiled_blocks import compile_blocks as compile_each
+
+        compile_each(model, tp)
     if dp * cp > 1:
         apply_fsdp(model, mesh["dp", "cp"]._flatten("dp_cp") if dp > 1 and cp > 1 else mesh["dp" if dp > 1 else "cp"])
     return model

@@ -13,7 +13,9 @@ prompts, to every prompt's first token.
                                                   columns, gathered whole), summed over cp
     token   = argmax(logits)
 
-It has no KV cache, so it does not decode.
+It has no KV cache, so it does not decode.  With ``compile_blocks`` (``bench prefill``'s ``torch_compile``) every
+block is ``torch.compile``d after TP as ``bench train``'s compiled peer (``flashpar.bench.compiled_blocks``:
+``fullgraph=True``, inductor); it runs under ``no_grad``, so the graphs are forward-only.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from flashpar.bench.torch_llama import TorchLlama
 
 
 class TorchPrefill:
-    """The peer on ``mesh`` (``("dp", "cp", "tp")``, dp 1) with ``full``'s weights, for the prompts ``ids``."""
+    """The peer on ``mesh`` (``("dp", "cp", "tp")``, dp 1) with ``full``'s weights, for the prompts ``ids``; with
+    ``compile_blocks`` its blocks compiled (:func:`flashpar.bench.compiled_blocks.compile_blocks`)."""
 
-    def __init__(self, full, mesh, ids: list[list[int]]) -> None:
+    def __init__(self, full, mesh, ids: list[list[int]], compile_blocks: bool = False) -> None:
         model = TorchLlama(full.cfg)
         model.load_full(full)
         if mesh["tp"].size() > 1:
@@ -38,6 +41,10 @@ class TorchPrefill:
         if mesh["cp"].size() > 1:
             for block in model.blocks:
                 block.attn.cp_group = mesh["cp"].get_group()
+        if compile_blocks:
+            from flashpar.bench.compiled_blocks import compile_blocks as compile_each
+
+            compile_each(model, mesh["tp"].size())
         self.model, self.mesh, self.ids = model, mesh, ids
         tokens = torch.tensor(sum(ids, []))
         lens = [len(p) for p in ids]

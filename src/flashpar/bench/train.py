@@ -11,7 +11,9 @@ when not root), as ``bench cp`` and ``bench overlap`` do.  Every rank, for every
     torch      the same Llama in plain torch layers, parallelized with torch's APIs only, as
                torchtitan does (flashpar.bench.torch_parallel: DTensor TP-SP, FSDP2, per-document
                head-tail context parallelism with K/V all-gathered), attention per (document, chunk)
-    torch_compile  the same, every block torch.compile'd (not with tp > 1: it fails there on CPU)
+    torch_compile  the same, every block torch.compile'd whole after TP and before FSDP2, as torchtitan's
+               apply_compile (flashpar.bench.compiled_blocks: with tp > 1 the embedding's async
+               reduce-scatter awaited before the first compiled block, around a torch 2.13 bug)
     torch_dense    the dense-mask peer: one SDPA over all S_loc x S scores, torch 2.13's balancer order
 
 (``--configs``: by default flashpar, baseline and torch.)
@@ -24,6 +26,7 @@ when not root), as ``bench cp`` and ``bench overlap`` do.  Every rank, for every
 2. the breakdown: each configuration one plain step, then one step inside
    :func:`flashpar.bench.breakdown.breakdown` (its wall time split into attention forward / backward,
    linear, elementwise, loss, optimizer, exposed communication and other, measured where each happens);
+   not of a compiled configuration (``COMPILED``: inductor's kernels are invisible to the dispatch mode);
 3. memory and first loss: each configuration built fresh again, two optimizer steps on the same
    packed sequences; the first step's loss (summed over the ranks) and the rank's peak memory
    (``flashpar.peak_memory``).
@@ -38,9 +41,12 @@ with the documents' causal pairs, as ``flashpar.train.loop``) / step / (peak FLO
 the peak from ``flashpar.cost.calibrate.peak_flops`` (a GEMM probe on every rank at once on CPU,
 averaged over the ranks); ``peak_mem_mb`` the largest rank's peak; ``loss_step1``; ``breakdown_ms`` (each
 part's mean over the ranks; ``breakdown_ms_per_rank``, ``breakdown_wall_ms`` the measured step,
-``breakdown_step_ms`` the plain step before it).  ``setup.hardware`` / ``attn_fwd`` / ``attn_bwd``: the cost
-model's calibration on this run's ranks (``calibrate_hardware``), from which ``flashpar simulate check`` predicts
-the step of every configuration.  The first-step losses must agree (relative 1e-4) or the command exits 1.
+``breakdown_step_ms`` the plain step before it); ``compile_s`` the seconds ``torch.compile`` spent building and
+warming up the configuration (``flashpar.bench.compile_time``, the slowest rank; 0 for the eager ones) and
+``recompiles`` the compilations during its timed steps (0: the warm-up absorbed them).  ``setup.hardware`` /
+``attn_fwd`` / ``attn_bwd``: the cost model's calibration on this run's ranks (``calibrate_hardware``), from which
+``flashpar simulate check`` predicts the step of every configuration.  The first-step losses must agree (relative
+1e-4) or the command exits 1.
 
 The data: ``--lengths`` (a shipped name or a file), each length divided by ``--scale``, packed into
 ``dp`` sequences of ``--seq-len`` tokens in units of ``2 cp`` tokens (torch's per-document head-tail
@@ -65,7 +71,7 @@ CONFIGS = ("flashpar", "baseline", "torch", "torch_compile", "torch_dense")
 DEFAULT_CONFIGS = ("flashpar", "baseline", "torch")
 TORCH_PEERS = {"torch": ("docs", False), "torch_compile": ("docs", True), "torch_dense": ("dense", False)}
 # the torch peers: (attention kernel of flashpar.bench.torch_attention, torch.compile per block)
-TORCH_COMPILE_TP_FAILS = "2.13"  # the torch version whose compiled TP blocks were seen failing (docs/bench-train.md)
+COMPILED = ("torch_compile",)  # configurations that compile in their first steps: they need a warm-up step
 LOSS_RTOL = 1e-4  # fp32 on every path; the sums differ in order only (observed ~1e-7 relative)
 
 
@@ -222,6 +228,7 @@ def worker(config: dict) -> None:
     import torch.distributed as dist
 
     from flashpar.bench.breakdown import breakdown
+    from flashpar.bench.compile_time import compile_seconds, compiles
     from flashpar.bench.no_comm import no_comm
     from flashpar.cost.calibrate import peak_flops
     from flashpar.dist import as_timedelta
@@ -235,14 +242,21 @@ def worker(config: dict) -> None:
     meshes = make_meshes(config)
     names = config["configs"]
 
-    # 1. timing: every configuration built, warmed up, then rounds with the order rotated
-    runners = {name: Runner(name, config, seqs, meshes) for name in names}
+    # 1. timing: every configuration built, warmed up, then rounds with the order rotated; torch.compile's time
+    #    in each configuration's build and warm-up is its compile_s (flashpar.bench.compile_time)
+    runners, compile_s, recompiles = {}, dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
     for name in names:
+        c0 = compile_seconds()
+        runners[name] = Runner(name, config, seqs, meshes)
+        compile_s[name] += compile_seconds() - c0
+    for name in names:
+        c0 = compile_seconds()
         for _ in range(config["warmup"]):
             runners[name].step()
         if config["warmup"]:  # once without communication too: torch.compile's graphs are specialised on the
             with no_comm():  # collectives they call, so the first step inside no_comm() recompiles
                 runners[name].step()
+        compile_s[name] += compile_seconds() - c0
     peak = torch.tensor([peak_flops(torch.device("cpu"))], dtype=torch.float64)
     dist.all_reduce(peak)
     hardware = calibrate_hardware(config)  # for `flashpar simulate check` (flashpar.sim.check_train)
@@ -252,15 +266,19 @@ def worker(config: dict) -> None:
         order = names[rnd % len(names):] + names[: rnd % len(names)]
         for name in order:
             step = runners[name].step
+            k0 = compiles()
             _record(samples, name, "step", [_timed(step, barrier) for _ in range(config["steps"])])
             with no_comm():
                 _record(samples, name, "no_comm", [_timed(step, barrier) for _ in range(config["steps"])])
+            recompiles[name] += compiles() - k0  # a compilation inside a timed step: 0 after the warm-up
     # the breakdown: one more step of each configuration with its parts timed (flashpar.bench.breakdown), right
-    # after a plain step of the same configuration (the step its parts are compared with: the load of the moment)
+    # after a plain step of the same configuration (the step its parts are compared with: the load of the moment);
+    # not of a compiled one: its graphs run as inductor kernels, which the breakdown's dispatch mode does not see,
+    # and under that mode dynamo runs no compiled frame (with fullgraph=True it raises)
     parts = {}
     with breakdown():  # the dispatch mode's first entry costs ~0.1 s once: not charged to the first configuration
         torch.ones(1).add(1)
-    for name in names:
+    for name in (n for n in names if n not in COMPILED):
         plain, _ = _timed(runners[name].step, barrier)
         barrier()
         with breakdown(optimizers=[runners[name].opt]) as clock:
@@ -284,7 +302,8 @@ def worker(config: dict) -> None:
     loss_sum = torch.cat([first[name] for name in names])
     dist.all_reduce(loss_sum)
     gathered = [None] * n
-    dist.all_gather_object(gathered, {"samples": samples, "mem": mem, "parts": parts})
+    dist.all_gather_object(gathered, {"samples": samples, "mem": mem, "parts": parts, "compile_s": compile_s,
+                                      "recompiles": recompiles})
     if rank == 0:
         report = make_report(config, gathered, loss_sum.tolist(), float(peak) / n, seqs, hardware)
         with open(config["out"], "w") as f:
@@ -340,7 +359,9 @@ def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank
                      "comm_cpu_ms": 1e3 * (cpu["step"] - cpu["no_comm"]) / shared,
                      "mfu": flops / med["step"] / (peak_per_rank * n),
                      "peak_mem_mb": max(g["mem"][name] for g in gathered), "loss_step1": loss,
-                     **breakdown_figures([g["parts"][name] for g in gathered] if "parts" in gathered[0] else [])})
+                     **compile_figures(gathered, name),
+                     **breakdown_figures([g["parts"][name] for g in gathered] if name in gathered[0].get("parts", {})
+                                         else [])})
     ref = losses[0]
     worst = max(abs(x - ref) / abs(ref) for x in losses)
     setup = {key: config[key] for key in ("dp", "cp", "ulysses", "tp", "hidden", "layers", "heads", "kv_heads",
@@ -357,6 +378,16 @@ def make_report(config: dict, gathered: list, losses: list[float], peak_per_rank
                  peak_mem="CPU: rise of the rank's peak resident set (VmHWM, reset via /proc/self/clear_refs) over "
                           "its resident set before building, 2 steps of a fresh build; largest rank")
     return {"setup": setup, "configs": rows}
+
+
+def compile_figures(gathered: list, name: str) -> dict:
+    """``compile_s`` (the slowest rank's seconds of ``torch.compile`` in the configuration's build and warm-up)
+    and ``recompiles`` (the most compilations a rank did in its timed steps); ``{}`` for ranks that did not
+    report them."""
+    if "compile_s" not in gathered[0]:
+        return {}
+    return {"compile_s": max(g["compile_s"][name] for g in gathered),
+            "recompiles": max(g["recompiles"][name] for g in gathered)}
 
 
 def breakdown_figures(per_rank: list[dict], parts: tuple[str, ...] | None = None, plain: str = "step") -> dict:
@@ -416,7 +447,7 @@ def format_report(report: dict) -> str:
            f"{1e6 * s['hardware']['link_latency_s']:.0f} us per message"] if "hardware" in s else []),
         "",
         f"{'config':<14}{'tokens/s':>10}{'step ms':>9}{'no-comm':>9}{'exposed':>9}{'exp %':>7}{'comm CPU':>9}"
-        f"{'MFU %':>7}{'mem MB':>8}{'loss step 1':>13}{'x baseline':>11}{'x torch':>9}",
+        f"{'MFU %':>7}{'mem MB':>8}{'loss step 1':>13}{'x baseline':>11}{'x torch':>9}{'compile s':>10}",
     ]
     for r in rows:
         ratio = lambda base, r=r: f"{r['tokens_per_s'] / by[base]['tokens_per_s']:.2f}" if base in by else "-"  # noqa: E731
@@ -424,12 +455,20 @@ def format_report(report: dict) -> str:
         lines.append(f"{r['name']:<14}{r['tokens_per_s']:>10.0f}{r['step_ms']:>9.0f}{r['no_comm_ms']:>9.0f}"
                      f"{r['exposed_ms']:>9.0f}{100 * r['exposed_ms'] / r['step_ms']:>7.1f}{comm_cpu}"
                      f"{100 * r['mfu']:>7.2f}"
-                     f"{r['peak_mem_mb']:>8.1f}{r['loss_step1']:>13.7f}{ratio('baseline'):>11}{ratio('torch'):>9}")
+                     f"{r['peak_mem_mb']:>8.1f}{r['loss_step1']:>13.7f}{ratio('baseline'):>11}{ratio('torch'):>9}"
+                     f"{r.get('compile_s', 0.0):>10.1f}")
     lines += format_breakdown(rows)
+    lines += format_recompiles(rows)
     agree = "agree" if s["losses_agree"] else "DISAGREE"
     lines.append(f"first-step losses {agree}: largest relative difference {s['loss_rel_diff']:.2e} "
                  f"(tolerance {LOSS_RTOL:g})")
     return "\n".join(lines)
+
+
+def format_recompiles(rows: list[dict]) -> list[str]:
+    """One line naming the configurations that compiled during timed steps (none after a sufficient warm-up)."""
+    late = [f"{r['name']} ({r['recompiles']})" for r in rows if r.get("recompiles")]
+    return [f"compiled during timed steps (their step times include it): {', '.join(late)}"] if late else []
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -483,9 +522,10 @@ def check_arguments(config: dict) -> str | None:
             return f"--{key.replace('_', '-')} must be >= {least}, got {config[key]}"
     if world_size(config) < 2:
         return "the mesh dp x cp x ulysses x tp must have at least 2 ranks"
-    if "torch_compile" in config["configs"] and config["tp"] > 1:
-        return ("--configs torch_compile: torch.compile of the DTensor tensor-parallel blocks fails on CPU in torch "
-                f"{TORCH_COMPILE_TP_FAILS} (backward: 'Tensor' object has no attribute '_local_tensor'); use --tp 1")
+    compiled = [c for c in config["configs"] if c in COMPILED]
+    if compiled and config["warmup"] < 1:
+        return (f"--warmup 0: {','.join(compiled)} compiles in its first steps, which would be timed; "
+                "give --warmup 1 or more")
     try:
         model_config(config)
         for name in ("flashpar", "baseline"):
