@@ -18,7 +18,8 @@ of the block:
                    collectives DTensor and FSDP2 call, their ops in backward) and every wait on a
                    ``Work`` one returned: the time the step is blocked in communication
     elementwise    every other op (norms, activations, rope, copies, views, embedding, the merge of
-                   attention pieces)
+                   attention pieces); a compiled region of flashpar's (``timed_regions``) from its call
+                   to its return, and its backward node from start to end
     other          what no op covers: Python, autograd's engine, DTensor's and FSDP2's bookkeeping
                    between ops, hooks
     (a region)     a named call of the caller's (``breakdown(regions={function: part})``: inference's
@@ -265,6 +266,58 @@ def _wrappers(clock: Clock, regions: dict) -> dict[int, object]:
             if original is not None:
                 out[id(original)] = wrap(original, clock)
     return out
+
+
+def timed_regions(regions, clock: Clock):
+    """``regions`` (``flashpar.models.regions.Regions``) with every call counted for ``elementwise``: a compiled
+    region runs as inductor's kernels, which the dispatch mode does not see, and dynamo runs no compiled frame
+    while the mode is set, so each call runs with the mode set aside, its forward timed from call to return and
+    its backward node (the compiled graph's) from its start to its end, by hooks on that node."""
+    import dataclasses
+
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def enter(_grads):
+        clock.enter("elementwise")
+
+    def leave(_grad_inputs, _grad_outputs):
+        if clock.top() == "elementwise":
+            clock.leave()
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args):
+            with opened(clock, "elementwise"), _disable_current_modes():
+                out = fn(*args)
+            outs = out if isinstance(out, tuple) else (out,)
+            for node in {t.grad_fn for t in outs if t.grad_fn is not None}:
+                if "CompiledFunction" in node.name():  # the graph's backward (a view of an output has its own)
+                    node.register_prehook(enter)
+                    node.register_hook(leave)
+            return out
+
+        return call
+
+    names = ("norm", "heads", "add_norm", "swiglu", "add")
+    return dataclasses.replace(regions, **{name: wrap(getattr(regions, name)) for name in names})
+
+
+@contextlib.contextmanager
+def timed_model(model, clock):
+    """A compiled flashpar model's regions counted for ``elementwise`` while the breakdown runs
+    (``flashpar.bench.breakdown.timed_regions``); any other model as it is."""
+    if not getattr(getattr(model, "options", None), "compile", False):
+        yield
+        return
+    holders = [model, *model.blocks]
+    kept = [h.regions for h in holders]
+    try:
+        for h in holders:
+            h.regions = timed_regions(h.regions, clock)
+        yield
+    finally:
+        for h, r in zip(holders, kept, strict=True):
+            h.regions = r
 
 
 @contextlib.contextmanager

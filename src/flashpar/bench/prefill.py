@@ -5,6 +5,8 @@ emulated links (``--link-rate``), as ``bench train`` runs its configurations:
                per shape, blocking where a GEMM is too short to hide a transfer; "flash": always
                decomposed), FlashCP plans made with the forward-only cost model, the sharded cache,
                context-parallel decode
+    flashpar_compile  the same with ``--compile``: the prefill's elementwise regions compiled by torch.compile
+               before the first run (``flashpar.models.regions``; the communicating ops and decode eager)
     baseline   the same path with mode "none" (blocking collectives) and "per_doc" plans (every prompt cut
                into 2 cp head-tail chunks, all K/V all-gathered)
     torch      the ``bench train`` peer forward-only (``flashpar.bench.torch_prefill``: DTensor TP-SP, K/V
@@ -38,10 +40,11 @@ import json
 import statistics
 import sys
 
-CONFIGS = ("flashpar", "baseline", "torch", "torch_compile")
+CONFIGS = ("flashpar", "flashpar_compile", "baseline", "torch", "torch_compile")
 DEFAULT_CONFIGS = ("flashpar", "baseline", "torch")
 TORCH_PEERS = {"torch": False, "torch_compile": True}  # the torch peers: torch.compile per block
-COMPILED = ("torch_compile",)  # configurations that compile in their first runs: they need a warm-up run
+COMPILED = ("flashpar_compile", "torch_compile")  # configurations that compile in their first runs: need a warm-up
+WHOLE_GRAPHS = ("torch_compile",)  # compiled whole blocks: no breakdown (GEMMs, attention and the rest in one graph)
 LOGITS_RTOL = 1e-4  # fp32 on every path, sums in another order only
 
 
@@ -88,13 +91,17 @@ class Runner:
             self.peer = TorchPrefill(full, meshes["torch"], ids, compile_blocks=TORCH_PEERS[name])
             return
         from flashpar.infer.planning import forward_cost
+        from flashpar.models.compiling import warm_up
         from flashpar.models.parallel import ParallelLlama
 
-        self.model = ParallelLlama(full.cfg, meshes["flashpar"], mode=config["mode"] if name == "flashpar" else "none",
-                                   dp_mode="replicate", timeout=config["rank_timeout"])
+        ours = name != "baseline"
+        self.model = ParallelLlama(full.cfg, meshes["flashpar"], mode=config["mode"] if ours else "none",
+                                   dp_mode="replicate", compile=name == "flashpar_compile",
+                                   timeout=config["rank_timeout"])
         self.model.load_full(full)
+        warm_up(self.model, grad=False)  # flashpar_compile: its regions compiled here, as flashpar generate does
         self.cost = forward_cost(full.cfg, self.model.options.dtype_bytes, "cpu", config["tp"])
-        self.strategy = "flashcp" if name == "flashpar" else "per_doc"
+        self.strategy = "flashcp" if ours else "per_doc"
 
     def run(self):
         if self.name in TORCH_PEERS:
@@ -132,24 +139,25 @@ def time_parts(runners: dict, names: list[str]) -> dict:
     """Each configuration's parts (``flashpar.bench.breakdown``) of one more time to first token, right after a
     plain run of it (``plain_ms``: its time to first token, which the parts are compared with): wall time by part,
     the stepping thread's CPU time by part (``cpu``) and the process's CPU time, every thread (``process_cpu_ms``:
-    gloo's and the lanes' threads, and the kernel's work on the sends, besides the stepping thread's).  Not of a
-    compiled configuration (``COMPILED``): its graphs run as inductor kernels, which the breakdown's dispatch mode
-    does not see, and under that mode dynamo runs no compiled frame."""
+    gloo's and the lanes' threads, and the kernel's work on the sends, besides the stepping thread's).  Not of
+    torch_compile (``WHOLE_GRAPHS``): its blocks run as whole inductor graphs, which the breakdown's dispatch mode
+    does not see, and under that mode dynamo runs no compiled frame; flashpar_compile's regions are timed whole as
+    elementwise (``flashpar.bench.breakdown.timed_model``)."""
     import time
 
     import torch
     import torch.distributed as dist
 
-    from flashpar.bench.breakdown import breakdown
+    from flashpar.bench.breakdown import breakdown, timed_model
 
     with breakdown():  # the dispatch mode's first entry costs ~0.1 s once: not charged to the first configuration
         torch.ones(1).add(1)
     parts = {}
-    for name in (n for n in names if n not in COMPILED):  # compiled graphs: invisible to the dispatch mode
+    for name in (n for n in names if n not in WHOLE_GRAPHS):  # whole compiled blocks: invisible to the mode
         dist.barrier()
         plain = runners[name].run()[0]
         dist.barrier()
-        with breakdown(regions=regions()) as clock:
+        with breakdown(regions=regions()) as clock, timed_model(getattr(runners[name], "model", None), clock):
             c0 = time.process_time()
             clock.restart()  # the work alone: entering and leaving the block are not its
             runners[name].first_token()
@@ -275,12 +283,12 @@ def format_report(report: dict) -> str:
              f"{s['layers']} layers, heads {s['heads']}/{s['kv_heads']}, ffn {s['ffn']}; {s['prompts']} prompts, "
              f"{s['tokens']} tokens ({s['lengths']} / {s['scale']}), {s['decode_steps']} decode steps, fp32, "
              f"{s['threads']} thread(s)/rank; median of {s['rounds']} rounds (slowest rank)", "",
-             f"{'config':<14}{'TTFT ms':>9}{'prefill tok/s':>15}{'decode tok/s':>14}{'KV MiB/rank':>13}"
+             f"{'config':<17}{'TTFT ms':>9}{'prefill tok/s':>15}{'decode tok/s':>14}{'KV MiB/rank':>13}"
              f"{'mem MB':>8}{'TTFT x base':>13}{'TTFT x torch':>14}{'compile s':>10}"]
     for r in rows:
         ratio = lambda base, r=r: f"{r['ttft_ms'] / by[base]['ttft_ms']:.2f}" if base in by else "-"  # noqa: E731
         decode = f"{r['decode_tokens_per_s']:>14.1f}" if r["decode_tokens_per_s"] else f"{'-':>14}"
-        lines.append(f"{r['name']:<14}{r['ttft_ms']:>9.1f}{r['prefill_tokens_per_s']:>15.0f}{decode}"
+        lines.append(f"{r['name']:<17}{r['ttft_ms']:>9.1f}{r['prefill_tokens_per_s']:>15.0f}{decode}"
                      f"{r['kv_bytes'] / 2**20:>13.2f}{r['peak_mem_mb']:>8.1f}{ratio('baseline'):>13}"
                      f"{ratio('torch'):>14}{r.get('compile_s', 0.0):>10.1f}")
     lines += format_breakdown(rows)
@@ -301,20 +309,20 @@ def format_breakdown(rows: list[dict]) -> list[str]:
     short = {"attention_fwd": "attention", "exposed_comm": "comm", "elementwise": "elemwise"}
     lines = ["", "where the time to first token goes (ms, mean over the ranks of one more run, timed by part: "
                  "flashpar.bench.breakdown)",
-             f"{'config':<14}" + "".join(f"{short.get(p, p):>10}" for p in parts) + f"{'sum':>8}{'sum/ttft':>9}"]
+             f"{'config':<17}" + "".join(f"{short.get(p, p):>10}" for p in parts) + f"{'sum':>8}{'sum/ttft':>9}"]
     for r in rows:
         b = r["breakdown_ms"]
         total = sum(b.values())
-        lines.append(f"{r['name']:<14}" + "".join(f"{b.get(p, 0.0):>10.1f}" for p in parts)
+        lines.append(f"{r['name']:<17}" + "".join(f"{b.get(p, 0.0):>10.1f}" for p in parts)
                      + f"{total:>8.0f}{total / r['breakdown_ttft_ms']:>9.2f}")
     cpu = [r for r in rows if "breakdown_cpu_ms" in r]
     if cpu:
         lines += ["", "the same run's CPU time by part (ms, the stepping thread, mean over the ranks; 'process': every "
                       "thread of the rank, the transport's included)",
-                  f"{'config':<14}" + "".join(f"{short.get(p, p):>10}" for p in parts) + f"{'sum':>8}{'process':>9}"]
+                  f"{'config':<17}" + "".join(f"{short.get(p, p):>10}" for p in parts) + f"{'sum':>8}{'process':>9}"]
         for r in cpu:
             b = r["breakdown_cpu_ms"]
-            lines.append(f"{r['name']:<14}" + "".join(f"{b.get(p, 0.0):>10.1f}" for p in parts)
+            lines.append(f"{r['name']:<17}" + "".join(f"{b.get(p, 0.0):>10.1f}" for p in parts)
                          + f"{sum(b.values()):>8.0f}{r['breakdown_process_cpu_ms']:>9.0f}")
     return lines
 

@@ -6,6 +6,9 @@ when not root), as ``bench cp`` and ``bench overlap`` do.  Every rank, for every
 
     flashpar   ParallelLlama: FlashOverlap ("flash") TP-SP, ZeRO-3 and Ulysses (where the mesh has
                them) fused with the GEMMs, FlashCP ("flashcp") plans    (flashpar.train.step)
+    flashpar_compile  the same with ``--compile``: each block's elementwise regions compiled by torch.compile,
+               the communicating ops eager (flashpar.models.regions; compiled before the first step, as the
+               trainer does: flashpar.models.compiling)
     baseline   the same trainer with mode "none" (blocking collectives, blocking ZeRO-3) and
                "per_doc" plans
     torch      the same Llama in plain torch layers, parallelized with torch's APIs only, as
@@ -67,11 +70,13 @@ import warnings
 from flashpar.peak_memory import peak_memory, reset_peak_memory
 from flashpar.sim.bench_runs import model_config, packed_docs, torch_cp
 
-CONFIGS = ("flashpar", "baseline", "torch", "torch_compile", "torch_dense")
+CONFIGS = ("flashpar", "flashpar_compile", "baseline", "torch", "torch_compile", "torch_dense")
+FLASHPAR = ("flashpar", "flashpar_compile", "baseline")  # the trainer's configurations (train_config)
 DEFAULT_CONFIGS = ("flashpar", "baseline", "torch")
 TORCH_PEERS = {"torch": ("docs", False), "torch_compile": ("docs", True), "torch_dense": ("dense", False)}
 # the torch peers: (attention kernel of flashpar.bench.torch_attention, torch.compile per block)
-COMPILED = ("torch_compile",)  # configurations that compile in their first steps: they need a warm-up step
+COMPILED = ("flashpar_compile", "torch_compile")  # configurations that compile in their first steps: need a warm-up
+WHOLE_GRAPHS = ("torch_compile",)  # compiled whole blocks: no breakdown (GEMMs, attention and the rest in one graph)
 LOSS_RTOL = 1e-4  # fp32 on every path; the sums differ in order only (observed ~1e-7 relative)
 
 
@@ -89,7 +94,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def train_config(config: dict, name: str):
-    """The trainer's ``TrainConfig`` of configuration ``name`` (``flashpar`` or ``baseline``)."""
+    """The trainer's ``TrainConfig`` of configuration ``name`` (``FLASHPAR``)."""
     from flashpar.train.config import TrainConfig
 
     kw = {"dp": config["dp"], "cp": config["cp"], "ulysses": config["ulysses"], "tp": config["tp"],
@@ -97,9 +102,9 @@ def train_config(config: dict, name: str):
           "seq_len": config["seq_len"], "steps": 1, "lr": config["lr"], "seed": config["seed"],
           "model": model_config(config), "threads": config["threads"], "timeout": config["rank_timeout"],
           "dp_mode": "zero3", "workers": 0}
-    if name == "flashpar":
+    if name in ("flashpar", "flashpar_compile"):
         return TrainConfig(**kw, mode="flash", strategy="flashcp", zero_schedule=config.get("zero_schedule", "auto"),
-                           prefetch=config.get("prefetch", 1))
+                           prefetch=config.get("prefetch", 1), compile=name == "flashpar_compile")
     return TrainConfig(**kw, mode="none", strategy="per_doc")
 
 
@@ -171,6 +176,7 @@ class Runner:
             return
         from flashpar import cp
         from flashpar.links import planning_device
+        from flashpar.models.compiling import warm_up
         from flashpar.train.planning import planner_cost, resolve_options
         from flashpar.train.step import build, train_step
 
@@ -178,6 +184,7 @@ class Runner:
         mesh = meshes["flashpar"]
         options = resolve_options(tc, device.type, planning_device(device.type, tc.tp * tc.ulysses))
         _, self.model, self.opt = build(tc, mesh, device, options)
+        warm_up(self.model)  # flashpar_compile: the regions compiled here, as the trainer does before its steps
         tokens, labels, doc_lens = seqs[mesh["dp"].get_local_rank()]
         cost = planner_cost(cfg, group=tc.tp * tc.ulysses)  # as flashpar.train.loop (burst: core_burst)
         plan = cp.plan(doc_lens, tc.cp, strategy=tc.strategy, cost=cost)
@@ -197,7 +204,7 @@ def make_meshes(config: dict) -> dict:
     from flashpar.train.loop import setup
 
     meshes = {}
-    if {"flashpar", "baseline"} & set(config["configs"]):
+    if set(FLASHPAR) & set(config["configs"]):
         _, meshes["flashpar"] = setup(train_config(config, "flashpar"))
     else:
         torch.set_num_threads(config["threads"])
@@ -227,7 +234,7 @@ def worker(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from flashpar.bench.breakdown import breakdown
+    from flashpar.bench.breakdown import breakdown, timed_model
     from flashpar.bench.compile_time import compile_seconds, compiles
     from flashpar.bench.no_comm import no_comm
     from flashpar.cost.calibrate import peak_flops
@@ -273,15 +280,16 @@ def worker(config: dict) -> None:
             recompiles[name] += compiles() - k0  # a compilation inside a timed step: 0 after the warm-up
     # the breakdown: one more step of each configuration with its parts timed (flashpar.bench.breakdown), right
     # after a plain step of the same configuration (the step its parts are compared with: the load of the moment);
-    # not of a compiled one: its graphs run as inductor kernels, which the breakdown's dispatch mode does not see,
-    # and under that mode dynamo runs no compiled frame (with fullgraph=True it raises)
+    # not of torch_compile: its blocks run as whole inductor graphs, which the breakdown's dispatch mode does not
+    # see, and under that mode dynamo runs no compiled frame (with fullgraph=True it raises); flashpar_compile's
+    # regions are elementwise only: each call and its backward node timed whole (timed_model)
     parts = {}
     with breakdown():  # the dispatch mode's first entry costs ~0.1 s once: not charged to the first configuration
         torch.ones(1).add(1)
-    for name in (n for n in names if n not in COMPILED):
+    for name in (n for n in names if n not in WHOLE_GRAPHS):
         plain, _ = _timed(runners[name].step, barrier)
         barrier()
-        with breakdown(optimizers=[runners[name].opt]) as clock:
+        with breakdown(optimizers=[runners[name].opt]) as clock, timed_model(runners[name].model, clock):
             clock.restart()  # the step alone: entering and leaving the block are not the step's
             runners[name].step()
             measured = clock.finish()
@@ -418,12 +426,12 @@ def format_breakdown(rows: list[dict]) -> list[str]:
     short = {"attention_fwd": "attn fwd", "attention_bwd": "attn bwd", "exposed_comm": "comm"}
     lines = ["", "where the step goes (ms, mean over the ranks of one more step, timed by part: "
                  "flashpar.bench.breakdown)",
-             f"{'config':<14}" + "".join(f"{short.get(p, p):>12}" for p in PARTS)
+             f"{'config':<17}" + "".join(f"{short.get(p, p):>12}" for p in PARTS)
              + f"{'sum':>9}{'sum/step':>9}{'sum/median':>11}"]
     for r in rows:
         b = r["breakdown_ms"]
         total = sum(b.values())
-        lines.append(f"{r['name']:<14}" + "".join(f"{b[p]:>12.0f}" for p in PARTS)
+        lines.append(f"{r['name']:<17}" + "".join(f"{b[p]:>12.0f}" for p in PARTS)
                      + f"{total:>9.0f}{total / r['breakdown_step_ms']:>9.2f}{total / r['step_ms']:>11.2f}")
     return lines
 
@@ -446,23 +454,35 @@ def format_report(report: dict) -> str:
            f"GFLOP/s, link {s['hardware']['link_bytes_per_s'] / 1e6:.1f} MB/s, "
            f"{1e6 * s['hardware']['link_latency_s']:.0f} us per message"] if "hardware" in s else []),
         "",
-        f"{'config':<14}{'tokens/s':>10}{'step ms':>9}{'no-comm':>9}{'exposed':>9}{'exp %':>7}{'comm CPU':>9}"
+        f"{'config':<17}{'tokens/s':>10}{'step ms':>9}{'no-comm':>9}{'exposed':>9}{'exp %':>7}{'comm CPU':>9}"
         f"{'MFU %':>7}{'mem MB':>8}{'loss step 1':>13}{'x baseline':>11}{'x torch':>9}{'compile s':>10}",
     ]
     for r in rows:
         ratio = lambda base, r=r: f"{r['tokens_per_s'] / by[base]['tokens_per_s']:.2f}" if base in by else "-"  # noqa: E731
         comm_cpu = f"{r['comm_cpu_ms']:>9.0f}" if "comm_cpu_ms" in r else f"{'-':>9}"  # reports without the field: none
-        lines.append(f"{r['name']:<14}{r['tokens_per_s']:>10.0f}{r['step_ms']:>9.0f}{r['no_comm_ms']:>9.0f}"
+        lines.append(f"{r['name']:<17}{r['tokens_per_s']:>10.0f}{r['step_ms']:>9.0f}{r['no_comm_ms']:>9.0f}"
                      f"{r['exposed_ms']:>9.0f}{100 * r['exposed_ms'] / r['step_ms']:>7.1f}{comm_cpu}"
                      f"{100 * r['mfu']:>7.2f}"
                      f"{r['peak_mem_mb']:>8.1f}{r['loss_step1']:>13.7f}{ratio('baseline'):>11}{ratio('torch'):>9}"
                      f"{r.get('compile_s', 0.0):>10.1f}")
+    lines += format_pairs(by)
     lines += format_breakdown(rows)
     lines += format_recompiles(rows)
     agree = "agree" if s["losses_agree"] else "DISAGREE"
     lines.append(f"first-step losses {agree}: largest relative difference {s['loss_rel_diff']:.2e} "
                  f"(tolerance {LOSS_RTOL:g})")
     return "\n".join(lines)
+
+
+PAIRS = (("flashpar_compile", "torch_compile"), ("flashpar_compile", "flashpar"), ("flashpar", "torch"))
+"""The throughput ratios a run states when it has both sides: each method against the peer built the same way
+(compiled against compiled, eager against eager) and compilation's own gain."""
+
+
+def format_pairs(by: dict[str, dict]) -> list[str]:
+    """One line of ``PAIRS``' throughput ratios (those whose two configurations ran), or none."""
+    found = [f"{a} / {b} {by[a]['tokens_per_s'] / by[b]['tokens_per_s']:.2f}x" for a, b in PAIRS if a in by and b in by]
+    return [f"tokens/s ratios: {', '.join(found)}"] if found else []
 
 
 def format_recompiles(rows: list[dict]) -> list[str]:
@@ -528,7 +548,7 @@ def check_arguments(config: dict) -> str | None:
                 "give --warmup 1 or more")
     try:
         model_config(config)
-        for name in ("flashpar", "baseline"):
+        for name in FLASHPAR:
             if name in config["configs"]:
                 train_config(config, name)
     except ValueError as err:

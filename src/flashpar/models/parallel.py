@@ -382,6 +382,7 @@ class ParallelLlama(nn.Module):
                           groups.fused if schedule == "fused" else groups.gather, ulysses_group, window)
             for schedule, window in zip(schedules, windows, strict=True))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.regions = regions_of(options.compile)  # the last norm's (each block holds its own reference)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, self.vocab_rows // self.tp, bias=False)
         self.prefetcher, self.units = None, {}
         self.grad_tail: GradTail | None = None  # set by flashpar.train.step between backward and the norm
@@ -495,7 +496,7 @@ class ParallelLlama(nn.Module):
         x = torch.randn(rows, self.cfg.hidden, dtype=self.compute_dtype, device=self.norm.weight.device,
                         requires_grad=grad)
         with torch.set_grad_enabled(grad):
-            y = regions_of(self.options.compile).norm(x, self.norm.weight, self.norm.eps)
+            y = self.regions.norm(x, self.norm.weight, self.norm.eps)
             if grad:
                 torch.autograd.grad(y.float().sum(), [x])
 
@@ -554,7 +555,7 @@ class ParallelLlama(nn.Module):
         head_t = embed_t  # tied: the embedding's rows (its unit kept gathered from the start of forward)
         if self.head is not None:
             head_t = pf.enter(units["head"])[0] if pf is not None else self.head.weight
-        x = regions_of(self.options.compile).norm(x, self.norm.weight, self.norm.eps)  # the last norm
+        x = self.regions.norm(x, self.norm.weight, self.norm.eps)  # the last norm
         if whole:
             head = embed if self.head is None else all_gather_rows(widened(head_t), self.tp_group, self.vocab_rows)
             loss = own_rows_loss(x.to(dtype), head.to(dtype), labels_u[rows], count, vocab)
