@@ -207,6 +207,22 @@ def test_smoke_run_reports_every_configuration_with_agreeing_first_losses(tmp_pa
         assert any(line.startswith(name) for line in proc.stdout.splitlines()), proc.stdout
 
 
+def test_flashpar_compile_trains_as_flashpar_and_its_regions_count_as_elementwise(tmp_path):
+    """``flashpar_compile`` (the trainer's ``--compile``) beside ``flashpar`` at tp 2: the same first-step loss within
+    fp32 rounding (1e-5 relative; inductor's fused regions reorder a few roundings), its compilation reported
+    before the timed steps and none in them, a breakdown whose parts add up to its step with the compiled regions
+    counted as elementwise, and the ratio line."""
+    proc, report = _bench(tmp_path, "--dp", "1", "--cp", "1", "--tp", "2", "--configs", "flashpar,flashpar_compile")
+    rows = {r["name"]: r for r in report["configs"]}
+    assert rows["flashpar_compile"]["loss_step1"] == pytest.approx(rows["flashpar"]["loss_step1"], rel=1e-5)
+    assert rows["flashpar"]["compile_s"] == 0 and rows["flashpar_compile"]["compile_s"] > 0, rows
+    assert rows["flashpar_compile"]["recompiles"] == 0, rows
+    b = rows["flashpar_compile"]["breakdown_ms"]
+    assert b["elementwise"] > 0 and b["linear"] > 0, b
+    assert sum(b.values()) == pytest.approx(rows["flashpar_compile"]["breakdown_wall_ms"], rel=1e-9)
+    assert "tokens/s ratios: flashpar_compile / flashpar" in proc.stdout, proc.stdout
+
+
 def test_report_sums_the_ranks_cpu_per_step_and_spreads_the_extra_over_the_shared_cores(monkeypatch):
     """``cpu_ms``: per step the ranks' CPU summed, then the median over steps; ``comm_cpu_ms``: the extra CPU
     with communication over the cores the ranks' threads share (min(cores, ranks x threads))."""

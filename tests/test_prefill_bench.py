@@ -89,22 +89,25 @@ def test_bench_prefill_refuses_a_compiled_configuration_without_warm_up(capsys):
     assert "--warmup 0: torch_compile" in err and len(err.strip().splitlines()) == 1
 
 
-def test_bench_prefill_compiled_peer_at_tp2_agrees_and_reports_its_compile_time(tmp_path, capfd):
-    """The torch peer with its blocks compiled (2 ranks, tp 2, one layer): its first logits agree with the eager
-    peer's (the command exits 1 otherwise), it reports the seconds torch.compile spent in its warm-up and no
-    compilation in the timed run; the eager peer compiles nothing; the compiled one has no breakdown (its graphs
-    are invisible to the breakdown's dispatch mode)."""
+def test_bench_prefill_compiled_configurations_at_tp2_agree_and_report_their_compile_time(tmp_path, capfd):
+    """flashpar with its regions compiled and the torch peer with its blocks compiled (2 ranks, tp 2, one layer):
+    their first logits agree with the eager ones' (the command exits 1 otherwise), each reports the seconds
+    torch.compile spent before its timed runs and no compilation in them; the eager ones compile nothing; the
+    compiled peer has no breakdown (its whole-block graphs are invisible to the breakdown's dispatch mode),
+    flashpar's compiled regions count as elementwise."""
     out = tmp_path / "bench.json"
     code = main(["bench", "prefill", "--tokens", "128", "--lengths", "48,40,24,16", "--scale", "1", "--hidden", "32",
                  "--layers", "1", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--decode-steps", "1",
                  "--rounds", "1", "--warmup", "1", "--tp", "2", "--cp", "1", "--link-rate", "none",
-                 "--configs", "torch,torch_compile", "--json", str(out)])
+                 "--configs", "flashpar,flashpar_compile,torch,torch_compile", "--json", str(out)])
     text = capfd.readouterr()
     assert code == 0, text.err[-3000:]
     report = json.loads(out.read_text())
     rows = {r["name"]: r for r in report["configs"]}
     assert report["setup"]["logits_agree"], report["setup"]
-    assert rows["torch"]["compile_s"] == 0 and rows["torch_compile"]["compile_s"] > 0, rows
-    assert rows["torch"]["recompiles"] == 0 and rows["torch_compile"]["recompiles"] == 0, rows
+    for eager, compiled in (("flashpar", "flashpar_compile"), ("torch", "torch_compile")):
+        assert rows[eager]["compile_s"] == 0 and rows[compiled]["compile_s"] > 0, rows
+        assert rows[eager]["recompiles"] == 0 and rows[compiled]["recompiles"] == 0, rows
     assert "breakdown_ms" in rows["torch"] and "breakdown_ms" not in rows["torch_compile"]
+    assert rows["flashpar_compile"]["breakdown_ms"]["elementwise"] > 0, rows["flashpar_compile"]
     assert "compile s" in text.out and "compiled during timed" not in text.out

@@ -95,6 +95,31 @@ def test_resume_continues_the_same_loss_trajectory_on_any_mesh(train_runs):
         assert other[step] == pytest.approx(straight[step], rel=1e-5)
 
 
+def test_compiled_run_resumes_the_eager_runs_trajectory_and_reports_its_compilation(train_runs):
+    """``--resume`` of the eager run's step 2 with ``--compile``: steps 3 and 4 compiled (every other setting the
+    checkpoint's) give the eager run's losses within 1e-5 relative (fp32: inductor fuses each region's elementwise
+    ops and sums the norm's squares in its own order, ~1e-7 per value; a wrong region is O(1)); the compilation is
+    one line at start-up and in the summary, and nothing compiles during the steps."""
+    run, straight = train_runs["resume-compiled"], train_runs["train"]
+    assert run.rc == 0, run.stderr[-3000:]
+    losses, eager = run.losses(), straight.losses()
+    assert list(losses) == [3, 4]
+    for step in (3, 4):
+        assert losses[step] == pytest.approx(eager[step], rel=1e-5)
+    summary = json.loads((run.out / "summary.json").read_text())
+    assert summary["options"]["compile"] is True and summary["compile_s"] > 0, summary
+    assert summary["compile_graphs"] == 5 and summary["recompiles"] == 0, summary
+    assert run.stdout.count("compile: ") == 2 and "graphs (each block's elementwise regions" in run.stdout
+    assert "not in the step times" in run.stdout and "compile on" in run.stdout
+
+
+def test_compiled_check_passes(train_runs):
+    run = train_runs["check-compiled"]  # --check --compile on the default mesh (cp 2 x tp 2, ZeRO-3)
+    assert run.rc == 0, run.stdout + run.stderr[-3000:]
+    header = next(line for line in run.stdout.splitlines() if line.startswith("check: mesh"))
+    assert "compiled (--compile)" in header and run.stdout.strip().endswith("PASS"), run.stdout
+
+
 def test_resume_with_other_data_settings_is_refused(train_runs, tmp_path, capsys):
     checkpoints = train_runs["train"].out / "checkpoints"  # made with --seq-len 256
     assert main(["train", "--steps", "5", "--max-docs", "40", "--seq-len", "128", "--resume", str(checkpoints),

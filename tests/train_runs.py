@@ -11,6 +11,8 @@ The runs, in order, in one folder (the later runs resume the first one's checkpo
     resume-same          from step 2 with no other flag: the checkpoint's settings, steps 3, 4
     resume-ulysses       from step 2 on (1, 2, 2, 1): Ulysses inside cp  (README: --resume ... --ulysses 2 --tp 1)
     resume-per-doc-ring  from step 2 on (2, 2, 1), ZeRO-3, per_doc, ring (README: --dp 2 ... per_doc --mode ring)
+    resume-compiled      from step 2 with --compile: the regions compiled at start-up, steps 3, 4 compiled
+    check-compiled       --check --compile on the default mesh           (README: --compile)
     check-hf             --check on the sizes of a Hugging Face config   (README: --check, --hf-config)
     own-model            from a Hugging Face folder (weights, tokenizer) on jsonl / parquet / text documents,
                          micro-batches, warm-up + cosine, clipping, bf16, activation checkpointing, validation
@@ -53,6 +55,8 @@ RUNS = {  # name -> argv (run in this order, in the session's folder)
                        "--out", "runs/ulysses", *TRAIN],
     "resume-per-doc-ring": ["train", "--resume", STEP2, "--dp", "2", "--cp", "2", "--tp", "1", "--strategy", "per_doc",
                             "--mode", "ring", "--steps", "4", "--out", "runs/resumed", *TRAIN],
+    "resume-compiled": ["train", "--resume", STEP2, "--compile", "--out", "runs/compiled"],
+    "check-compiled": ["train", "--check", "--compile", "--out", "runs/check-compiled", *TRAIN],
     "check-hf": ["train", "--check", "--hf-config", "path/to/config.json", "--out", "runs/check", *TRAIN],
     "own-model": ["train", "--init-from", "path/to/llama", "--tokenizer", "path/to/llama", "--data", "my_docs",
                   "--micro-batches", "2", "--warmup", "1", "--lr", "1e-3", "--lr-min", "1e-4", "--clip", "1.0",

@@ -284,6 +284,7 @@ def _report(out, config: TrainConfig, launch_s: float = float("nan")) -> int:
 
         ulysses = f"ulysses={config.ulysses} " if config.ulysses > 1 else ""
         recompute = ", activations checkpointed" if config.checkpoint_activations else ""
+        recompute += ", compiled (--compile)" if config.compile else ""
         print(f"check: mesh dp={config.dp} ({config.dp_mode}) cp={config.cp} {ulysses}tp={config.tp}, "
               f"strategy {config.strategy}, mode {config.mode}{recompute}, one step of {out['micro_batches']} "
               f"micro-batches, gradients clipped to half their norm, against the single-process model (relative "
