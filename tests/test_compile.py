@@ -56,12 +56,13 @@ def test_compiled_step_matches_float64_single_process(spawned, n, case):
 
 
 def test_a_model_compiles_five_graphs_once(spawned):
-    """``warm_up`` compiles the five regions (norm, heads, add_norm, swiglu, add) for training and five for prefill's
-    forward-only calls, and nothing when run again; Qwen3 with attention biases then compiles two more of each
-    (heads with its biases and qk-norm, add_norm with the o bias; its norm, swiglu and add are the first model's).
-    A region that broke into several graphs, or a communicating op traced into one, would change the counts."""
+    """``warm_up`` compiles the six regions (norm, heads, add_norm, swiglu, add, the loss's loss_sums) for training
+    and the block's five for prefill's forward-only calls (prefill computes no loss), and nothing when run again;
+    Qwen3 with attention biases then compiles two more of each (heads with its biases and qk-norm, add_norm with
+    the o bias; its norm, swiglu, add and loss are the first model's).  A region that broke into several graphs,
+    or a communicating op traced into one, would change the counts."""
     got = spawned(1)["graphs"][0]
-    assert got["base"] == (5, 5, 0) and got["biased"] == (2, 2, 0), got
+    assert got["base"] == (6, 5, 0) and got["biased"] == (2, 2, 0), got
     assert got["explain"] == (1, 0), got
 
 
@@ -70,7 +71,7 @@ def test_twenty_steps_with_changing_plans_compile_nothing_more(spawned):
     rank) after the warm-up: no graph compiled again (the rows are dynamic; a size of 0 or 1 rows, which torch
     specialises, would be at most one graph each: the bound is 2)."""
     for graphs, recompiles in spawned(2)["steady"]:
-        assert graphs == 5 and recompiles <= 2, (graphs, recompiles)
+        assert graphs == 6 and recompiles <= 2, (graphs, recompiles)
 
 
 def test_a_region_compiled_past_the_limit_raises_one_line():

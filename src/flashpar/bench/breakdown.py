@@ -269,7 +269,8 @@ def _wrappers(clock: Clock, regions: dict) -> dict[int, object]:
 
 
 def timed_regions(regions, clock: Clock):
-    """``regions`` (``flashpar.models.regions.Regions``) with every call counted for ``elementwise``: a compiled
+    """``regions`` (``flashpar.models.regions.Regions``) with every call counted for ``elementwise`` (the loss's for
+    ``loss``): a compiled
     region runs as inductor's kernels, which the dispatch mode does not see, and dynamo runs no compiled frame
     while the mode is set, so each call runs with the mode set aside, its forward timed from call to return and
     its backward node (the compiled graph's) from its start to its end, by hooks on that node."""
@@ -277,17 +278,17 @@ def timed_regions(regions, clock: Clock):
 
     from torch.utils._python_dispatch import _disable_current_modes
 
-    def enter(_grads):
-        clock.enter("elementwise")
+    def wrap(fn, part: str):
+        def enter(_grads):
+            clock.enter(part)
 
-    def leave(_grad_inputs, _grad_outputs):
-        if clock.top() == "elementwise":
-            clock.leave()
+        def leave(_grad_inputs, _grad_outputs):
+            if clock.top() == part:
+                clock.leave()
 
-    def wrap(fn):
         @functools.wraps(fn)
         def call(*args):
-            with opened(clock, "elementwise"), _disable_current_modes():
+            with opened(clock, part), _disable_current_modes():
                 out = fn(*args)
             outs = out if isinstance(out, tuple) else (out,)
             for node in {t.grad_fn for t in outs if t.grad_fn is not None}:
@@ -298,8 +299,9 @@ def timed_regions(regions, clock: Clock):
 
         return call
 
-    names = ("norm", "heads", "add_norm", "swiglu", "add")
-    return dataclasses.replace(regions, **{name: wrap(getattr(regions, name)) for name in names})
+    parts = {"norm": "elementwise", "heads": "elementwise", "add_norm": "elementwise", "swiglu": "elementwise",
+             "add": "elementwise", "loss_sums": "loss"}
+    return dataclasses.replace(regions, **{name: wrap(getattr(regions, name), part) for name, part in parts.items()})
 
 
 @contextlib.contextmanager

@@ -491,14 +491,23 @@ class ParallelLlama(nn.Module):
         """Compile the regions (``options.compile``) before the first step: every block's and the last norm's, run
         once on ``rows`` random rows (``ParallelBlock.warm_regions``; a prime: no size of the model is equal to it,
         so the dynamic-shape graphs assume no equality that a step's token count could break).  Every block
-        calls the same regions, so the first block's calls compile them for all."""
+        calls the same regions, so the first block's calls compile them for all.  With ``grad`` (training) the
+        loss's ``loss_sums`` too, at each width a step can take: this rank's vocabulary columns, and the whole
+        vocabulary where the tp ranks may gather it (``gathers_weight``, chosen per step by the token count)."""
         self.blocks[0].warm_regions(rows, self.compute_dtype, grad)
-        x = torch.randn(rows, self.cfg.hidden, dtype=self.compute_dtype, device=self.norm.weight.device,
-                        requires_grad=grad)
+        device = self.norm.weight.device
+        x = torch.randn(rows, self.cfg.hidden, dtype=self.compute_dtype, device=device, requires_grad=grad)
         with torch.set_grad_enabled(grad):
             y = self.regions.norm(x, self.norm.weight, self.norm.eps)
-            if grad:
-                torch.autograd.grad(y.float().sum(), [x])
+            if not grad:
+                return
+            torch.autograd.grad(y.float().sum(), [x])
+            widths = {self.vocab_rows // self.tp} | ({self.vocab_rows} if self.options.gather_vocab else set())
+            for width in sorted(widths):
+                logits = torch.randn(rows, width, device=device, requires_grad=True)  # fp32: the loss widens
+                index = torch.randint(0, width, (rows,), device=device)
+                total, picked = self.regions.loss_sums(logits, logits.detach().amax(-1), index, index >= 0)
+                torch.autograd.grad((total + picked).sum(), [logits])
 
     def embed_tokens(self, tokens_u: torch.Tensor, rows: slice, embed_t: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -558,12 +567,13 @@ class ParallelLlama(nn.Module):
         x = self.regions.norm(x, self.norm.weight, self.norm.eps)  # the last norm
         if whole:
             head = embed if self.head is None else all_gather_rows(widened(head_t), self.tp_group, self.vocab_rows)
-            loss = own_rows_loss(x.to(dtype), head.to(dtype), labels_u[rows], count, vocab)
+            loss = own_rows_loss(x.to(dtype), head.to(dtype), labels_u[rows], count, vocab, self.regions)
         else:
             logits = all_gather_matmul(x.to(dtype), head_t.to(dtype), None, group=self.tp_group,
                                        mode=self.mode, split_sizes=split, save_gathered=self.save_gathered,
                                        check=False)
-            loss = vocab_parallel_loss(logits, labels_u, self.vocab_lo, self.tp_group, rows, count, vocab)
+            loss = vocab_parallel_loss(logits, labels_u, self.vocab_lo, self.tp_group, rows, count, vocab,
+                                       self.regions)
         if pf is not None and self.head is not None:
             loss = pf.exit(units["head"], loss)
         return loss

@@ -13,6 +13,11 @@ cut at the communicating ops into five regions, each a function of tensors only:
     swiglu    silu(g + b_g) (u + b_u) of gu = [g | u]
     add       x + (y + b_down)
 
+and one in the loss (``flashpar.models.vocab.vocab_parallel_loss``), between its two all-reduces over tp::
+
+    logits z ─ max ─▶ [all-reduce max] ─ loss_sums ─▶ [all-reduce sums] ─▶ log, the rows' sum
+    loss_sums  sum_v exp(z_v - m) per row (no [T, V] tensor of exponentials), the target's logit
+
 ``EAGER`` runs them as flashpar always has (rope and SwiGLU as the hand-fused autograd nodes of
 ``flashpar.models.fused``; the norm's formula is ``flashpar.models.llama.rms_norm``, the single-process
 model's).  ``compiled()`` is the same functions with rope and SwiGLU in plain ops, each given to
@@ -22,8 +27,9 @@ is compiled once for every token count, with the model's sizes, head counts and 
 
 The communicating ops are never traced: the block calls them between the regions in eager Python, so
 their overlap schedule (the peer order, the lanes, the waits) is exactly eager's, and every block of the
-model reuses the same five compiled regions.  Every input of a region is a tensor or a value equal on
-every rank (head counts, ``eps``), so every rank compiles the same graphs.
+model reuses the same five compiled regions (the loss its sixth).  Every input of a region is a tensor or
+a value equal on every rank (head counts, ``eps``; the loss's rank-dependent vocabulary offset enters as
+the targets' column indices, a tensor), so every rank compiles the same graphs.
 """
 
 from __future__ import annotations
@@ -114,6 +120,16 @@ def add(x: Tensor, out: Tensor, bias: Tensor | None) -> Tensor:
     return x + _biased(out, bias)
 
 
+def loss_sums(logits: Tensor, top: Tensor, index: Tensor, mine: Tensor) -> tuple[Tensor, Tensor]:
+    """The loss's two sums over this rank's vocabulary columns (``flashpar.models.vocab.vocab_parallel_loss``), of
+    fp32 ``logits [T, C]`` and the row maxima ``top [T]`` (all-reduced): ``sum_v exp(z_v - top)`` per row, and the
+    target's logit (column ``index``) where the target is this rank's (``mine``), else 0."""
+    total = torch.exp(logits - top.unsqueeze(-1)).sum(-1)
+    # where, not a product: another rank's target may clamp onto a padded column (-inf x 0 is nan)
+    picked = torch.where(mine, logits.gather(1, index.unsqueeze(-1)).squeeze(-1), 0.0)
+    return total, picked
+
+
 @dataclass(frozen=True)
 class Regions:
     """One implementation of each region (see the module docstring)."""
@@ -123,10 +139,11 @@ class Regions:
     add_norm: Callable[..., tuple[Tensor, Tensor]]
     swiglu: Callable[..., Tensor]
     add: Callable[..., Tensor]
+    loss_sums: Callable[..., tuple[Tensor, Tensor]]
     compiled: bool
 
 
-EAGER = Regions(norm, heads_fused, add_norm, swiglu_fused, add, compiled=False)
+EAGER = Regions(norm, heads_fused, add_norm, swiglu_fused, add, loss_sums, compiled=False)
 _COMPILED: list[Regions] = []
 
 
@@ -163,7 +180,8 @@ def compiled() -> Regions:
             return run
 
         _COMPILED.append(Regions(make(norm, (0,)), make(heads_plain, (0, 4, 5)), make(add_norm, (0, 1)),
-                                 make(swiglu_plain, (0,)), make(add, (0, 1)), compiled=True))
+                                 make(swiglu_plain, (0,)), make(add, (0, 1)), make(loss_sums, (0, 1, 2, 3)),
+                                 compiled=True))
     return _COMPILED[0]
 
 

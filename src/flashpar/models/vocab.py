@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from flashpar.models.llama import IGNORE
 from flashpar.models.precision import widened
+from flashpar.models.regions import EAGER, Regions
 from flashpar.models.zero import reduce_scatter_rows
 
 
@@ -89,21 +90,20 @@ def embed_rows(tokens: torch.Tensor, weight: torch.Tensor, lo: int, group, *,
 
 
 def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, lo: int, group, rows: slice,
-                        count: float, vocab: int | None = None) -> torch.Tensor:
+                        count: float, vocab: int | None = None, regions: Regions = EAGER) -> torch.Tensor:
     """Summed next-token cross-entropy of ``rows`` (targets ``labels [T]``, -100: none) from this tp rank's
     vocabulary columns ``logits [T, V / tp]`` (from ``lo``), divided by ``count``.  ``vocab``: the columns from
-    ``vocab`` on are padding (``masked_padding``)."""
+    ``vocab`` on are padding (``masked_padding``).  ``regions``: whose ``loss_sums`` (``flashpar.models.regions``;
+    the compiled one with ``--compile``)."""
     logits = masked_padding(widened(logits), lo, vocab)
     top = logits.detach().max(-1).values
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    total = all_reduce_sum(torch.exp(logits - top.unsqueeze(-1)).sum(-1), group)
     valid = labels != IGNORE
     mine = valid & (labels >= lo) & (labels < lo + logits.shape[1])
-    # where, not a product: another rank's target may clamp onto a padded column (-inf x 0 is nan)
-    picked = torch.where(mine, logits.gather(1, (labels - lo).clamp(0, logits.shape[1] - 1).unsqueeze(-1)).squeeze(-1),
-                         0.0)
-    picked = all_reduce_sum(picked, group)
+    index = (labels - lo).clamp(0, logits.shape[1] - 1)  # rank-dependent values as tensors: one graph on every rank
+    total, picked = regions.loss_sums(logits, top, index, mine)
+    total, picked = all_reduce_sum(total, group), all_reduce_sum(picked, group)
     per_row = (torch.log(total) + top - picked) * valid
     return per_row[rows].sum() / max(count, 1.0)
 
@@ -119,8 +119,8 @@ def masked_padding(logits: torch.Tensor, lo: int, vocab: int | None) -> torch.Te
 
 
 def own_rows_loss(x_rows: torch.Tensor, head: torch.Tensor, labels_rows: torch.Tensor, count: float,
-                  vocab: int | None = None) -> torch.Tensor:
+                  vocab: int | None = None, regions: Regions = EAGER) -> torch.Tensor:
     """Summed next-token cross-entropy of this rank's rows from their hidden states ``x_rows [rows, h]`` and
     the whole head ``head [V, h]`` (both in the compute dtype; ``labels_rows``: -100 none), divided by
     ``count``: ``vocab_parallel_loss`` on a group of one (every column is this rank's, nothing is reduced)."""
-    return vocab_parallel_loss(x_rows @ head.t(), labels_rows, 0, None, slice(None), count, vocab)
+    return vocab_parallel_loss(x_rows @ head.t(), labels_rows, 0, None, slice(None), count, vocab, regions)
