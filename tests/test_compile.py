@@ -11,13 +11,13 @@ from dist_harness import SpawnCache
 
 # (dp, cp, ulysses, tp), dp mode, model (compile_workers.COMPILE_MODELS), ParallelOptions settings -> world size:
 # tp-sp, cp, ulysses and ZeRO-3 over dp at each size (ZeRO-3 over the shard group wherever it has 2 ranks or more);
-# at 2 also bf16, a model with every bias and qk-norm, and activation checkpointing (each a graph set of its own:
-# at 2, two ranks compile it, not four)
+# bf16 and a model with its biases and qk-norm (each a graph set of its own) at 1, where one process compiles it;
+# activation checkpointing at 2 (the same graphs as the step without it)
 CASES = {
-    1: [((1, 1, 1, 1), "zero3", "base", ())],
+    1: [((1, 1, 1, 1), "zero3", "base", ()), ((1, 1, 1, 1), "zero3", "base", (("dtype", "bf16"),)),
+        ((1, 1, 1, 1), "zero3", "biased", ())],
     2: [((1, 1, 1, 2), "zero3", "base", ()), ((1, 2, 1, 1), "zero3", "base", ()), ((1, 1, 2, 1), "zero3", "base", ()),
-        ((2, 1, 1, 1), "zero3", "base", ()), ((1, 1, 1, 2), "zero3", "base", (("dtype", "bf16"),)),
-        ((1, 1, 1, 2), "zero3", "biased", ()), ((1, 2, 1, 1), "zero3", "base", (("checkpoint_activations", True),))],
+        ((2, 1, 1, 1), "zero3", "base", ()), ((1, 2, 1, 1), "zero3", "base", (("checkpoint_activations", True),))],
     3: [((1, 1, 1, 3), "zero3", "heads6-vocab12", ()),
         ((1, 3, 1, 1), "zero3", "heads6-vocab12", (("zero_schedule", "fused"),)),
         ((1, 1, 3, 1), "zero3", "heads6-vocab12", ()), ((3, 1, 1, 1), "zero3", "heads6-vocab12", ())],

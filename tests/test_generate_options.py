@@ -246,3 +246,21 @@ def test_generate_help_says_every_default_and_imports_no_torch():
                and "(default:" not in text]
     assert not missing, missing
     assert len(lines) > 25
+
+
+def test_compile_flag_reaches_the_model():
+    """``--compile``: the config's ``compile`` (off unless given), which ``rank_main`` builds the model with
+    (``ParallelLlama(..., compile=config.compile)``) and warms before the prompts (``warm_up(model, grad=False)``);
+    a compiled prefill's logits against eager ones: ``tests/test_prefill_bench.py``."""
+    import argparse
+    import inspect
+
+    from flashpar import generate_command as g
+
+    p = argparse.ArgumentParser()
+    g.add_arguments(p)
+    base = ["--init-from", "x", "--prompts", "p.jsonl"]
+    assert g.from_args(p.parse_args([*base, "--compile"])).compile is True
+    assert g.from_args(p.parse_args(base)).compile is False
+    src = inspect.getsource(g.rank_main)
+    assert "compile=config.compile" in src and "warm_up(model, grad=False)" in src
