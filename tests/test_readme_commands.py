@@ -33,7 +33,8 @@ CP = ["--nproc", "2", "--link-rate", "none", "--tokens", "1024", "--packs", "1",
 
 # run name -> argv: the training runs are the session's shared ones (tests/train_runs.py: the resume runs
 # need the first run's checkpoints), the others run here in this order
-TRAINING = ("train", "resume-same", "resume-ulysses", "resume-per-doc-ring", "check-hf", "own-model", "export")
+TRAINING = ("train", "resume-same", "resume-ulysses", "resume-per-doc-ring", "resume-compiled", "check-hf", "own-model",
+            "export")
 RUNS = {
     **{name: TRAIN_RUNS[name] for name in TRAINING},
     "plan-wlbllm": ["plan", "--lengths", "wlbllm", "--cp", "8", "--tokens", "131072", "--packs", "2"],
@@ -70,6 +71,7 @@ COMMANDS = {  # README command -> the run that exercises it
     "flashpar train --dp 2 --cp 2 --tp 1 --strategy per_doc --mode ring --steps 100 --seq-len 4096":
         "resume-per-doc-ring",
     "flashpar train --check": "check-hf",
+    "flashpar train --compile": "resume-compiled",
     "flashpar train --save-every 100": "train",
     "flashpar train --resume runs/train/checkpoints": "resume-same",
     "flashpar train --resume runs/train/checkpoints --steps 800 --ulysses 2 --tp 1": "resume-ulysses",

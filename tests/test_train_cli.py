@@ -111,8 +111,9 @@ def test_compiled_run_resumes_the_eager_runs_trajectory_and_reports_its_compilat
     # the block's five regions and the loss's at its two widths (tp 2: a rank's 128 vocabulary columns, or all 256
     # where the tp ranks gather the byte vocabulary, which a step's token count decides)
     assert summary["compile_graphs"] == 7 and summary["recompiles"] == 0, summary
-    assert run.stdout.count("compile: ") == 2 and "graphs (each block's elementwise regions" in run.stdout
-    assert "not in the step times" in run.stdout and "compile on" in run.stdout
+    # the run's last lines (rank 0's start-up line goes to the launcher's terminal, not to this test's stdout)
+    assert "compile: " in run.stdout and "s at start-up, 7 graphs, not in the step times" in run.stdout
+    assert "compile on" in run.stdout
 
 
 def test_compiled_check_passes(train_runs):
