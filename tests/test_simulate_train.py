@@ -306,3 +306,19 @@ def test_check_runs_each_side_as_the_bench_ran_it():
     report["setup"]["compile"] = "yes"
     with pytest.raises(ValueError, match="setup.compile"):
         check_train.workload(report, "flashpar")
+
+
+def test_check_simulates_flashpar_compile_as_flashpar_compiled_and_compares_the_compiled_pairs():
+    """bench train's ``flashpar_compile`` (the trainer with ``--compile``) is flashpar with its elementwise work fused:
+    its predicted step is shorter than flashpar's eager one, and the check compares it with ``torch_compile``
+    (compiled against compiled) and with ``flashpar`` (compilation's own gain)."""
+    from flashpar.sim.elementwise import compiled
+
+    report = _report(names=("flashpar", "flashpar_compile", "torch", "torch_compile"))
+    assert compiled(check_train.workload(report, "flashpar_compile"), check_train.peer_of("flashpar_compile"))
+    assert not compiled(check_train.workload(report, "flashpar"), check_train.peer_of("flashpar"))
+    pred = check_train.predict(report)
+    assert pred["flashpar_compile"]["no_comm_s"] < pred["flashpar"]["no_comm_s"]
+    rows = {(r["row"], r["figure"]) for r in check_train.check(report)}
+    for pair in ("flashpar_compile vs torch_compile", "flashpar_compile vs flashpar", "flashpar vs torch"):
+        assert (pair, "tokens/s ratio") in rows and (pair, "tokens/s ratio, comm model") in rows, rows

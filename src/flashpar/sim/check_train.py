@@ -14,8 +14,9 @@ kernel's curves).  What the bench runs that a GPU cluster would not, the simulat
   curve times.  ``torch_compile`` is simulated as ``torch`` with its elementwise work fused (the comm-model rows
   take its measured no-communication step);
 * each side's elementwise work as the bench ran it (``flashpar.sim.elementwise``): ``torch`` and ``torch_dense``
-  eager, ``torch_compile`` compiled, flashpar and baseline compiled only where the report's setup says so
-  (``setup.compile``; a report without it ran them eager);
+  eager, ``torch_compile`` and ``flashpar_compile`` (the trainer with ``--compile``, simulated as flashpar)
+  compiled, flashpar and baseline compiled only where the report's setup says so (``setup.compile``; a report
+  without it ran them eager);
 * the torch peers' FSDP2 gathers a block when the block's forward starts
   (``fsdp_prefetch=False``: an assumption, on CPU no stream lets the host run ahead and issue it earlier)
   and gathers every block again for backward, the last one too (``fsdp_keep_last=False``:
@@ -41,12 +42,14 @@ from __future__ import annotations
 from flashpar.sim.peers import NAMES, PEERS
 
 TORCH_ATTENTION = {"torch": "docs", "torch_compile": "docs", "torch_dense": "dense"}  # bench train's torch peers
-BENCH_NAMES = (*NAMES, "torch_compile", "torch_dense")
+BENCH_NAMES = (*NAMES, "flashpar_compile", "torch_compile", "torch_dense")
+COMPILED_FLASHPAR = "flashpar_compile"  # the trainer with --compile: flashpar with its elementwise regions fused
 
 
 def peer_of(name: str):
-    """The simulator's configuration of the bench's ``name`` (the torch peers all run as ``torch``)."""
-    return PEERS["torch" if name in TORCH_ATTENTION else name]
+    """The simulator's configuration of the bench's ``name`` (the torch peers all run as ``torch``, flashpar_compile as
+    ``flashpar``)."""
+    return PEERS["torch" if name in TORCH_ATTENTION else "flashpar" if name == COMPILED_FLASHPAR else name]
 
 
 def workload(report: dict, name: str):
@@ -81,7 +84,8 @@ def workload(report: dict, name: str):
     return Workload(cfg, layout, cluster, packs, elem_bytes=4, attn_bwd=bwd, zero_rs_elem_bytes=4,
                     torch_attention=TORCH_ATTENTION.get(name, "flex"), fsdp_prefetch=False, fsdp_keep_last=False,
                     regather=regather, gather_vocab=gather_vocab,
-                    flashpar_compiled=flashpar_compiled, torch_compiled=name == "torch_compile",
+                    flashpar_compiled=flashpar_compiled or name == COMPILED_FLASHPAR,
+                    torch_compiled=name == "torch_compile",
                     plan_hardware=plan_hw, plan_per_step=per_step, plan_burst=burst,
                     shared_cores=run_burst(s, group))
 
@@ -164,17 +168,15 @@ def check(report: dict) -> list[dict]:
     # "comm": each configuration's measured no-communication step plus its predicted exposed communication
     comm = {n: m["no_comm_ms"] / 1e3 + pred[n]["step_s"] - pred[n]["no_comm_s"] for n, m in meas.items()}
     rows = []
+    pairs = [("flashpar", other) for other in ("baseline", *TORCH_ATTENTION)]
+    pairs += [(COMPILED_FLASHPAR, "torch_compile"), (COMPILED_FLASHPAR, "flashpar")]  # compiled vs compiled; --compile
     for steps, label, comm_only in (({n: p["step_s"] for n, p in pred.items()}, "tokens/s ratio", False),
                                     (comm, "tokens/s ratio, comm model", True)):
-        if "flashpar" not in meas:
-            break
-        for other in ("baseline", *TORCH_ATTENTION):
-            if other not in meas:
-                continue
-            p = steps[other] / steps["flashpar"]
-            m = meas["flashpar"]["tokens_per_s"] / meas[other]["tokens_per_s"]
-            rows.append({"row": f"flashpar vs {other}", "figure": label, "predicted": p, "measured": m,
-                         "why": "" if abs(p / m - 1) <= 0.15 else _why(pred, meas, ["flashpar", other], comm_only)})
+        for ours, other in ((a, b) for a, b in pairs if a in meas and b in meas):
+            p = steps[other] / steps[ours]
+            m = meas[ours]["tokens_per_s"] / meas[other]["tokens_per_s"]
+            rows.append({"row": f"{ours} vs {other}", "figure": label, "predicted": p, "measured": m,
+                         "why": "" if abs(p / m - 1) <= 0.15 else _why(pred, meas, [ours, other], comm_only)})
     for n, m in meas.items():
         p = comm[n] / (m["no_comm_ms"] / 1e3)
         mv = m["step_ms"] / m["no_comm_ms"]
