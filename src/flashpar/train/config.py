@@ -71,6 +71,8 @@ class TrainConfig(ParallelOptions):
     zero_collective: str = _trainer_default("zero_collective", "auto")
     device: str = _opt("cpu", "cpu (gloo) or cuda (NCCL, one GPU per rank)", choices=DEVICES)
     threads: int = _opt(1, "torch threads per CPU rank")
+    allow_cross_node_tp: bool = _opt(False, "run a mesh whose tp or ulysses groups span nodes (refused otherwise: "
+                                            "their collectives run once per GEMM)")
     master_addr: str = _opt("127.0.0.1", "the address the spawned ranks' rendezvous listens on (without torchrun); "
                                          "the loopback default is reachable from this machine only")
 
@@ -231,7 +233,7 @@ def _options_in(group: str) -> tuple[str, ...]:
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the model", ("model", "init_from", "seed")),
     (MESH, ("nproc", "dp", "cp", "ulysses", "tp", "strategy", *_options_in(MESH), "device", "threads",
-            "master_addr")),
+            "allow_cross_node_tp", "master_addr")),
     ("data", ("seq_len", "tokenizer", "eod_token", "data", "max_docs", "epochs", "workers", "eval_every",
               "eval_docs")),
     ("optimizer", ("steps", "lr", "micro_batches", "warmup", "lr_min", "weight_decay", "clip")),
@@ -383,6 +385,10 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
                          f"= {config.world_size} does not match the {world_size} processes: run it with --nproc "
                          f"{config.world_size} or without --nproc (under torchrun: {config.world_size} processes in "
                          f"all), or choose a mesh whose product is {world_size}")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun's ranks on this node
+    problem = config.dims.node_problem(local) if local > 0 else None
+    if problem and not config.allow_cross_node_tp:
+        raise ValueError(problem)
     if config.device == "cuda":
         import torch
 
