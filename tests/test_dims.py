@@ -3,6 +3,7 @@ Ulysses splits the heads (``head_layout``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -91,3 +92,40 @@ class _Mesh:
 def test_of_mesh_reads_the_sizes_and_a_mesh_without_ulysses_has_one():
     assert ParallelDims.of_mesh(_Mesh({"dp": 2, "cp": 1, "ulysses": 2, "tp": 1})) == ParallelDims(2, 1, 2, 1)
     assert ParallelDims.of_mesh(_Mesh({"dp": 1, "cp": 2, "tp": 2})) == ParallelDims(1, 2, 1, 2)
+
+
+@pytest.mark.parametrize("nodes, per_node, mesh, spans", [
+    # 2 nodes x 2 ranks: tp inside a node, cp across
+    (2, 2, (1, 2, 1, 2), {"dp": 1, "cp": 2, "ulysses": 1, "tp": 1}),
+    # 2 nodes x 4 ranks: tp 2 and cp 2 inside a node, dp across
+    (2, 4, (2, 2, 1, 2), {"dp": 2, "cp": 1, "ulysses": 1, "tp": 1}),
+    # 4 nodes x 2 ranks: Ulysses 2 inside each node, cp 4 across four nodes
+    (4, 2, (1, 4, 2, 1), {"dp": 1, "cp": 4, "ulysses": 1, "tp": 1}),
+])
+def test_node_placement_keeps_tp_and_ulysses_inside_a_node(nodes, per_node, mesh, spans):
+    """torchrun places ranks ``n L .. (n + 1) L - 1`` on node ``n``; the row-major mesh puts tp (and ulysses)
+    groups on neighbouring ranks: each dim's groups span the nodes listed, and nothing is refused."""
+    dims = ParallelDims(*mesh)
+    assert dims.world_size == nodes * per_node
+    assert dims.nodes_spanned(per_node) == spans
+    assert dims.node_problem(per_node) is None
+
+
+def test_tp_across_nodes_is_one_line_unless_allowed(monkeypatch, tmp_path):
+    """tp 4 on nodes of 2 ranks, or tp 2 on nodes of 3 (a group straddles two nodes): one line naming the dims, the
+    ranks per node and the way out; ``ready`` refuses it before any process starts, and runs it with
+    ``--allow-cross-node-tp``; one node holds any mesh."""
+    line = ParallelDims(1, 1, 1, 4).node_problem(2)
+    assert line.startswith("tp would span nodes: 2 ranks per node (LOCAL_WORLD_SIZE) and ulysses x tp = 4")
+    assert "--allow-cross-node-tp" in line and "\n" not in line
+    assert ParallelDims(1, 3, 1, 2).nodes_spanned(3)["tp"] == 2  # ranks 2, 3 on nodes 0 and 1
+    assert ParallelDims(1, 2, 2, 1).node_problem(1).startswith("ulysses would span nodes")
+    assert ParallelDims(1, 1, 1, 4).node_problem(4) is None
+    from flashpar.train.config import TrainConfig, ready
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    config = TrainConfig(nproc=4, dp=1, cp=1, tp=4, out=str(tmp_path), steps=1, seq_len=256, max_docs=40, workers=0,
+                         model=LlamaConfig(hidden=32, layers=1, heads=4, kv_heads=4, ffn=64))
+    with pytest.raises(ValueError, match="^tp would span nodes"):
+        ready(config, 4)
+    assert ready(dataclasses.replace(config, allow_cross_node_tp=True), 4).tp == 4

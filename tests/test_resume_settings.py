@@ -96,3 +96,27 @@ def test_switches_are_noted_as_given(flag):
     parser, _ = parser_for(["train"])
     args = parser.parse_args(["train", flag])
     assert args.flags_given == {flag[2:]}
+
+
+def test_resume_auto_on_an_out_without_checkpoints_is_a_fresh_start(tmp_path, capsys):
+    """``--resume auto``, the command line of a job's first launch and of every restart: nothing saved yet under
+    ``--out`` (or only an unfinished save) is a fresh start with the flags given, said in one line."""
+    out = tmp_path / "run"
+    config = _parsed("--resume", "auto", "--out", str(out), "--steps", "7")
+    assert config.resume is None and config.steps == 7
+    assert f"--resume auto: no checkpoint in {out / 'checkpoints'}: a fresh start" in capsys.readouterr().err
+    _checkpoint(out / "checkpoints", 10, SAVED, marker=False)  # a save killed before its marker
+    assert _parsed("--resume", "auto", "--out", str(out)).resume is None
+
+
+def test_resume_auto_continues_the_runs_own_newest_checkpoint_with_its_settings(tmp_path, capsys):
+    """With a marked checkpoint under ``<--out>/checkpoints``: that folder (its newest step, checked when the run
+    starts, a broken newest one skipped as ``--resume`` skips it), the settings the checkpoint records for every
+    flag not given, and the flags given winning."""
+    out = tmp_path / "run"
+    _checkpoint(out / "checkpoints", 10, SAVED)
+    _checkpoint(out / "checkpoints", 20, SAVED)
+    config = _parsed("--resume", "auto", "--out", str(out), "--steps", "80")
+    assert config.resume == str(out / "checkpoints") and config.out == str(out)
+    assert (config.steps, config.seq_len, config.seed, config.dtype, config.lr) == (80, 256, 7, "bf16", 1e-3)
+    assert "the run's settings from its checkpoint" in capsys.readouterr().err

@@ -106,6 +106,32 @@ class ParallelDims:
                 [r + coords[d] * stride for r in ranks]
         return ranks
 
+    def nodes_spanned(self, ranks_per_node: int) -> dict[str, int]:
+        """Per mesh dim, the most nodes of ``ranks_per_node`` consecutive global ranks (torchrun's placement: node
+        ``n`` holds ranks ``n L .. (n + 1) L - 1``) that one of its groups spans.  The mesh is row-major with tp
+        innermost, so tp (and ulysses) groups are runs of neighbouring ranks and stay inside a node whenever their
+        size divides the node's ranks; cp and dp stride over them::
+
+            2 nodes x 4 ranks, dp 2 x cp 2 x tp 2:   node 0: ranks 0 1 2 3   node 1: ranks 4 5 6 7
+                                                     tp [0, 1] -> 1 node, cp [0, 2] -> 1 node, dp [0, 4] -> 2 nodes
+        """
+        return {d: max(len({r // ranks_per_node for r in self.group_ranks((d,), rank)})
+                       for rank in range(self.world_size)) for d in DIMS}
+
+    def node_problem(self, ranks_per_node: int) -> str | None:
+        """One line when tp or ulysses would span nodes (their all-gathers, reduce-scatters and all-to-alls run once
+        per GEMM: on the link between nodes they cost several times NVLink's), else None."""
+        if ranks_per_node >= self.world_size:
+            return None
+        spanned = self.nodes_spanned(ranks_per_node)
+        bad = [d for d in ("ulysses", "tp") if spanned[d] > 1]
+        if not bad:
+            return None
+        inner = self.ulysses * self.tp
+        return (f"{' and '.join(bad)} would span nodes: {ranks_per_node} ranks per node (LOCAL_WORLD_SIZE) and ulysses "
+                f"x tp = {inner}, which must divide it to keep tp and ulysses inside a node (choose a mesh with "
+                f"ulysses x tp dividing {ranks_per_node}, or --allow-cross-node-tp to run it anyway)")
+
     def heads_problem(self) -> str | None:
         if self.ulysses > 1 and self.tp > 1:
             return (f"ulysses = {self.ulysses} and tp = {self.tp} both > 1 is not supported: Ulysses and tensor "

@@ -28,6 +28,7 @@ from flashpar.dims import ParallelDims
 from flashpar.models import LlamaConfig
 from flashpar.options import FAULTS, MEMORY, MESH, OPTION_FIELDS, ParallelOptions
 from flashpar.options import of as options_of
+from flashpar.train.resume_settings import AUTO, auto_folder
 
 DEVICES = ("cpu", "cuda")
 MODEL_FLAGS = ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn")  # LlamaConfig fields that are flags
@@ -70,6 +71,8 @@ class TrainConfig(ParallelOptions):
     zero_collective: str = _trainer_default("zero_collective", "auto")
     device: str = _opt("cpu", "cpu (gloo) or cuda (NCCL, one GPU per rank)", choices=DEVICES)
     threads: int = _opt(1, "torch threads per CPU rank")
+    allow_cross_node_tp: bool = _opt(False, "run a mesh whose tp or ulysses groups span nodes (refused otherwise: "
+                                            "their collectives run once per GEMM)")
     master_addr: str = _opt("127.0.0.1", "the address the spawned ranks' rendezvous listens on (without torchrun); "
                                          "the loopback default is reachable from this machine only")
 
@@ -111,7 +114,9 @@ class TrainConfig(ParallelOptions):
     # -- checkpoints --
     save_every: int = _opt(0, "checkpoint every K steps and at the end (0: never)")
     resume: str | None = _opt(None, "continue from a checkpoint folder (or a run's checkpoints/ folder: its "
-                                    "newest); the mesh may differ", type=str)
+                                    "newest); the mesh may differ; auto: this run's own newest checkpoint under "
+                                    "--out if it has one, else a fresh start (the same command for the first launch "
+                                    "and every restart)", type=str)
     keep: int = _opt(2, "keep the K newest complete checkpoints, deleting older ones after each save (0: keep "
                         "every one); 2 leaves one to fall back on if the newest is found broken")
 
@@ -228,7 +233,7 @@ def _options_in(group: str) -> tuple[str, ...]:
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the model", ("model", "init_from", "seed")),
     (MESH, ("nproc", "dp", "cp", "ulysses", "tp", "strategy", *_options_in(MESH), "device", "threads",
-            "master_addr")),
+            "allow_cross_node_tp", "master_addr")),
     ("data", ("seq_len", "tokenizer", "eod_token", "data", "max_docs", "epochs", "workers", "eval_every",
               "eval_docs")),
     ("optimizer", ("steps", "lr", "micro_batches", "warmup", "lr_min", "weight_decay", "clip")),
@@ -309,6 +314,11 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
     if getattr(args, "init_from", None):  # the sizes are the folder's
         model = _init_from_model(args, model)
     values = {name: getattr(args, name) for name in _FLAGS if name != "model"}
+    if getattr(args, "resume", None) == AUTO:  # the run's own newest checkpoint, or a fresh start
+        found = auto_folder(values["out"])
+        if found is None:
+            _say_once(f"--resume auto: no checkpoint in {Path(values['out']) / 'checkpoints'}: a fresh start")
+        args.resume = values["resume"] = None if found is None else str(found)
     if getattr(args, "resume", None):  # the checkpoint's settings, but for the flags given now
         values, model = _resumed(args, values, model)
     return TrainConfig(model=model, **values)
@@ -328,11 +338,16 @@ def _resumed(args: argparse.Namespace, values: dict, model: LlamaConfig) -> tupl
     merged, taken = resume_settings.merged({**values, "model": model.to_dict()}, given, saved)
     model_value = merged.pop("model")
     model = LlamaConfig(**model_value) if isinstance(model_value, dict) else model_value
-    if os.environ.get("RANK", "0") == "0":
-        changed = sorted(f"--{_flag(n)}" for n in given if n in _FIELDS and n not in ("resume", "model"))
-        print(f"flashpar train: --resume {args.resume}: the run's settings from its checkpoint ({len(taken)} "
-              f"taken{'; given here: ' + ', '.join(changed) if changed else ''})", file=sys.stderr, flush=True)
+    changed = sorted(f"--{_flag(n)}" for n in given if n in _FIELDS and n not in ("resume", "model"))
+    _say_once(f"--resume {args.resume}: the run's settings from its checkpoint ({len(taken)} taken"
+              f"{'; given here: ' + ', '.join(changed) if changed else ''})")
     return merged, model
+
+
+def _say_once(line: str) -> None:
+    """``line`` on standard error, once for the job (rank 0 under torchrun)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"flashpar train: {line}", file=sys.stderr, flush=True)
 
 
 def _init_from_model(args: argparse.Namespace, model: LlamaConfig) -> LlamaConfig:
@@ -370,6 +385,10 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
                          f"= {config.world_size} does not match the {world_size} processes: run it with --nproc "
                          f"{config.world_size} or without --nproc (under torchrun: {config.world_size} processes in "
                          f"all), or choose a mesh whose product is {world_size}")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun's ranks on this node
+    problem = config.dims.node_problem(local) if local > 0 else None
+    if problem and not config.allow_cross_node_tp:
+        raise ValueError(problem)
     if config.device == "cuda":
         import torch
 
@@ -402,6 +421,9 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
 
         if not have_matplotlib():
             raise ValueError("--plot needs matplotlib (pip install 'flashpar[plot]')")
+    if config.resume == AUTO:  # a config made in Python: the run's own newest checkpoint, or a fresh start
+        found = auto_folder(config.out)
+        config = dataclasses.replace(config, resume=None if found is None else str(found))
     if config.resume:
         from flashpar.train import checkpoint
 

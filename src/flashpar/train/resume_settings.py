@@ -5,6 +5,9 @@ values (paths absolute).  ``flashpar train --resume RUN/checkpoints`` then needs
 
     the resumed run's value of a setting  =  the flag given now,  else the checkpoint's,  else the default
 
+``--resume auto`` (``AUTO``) is the same with the run's own ``<--out>/checkpoints`` when it holds a marked checkpoint,
+and a fresh start when it holds none (``auto_folder``): one command line for a job's first launch and each restart.
+
 Not taken from the checkpoint: what describes this launch rather than the run (``INVOCATION``: ``--resume``
 itself, ``--nproc``, which follows the mesh, ``--check``, ``--master-addr``) and ``--init-from`` (the
 checkpoint's weights win; its model sizes and tokenizer are in the settings).  What must not change across a
@@ -47,6 +50,18 @@ def settings(config) -> dict:
             value = list(value)
         out[f.name] = value
     return out
+
+
+AUTO = "auto"
+"""``--resume auto``: the run's own newest checkpoint (``<--out>/checkpoints``) if it has one, else a fresh start: the
+command line a first launch and every restart can share."""
+
+
+def auto_folder(out) -> Path | None:
+    """What ``--resume auto`` resumes: ``<out>/checkpoints`` when a ``step_*`` folder there is marked complete
+    (checked later, as ``--resume``'s: a broken newest one skipped with one line), else None (a fresh start)."""
+    folder = Path(out) / "checkpoints"
+    return folder if newest(folder) is not None else None
 
 
 def newest(path: Path) -> Path | None:
