@@ -300,6 +300,7 @@ def rank_main(config: GenerateConfig, job: Job) -> None:
 
     from flashpar.dims import ParallelDims
     from flashpar.infer.generate import generate
+    from flashpar.mesh import init_world
     from flashpar.models.compiling import warm_up
     from flashpar.models.parallel import ParallelLlama
 
@@ -308,7 +309,7 @@ def rank_main(config: GenerateConfig, job: Job) -> None:
     cuda = config.device == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=config.timeout))
+    init_world("nccl" if cuda else "gloo", datetime.timedelta(seconds=config.timeout))
     if dist.get_world_size() != config.tp * config.cp:
         raise ValueError(f"--tp {config.tp} x --cp {config.cp} = {config.tp * config.cp} ranks, the job has "
                          f"{dist.get_world_size()}")

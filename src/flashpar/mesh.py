@@ -12,6 +12,8 @@ So each function below makes its groups in one fixed order, and the model makes 
                                            index) once per lane, so no lane's collectives interleave with another's
         shard                              the ranks a tp shard's gradient is summed over (dp x cp x ulysses)
         copy                               the whole mesh (replicated parameters' gradients)
+    init_world(backend, timeout)           the default group, from the launcher's environment (under torchrun:
+                                           a store of this restart's own)
     host_group(ranks)                      a gloo group for host integers (the step check on an NCCL mesh)
     twin_group(ranks)                      gloo's second connection between two ranks (flashpar.dist.p2p_group)
 
@@ -21,10 +23,34 @@ Each group is made for every tp index (or its one set of members); a rank keeps 
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+def init_world(backend: str, timeout: datetime.timedelta) -> None:
+    """The default process group of ``backend`` from the environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` /
+    ``MASTER_PORT``: flashpar's launcher's or torchrun's).
+
+    Under torchrun's agent (``TORCHELASTIC_USE_AGENT_STORE``) every restart of the workers meets the same store:
+    the agent keeps it, while torch's ``env://`` rendezvous assumes a new one per restart and prefixes nothing.
+    Restarted workers would then read the dead workers' addresses, which gloo's (and NCCL's) connection set-up
+    finds refused.  So the default group's keys go under this restart's own prefix (``TORCHELASTIC_RESTART_COUNT``)::
+
+        store (the agent's, one for the job):  flashpar/attempt_0/...  (the first workers, dead)
+                                               flashpar/attempt_1/...  (the restarted ones: their own addresses)
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"flashpar/attempt_{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
 
 
 def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):

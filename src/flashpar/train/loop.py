@@ -43,6 +43,7 @@ import torch.distributed as dist
 from flashpar import cp
 from flashpar.cost.calibrate import peak_flops
 from flashpar.links import planning_device
+from flashpar.mesh import init_world
 from flashpar.models.compiling import warm_up
 from flashpar.train import checkpoint, where
 from flashpar.train.config import TrainConfig
@@ -69,7 +70,7 @@ def setup(config: TrainConfig):
     """Process group, device and mesh of this rank."""
     cuda = config.device == "cuda"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=config.timeout))
+        init_world("nccl" if cuda else "gloo", datetime.timedelta(seconds=config.timeout))
     local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
