@@ -82,6 +82,17 @@ def test_generate_writes_transformers_greedy_tokens_in_input_order(folder, capfd
     ('{"tokens": [1, 2]}\n', ["--tp", 3], "--tp 3: the model's heads = 4 is not divisible"),
     ('{"tokens": [1, 2]}\n', ["--ulysses", 2], "--ulysses 2"),
     ('{"tokens": [1, 2]}\n', ["--top-p", 0], "--top-p must be in (0, 1]"),
+    ('{"tokens": [1, 2]}\n', ["--n", 0], "--n must be an integer >= 1, got 0"),
+    ('{"tokens": [1, 2]}\n', ["--min-p", 1.5], "--min-p must be in [0, 1], got 1.5"),
+    ('{"tokens": [1, 2]}\n', ["--repetition-penalty", 0], "--repetition-penalty must be a number > 0"),
+    ('{"tokens": [1, 2]}\n', ["--presence-penalty", 3], "--presence-penalty must be in [-2, 2]"),
+    ('{"tokens": [1, 2]}\n', ["--frequency-penalty", -2.5], "--frequency-penalty must be in [-2, 2]"),
+    ('{"tokens": [1, 2]}\n', ["--stop", ""], "--stop '': a stop string must not be empty"),
+    ('{"tokens": [1, 2]}\n', ["--stop-id", 320], "--stop-id 320: not a token id"),
+    ('{"tokens": [1, 2]}\n', ["--n", 2, "--temperature", 0], "--n 2 at --temperature 0 (greedy)"),
+    ('{"tokens": [1, 2]}\n', ["--chat"], "--chat: "),
+    ('{"messages": [{"role": "user", "content": "hi"}]}\n', [], "a 'messages' prompt is a conversation: give --chat"),
+    ('{"tokens": [1, 2]}\n', ["--mode", "fast"], "--mode 'fast': expected one of"),
 ])
 def test_bad_input_is_one_line_before_any_rank_starts(folder, capfd, content, args, says):
     root, _, _ = folder
@@ -230,27 +241,6 @@ def test_sampling_flags_without_a_temperature_sample_at_1_and_say_so(folder, cap
     assert [(r["id"], r["index"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(r["finish_reason"] in ("eos", "length") and r["tokens"] for r in rows)
     assert rows[0]["tokens"] != rows[1]["tokens"] or rows[2]["tokens"] != rows[3]["tokens"]
-
-
-@pytest.mark.parametrize("content, args, says", [
-    ('{"tokens": [1, 2]}\n', ["--n", 0], "--n must be an integer >= 1, got 0"),
-    ('{"tokens": [1, 2]}\n', ["--min-p", 1.5], "--min-p must be in [0, 1], got 1.5"),
-    ('{"tokens": [1, 2]}\n', ["--repetition-penalty", 0], "--repetition-penalty must be a number > 0"),
-    ('{"tokens": [1, 2]}\n', ["--presence-penalty", 3], "--presence-penalty must be in [-2, 2]"),
-    ('{"tokens": [1, 2]}\n', ["--frequency-penalty", -2.5], "--frequency-penalty must be in [-2, 2]"),
-    ('{"tokens": [1, 2]}\n', ["--stop", ""], "--stop '': a stop string must not be empty"),
-    ('{"tokens": [1, 2]}\n', ["--stop-id", 320], "--stop-id 320: not a token id"),
-    ('{"tokens": [1, 2]}\n', ["--n", 2, "--temperature", 0], "--n 2 at --temperature 0 (greedy)"),
-    ('{"tokens": [1, 2]}\n', ["--chat"], "--chat: "),
-    ('{"messages": [{"role": "user", "content": "hi"}]}\n', [], "a 'messages' prompt is a conversation: give --chat"),
-    ('{"tokens": [1, 2]}\n', ["--mode", "fast"], "--mode 'fast': expected one of"),
-])
-def test_bad_options_are_one_line_before_any_rank_starts(folder, capfd, content, args, says):
-    root, _, _ = folder
-    prompts = root / "bad-options.jsonl"
-    prompts.write_text(content)
-    code, _, err = _run(["--init-from", root / "llama", "--prompts", prompts, *args], capfd)
-    assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("line, says", [
