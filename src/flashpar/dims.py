@@ -115,8 +115,11 @@ class ParallelDims:
             2 nodes x 4 ranks, dp 2 x cp 2 x tp 2:   node 0: ranks 0 1 2 3   node 1: ranks 4 5 6 7
                                                      tp [0, 1] -> 1 node, cp [0, 2] -> 1 node, dp [0, 4] -> 2 nodes
         """
-        return {d: max(len({r // ranks_per_node for r in self.group_ranks((d,), rank)})
-                       for rank in range(self.world_size)) for d in DIMS}
+        out = {}
+        for d in DIMS:  # each group once: from its member whose coordinate along d is 0
+            firsts = (r for r in range(self.world_size) if (r // self.stride(d)) % getattr(self, d) == 0)
+            out[d] = max(len({m // ranks_per_node for m in self.group_ranks((d,), r)}) for r in firsts)
+        return out
 
     def node_problem(self, ranks_per_node: int) -> str | None:
         """One line when tp or ulysses would span nodes (their all-gathers, reduce-scatters and all-to-alls run once

@@ -299,9 +299,9 @@ def timed_regions(regions, clock: Clock):
 
         return call
 
-    parts = {"norm": "elementwise", "heads": "elementwise", "add_norm": "elementwise", "swiglu": "elementwise",
-             "add": "elementwise", "loss_sums": "loss"}
-    return dataclasses.replace(regions, **{name: wrap(getattr(regions, name), part) for name, part in parts.items()})
+    names = [f.name for f in dataclasses.fields(regions) if f.name != "compiled"]  # every region, the loss's too
+    return dataclasses.replace(regions, **{name: wrap(getattr(regions, name), "loss" if name == "loss_sums"
+                                                      else "elementwise") for name in names})
 
 
 @contextlib.contextmanager

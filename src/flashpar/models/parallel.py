@@ -239,11 +239,23 @@ class ParallelBlock(nn.Module):
             w_o = self.o_proj.source() if self.o_proj.source is not None else self.o_proj.weight.to(o.dtype)
             out = all_to_all_matmul(o, w_o, group=self.ulysses_group,
                                     mode=self.mode, split_sizes=blocks, check=False, timeout_s=self.timeout_s)
-        r = self.regions
-        x, m = r.add_norm(x, out, _bias(self.o_bias), self.mlp_norm.weight, self.mlp_norm.eps)
+        x, m = self._add_norm(x, out)
         gu = self.gate_up(m, split_sizes=split, check=False, **zkw)
-        out = self.down(r.swiglu(gu, _bias(self.gate_up_bias)), split_sizes=split, check=False, **zkw)
-        return r.add(x, out, _bias(self.down_bias))
+        out = self.down(self._swiglu(gu), split_sizes=split, check=False, **zkw)
+        return self._add(x, out)
+
+    # the regions as this block calls them (its weights and biases): forward's and warm_regions' one call each
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.regions.norm(x, self.attn_norm.weight, self.attn_norm.eps)  # fp32 inside, out in x's dtype
+
+    def _add_norm(self, x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.regions.add_norm(x, out, _bias(self.o_bias), self.mlp_norm.weight, self.mlp_norm.eps)
+
+    def _swiglu(self, gu: torch.Tensor) -> torch.Tensor:
+        return self.regions.swiglu(gu, _bias(self.gate_up_bias))
+
+    def _add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return self.regions.add(x, out, _bias(self.down_bias))
 
     def warm_regions(self, rows: int, dtype: torch.dtype, grad: bool) -> None:
         """Run each region once on ``rows`` rows of random inputs shaped and typed as ``forward``'s (with ``grad``:
@@ -259,11 +271,9 @@ class ParallelBlock(nn.Module):
 
         x, out, qkv, gu, y = rand(rows, h), rand(rows, h), rand(rows, qkv_cols), rand(rows, ffn), rand(rows, h)
         tables = tuple(torch.rand(rows, d // 2, dtype=dtype, device=device) for _ in range(2))
-        r = self.regions
         with torch.set_grad_enabled(grad):
-            outs = [r.norm(x, self.attn_norm.weight, self.attn_norm.eps), *self.heads_of(qkv, tables),
-                    *r.add_norm(x, out, _bias(self.o_bias), self.mlp_norm.weight, self.mlp_norm.eps),
-                    r.swiglu(gu, _bias(self.gate_up_bias)), r.add(x, y, _bias(self.down_bias))]
+            outs = [self._norm(x), *self.heads_of(qkv, tables), *self._add_norm(x, out), self._swiglu(gu),
+                    self._add(x, y)]
             if grad:
                 torch.autograd.grad(sum(o.float().sum() for o in outs), [x, out, qkv, gu, y])
 
@@ -292,7 +302,7 @@ class ParallelBlock(nn.Module):
         before ``o_proj``; the arguments are ``forward``'s.  ``rows``: only these local rows computed, the others
         zero (``cp.attention``'s ``rows``)."""
         t = tables[0].shape[0]
-        a = self.regions.norm(x, self.attn_norm.weight, self.attn_norm.eps)  # fp32 inside, out in x's dtype
+        a = self._norm(x)
         # check=False on every op: ParallelLlama.forward checked this step's inputs across ranks once
         # (models/step_check.py)
         if self.ulysses_group is None:  # every token of the cp rank, this tp rank's heads

@@ -154,8 +154,8 @@ def compiled() -> Regions:
         import torch._dynamo
         import torch._inductor.config
 
-        # a region recompiled past torch's limit would run eagerly without a word: raise instead
-        # (flashpar.models.compile_report turns it into one line)
+        # a region recompiled past torch's limit would run eagerly without a word: raise instead (``run`` below
+        # turns it into one line)
         torch._dynamo.config.fail_on_recompile_limit_hit = True
         if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
             # every rank of a node compiles its own regions at the same time (from inductor's cache when an
