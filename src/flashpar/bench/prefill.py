@@ -40,11 +40,11 @@ import json
 import statistics
 import sys
 
+from flashpar.bench.train import COMPILED, WHOLE_GRAPHS  # the same configurations compile (bench train's sets)
+
 CONFIGS = ("flashpar", "flashpar_compile", "baseline", "torch", "torch_compile")
 DEFAULT_CONFIGS = ("flashpar", "baseline", "torch")
 TORCH_PEERS = {"torch": False, "torch_compile": True}  # the torch peers: torch.compile per block
-COMPILED = ("flashpar_compile", "torch_compile")  # configurations that compile in their first runs: need a warm-up
-WHOLE_GRAPHS = ("torch_compile",)  # compiled whole blocks: no breakdown (GEMMs, attention and the rest in one graph)
 LOGITS_RTOL = 1e-4  # fp32 on every path, sums in another order only
 
 

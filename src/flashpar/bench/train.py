@@ -29,7 +29,8 @@ when not root), as ``bench cp`` and ``bench overlap`` do.  Every rank, for every
 2. the breakdown: each configuration one plain step, then one step inside
    :func:`flashpar.bench.breakdown.breakdown` (its wall time split into attention forward / backward,
    linear, elementwise, loss, optimizer, exposed communication and other, measured where each happens);
-   not of a compiled configuration (``COMPILED``: inductor's kernels are invisible to the dispatch mode);
+   not of torch_compile (``WHOLE_GRAPHS``: its whole-block inductor graphs are invisible to the dispatch mode;
+   flashpar_compile's regions are timed whole as elementwise);
 3. memory and first loss: each configuration built fresh again, two optimizer steps on the same
    packed sequences; the first step's loss (summed over the ranks) and the rank's peak memory
    (``flashpar.peak_memory``).
