@@ -120,3 +120,26 @@ def test_resume_auto_continues_the_runs_own_newest_checkpoint_with_its_settings(
     assert config.resume == str(out / "checkpoints") and config.out == str(out)
     assert (config.steps, config.seq_len, config.seed, config.dtype, config.lr) == (80, 256, 7, "bf16", 1e-3)
     assert "the run's settings from its checkpoint" in capsys.readouterr().err
+
+
+def test_resume_auto_skips_a_broken_newest_checkpoint_and_refuses_a_conflicting_flag(train_runs, tmp_path, capsys):
+    """A restart's ``--resume auto`` on a real run's checkpoints (the shared ``train`` run: step_2 and step_4): a byte
+    flipped in step_4's largest file makes it skip step_4 with one line and resume step_2; a kept setting given
+    otherwise (``--seq-len``) is one line naming the flag."""
+    import shutil
+
+    from flashpar.train.config import ready
+
+    out = tmp_path / "run"
+    shutil.copytree(train_runs["train"].out / "checkpoints", out / "checkpoints")
+    files = [p for p in (out / "checkpoints" / "step_4").rglob("*") if p.is_file()]
+    largest = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    largest.write_bytes(bytes(data))
+    config = ready(_parsed("--resume", "auto", "--out", str(out)), 4)
+    assert Path(config.resume) == out / "checkpoints" / "step_2"
+    err = capsys.readouterr().err
+    assert "skipping checkpoint" in err and "step_4" in err, err
+    with pytest.raises(ValueError, match=r"--seq-len 256 there, 128 here"):
+        ready(_parsed("--resume", "auto", "--out", str(out), "--seq-len", "128"), 4)

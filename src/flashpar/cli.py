@@ -26,6 +26,8 @@ BENCH = {
     "train": ("flashpar.bench.train", "the trainer (flashpar, baseline) and torch's own stack side by side"),
     "plan": ("flashpar.bench.plan_targets", "the FlashCP planner against its targets on real document lengths"),
     "prefill": ("flashpar.bench.prefill", "inference: flashpar, baseline and torch prefill"),
+    "drill": ("flashpar.bench.drill", "a multi-node failure drill: namespaces as nodes, torchrun restarts, ranks "
+                                      "killed and stopped"),
 }
 
 

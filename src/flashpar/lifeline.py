@@ -152,14 +152,14 @@ def watch_from_env(on_loss=None) -> bool:
     return True
 
 
-def exit_now(why: str, status: int = LAUNCHER_GONE, file=None) -> None:
-    """End this process at once: one line on ``file`` (default stderr), NCCL communicators aborted (bounded by
-    ``ABORT_GRACE_S``), ``os._exit(status)``."""
+def exit_now(why: str, status: int = LAUNCHER_GONE, file=None, *, line: str | None = None) -> None:
+    """End this process at once: one line on ``file`` (default stderr; ``line``, else one made of ``why``), NCCL
+    communicators aborted (bounded by ``ABORT_GRACE_S``), ``os._exit(status)``."""
     timer = threading.Timer(ABORT_GRACE_S, os._exit, (status,))
     timer.daemon = True
     timer.start()
     with contextlib.suppress(Exception):
-        print(f"flashpar: {why}: this process stops (pid {os.getpid()})", file=file or sys.stderr, flush=True)
+        print(line or f"flashpar: {why}: this process stops (pid {os.getpid()})", file=file or sys.stderr, flush=True)
     with contextlib.suppress(Exception):
         _abort_nccl()
     os._exit(status)

@@ -1,7 +1,7 @@
 """``flashpar plan``: plan packed sequences of real document lengths with every CP strategy, side by side.
 
     flashpar plan --lengths NAME|FILE --cp N [--tokens T] [--packs K] [--strategy NAME|all] [--json OUT]
-                  [--plot OUT.png]
+                  [--plot OUT.png] [--tp T --gpus-per-node G]
 
 ``--lengths`` is a shipped name or a file, as in every command (:func:`flashpar.cp.lengths.resolve_lengths`).
 Without ``--tokens`` the whole list is one packed sequence; with it, the document stream is cut
@@ -9,6 +9,11 @@ into packs of exactly ``T`` tokens (:class:`flashpar.cp.lengths.Packing`) and ev
 mean and the worst over the packs (a sampled distribution needs ``--tokens`` and ``--packs``).
 Speedups are estimated step times of ``headtail`` and ``per_doc`` over this strategy's, pack by
 pack.  Progress goes to stderr, the table to stdout, each column as wide as its widest cell.
+
+The cp group's link: by default the network port between nodes (``DEFAULT_HARDWARE``).  With ``--gpus-per-node G``
+the ranks are placed as ``flashpar train`` under torchrun places them (the mesh ``cp x tp``, tp innermost, ``G``
+consecutive ranks per node: ``flashpar.dims``), and the group's figures are ``flashpar.cost.group_hardware`` of its
+ranks (NVLink on one node, the port across nodes), the function the trainer's planner asks (``group_figures``).
 """
 
 from __future__ import annotations
@@ -42,6 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-only", action="store_true", help="CostModel(linear=False): attention work alone")
     p.add_argument("--json", default=None, help="write the per-strategy summaries to this file")
     p.add_argument("--plot", default=None, help="PNG of per-rank work and the rank-to-rank K/V matrix (flashcp)")
+    p.add_argument("--tp", type=int, default=1, help="ranks between cp neighbours (the trainer's ulysses x tp), "
+                                                     "with --gpus-per-node (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="place the ranks on nodes of G GPUs as the trainer does: the cp group plans on NVLink when "
+                        "its ranks share a node, on the network port when they span nodes (default: the port)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,6 +61,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.cp < 1:
         print(f"flashpar plan: --cp must be >= 1, got {args.cp}", file=sys.stderr)
+        return 2
+    try:
+        hardware, args.link = cp_link(args.cp, args.tp, args.gpus_per_node)
+    except ValueError as err:
+        print(f"flashpar plan: {err}", file=sys.stderr)
         return 2
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before any planning
         print("flashpar plan: --plot needs matplotlib (pip install 'flashpar[plot]')", file=sys.stderr)
@@ -65,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"flashpar plan: unknown strategy {unknown[0]!r}; expected one of {STRATEGIES} or 'all'", file=sys.stderr)
         return 2
-    cost = CostModel(linear=not args.attention_only)
+    cost = CostModel(linear=not args.attention_only, hardware=hardware)
     per_pack = {s: [] for s in strategies}
     plans = {}
     with tqdm(total=len(packs) * len(strategies), desc="flashpar plan", unit="plan", file=sys.stderr,
@@ -85,6 +100,30 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         return _plot(plans.get("flashcp") or next(iter(plans.values())), args.plot)
     return 0
+
+
+NODE_HARDWARE = "h100-nvlink"  # a cp group inside one node (--gpus-per-node)
+
+
+def cp_link(cp: int, tp: int, gpus_per_node: int | None):
+    """The cp group's figures and a few words naming its link: ``DEFAULT_HARDWARE`` without ``gpus_per_node``, else
+    ``group_hardware`` of rank 0's cp group on the ``cp x tp`` mesh (``ValueError``: one line)."""
+    from flashpar.cost import group_hardware, preset
+    from flashpar.cp.cost import DEFAULT_HARDWARE
+    from flashpar.dims import ParallelDims
+
+    if tp < 1 or (gpus_per_node is not None and gpus_per_node < 1):
+        raise ValueError(f"--tp and --gpus-per-node must be >= 1, got {tp}, {gpus_per_node}")
+    if gpus_per_node is None:
+        if tp != 1:
+            raise ValueError("--tp places the ranks on nodes: give --gpus-per-node too")
+        return preset(DEFAULT_HARDWARE), f"{DEFAULT_HARDWARE} link"
+    dims = ParallelDims(1, cp, 1, tp)
+    if dims.nodes_spanned(gpus_per_node)["tp"] > 1:
+        raise ValueError(f"--tp {tp} would span nodes of --gpus-per-node {gpus_per_node} (tp runs inside a node)")
+    hw = group_hardware(preset(NODE_HARDWARE), preset(DEFAULT_HARDWARE), dims.group_ranks(("cp",)), gpus_per_node)
+    where = f"{NODE_HARDWARE} link, one node" if hw.nodes == 1 else f"{DEFAULT_HARDWARE} link across {hw.nodes} nodes"
+    return hw, where
 
 
 def _packs(args: argparse.Namespace) -> list[list[int]]:
@@ -150,7 +189,7 @@ def _table(summary: dict, args, packs: list[list[int]]) -> str:
     for s, cols in summary.items():
         rows.append([s, *(cell(cols[key], SCALE.get(key, 1.0)) if key in cols else "-" for key, _ in COLUMNS)])
     work = "attention only" if args.attention_only else "attention + linear"
-    title = f"== {args.lengths}: {what}, N={args.cp}, {work}; mean (worst) over packs =="
+    title = f"== {args.lengths}: {what}, N={args.cp} ({args.link}), {work}; mean (worst) over packs =="
     return "\n".join([title, *format_columns(rows)])
 
 

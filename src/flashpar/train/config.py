@@ -124,6 +124,10 @@ class TrainConfig(ParallelOptions):
     skip_nonfinite: int = _opt(0, "skip up to N steps whose loss or gradient norm is not finite (their weights and "
                                   "AdamW state untouched, each counted); the next such step ends the job (0: the "
                                   "first one does)")
+    watchdog: float | None = _opt(None, "end a rank whose step has made no progress for this many seconds, with one "
+                                        "line naming the rank that holds the job up (stopped, frozen or behind), so "
+                                        "that the launcher can stop or restart the job; counted from the first step; "
+                                        "default: --timeout; 0: off", type=float)
 
     # -- output --
     out: str = _opt("runs/train", "folder for metrics.jsonl, summary.json, traces, checkpoints and the ranks' logs")
@@ -173,6 +177,9 @@ class TrainConfig(ParallelOptions):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{_flag(name)} must be an integer >= 0, got {value!r}")
+        if self.watchdog is not None and (isinstance(self.watchdog, bool) or not isinstance(self.watchdog, int | float)
+                                          or not self.watchdog >= 0):
+            raise ValueError(f"watchdog must be a number of seconds >= 0 (0: off), got {self.watchdog!r}")
         if not isinstance(self.master_addr, str) or not self.master_addr.strip():
             raise ValueError(f"master-addr must be a host address, got {self.master_addr!r}")
 
@@ -184,6 +191,11 @@ class TrainConfig(ParallelOptions):
     def check_micro_batches(self) -> int:
         """The micro-batches of ``--check``'s step: ``--micro-batches``, at least 2 (accumulation exercised)."""
         return max(2, self.micro_batches)
+
+    @property
+    def watchdog_s(self) -> float:
+        """Seconds without progress after which a rank ends (``flashpar.train.watchdog``; 0: never)."""
+        return self.timeout if self.watchdog is None else float(self.watchdog)
 
     @property
     def final_lr(self) -> float:
@@ -239,7 +251,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("optimizer", ("steps", "lr", "micro_batches", "warmup", "lr_min", "weight_decay", "clip")),
     (MEMORY, _options_in(MEMORY)),
     ("checkpoints", ("save_every", "resume", "keep")),
-    (FAULTS, (*_options_in(FAULTS), "skip_nonfinite")),
+    (FAULTS, (*_options_in(FAULTS), "skip_nonfinite", "watchdog")),
     ("output", ("out", "check", "trace", "plot")),
 )
 """``TrainConfig``'s flags by concept, in the order ``flashpar train --help`` shows them: its own fields, and

@@ -45,7 +45,7 @@ from flashpar.cost.calibrate import peak_flops
 from flashpar.links import planning_device
 from flashpar.mesh import init_world
 from flashpar.models.compiling import warm_up
-from flashpar.train import checkpoint, where
+from flashpar.train import checkpoint, watchdog, where
 from flashpar.train.config import TrainConfig
 from flashpar.train.data import PlannedSequences, make_loader, training_data
 from flashpar.train.evaluate import at_step, held_out
@@ -87,6 +87,7 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
     device, mesh = setup(config)
     where.install(Path(config.out) / ".where", dist.get_rank())  # what a peer that times out reads
     rank, world = dist.get_rank(), dist.get_world_size()
+    dog = watchdog.start(config.watchdog_s, rank, world)  # --watchdog: armed from the first step
     figures = planning_device(device.type, config.tp * config.ulysses)  # rank 0's, on every rank: read once
     options = resolve_options(config, device.type, figures)  # ZeRO-3's auto choices made on them
     cfg, model, opt = build(config, mesh, device, options)
@@ -175,6 +176,8 @@ def train(config: TrainConfig, hooks: Hooks | None = None) -> dict | None:
             where.enter("save")
             checkpoint.save(out / "checkpoints" / f"step_{step + 1}", model, opt, step + 1, config, sequences,
                             keep=config.keep)
+    if dog is not None:
+        dog.stop()  # the steps are done: what follows is bounded by --timeout
     result = None
     wall_s, mem_mb = time.perf_counter() - t_start, largest(mem_mb, device)  # a collective
     if rank == 0:

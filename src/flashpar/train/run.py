@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flashpar.options import MODES, ParallelOptions
-from flashpar.train import where
+from flashpar.train import watchdog, where
 from flashpar.train.config import TrainConfig, add_arguments, from_args, ready
 
 if TYPE_CHECKING:
@@ -100,6 +100,7 @@ def _spawned(rank: int, world: int, rendezvous: dict, config: TrainConfig, resul
     print(f"rank {rank} of {world}: pid {os.getpid()} on {socket.gethostname()}, started "
           f"{time.strftime('%Y-%m-%d %H:%M:%S')}", file=log, flush=True)  # every rank's log exists, and says whose
     line.watch(functools.partial(_launcher_gone, log, line.launcher_pid))  # flashpar.lifeline
+    watchdog.report_to(log)  # its one line ends the log, which the launcher prints (_failure)
     import torch.distributed as dist
 
     from flashpar.train.stop import JobStop
@@ -120,6 +121,35 @@ def _spawned(rank: int, world: int, rendezvous: dict, config: TrainConfig, resul
         Path(result_path).write_text(json.dumps(out))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _worker_failed(err: BaseException) -> str:
+    """A torchrun worker's report of ``err``: one line when a peer is gone (the peer's own report says why) or
+    a wait timed out (who did not arrive); any other error: its traceback, then the line."""
+    rank = os.environ.get("RANK", "?")
+    stamps = where.mine()
+    at = f" in step {stamps.step} {stamps.phase}" if stamps is not None and stamps.step else ""
+    late = _who_did_not_arrive(err)
+    if late:
+        return f"flashpar train: rank {rank}{at}: {late}"
+    if _peer_gone(err):
+        first = (str(err).strip().splitlines() or [""])[0]
+        return f"flashpar train: rank {rank}{at}: a peer is gone ({type(err).__name__}: {first}); this rank ends"
+    return "".join(traceback.format_exception(err)) + f"flashpar train: rank {rank}{at}: {type(err).__name__}: {err}"
+
+
+_PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "/gloo/transport/")
+
+
+def _peer_gone(err: BaseException) -> bool:
+    """``err`` (or what caused it) is a transport error: a peer's connection broke (it died, or its node did)."""
+    import torch.distributed as dist
+
+    while err is not None:
+        if isinstance(err, dist.DistError) or any(s in str(err).lower() for s in _PEER_GONE):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _launcher_gone(log, pid: int) -> None:
@@ -169,7 +199,7 @@ def _failure(err, out: Path) -> str:
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.is_file() else []
     if getattr(err, "exit_code", None) == RAISED and lines:
         return f"rank {err.error_index}: {lines[-1].strip()} (traceback: {log})"
-    if getattr(err, "exit_code", None) == STOPPED and lines:
+    if getattr(err, "exit_code", None) in (STOPPED, watchdog.STALLED) and lines:
         return lines[-1].strip()
     return f"{err} (its output: {log})"
 
@@ -225,14 +255,11 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
         except JobStop as err:
             print(f"flashpar train: {err}", file=sys.stderr)
             return 1
-        except Exception as err:  # a wait that timed out: the traceback, then who did not arrive, in one line
-            late = _who_did_not_arrive(err)
-            if not late:
-                raise
-            traceback.print_exc()
-            print(f"flashpar train: rank {os.environ['RANK']}: {late}", file=sys.stderr, flush=True)
-            # at once, as a spawned rank does: the peers still waiting on this rank then fail after it (their
-            # connections close as it exits), so a launcher sees the rank that timed out end first
+        except Exception as err:  # noqa: BLE001 - every failure ends this worker at once, in one line or two
+            print(_worker_failed(err), file=sys.stderr, flush=True)
+            # at once, as a spawned rank does: tearing the group down could wait for peers that are gone, and the
+            # peers still waiting on this rank then fail after it (their connections close as it exits), so the
+            # agents see the first rank to fail end first and restart the job
             os._exit(1)
     import torch.multiprocessing as mp
 

@@ -39,7 +39,7 @@ class Stamps:
         self.folder, self.rank = Path(folder), rank
         self.folder.mkdir(parents=True, exist_ok=True)
         self.fd = os.open(self.folder / f"rank{rank}", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.pid, self.step, self.seq = os.getpid(), 0, 0
+        self.pid, self.step, self.seq, self.phase = os.getpid(), 0, 0, ""
 
     def begin_step(self, step: int) -> None:
         self.step, self.seq = step, 0
@@ -47,6 +47,7 @@ class Stamps:
 
     def enter(self, phase: str) -> None:
         self.seq += 1
+        self.phase = phase
         os.pwrite(self.fd, f"{self.pid} {self.step} {self.seq} {phase}".ljust(RECORD)[:RECORD].encode(), 0)
 
     def close(self) -> None:
@@ -62,6 +63,11 @@ def install(folder: str | os.PathLike, rank: int) -> Stamps:
     if _MINE is not None:
         _MINE.close()
     _MINE = Stamps(folder, rank)
+    return _MINE
+
+
+def mine() -> Stamps | None:
+    """This process's stamps (``None`` before ``install``): what ``flashpar.train.watchdog`` reads."""
     return _MINE
 
 
