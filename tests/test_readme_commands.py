@@ -123,6 +123,8 @@ SKIPPED = {
     "make bench": "runs the benchmarks at full size (about 6 minutes); their commands are run here shortened",
     "make gpu-check": "needs a CUDA GPU; its CPU rehearsal (--dry-run) runs in tests/test_gpu_check.py",
     "python -m flashpar.gpu_check --dry-run": "runs in tests/test_gpu_check.py (in process: --in-process)",
+    "flashpar bench drill --reference --json runs/drill.json": "needs root and a minute; runs in tests/test_drill.py "
+                                                               "with 8 steps",
 }
 OVERRIDDEN = {"--ops"}  # options whose value a run may change (it runs other ops than the README line)
 

@@ -256,11 +256,12 @@ def launch(config: TrainConfig, hooks: Hooks | None = None) -> int:
             print(f"flashpar train: {err}", file=sys.stderr)
             return 1
         except Exception as err:  # noqa: BLE001 - every failure ends this worker at once, in one line or two
-            print(_worker_failed(err), file=sys.stderr, flush=True)
-            # at once, as a spawned rank does: tearing the group down could wait for peers that are gone, and the
-            # peers still waiting on this rank then fail after it (their connections close as it exits), so the
-            # agents see the first rank to fail end first and restart the job
-            os._exit(1)
+            from flashpar.lifeline import exit_now
+
+            # at once, NCCL's communicators aborted, as a spawned rank ends: tearing the group down could wait for
+            # peers that are gone, and the peers still waiting on this rank then fail after it (their connections
+            # close as it exits), so the agents see the first rank to fail end first and restart the job
+            exit_now("", status=1, line=_worker_failed(err))
     import torch.multiprocessing as mp
 
     from flashpar import ranks

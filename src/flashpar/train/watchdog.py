@@ -20,9 +20,9 @@ apart, and names (``diagnose``)::
     behind   else, the ranks at an earlier (step, seq) than the furthest rank
     else     every rank waits in the same phase: a transfer between ranks stopped, not a rank
 
-A silent rank on this host whose process is stopped (``/proc``: state T) and whose environment names it (its
-``RANK`` and restart count) is killed with SIGKILL: a stopped process cannot act on SIGTERM, so torchrun's agent
-would wait its whole shutdown grace (30 s) before its own SIGKILL.  Then this rank ends with one line
+A silent rank on this host whose process is stopped (``/proc``: state T, not a debugger's stop) and whose
+environment names it (its ``RANK`` and restart count) is killed with SIGKILL: a stopped process cannot act on
+SIGTERM, so torchrun's agent would wait its whole shutdown grace (30 s) before its own SIGKILL.  Then this rank ends with one line
 (``flashpar.lifeline.exit_now``: NCCL communicators aborted, ``os._exit``).
 
 Bound: a hung rank's peers end within ``limit + 4 interval`` (plus a store round trip) of their last progress;
@@ -187,8 +187,7 @@ class Watchdog:
 
     def _kill_if_stopped(self, rank: int, beat: Beat | None) -> bool:
         """SIGKILL ``rank``'s process when it runs on this host, is stopped, and is that rank of this attempt."""
-        if beat is None or beat.host != self.host or where.process_state(beat.pid) not in ("stopped",
-                                                                                           "stopped by a tracer"):
+        if beat is None or beat.host != self.host or where.process_state(beat.pid) != "stopped":  # not a debugger's
             return False
         try:
             with open(f"/proc/{beat.pid}/environ", "rb") as f:
