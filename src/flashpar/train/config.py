@@ -127,7 +127,8 @@ class TrainConfig(ParallelOptions):
     watchdog: float | None = _opt(None, "end a rank whose step has made no progress for this many seconds, with one "
                                         "line naming the rank that holds the job up (stopped, frozen or behind), so "
                                         "that the launcher can stop or restart the job; counted from the first step; "
-                                        "default: --timeout; 0: off", type=float)
+                                        "set it above the slowest step, save and evaluation; default: --timeout; 0: "
+                                        "off", type=float)
 
     # -- output --
     out: str = _opt("runs/train", "folder for metrics.jsonl, summary.json, traces, checkpoints and the ranks' logs")

@@ -22,8 +22,8 @@ apart, and names (``diagnose``)::
 
 A silent rank on this host whose process is stopped (``/proc``: state T, not a debugger's stop) and whose
 environment names it (its ``RANK`` and restart count) is killed with SIGKILL: a stopped process cannot act on
-SIGTERM, so torchrun's agent would wait its whole shutdown grace (30 s) before its own SIGKILL.  Then this rank ends with one line
-(``flashpar.lifeline.exit_now``: NCCL communicators aborted, ``os._exit``).
+SIGTERM, so torchrun's agent would wait its whole shutdown grace (30 s) before its own SIGKILL.  Then this rank
+ends with one line (``flashpar.lifeline.exit_now``: NCCL communicators aborted, ``os._exit``).
 
 Bound: a hung rank's peers end within ``limit + 4 interval`` (plus a store round trip) of their last progress;
 ``interval = clamp(limit / 10, 0.2 s, 5 s)``.
