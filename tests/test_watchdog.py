@@ -1,5 +1,6 @@
-"""The step-progress watchdog (``flashpar.train.watchdog``): what it names from two reads of the heartbeats, and a
-stopped rank found by its peers' watchdogs long before ``--timeout``."""
+"""The step-progress watchdog (``flashpar.train.watchdog``): what it names from two reads of the heartbeats, its
+thread on a store in this process, and a stopped rank found by its peers' watchdogs long before ``--timeout``; a
+torchrun worker's report of its failure (one line when a peer is gone)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,72 @@ def test_a_stopped_rank_is_named_by_the_watchdog_long_before_the_timeout(tmp_pat
     bound = WATCHDOG_S + 4 * interval_of(WATCHDOG_S) + GRACE_S
     assert ended - stalled < bound + 10, (ended - stalled, bound)
     print(f"stall to end: {ended - stalled:.1f} s (bound {bound:.1f} s + slack)")
+
+
+class _Store:
+    """A dict with the three TCPStore calls the watchdog makes."""
+
+    def __init__(self):
+        self.keys = {}
+
+    def set(self, key, value):
+        self.keys[key] = value.encode() if isinstance(value, str) else value
+
+    def check(self, keys):
+        return all(k in self.keys for k in keys)
+
+    def get(self, key):
+        return self.keys[key]
+
+
+def test_the_thread_publishes_fires_once_stalled_and_names_the_silent_peer(tmp_path, monkeypatch):
+    """In process, on a dict store: rank 0's thread publishes its beats; while its stamp moves it stays quiet; once
+    its stamp stands still for the limit it reads the beats twice, finds rank 1's tick standing still (its beat
+    written once, by hand) and ends with one line naming rank 1 in the phase of its stamp."""
+    from flashpar.train import watchdog
+
+    monkeypatch.setattr(where, "_MINE", None)  # this process's stamps: none again after the test
+    stamps = where.install(tmp_path / ".where", 0)
+    peer = where.Stamps(tmp_path / ".where", 1)
+    peer.begin_step(4)
+    store, ended = _Store(), []
+    dog = watchdog.Watchdog(1.0, rank=0, world=2, store=store, attempt="0")
+    store.set(dog.key(1), Beat(3, 4, 1, peer.pid, dog.host, "data").text())
+    monkeypatch.setattr(dog, "_end", ended.append)
+    monkeypatch.setattr(dog, "_kill_if_stopped", lambda rank, beat: False)
+    stamps.begin_step(4)
+    dog.start()
+    try:
+        for _ in range(8):  # 1.6 s of progress: a phase every 0.2 s, never 1 s without one
+            time.sleep(0.2)
+            stamps.enter("forward")
+        assert not ended and Beat.parse(store.get(dog.key(0)).decode()).step == 4
+        deadline = time.monotonic() + 10
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        dog.stop()
+        peer.close()
+        stamps.close()
+    assert len(ended) == 1, ended
+    named = f"silent (stopped, frozen or gone): rank 1 (pid {peer.pid} on {dog.host}) in step 4 data"
+    assert ended[0].startswith(f"rank 0: no progress for 1 s (--watchdog 1; this rank in step 4 forward): {named}")
+
+
+def test_a_torchrun_worker_reports_a_gone_peer_in_one_line_and_a_bug_with_its_traceback(monkeypatch):
+    from flashpar.train.run import _worker_failed
+
+    monkeypatch.setenv("RANK", "2")
+    gone = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:4: Connection reset by peer. "
+                        "This is typically caused by a remote worker\nmore")
+    try:
+        raise ValueError("in the lane") from gone
+    except ValueError as err:
+        line = _worker_failed(err)
+    assert "\n" not in line and line.startswith("flashpar train: rank 2"), line
+    assert line.endswith("a peer is gone (ValueError: in the lane); this rank ends"), line
+    try:
+        raise KeyError("a bug")
+    except KeyError as err:
+        report = _worker_failed(err)
+    assert report.startswith("Traceback") and report.splitlines()[-1].endswith("KeyError: 'a bug'"), report
