@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from flashpar import cp
+from flashpar.train import where
 from flashpar.train.data import IGNORE_INDEX, PackedCorpus
 
 
@@ -54,6 +55,7 @@ class HeldOut:
         model.check_step(self.items, self.count)  # one cross-rank check for all the forwards, as a training step
         with torch.no_grad():
             for tokens, labels, plan in self.items:
+                where.enter("evaluate")  # each sequence a stamp: a long evaluation is progress (train.watchdog)
                 total += model(tokens, plan, labels, self.count, checked=True).double()
         dist.all_reduce(total)
         return float(total)
