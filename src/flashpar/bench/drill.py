@@ -41,17 +41,21 @@ from pathlib import Path
 from flashpar.bench.netlink import EmulatedLinks, links_available
 from flashpar.lifeline import die_with_parent
 from flashpar.train import where
+from flashpar.train.config import TrainConfig
 
 FAULTS = ("kill", "stop")
 SUBNET = "10.213.9"  # apart from the benchmarks' links (10.213.7), so that both can run at once
-TRAIN_FLAGS = ["--cp", "2", "--tp", "2", "--seq-len", "128", "--max-docs", "40", "--workers", "0"]
-"""The mesh and data of the drill's runs (the default tiny Llama on the standard library's sources: steps of a
-fraction of a second, so the drill's time goes to start-up, faults and restarts)."""
+SEQ_LEN = 128
+TRAIN_FLAGS = ["--seq-len", str(SEQ_LEN), "--max-docs", "40", "--workers", "0"]
+"""The data of the drill's runs (the default tiny Llama on the standard library's sources: steps of a fraction of a
+second, so the drill's time goes to start-up, faults and restarts).  The mesh is cp = nodes x tp = ranks per node:
+tp inside a node, cp across (``train_argv``)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", type=int, default=2, help="namespaces standing for nodes (default 2)")
-    p.add_argument("--ranks-per-node", type=int, default=2, help="torchrun workers per node (default 2)")
+    p.add_argument("--nodes", type=int, default=2, help="namespaces standing for nodes: the mesh's cp (default 2)")
+    p.add_argument("--ranks-per-node", type=int, default=2,
+                   help="torchrun workers per node: the mesh's tp, inside a node (default 2)")
     p.add_argument("--steps", type=int, default=12, help="steps of the run (default 12)")
     p.add_argument("--save-every", type=int, default=3, help="checkpoint every K steps (default 3)")
     p.add_argument("--faults", default="kill,stop",
@@ -111,10 +115,9 @@ def plan(nodes: int, per_node: int, steps: int, save_every: int, kinds: list[str
                   rng.randint(save_every + 1 + i * span, save_every + (i + 1) * span)) for i, kind in enumerate(kinds)]
 
 
-
-def train_argv(out: Path, steps: int, save_every: int, watchdog: float) -> list[str]:
-    return [*TRAIN_FLAGS, "--steps", str(steps), "--save-every", str(save_every), "--watchdog", f"{watchdog:g}",
-            "--timeout", "120", "--out", str(out)]
+def train_argv(d: Drill, out: Path) -> list[str]:
+    return ["--cp", str(d.nodes), "--tp", str(d.per_node), *TRAIN_FLAGS, "--steps", str(d.steps), "--save-every",
+            str(d.save_every), "--watchdog", f"{d.watchdog:g}", "--timeout", "120", "--out", str(out)]
 
 
 def _agent(links: EmulatedLinks, node: int, d: Drill, port: int, log) -> subprocess.Popen:
@@ -125,7 +128,7 @@ def _agent(links: EmulatedLinks, node: int, d: Drill, port: int, log) -> subproc
             # by the machine's names and addresses, which a namespace does not change
             "--local-addr", links.addresses[node], "--max-restarts",
             str(d.max_restarts), "--monitor-interval", "0.5", "-m", "flashpar.cli", "train",
-            *train_argv(d.out, d.steps, d.save_every, d.watchdog), "--resume", "auto"]
+            *train_argv(d, d.out), "--resume", "auto"]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": links.ifname, "OMP_NUM_THREADS": "1"}
     me = os.getpid()
     return subprocess.Popen(links.wrap(node, argv), env=env, stdin=subprocess.DEVNULL, stdout=log,
@@ -207,7 +210,7 @@ def reference(d: Drill, out: Path) -> list[dict]:
     import shutil
 
     shutil.rmtree(out, ignore_errors=True)
-    argv = [sys.executable, "-m", "flashpar.cli", "train", *train_argv(out, d.steps, d.save_every, d.watchdog)]
+    argv = [sys.executable, "-m", "flashpar.cli", "train", *train_argv(d, out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(d.per_node)}
     proc = subprocess.run(argv, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -246,8 +249,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--faults: each fault is one of {', '.join(FAULTS)}, got {args.faults!r}")
         if args.nodes < 2 or args.ranks_per_node < 1:
             raise ValueError(f"--nodes must be >= 2 and --ranks-per-node >= 1, got {args.nodes}, {args.ranks_per_node}")
-        if args.nodes * args.ranks_per_node != 4:
-            raise ValueError("the drill's mesh is cp 2 x tp 2: --nodes x --ranks-per-node must be 4")
+        TrainConfig(cp=args.nodes, tp=args.ranks_per_node, seq_len=SEQ_LEN)  # the mesh's own one-line refusal
         faults = plan(args.nodes, args.ranks_per_node, args.steps, args.save_every, kinds, args.seed)
     except ValueError as err:
         print(f"flashpar bench drill: {err}", file=sys.stderr)

@@ -497,6 +497,10 @@ class ParallelLlama(nn.Module):
         exchange for all; their forwards then pass ``checked=True``."""
         self.step_check.many(inputs, count, self.embed.weight, auto=self.mode == "auto")
 
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The last norm's region as forward and warm_regions call it."""
+        return self.regions.norm(x, self.norm.weight, self.norm.eps)
+
     def warm_regions(self, *, grad: bool = True, rows: int = 11) -> None:
         """Compile the regions (``options.compile``) before the first step: every block's and the last norm's, run
         once on ``rows`` random rows (``ParallelBlock.warm_regions``; a prime: no size of the model is equal to it,
@@ -508,7 +512,7 @@ class ParallelLlama(nn.Module):
         device = self.norm.weight.device
         x = torch.randn(rows, self.cfg.hidden, dtype=self.compute_dtype, device=device, requires_grad=grad)
         with torch.set_grad_enabled(grad):
-            y = self.regions.norm(x, self.norm.weight, self.norm.eps)
+            y = self._final_norm(x)
             if not grad:
                 return
             torch.autograd.grad(y.float().sum(), [x])
@@ -574,7 +578,7 @@ class ParallelLlama(nn.Module):
         head_t = embed_t  # tied: the embedding's rows (its unit kept gathered from the start of forward)
         if self.head is not None:
             head_t = pf.enter(units["head"])[0] if pf is not None else self.head.weight
-        x = self.regions.norm(x, self.norm.weight, self.norm.eps)  # the last norm
+        x = self._final_norm(x)
         if whole:
             head = embed if self.head is None else all_gather_rows(widened(head_t), self.tp_group, self.vocab_rows)
             loss = own_rows_loss(x.to(dtype), head.to(dtype), labels_u[rows], count, vocab, self.regions)

@@ -145,11 +145,14 @@ def _peer_gone(err: BaseException) -> bool:
     """``err`` (or what caused it) is a transport error: a peer's connection broke (it died, or its node did)."""
     import torch.distributed as dist
 
+    return any(isinstance(e, dist.DistError) or any(s in str(e).lower() for s in _PEER_GONE) for e in _chain(err))
+
+
+def _chain(err: BaseException | None):
+    """``err`` and what caused it, outermost first."""
     while err is not None:
-        if isinstance(err, dist.DistError) or any(s in str(err).lower() for s in _PEER_GONE):
-            return True
+        yield err
         err = err.__cause__ or err.__context__
-    return False
 
 
 def _launcher_gone(log, pid: int) -> None:
@@ -171,11 +174,7 @@ def _who_did_not_arrive(err: BaseException) -> str:
 
 def _timed_out(err: BaseException) -> bool:
     """``err`` (or what caused it) is a distributed wait that ran out of time."""
-    while err is not None:
-        if "timed out" in str(err).lower() or "timeout" in str(err).lower():
-            return True
-        err = err.__cause__ or err.__context__
-    return False
+    return any("timed out" in str(e).lower() or "timeout" in str(e).lower() for e in _chain(err))
 
 
 def _rank_log(out: Path, rank) -> Path:
