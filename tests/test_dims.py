@@ -129,3 +129,6 @@ def test_tp_across_nodes_is_one_line_unless_allowed(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="^tp would span nodes"):
         ready(config, 4)
     assert ready(dataclasses.replace(config, allow_cross_node_tp=True), 4).tp == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")  # torchrun's variable read as the job's figures read it
+    with pytest.raises(ValueError, match="^LOCAL_WORLD_SIZE='two' is not an integer$"):
+        ready(config, 4)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from flashpar.cost import PRESETS, Hardware, gpu_preset, group_hardware, preset, shared_burst
 from flashpar.cost import store as cost_store
 from flashpar.dist import from_rank0
+from flashpar.ranks import local_world_size
 
 INTER_PRESET = {"cuda": "h100-ib"}
 """The preset whose link joins the nodes, per device type (one 400 Gb/s NDR port per GPU, as in a DGX H100);
@@ -60,13 +61,7 @@ def ranks_per_node() -> int:
     """This node's ranks: torchrun's ``LOCAL_WORLD_SIZE``, else the world size (1 without a process group)."""
     if not dist.is_available() or not dist.is_initialized():
         return 1
-    try:
-        n = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    except ValueError:
-        raise ValueError(f"LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']!r} is not an integer") from None
-    if n < 1:
-        raise ValueError(f"LOCAL_WORLD_SIZE={n} must be >= 1")
-    return n
+    return local_world_size(dist.get_world_size())
 
 
 def spans_nodes() -> bool:

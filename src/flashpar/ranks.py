@@ -31,6 +31,21 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.
            "flashpar.train.check"]  # imported once by the server (an import that fails is skipped)
 
 
+def local_world_size(default: int) -> int:
+    """This node's ranks as torchrun says (``LOCAL_WORLD_SIZE``), else ``default``; a malformed value is one line
+    (``ValueError``)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value is None:
+        return default
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"LOCAL_WORLD_SIZE={value!r} is not an integer") from None
+    if n < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE={n} must be >= 1")
+    return n
+
+
 def start_method() -> str:
     """``forkserver`` where the platform has it, else ``spawn``."""
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"

@@ -28,6 +28,7 @@ from flashpar.dims import ParallelDims
 from flashpar.models import LlamaConfig
 from flashpar.options import FAULTS, MEMORY, MESH, OPTION_FIELDS, ParallelOptions
 from flashpar.options import of as options_of
+from flashpar.ranks import local_world_size
 from flashpar.train.resume_settings import AUTO, auto_folder
 
 DEVICES = ("cpu", "cuda")
@@ -398,8 +399,8 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
                          f"= {config.world_size} does not match the {world_size} processes: run it with --nproc "
                          f"{config.world_size} or without --nproc (under torchrun: {config.world_size} processes in "
                          f"all), or choose a mesh whose product is {world_size}")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun's ranks on this node
-    problem = config.dims.node_problem(local) if local > 0 else None
+    local = local_world_size(world_size)  # torchrun's ranks on this node
+    problem = config.dims.node_problem(local)
     if problem and not config.allow_cross_node_tp:
         raise ValueError(problem)
     if config.device == "cuda":
@@ -408,7 +409,6 @@ def ready(config: TrainConfig, world_size: int) -> TrainConfig:
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if have == 0:
             raise ValueError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun's ranks on this machine
         if local > have:  # rank r takes cuda:r: NCCL cannot run two ranks on one GPU
             raise ValueError(f"--device cuda: {local} ranks on this machine need {local} GPUs (one per rank), but "
                              f"{have} {'is' if have == 1 else 'are'} available")
